@@ -1,0 +1,13 @@
+"""Errors a user can act on. Each message names the fix."""
+
+
+class UsageError(Exception):
+    """Bad input from the user (a file, an option, a model): printed as one line, exit code 2."""
+
+
+class UnsupportedModelError(UsageError):
+    """A model or block that conserve cannot handle; the message says why and what to do."""
+
+
+class NonFiniteError(UsageError):
+    """NaN or Inf in the loss, gradients or parameters; the message names the step."""

@@ -1,0 +1,349 @@
+"""The tracker: law values, the paper's error and the exact drift decomposition, step by step.
+
+Data flow: laws -> ``compile_laws`` -> one kernel plan -> per-step values on the device -> a row of
+metrics per step, kept on the device and flushed to the sinks every ``every`` steps (one host sync).
+
+Per step k -> k+1 (spec "Discrete steps: the exact drift identity"), writing ``theta_{k+1} = a theta_k +
+Delta`` with ``a`` the decoupled decay of each parameter (``1 - lr*wd`` for AdamW and plain SGD, else 1):
+
+    h_{k+1} - h_k = [h(a theta_k) - h(theta_k)] + 2 B(a theta_k, Delta) + B(Delta, Delta)
+                      decay                        first order            second order
+
+(linear laws: first order ``c . Delta``, no second order). Each term is computed directly, not as a
+residual, so ``residual = measured - (decay + first + second)`` checks the identity at run time.
+
+Metric keys: ``eps/<family>``, ``eps/<family>/layer<i>``, ``drift/<family>/{measured,decay,first,
+second,residual}`` (Euclidean norm over the family's entries, Frobenius for Gram laws), and whatever
+``record(**scalars)`` adds. The error ``eps`` (spec "The paper's error metric") is the mean over a
+family's instances of ``||h_i(theta_k) - h_i(theta_0)|| / ||h_i(theta_0)||``; an instance whose
+``||h_i(theta_0)||`` is below ``1e-4`` times its magnitude (the same sum with every sign +) uses that
+magnitude as denominator instead (guard for laws that start balanced).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from . import kernels
+from .errors import NonFiniteError
+from .laws import Compiled, Declined, Law, compile_laws
+
+GUARD = 1e-4
+TERMS = ("measured", "decay", "first", "second", "residual")
+
+
+def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
+    return kernels.Plan([replace(t, sign=abs(t.sign)) for t in plan.grams],
+                        [replace(t, sign=abs(t.sign)) for t in plan.norms],
+                        [replace(t, sign=abs(t.sign)) for t in plan.sums], plan.vec_size, dict(plan.gram_slots))
+
+
+def decay_factor(optimizer: torch.optim.Optimizer, group: Mapping) -> float | torch.Tensor:
+    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for a parameter group (1 when unknown)."""
+    wd = group.get("weight_decay", 0.0) or 0.0
+    lr = group.get("lr", 0.0)
+    name = type(optimizer).__name__
+    decoupled = name == "AdamW" or (name == "Adam" and group.get("decoupled_weight_decay", False))
+    if decoupled or (name == "SGD" and not group.get("momentum", 0.0)):
+        return 1.0 - lr * wd
+    return 1.0
+
+
+class Values:
+    """Law values in the plan layout: ``vec`` (entries) and ``grams`` ({D: (slots, D, D)})."""
+
+    __slots__ = ("vec", "grams")
+
+    def __init__(self, vec: torch.Tensor, grams: Mapping[int, torch.Tensor]):
+        self.vec, self.grams = vec, dict(grams)
+
+    def map(self, f, *others: "Values") -> "Values":
+        return Values(f(self.vec, *(o.vec for o in others)),
+                      {d: f(g, *(o.grams[d] for o in others)) for d, g in self.grams.items()})
+
+    def clone(self) -> "Values":
+        return self.map(torch.clone)
+
+    def state(self) -> dict:
+        return {"vec": self.vec, **{f"gram{d}": g for d, g in self.grams.items()}}
+
+    @classmethod
+    def from_state(cls, s: Mapping, device) -> "Values":
+        return cls(s["vec"].to(device), {int(k[4:]): v.to(device) for k, v in s.items() if k.startswith("gram")})
+
+
+class Tracker:
+    """Evaluate laws after every optimizer step; keep ``h_0``, ``eps`` and the drift terms on the device.
+
+    Args:
+        model: the module whose laws are tracked (``model.conservation_laws()`` if it has it, else
+            ``conserve.detect(model)``), unless ``laws`` is given.
+        laws: explicit list of ``Law`` (parameter names as in ``model.named_parameters()``).
+        every: flush period in steps (host sync and sink writes happen only then: when the next step
+            finds ``every`` rows pending, and at ``flush()``/``close()``).
+        sinks: objects with ``write(step, metrics: dict[str, float])`` and ``close()``.
+        drift: compute the three drift terms (costs one copy of the tracked weights, and 3 extra
+            evaluations per step).
+        fp64: accumulate in float64.
+        backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
+        monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
+
+    Laws that read a frozen parameter are not tracked: they are listed in ``declined`` with the reason.
+    Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
+    """
+
+    def __init__(self, model: nn.Module | None = None, laws: Sequence[Law] | None = None, *, every: int = 50,
+                 sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
+                 monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None):
+        if every < 1:
+            raise ValueError(f"every={every} must be >= 1")
+        named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
+        self.declined: list[Declined] = []
+        if laws is None:
+            laws, self.declined = _model_laws(_unwrap(model))
+        laws = list(laws)
+        kept = []
+        for law in laws:
+            frozen = [p for p in law.params if p in named and not named[p].requires_grad]
+            if frozen:
+                self.declined.append(Declined(law.name, law.family, f"reads frozen parameter(s) {frozen}: "
+                                              "unfreeze them or drop the law"))
+            else:
+                kept.append(law)
+        if not kept:
+            raise ValueError("no law to track: the model has no detected law on trainable parameters "
+                             f"(declined: {[d.reason for d in self.declined][:3]})")
+        self.compiled: Compiled = compile_laws(kept, {k: tuple(v.shape) for k, v in named.items()})
+        self.laws = kept
+        self.tensors = [named[n] for n in self.compiled.names]
+        self.every, self.drift, self.fp64, self.backend = every, drift, fp64, backend
+        self.sinks, self.monitors = list(sinks), list(monitors)
+        self.device = self.tensors[0].device
+        self._build_index()
+        self.step_count = 0
+        self._rows: list[torch.Tensor] = []
+        self._extras: list[dict[str, torch.Tensor]] = []
+        self._prev: list[torch.Tensor] | None = None
+        self._a: list[float | torch.Tensor] = [1.0] * len(self.tensors)
+        with torch.no_grad():
+            self.h0 = self._eval(self.tensors)
+            mag = Values(*kernels.evaluate(_abs_plan(self.compiled.plan), self.tensors, fp64=fp64, backend=backend))
+        self.h = self.h0.clone()
+        h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
+        self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
+        self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
+        self.last: dict[str, Values] = {}
+
+    # ------------------------------------------------------------------------------------ layout
+    def _build_index(self):
+        c, dev = self.compiled, self.device
+        fams = sorted({l.family for l in c.laws})
+        groups = sorted({(l.family, -1 if l.layer is None else l.layer) for l in c.laws})
+        self.families, self.groups = fams, groups
+        vec_inst = torch.zeros(c.plan.vec_size, dtype=torch.long)
+        vec_fam = torch.zeros(c.plan.vec_size, dtype=torch.long)
+        gram_inst = {d: torch.zeros(n, dtype=torch.long) for d, n in c.plan.gram_slots.items()}
+        gram_fam = {d: torch.zeros(n, dtype=torch.long) for d, n in c.plan.gram_slots.items()}
+        inst_fam, inst_group = [], []
+        for law, (kind, a, b) in zip(c.laws, c.where):
+            f, g = fams.index(law.family), groups.index((law.family, -1 if law.layer is None else law.layer))
+            if kind == "vec":
+                n = b if law.per == "entry" else 1
+                ids = torch.arange(len(inst_fam), len(inst_fam) + n)
+                vec_inst[a: a + b] = ids if law.per == "entry" else ids[0]
+                vec_fam[a: a + b] = f
+            else:
+                gram_inst[a][b], gram_fam[a][b], n = len(inst_fam), f, 1
+            inst_fam += [f] * n
+            inst_group += [g] * n
+        self._vec_inst, self._vec_fam = vec_inst.to(dev), vec_fam.to(dev)
+        self._gram_inst = {d: v.to(dev) for d, v in gram_inst.items()}
+        self._gram_fam = {d: v.to(dev) for d, v in gram_fam.items()}
+        self._inst_fam = torch.tensor(inst_fam, dtype=torch.long, device=dev)
+        self._inst_group = torch.tensor(inst_group, dtype=torch.long, device=dev)
+        self._n_inst = len(inst_fam)
+        self._fam_count = torch.bincount(self._inst_fam, minlength=len(fams)).clamp_min(1)
+        self._group_count = torch.bincount(self._inst_group, minlength=len(groups)).clamp_min(1)
+        self._lin = c.linear_mask.to(dev)
+        self.metric_names = ([f"eps/{f}" for f in fams]
+                             + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
+                             + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
+
+    def _sq_bins(self, v: Values, vec_ids, gram_ids, n) -> torch.Tensor:
+        out = torch.zeros(n, dtype=v.vec.dtype, device=self.device).index_add_(0, vec_ids, v.vec.square())
+        for d, g in v.grams.items():
+            out.index_add_(0, gram_ids[d], g.square().sum((1, 2)))
+        return out
+
+    def _inst_norm(self, v: Values) -> torch.Tensor:
+        return self._sq_bins(v, self._vec_inst, self._gram_inst, self._n_inst).sqrt()
+
+    def _fam_norm(self, v: Values) -> torch.Tensor:
+        return self._sq_bins(v, self._vec_fam, self._gram_fam, len(self.families)).sqrt()
+
+    def _eval(self, tensors) -> Values:
+        return Values(*kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend))
+
+    # ------------------------------------------------------------------------------------- steps
+    @torch.no_grad()
+    def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Snapshot ``theta_k`` (for the drift terms) and each parameter's decay factor ``a``."""
+        if not self.drift:
+            return
+        if self._prev is None:
+            self._prev = [t.detach().clone() for t in self.tensors]
+        else:
+            for p, t in zip(self._prev, self.tensors):
+                p.copy_(t)
+        if optimizer is not None:
+            group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+            self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.tensors]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` ran)."""
+        h1 = self._eval(self.tensors)
+        terms = None
+        if self.drift and self._prev is not None:
+            for p, a in zip(self._prev, self._a):
+                if not (isinstance(a, float) and a == 1.0):
+                    p.mul_(a)
+            h_a = self._eval(self._prev)
+            delta = [t.detach() - p for t, p in zip(self.tensors, self._prev)]
+            b = Values(*kernels.bilinear(self.compiled.plan, self._prev, delta, fp64=self.fp64, backend=self.backend))
+            hd = self._eval(delta)
+            lin = self._lin.to(hd.vec.dtype)
+            terms = {"decay": h_a.map(torch.sub, self.h),
+                     "first": Values(2 * b.vec + lin * hd.vec, {d: 2 * g for d, g in b.grams.items()}),
+                     "second": Values((1 - lin) * hd.vec, hd.grams)}
+        self.record_step(h1, terms)
+
+    def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None) -> None:
+        """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,
+        ``second``), e.g. computed by a fused optimizer kernel. Appends one metric row (on device)."""
+        if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
+            self.flush()
+        self.step_count += 1
+        rel = self._inst_norm(h1.map(torch.sub, self.h0)) / self.denom
+        fam = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
+        grp = torch.zeros(len(self.groups), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_group, rel)
+        parts = [fam / self._fam_count, grp / self._group_count]
+        if self.drift:
+            if terms is None:
+                parts.append(torch.full((len(TERMS) * len(self.families),), float("nan"), dtype=rel.dtype, device=self.device))
+            else:
+                measured = h1.map(torch.sub, self.h)
+                resid = measured.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
+                self.last = {"measured": measured, **terms, "residual": resid}
+                for k in ("decay", "first", "second"):
+                    self.cumulative[k] = self.cumulative[k].map(torch.add, terms[k])
+                parts += [self._fam_norm(self.last[t]) for t in TERMS]
+        self._rows.append(torch.cat(parts).float())
+        self.h = h1
+        for m in self.monitors:
+            m.update()
+
+    def record(self, **scalars) -> None:
+        """Attach scalars (tensors stay on the device; floats are fine) to the current step's row."""
+        if not self._rows:
+            raise RuntimeError("record() needs a step first: call it after optimizer.step()")
+        while len(self._extras) < len(self._rows):
+            self._extras.append({})
+        self._extras[len(self._rows) - 1].update(scalars)
+
+    # ------------------------------------------------------------------------------------ output
+    def values(self) -> dict[str, torch.Tensor]:
+        """Current ``h(theta_k)`` per law name (vector or D x D)."""
+        return {l.name: v for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
+
+    def flush(self) -> list[dict]:
+        """Move the pending rows to the host (one sync) and write them to the sinks.
+
+        Raises ``NonFiniteError`` naming the first step whose law values are NaN/Inf, after writing the
+        rows before it."""
+        if not self._rows:
+            return []
+        first_step = self.step_count - len(self._rows) + 1
+        host = torch.stack(self._rows).cpu()
+        extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
+        extras += [{}] * (len(self._rows) - len(extras))
+        mon = {}
+        for m in self.monitors:
+            mon.update({k: float(v) for k, v in m.metrics().items()})
+        self._rows, self._extras = [], []
+        n_eps = len(self.families) + len(self.groups)
+        out = []
+        for i, row in enumerate(host):
+            step = first_step + i
+            if not torch.isfinite(row[:n_eps]).all():
+                self._write(out)
+                bad = [n for n, x in zip(self.metric_names, row.tolist()) if not math.isfinite(x)][:3]
+                raise NonFiniteError(f"law values are NaN/Inf at step {step} ({', '.join(bad)}): the parameters "
+                                     "diverged; lower the learning rate or check the gradients (rows before it were written)")
+            rec = {"step": step, **dict(zip(self.metric_names, row.tolist())), **extras[i]}
+            if i == len(host) - 1:
+                rec.update(mon)
+            out.append(rec)
+        self._write(out)
+        return out
+
+    def _write(self, recs):
+        for r in recs:
+            for s in self.sinks:
+                s.write(r["step"], r)
+
+    def close(self) -> None:
+        """Flush what is pending and close the sinks."""
+        self.flush()
+        for s in self.sinks:
+            s.close()
+
+    # ----------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Everything needed to continue the same series: ``h0``, ``h_k``, the guards, the cumulative
+        drift terms, the step counter and the rows not yet flushed."""
+        return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
+                "cumulative": {k: v.state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
+                "pending": torch.stack(self._rows) if self._rows else None,
+                "pending_extras": copy.deepcopy(self._extras),
+                "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        if list(state["laws"]) != [l.name for l in self.laws]:
+            raise ValueError("tracker state was saved for a different set of laws; build the tracker with the same "
+                             "model and laws as the saved run")
+        dev = self.device
+        self.step_count = int(state["step"])
+        self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
+        self.denom = state["denom"].to(dev)
+        self.cumulative = {k: Values.from_state(v, dev) for k, v in state["cumulative"].items()}
+        self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []
+        self._extras = copy.deepcopy(list(state.get("pending_extras", [])))
+        for m, s in zip(self.monitors, state.get("monitors", [])):
+            if s is not None and hasattr(m, "load_state_dict"):
+                m.load_state_dict(s)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """Strip torch.compile / DDP / FSDP-style wrappers (``_orig_mod``, ``module``)."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(model, "module"):
+            model = model.module
+        else:
+            return model
+
+
+def _model_laws(model: nn.Module):
+    if hasattr(model, "conservation_laws"):
+        return model.conservation_laws()
+    from .detect import detect
+
+    found = detect(model)
+    return found.laws, found.declined

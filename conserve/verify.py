@@ -1,0 +1,164 @@
+"""Numerical checks of laws (spec "The numerical checks every law must pass", checks 1 and 2).
+
+* ``first_order``: in float64 at random parameters and inputs, ``<grad h, grad_theta f(x)>`` must vanish
+  for every output coordinate (tested on random output projections ``r . f(x)``, which vanish for all
+  ``r`` iff they vanish per coordinate) and every law component (random combinations ``s . h``).
+  Laws that hold only for softmax cross-entropy (``Translation``) are tested on that loss's gradient.
+* ``symmetry``: the group action that generates the law (spec "symmetry" column) leaves the output
+  unchanged: Gram laws ``X -> A X`` on plus blocks, ``Y -> A^-T Y`` on minus blocks; per-entry laws scale
+  plus rows by ``c`` and minus rows by ``1/c``; linear laws add one vector to every row.
+
+``verify(model, laws=None)`` runs both on every law and returns the worst relative violation per law.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from .kernels import evaluate_reference
+from .laws import Law, Translation, compile_laws
+
+TOL = 1e-10
+
+
+@dataclass
+class Check:
+    """Worst relative violations of one law (float64): ``first_order`` and ``symmetry`` (None: not run)."""
+
+    law: str
+    family: str
+    first_order: float
+    symmetry: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_order <= TOL and (self.symmetry is None or self.symmetry <= TOL)
+
+
+def example_inputs(model: nn.Module, batch: int = 2, generator: torch.Generator | None = None):
+    """Random inputs for the reference models (``model.example_inputs`` wins when defined)."""
+    if hasattr(model, "example_inputs"):
+        return model.example_inputs(batch, generator)
+    c = getattr(model, "config", None)
+    if c is not None and hasattr(c, "vocab_size"):
+        return torch.randint(0, c.vocab_size, (batch, 8), generator=generator)
+    if c is not None and hasattr(c, "image_size"):
+        return torch.randn(batch, c.num_channels, c.image_size, c.image_size, generator=generator, dtype=torch.float64)
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    return torch.randn(batch, first.in_features, generator=generator, dtype=torch.float64)
+
+
+def _law_value(law_or_fn, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    if isinstance(law_or_fn, Law):
+        c = compile_laws([law_or_fn], {k: tuple(v.shape) for k, v in params.items()})
+        vec, grams = evaluate_reference(c.plan, [params[n] for n in c.names], fp64=True)
+        return c.split(vec, grams)[0].reshape(-1)
+    return law_or_fn(params).reshape(-1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = a.norm() * b.norm()
+    return 0.0 if den == 0 else float((a @ b).abs() / den)
+
+
+def first_order(model: nn.Module, law: Law | Callable, inputs, *, trials: int = 3, seed: int = 0,
+                loss: str | None = None) -> float:
+    """Worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` over ``trials`` random ``s, r`` (float64).
+
+    ``law``: a ``Law`` or a function ``h(params: dict[str, Tensor]) -> Tensor`` (any shape).
+    ``loss='ce'`` tests the cross-entropy loss gradient instead of the raw outputs (default for
+    ``Translation`` laws). Raises ``ValueError`` when the law reads no parameter that requires grad."""
+    g = torch.Generator().manual_seed(seed)
+    params = {k: v.detach().to(torch.float64).requires_grad_(True) for k, v in model.named_parameters()}
+    buffers = {k: (v.to(torch.float64) if v.is_floating_point() else v) for k, v in model.named_buffers()}
+    model64 = model
+    x = inputs.to(torch.float64) if inputs.is_floating_point() else inputs
+    if loss is None and isinstance(law, Translation):
+        loss = "ce"
+    h = _law_value(law, params)
+    worst = 0.0
+    for _ in range(trials):
+        s = torch.randn(h.shape, generator=g, dtype=torch.float64)
+        gh = torch.autograd.grad((s * h).sum(), list(params.values()), retain_graph=True, allow_unused=True)
+        out = functional_call(model64, {**params, **buffers}, (x,))
+        if loss == "ce":
+            tgt = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
+            obj = F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
+        else:
+            obj = (torch.randn(out.shape, generator=g, dtype=torch.float64) * out).sum()
+        gf = torch.autograd.grad(obj, list(params.values()), allow_unused=True)
+        a = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(gh, params.values())])
+        b = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(gf, params.values())])
+        if a.norm() == 0:
+            raise ValueError(f"law {getattr(law, 'name', law)!r} has zero gradient: it reads no trainable parameter")
+        worst = max(worst, _rel(a, b))
+    return worst
+
+
+@torch.no_grad()
+def apply_symmetry(model: nn.Module, law: Law, *, strength: float = 0.3, seed: int = 0) -> None:
+    """Apply a random element of the law's symmetry group to ``model``'s parameters, in place."""
+    g = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    if law.kind == "gram":
+        d = law.size
+        a = torch.eye(d, dtype=torch.float64) + strength * torch.randn(d, d, generator=g, dtype=torch.float64) / d ** 0.5
+        for t in law.terms:
+            m = a if t.sign > 0 else torch.linalg.inv(a).T
+            v = t.ref.view(0).of(params[t.ref.param])
+            v.copy_((m @ v.to(torch.float64)).to(v.dtype))
+    elif law.linear:
+        width = max(t.offset + t.ref.cols for t in law.terms)
+        shift = strength * torch.randn(width, generator=g, dtype=torch.float64)
+        for t in law.terms:
+            v = t.ref.view(0).of(params[t.ref.param])
+            v += shift[t.offset: t.offset + t.ref.cols].to(v.dtype)
+    else:
+        c = torch.exp(strength * torch.randn(law.size, generator=g, dtype=torch.float64))
+        for t in law.terms:
+            v = t.ref.view(0).of(params[t.ref.param])
+            idx = t.offset + t.stride * torch.arange(t.ref.rows)
+            f = (c[idx] if t.sign > 0 else 1 / c[idx])[:, None]
+            v.copy_(((v.to(torch.float64) + t.shift) * f - t.shift).to(v.dtype))
+
+
+def symmetry(model: nn.Module, law: Law, inputs, *, seed: int = 0) -> float:
+    """Relative change of the model output (float64) under a random group element of ``law``."""
+    m = copy.deepcopy(model).to(torch.float64)
+    x = inputs.to(torch.float64) if inputs.is_floating_point() else inputs
+    with torch.no_grad():
+        y0 = m(x)
+        apply_symmetry(m, law, seed=seed)
+        y1 = m(x)
+    if isinstance(law, Translation):  # class translation: logits move by a constant per sample
+        y0, y1 = y0 - y0.mean(-1, keepdim=True), y1 - y1.mean(-1, keepdim=True)
+    return float((y1 - y0).norm() / y0.norm())
+
+
+def verify(model: nn.Module, laws: Sequence[Law | Callable] | None = None, inputs=None, *, seed: int = 0,
+           trials: int = 3) -> list[Check]:
+    """Checks 1 and 2 of the spec for every law of ``model`` (``model.conservation_laws()`` by default,
+    else ``conserve.detect``). User functions ``h(params)`` get the first-order check only."""
+    if laws is None:
+        if hasattr(model, "conservation_laws"):
+            laws = model.conservation_laws()[0]
+        else:
+            from .detect import detect
+
+            laws = detect(model).laws
+    g = torch.Generator().manual_seed(seed)
+    if inputs is None:
+        inputs = example_inputs(model, generator=g)
+    model64 = copy.deepcopy(model).to(torch.float64)
+    out = []
+    for i, law in enumerate(laws):
+        fo = first_order(model64, law, inputs, trials=trials, seed=seed + i)
+        sy = symmetry(model64, law, inputs, seed=seed + i) if isinstance(law, Law) else None
+        out.append(Check(getattr(law, "name", getattr(law, "__name__", "h")), getattr(law, "family", "user"), fo, sy))
+    return out

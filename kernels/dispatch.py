@@ -1,0 +1,43 @@
+"""Backend choice: CUDA tensors use the Triton kernels, CPU tensors the torch reference.
+
+``backend="triton"`` (or the environment variable ``CONSERVE_BACKEND=triton``) forces the Triton
+path, which with ``TRITON_INTERPRET=1`` also runs on CPU tensors (how the CPU test-suite checks it).
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from .plan import Plan, bilinear_reference, evaluate_reference
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def _choose(backend: str, tensors: Sequence[torch.Tensor]) -> str:
+    backend = os.environ.get("CONSERVE_BACKEND", backend) if backend == "auto" else backend
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {_BACKENDS}")
+    if backend == "auto":
+        return "triton" if len(tensors) and tensors[0].is_cuda else "torch"
+    return backend
+
+
+def evaluate(plan: Plan, tensors: Sequence[torch.Tensor], *, fp64: bool = False, backend: str = "auto"):
+    """``h(theta)`` for every term of ``plan``: returns ``(vec, {D: grams})`` (see ``plan.evaluate_reference``)."""
+    if _choose(backend, tensors) == "triton":
+        from .triton_impl import evaluate_triton
+
+        return evaluate_triton(plan, tensors, fp64=fp64)
+    return evaluate_reference(plan, tensors, fp64=fp64)
+
+
+def bilinear(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], *, fp64: bool = False,
+             backend: str = "auto"):
+    """Bilinear form ``B(x, y)`` of the quadratic terms (see ``plan.bilinear_reference``)."""
+    if _choose(backend, xs) == "triton":
+        from .triton_impl import bilinear_triton
+
+        return bilinear_triton(plan, xs, ys, fp64=fp64)
+    return bilinear_reference(plan, xs, ys, fp64=fp64)

@@ -1,0 +1,173 @@
+"""Triton kernels for the grouped head-Gram terms (``GramTerm`` of ``plan.py``).
+
+``_gram_kernel``: one program per *item* = (output slot, output tile (ti, tj) with ti <= tj, chunk
+[k0, k1) of the contracted dimension).  It loops over every term of its slot (a contiguous range of
+the term table, so QK and VO terms of one kv group, their biases, partial-rotary pass-through blocks
+and every layer/expert share ONE launch) and accumulates, in registers,
+
+    acc = sum_t sign_t * X_t[rows_i, k0:k1] X_t[rows_j, k0:k1]^T                  (evaluate)
+    acc = sum_t sign_t * (X_t Y_t^T + Y_t X_t^T)[rows_i, rows_j] / 2              (bilinear)
+
+with ``X_t`` read through its logical strides (seed paper's head Gram law; spec "The catalogue").
+The item writes its BT x BT tile to a partial buffer; ``_gram_finish`` sums, per output tile, the
+partials of its items in a fixed order and mirrors off-diagonal tiles (no atomics: deterministic).
+
+Term table row (int64): ``x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs`` in elements relative to
+the launch's base pointers; layout 0: ``x_cs == 1`` (row blocks of nn.Linear weights: tiles
+[BT, BK] loaded along the contiguous k), 1: ``x_rs == 1`` (column blocks, e.g. ``W_o[:, r_i]`` or
+GPT-2 Conv1D: tiles [BK, BT] loaded along the contiguous head dim), 2: general strides.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+TERM_COLS = 8
+ITEM_COLS = 6
+GROUP_COLS = 5
+
+
+@triton.jit
+def _tile(base, off, i, j, si, sj, mask):
+    """``tile[a, b] = base[off + i[a]*si + j[b]*sj]`` (zero where ``mask`` is false); int64 offsets."""
+    ptrs = base + off + i[:, None].to(tl.int64) * si + j[None, :].to(tl.int64) * sj
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _pair_dot(a, b, c, d, acc, BILINEAR: tl.constexpr, FP64: tl.constexpr):
+    """``acc + a b^T`` (evaluate) or ``acc + a d^T + c b^T`` (bilinear: a,b from x; c,d from y)."""
+    if FP64:
+        a = a.to(tl.float64)
+        b = b.to(tl.float64)
+        c = c.to(tl.float64)
+        d = d.to(tl.float64)
+    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    if BILINEAR:
+        acc = tl.dot(c, tl.trans(d), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _gram_kernel(xb, yb, terms, signs, items, part,
+                 D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr,
+                 SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    it = items + pid * 6
+    t0 = tl.load(it)
+    t1 = tl.load(it + 1)
+    k0 = tl.load(it + 2)
+    k1 = tl.load(it + 3)
+    ti = tl.load(it + 4)
+    tj = tl.load(it + 5)
+    ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
+    ri = ti * BT + tl.arange(0, BT)
+    rj = tj * BT + tl.arange(0, BT)
+    mi = ri < D
+    mj = rj < D
+    kr = tl.arange(0, BK)
+    acc = tl.zeros([BT, BT], dtype=ACC)
+    for t in range(t0, t1):
+        row = terms + t * 8
+        xo = tl.multiple_of(tl.load(row), ALIGN)
+        rs = tl.load(row + 1)
+        cs = tl.load(row + 2)
+        n = tl.load(row + 3)
+        lay = tl.load(row + 4)
+        yo = tl.multiple_of(tl.load(row + 5), ALIGN)
+        yrs = tl.load(row + 6)
+        ycs = tl.load(row + 7)
+        sign = tl.load(signs + t)
+        kend = tl.minimum(k1, n)
+        tacc = tl.zeros([BT, BT], dtype=ACC)
+        if lay == 0:
+            # rows of the view are strided, columns contiguous: tiles [BT, BK]
+            rs_a = tl.multiple_of(rs, ALIGN)
+            yrs_a = tl.multiple_of(yrs, ALIGN)
+            for k in range(k0, kend, BK):
+                kk = k + kr
+                mk = kk < kend
+                a = _tile(xb, xo, ri, kk, rs_a, 1, mi[:, None] & mk[None, :])
+                if BILINEAR:
+                    c = _tile(yb, yo, ri, kk, yrs_a, 1, mi[:, None] & mk[None, :])
+                    if SINGLE:
+                        b = a
+                        d = c
+                    else:
+                        b = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
+                        d = _tile(yb, yo, rj, kk, yrs_a, 1, mj[:, None] & mk[None, :])
+                    tacc = _pair_dot(a, d, c, b, tacc, BILINEAR, FP64)
+                else:
+                    if SINGLE:
+                        b = a
+                    else:
+                        b = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
+                    tacc = _pair_dot(a, b, a, b, tacc, BILINEAR, FP64)
+        elif lay == 1:
+            # the head dim is contiguous (column blocks, Conv1D): tiles [BK, BT], contracted over axis 0
+            cs_a = tl.multiple_of(cs, ALIGN)
+            ycs_a = tl.multiple_of(ycs, ALIGN)
+            for k in range(k0, kend, BK):
+                kk = k + kr
+                mk = kk < kend
+                at = _tile(xb, xo, kk, ri, cs_a, 1, mk[:, None] & mi[None, :])
+                if BILINEAR:
+                    ct = _tile(yb, yo, kk, ri, ycs_a, 1, mk[:, None] & mi[None, :])
+                    if SINGLE:
+                        bt = at
+                        dt = ct
+                    else:
+                        bt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
+                        dt = _tile(yb, yo, kk, rj, ycs_a, 1, mk[:, None] & mj[None, :])
+                    tacc = _pair_dot(tl.trans(at), tl.trans(dt), tl.trans(ct), tl.trans(bt), tacc,
+                                     BILINEAR, FP64)
+                else:
+                    if SINGLE:
+                        bt = at
+                    else:
+                        bt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
+                    tacc = _pair_dot(tl.trans(at), tl.trans(bt), tl.trans(at), tl.trans(bt), tacc,
+                                     BILINEAR, FP64)
+        else:
+            # general strides (neither dimension contiguous)
+            for k in range(k0, kend, BK):
+                kk = k + kr
+                mk = kk < kend
+                a = _tile(xb, xo, ri, kk, rs, cs, mi[:, None] & mk[None, :])
+                b = _tile(xb, xo, rj, kk, rs, cs, mj[:, None] & mk[None, :])
+                if BILINEAR:
+                    c = _tile(yb, yo, ri, kk, yrs, ycs, mi[:, None] & mk[None, :])
+                    d = _tile(yb, yo, rj, kk, yrs, ycs, mj[:, None] & mk[None, :])
+                    tacc = _pair_dot(a, d, c, b, tacc, BILINEAR, FP64)
+                else:
+                    tacc = _pair_dot(a, b, a, b, tacc, BILINEAR, FP64)
+        acc += sign * tacc
+    if BILINEAR:
+        acc = acc * 0.5
+    o = tl.arange(0, BT)
+    tl.store(part + pid * (BT * BT) + o[:, None] * BT + o[None, :], acc)
+
+
+@triton.jit
+def _gram_finish(part, order, groups, out, D: tl.constexpr, BT: tl.constexpr, FP64: tl.constexpr):
+    """Per output tile: sum its items' partial tiles in table order; write the tile and its mirror."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = groups + pid * 5
+    i0 = tl.load(g)
+    i1 = tl.load(g + 1)
+    slot = tl.load(g + 2)
+    ti = tl.load(g + 3)
+    tj = tl.load(g + 4)
+    ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
+    o = tl.arange(0, BT)
+    acc = tl.zeros([BT, BT], dtype=ACC)
+    for i in range(i0, i1):
+        item = tl.load(order + i)
+        acc += tl.load(part + item * (BT * BT) + o[:, None] * BT + o[None, :])
+    ri = ti * BT + o
+    rj = tj * BT + o
+    m = (ri < D)[:, None] & (rj < D)[None, :]
+    base = out + slot * (D * D)
+    tl.store(base + ri[:, None] * D + rj[None, :], acc, mask=m)
+    if ti != tj:
+        tl.store(base + rj[None, :] * D + ri[:, None], acc, mask=m)

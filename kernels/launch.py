@@ -1,0 +1,355 @@
+"""Host side of the Triton path: the multi-tensor work tables (no Triton import; unit-testable).
+
+``build(plan, xs, ys, fp64, target_items)`` canonicalises every term of a ``Plan`` once into int64
+tables (one set per dtype group = ``(x dtype, y dtype)``), like ``multi_tensor_apply``'s address
+table, but with *element offsets relative to the group's base tensor* instead of raw pointers: the
+kernels receive one base pointer per group and add ``offset + i*stride`` in int64, which works both
+compiled and under ``TRITON_INTERPRET=1``.  The pointer-dependent part (the offset columns, the
+alignment hint) is re-bound cheaply by ``Structure.bind`` when the tensors' ``data_ptr`` change;
+everything else depends only on the plan and the tensors' dtypes/shapes/strides.
+
+Tables (all int64, row-major):
+
+* Gram terms ``[x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs]``, sorted by output slot; signs in
+  the accumulation dtype.  Items ``[t0, t1, k0, k1, ti, tj]``: the slot's term range, a chunk of the
+  contracted dim, an upper-triangular output tile.  Finishing groups ``[i0, i1, slot, ti, tj]`` index
+  ``order`` (item ids of one output tile, across dtype groups, in a fixed order).
+* Regions ``[x_off, ss, fs, S, F, layout, func, fast_base, slow_base, y_off, yss, yfs]`` (see
+  ``norms.py``), items ``[region, s_start, s_end, slow_off]``, slow-finish rows
+  ``[slow_off, nrows, F, elem_base]`` and the CSR gather ``ptr, idx, sgn`` into ``vec``.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .plan import Plan, View
+
+MAX_ALIGN = 16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pow2_divisor(values, cap: int = MAX_ALIGN) -> int:
+    """Largest power of two <= ``cap`` dividing every value (0 divides by anything)."""
+    a = cap
+    for v in values:
+        v = int(v)
+        while a > 1 and v % a:
+            a //= 2
+    return a
+
+
+@dataclass
+class Config:
+    """Block sizes (constexpr) and work split.  ``target_items``: aim for at least this many programs
+    (GPU: 4 per SM); ``slow_rows``: rows per item of a slow-only region (0: the whole region)."""
+
+    target_items: int = 1
+    slow_rows: int = 0
+    BS: int = 64
+    BF: int = 128
+    BK_BIG: int = 32  # contracted block for output tiles of 128
+    BK_SMALL: int = 64
+    BT_MAX: int = 128
+
+    @staticmethod
+    def for_device(device: torch.device) -> "Config":
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            return Config(target_items=4 * sms, slow_rows=512)
+        return Config()
+
+
+def _layout(rows, cols, strides) -> int:
+    """0: every (rs, cs) in ``strides`` has cs == 1 (or cols <= 1); 1: rs == 1 (or rows <= 1); 2: general."""
+    if cols <= 1 or all(cs == 1 for _, cs in strides):
+        return 0
+    if rows <= 1 or all(rs == 1 for rs, _ in strides):
+        return 1
+    return 2
+
+
+@dataclass
+class GramLaunch:
+    """One launch of ``_gram_kernel``: bucket ``D``, dtype group ``g``."""
+
+    D: int
+    group: tuple
+    BT: int
+    BK: int
+    single: bool
+    terms: np.ndarray  # (T, 8) int64, offset columns relative to the tensor (x_tensor/y_tensor below)
+    x_tensor: np.ndarray
+    y_tensor: np.ndarray
+    signs: list
+    items: np.ndarray  # (I, 6) int64
+    item_base: int  # first item id in the bucket's partial buffer
+
+
+@dataclass
+class GramBucket:
+    D: int
+    BT: int
+    slots: int
+    n_items: int
+    launches: list
+    order: np.ndarray
+    groups: np.ndarray  # (G, 5)
+
+
+@dataclass
+class NormLaunch:
+    group: tuple
+    regions: np.ndarray  # (R, 12)
+    x_tensor: np.ndarray
+    y_tensor: np.ndarray
+    shifts: list
+    items: np.ndarray  # (I, 4)
+
+
+@dataclass
+class Structure:
+    """Everything that depends on the plan and on the tensors' dtypes/shapes/strides, not on addresses."""
+
+    bilinear: bool
+    fp64: bool
+    cfg: Config
+    vec_size: int
+    gram_slots: dict
+    gram: list = field(default_factory=list)  # GramBucket
+    norm: list = field(default_factory=list)  # NormLaunch
+    elem_size: int = 0
+    slow_size: int = 0
+    finish: np.ndarray = None  # (P, 4)
+    max_F: int = 0
+    csr_ptr: np.ndarray = None
+    csr_idx: np.ndarray = None
+    csr_sgn: list = None
+    max_count: int = 0
+
+    def groups(self):
+        gs = {l.group for b in self.gram for l in b.launches} | {l.group for l in self.norm}
+        return sorted(gs, key=str)
+
+
+def _check_pair(xs, ys, i: int):
+    if ys is not None and tuple(xs[i].shape) != tuple(ys[i].shape):
+        raise ValueError(f"bilinear: xs[{i}] has shape {tuple(xs[i].shape)} but ys[{i}] has "
+                         f"{tuple(ys[i].shape)}; pass tensors of equal shapes")
+
+
+def _resolve(view: View, xs, ys):
+    if not 0 <= view.tensor < len(xs):
+        raise ValueError(f"view {view} names tensor {view.tensor} but {len(xs)} tensors were given")
+    _check_pair(xs, ys, view.tensor)
+    xo, xrs, xcs = view.resolve(xs[view.tensor])
+    if ys is None:
+        return (xo, xrs, xcs), (0, 0, 0)
+    return (xo, xrs, xcs), view.resolve(ys[view.tensor])
+
+
+def _group(xs, ys, i: int):
+    return (xs[i].dtype, ys[i].dtype if ys is not None else xs[i].dtype)
+
+
+def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None, fp64: bool,
+          cfg: Config) -> Structure:
+    """Canonicalise ``plan`` over tensors of these dtypes/shapes/strides (addresses are bound later)."""
+    bil = ys is not None
+    if bil and len(ys) != len(xs):
+        raise ValueError(f"bilinear: got {len(xs)} xs but {len(ys)} ys; pass one y per x")
+    st = Structure(bilinear=bil, fp64=fp64, cfg=cfg, vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
+    _build_gram(st, plan, xs, ys, cfg)
+    _build_norm(st, plan, xs, ys, cfg)
+    return st
+
+
+def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
+    by_d = defaultdict(list)
+    for t in plan.grams:
+        D = t.view.rows
+        if D not in plan.gram_slots or not 0 <= t.slot < plan.gram_slots[D]:
+            raise ValueError(f"GramTerm slot {t.slot} of size {D} was not reserved with plan.new_gram({D})")
+        (xo, xrs, xcs), (yo, yrs, ycs) = _resolve(t.view, xs, ys)
+        if D == 0 or t.view.cols == 0 or xs[t.view.tensor].numel() == 0:
+            continue
+        by_d[D].append((t, xo, xrs, xcs, yo, yrs, ycs))
+    for D in sorted(by_d):
+        BT = min(max(16, next_pow2(D)), cfg.BT_MAX)
+        NT = -(-D // BT)
+        BK = cfg.BK_BIG if BT > 64 else cfg.BK_SMALL
+        tiles = [(i, j) for i in range(NT) for j in range(i, NT)]
+        per_group = defaultdict(list)
+        for e in by_d[D]:
+            per_group[_group(xs, ys, e[0].view.tensor)].append(e)
+        n_out_tiles = len({(e[0].slot,) for e in by_d[D]}) * len(tiles)
+        nchunk = max(1, -(-cfg.target_items // max(1, n_out_tiles)))
+        launches, item_base = [], 0
+        tile_items = defaultdict(list)  # (slot, ti, tj) -> item ids
+        for g in sorted(per_group, key=str):
+            ents = sorted(per_group[g], key=lambda e: e[0].slot)  # stable: plan order inside a slot
+            rows, xt, yt, signs, items = [], [], [], [], []
+            i = 0
+            while i < len(ents):
+                slot = ents[i][0].slot
+                j = i
+                while j < len(ents) and ents[j][0].slot == slot:
+                    j += 1
+                max_n = max(e[0].view.cols for e in ents[i:j])
+                chunk = max(BK, -(-max_n // nchunk))
+                chunk = -(-chunk // BK) * BK
+                for (ti, tj) in tiles:
+                    for k0 in range(0, max_n, chunk):
+                        tile_items[(slot, ti, tj)].append(item_base + len(items))
+                        items.append((len(rows) + 0, len(rows) + (j - i), k0, min(k0 + chunk, max_n), ti, tj))
+                for (t, xo, xrs, xcs, yo, yrs, ycs) in ents[i:j]:
+                    strides = [(xrs, xcs)] + ([(yrs, ycs)] if ys is not None else [])
+                    lay = _layout(D, t.view.cols, strides)
+                    rows.append((xo, xrs, xcs, t.view.cols, lay, yo, yrs, ycs))
+                    xt.append(t.view.tensor)
+                    signs.append(float(t.sign))
+                i = j
+            items_np = np.asarray(items, dtype=np.int64).reshape(-1, 6)
+            launches.append(GramLaunch(D=D, group=g, BT=BT, BK=BK, single=NT == 1,
+                                       terms=np.asarray(rows, dtype=np.int64).reshape(-1, 8),
+                                       x_tensor=np.asarray(xt, dtype=np.int64), y_tensor=np.asarray(xt, dtype=np.int64),
+                                       signs=signs, items=items_np, item_base=item_base))
+            item_base += len(items)
+        order, groups = [], []
+        for (slot, ti, tj) in sorted(tile_items):
+            ids = tile_items[(slot, ti, tj)]
+            groups.append((len(order), len(order) + len(ids), slot, ti, tj))
+            order.extend(ids)
+        st.gram.append(GramBucket(D=D, BT=BT, slots=plan.gram_slots[D], n_items=item_base, launches=launches,
+                                  order=np.asarray(order, dtype=np.int64),
+                                  groups=np.asarray(groups, dtype=np.int64).reshape(-1, 5)))
+
+
+def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
+    bil = ys is not None
+    terms = [("norm", t) for t in plan.norms] + ([] if bil else [("sum", t) for t in plan.sums])
+    regions = {}  # key -> dict
+    refs = []  # (out index, region key, "fast"/"slow", position, sign)
+    for kind, t in terms:
+        v = t.view
+        if kind == "norm":
+            if bil and t.shift != 0.0:
+                raise ValueError("bilinear form of a shifted norm term is not defined; use shift=0")
+            if t.index < 0 or (v.rows > 0 and t.index + (v.rows - 1) * t.index_stride >= plan.vec_size) \
+                    or (v.rows > 1 and t.index + (v.rows - 1) * t.index_stride < 0):
+                raise ValueError(f"NormTerm writes vec[{t.index} + r*{t.index_stride}], r < {v.rows}, "
+                                 f"outside vec_size={plan.vec_size}; reserve entries with plan.new_vec")
+        else:
+            if t.index < 0 or t.index + v.cols > plan.vec_size:
+                raise ValueError(f"SumTerm writes vec[{t.index}:{t.index + v.cols}] outside vec_size="
+                                 f"{plan.vec_size}; reserve entries with plan.new_vec")
+        (xo, xrs, xcs), (yo, yrs, ycs) = _resolve(v, xs, ys)
+        R, C = v.rows, v.cols
+        if R == 0 or C == 0 or xs[v.tensor].numel() == 0:
+            continue
+        strides = [(xrs, xcs)] + ([(yrs, ycs)] if bil else [])
+        lay = _layout(R, C, strides)
+        if lay == 1:  # rows contiguous: the region is the transpose of the view
+            trans, S, F, ss, fs, yss, yfs, lay = True, C, R, xcs, xrs, ycs, yrs, 0
+        else:
+            trans, S, F, ss, fs, yss, yfs = False, R, C, xrs, xcs, yrs, ycs
+        func = 0 if kind == "norm" else 1
+        shift = float(t.shift) if kind == "norm" else 0.0
+        key = (_group(xs, ys, v.tensor), v.tensor, xo, S, F, ss, fs, lay, func, shift, yo, yss, yfs)
+        reg = regions.setdefault(key, dict(fast=False, slow=False))
+        # NormTerm reduces over view columns; SumTerm over view rows
+        reduce_fast = (kind == "norm") != trans
+        reg["fast" if reduce_fast else "slow"] = True
+        if kind == "norm":
+            for r in range(R):
+                refs.append((t.index + r * t.index_stride, key, reduce_fast, r, float(t.sign)))
+        else:
+            for c in range(C):
+                refs.append((t.index + c, key, reduce_fast, c, float(t.sign)))
+    elem = 0
+    slow_off = 0
+    finish = []
+    per_group = defaultdict(list)
+    for key, reg in regions.items():
+        per_group[key[0]].append(key)
+        S, F = key[3], key[4]
+        if reg["fast"]:
+            reg["fast_base"] = elem
+            elem += S
+        else:
+            reg["fast_base"] = -1
+        if reg["slow"]:
+            reg["slow_elem"] = elem
+            elem += F
+    for g in sorted(per_group, key=str):
+        rows, xt, shifts, items = [], [], [], []
+        for key in per_group[g]:
+            reg = regions[key]
+            (_, tensor, xo, S, F, ss, fs, lay, func, shift, yo, yss, yfs) = key
+            if reg["fast"] or cfg.slow_rows <= 0:
+                span = cfg.BS if reg["fast"] else S
+            else:
+                span = max(cfg.BS, cfg.slow_rows // cfg.BS * cfg.BS)
+            ridx = len(rows)
+            starts = list(range(0, S, span))
+            base = slow_off if reg["slow"] else -1
+            for n, s0 in enumerate(starts):
+                items.append((ridx, s0, min(s0 + span, S), base + n * F if reg["slow"] else -1))
+            if reg["slow"]:
+                finish.append((slow_off, len(starts), F, reg["slow_elem"]))
+                slow_off += len(starts) * F
+                st.max_F = max(st.max_F, F)
+            rows.append((xo, ss, fs, S, F, lay, func, reg["fast_base"], -1, yo, yss, yfs))
+            xt.append(tensor)
+            shifts.append(shift)
+        st.norm.append(NormLaunch(group=g, regions=np.asarray(rows, dtype=np.int64).reshape(-1, 12),
+                                  x_tensor=np.asarray(xt, dtype=np.int64), y_tensor=np.asarray(xt, dtype=np.int64),
+                                  shifts=shifts, items=np.asarray(items, dtype=np.int64).reshape(-1, 4)))
+    st.elem_size, st.slow_size = elem, slow_off
+    st.finish = np.asarray(finish, dtype=np.int64).reshape(-1, 4)
+    # CSR gather, stable in plan order per output
+    counts = np.zeros(plan.vec_size + 1, dtype=np.int64)
+    for o, *_ in refs:
+        counts[o + 1] += 1
+    ptr = np.cumsum(counts)
+    fill = ptr[:-1].copy()
+    idx = np.zeros(len(refs), dtype=np.int64)
+    sgn = [0.0] * len(refs)
+    for o, key, fast, pos, sign in refs:
+        reg = regions[key]
+        p = fill[o]
+        fill[o] += 1
+        idx[p] = reg["fast_base"] + pos if fast else reg["slow_elem"] + pos
+        sgn[p] = sign
+    st.csr_ptr, st.csr_idx, st.csr_sgn = ptr, idx, sgn
+    st.max_count = int(counts.max()) if len(refs) else 0
+
+
+def tensor_deltas(ts: Sequence[torch.Tensor], members: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+    """Base tensor (the first of ``members``) and ``(ptr_i - ptr_base) / itemsize`` for every member
+    (int64 from exact python ints: correct beyond 2**31 elements).  Raises if an address is not a whole
+    number of elements away from the base (cannot happen for tensors of one dtype allocated by torch)."""
+    members = sorted(set(int(i) for i in members))
+    base = ts[members[0]]
+    isz = base.element_size()
+    d = np.zeros(len(ts), dtype=np.int64)
+    for i in members:
+        diff = ts[i].data_ptr() - base.data_ptr()
+        if diff % isz:
+            raise ValueError(f"tensor {i} is not element-aligned with tensor {members[0]} of the same dtype; "
+                             "call .contiguous() on it")
+        d[i] = diff // isz
+    return base, d
+
+
+def offsets(view_off: np.ndarray, tensor: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Element offsets relative to the base: ``view_off + delta[tensor]`` (int64)."""
+    return view_off.astype(np.int64) + delta[tensor]

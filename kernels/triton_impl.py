@@ -1,0 +1,235 @@
+"""Triton path of ``evaluate`` / ``bilinear``: every term of a Plan in a handful of launches.
+
+Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)`` *group*):
+
+1. ``_gram_kernel``   once per Gram size D   (every head, kv group, layer and expert of that D)
+2. ``_rowcol_kernel`` once                   (every NormTerm / SumTerm region, fused rows+columns)
+3. ``_gram_finish``   once per D, ``_slow_finish`` once, ``_gather`` once (small finishing passes)
+
+No host synchronisation, no atomics (bitwise deterministic for fixed tensors).  The work tables are
+built once per (plan, dtypes/shapes/strides) and re-bound only when ``data_ptr``s change
+(``prepare``); see ``launch.py`` for the table layout and ``README.md`` for what is fused.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import launch as L
+from .plan import Plan
+
+__all__ = ["evaluate_triton", "bilinear_triton", "prepare", "Prepared", "clear_cache"]
+
+_CACHE: "OrderedDict[tuple, Prepared]" = OrderedDict()
+_CACHE_MAX = 32
+_LOCK = threading.Lock()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fingerprint(plan: Plan):
+    return (len(plan.grams), len(plan.norms), len(plan.sums), plan.vec_size, tuple(sorted(plan.gram_slots.items())))
+
+
+def _layout_key(ts):
+    return tuple((t.dtype, tuple(t.shape), tuple(t.stride()), t.device) for t in ts)
+
+
+class Prepared:
+    """A plan canonicalised for tensors of fixed dtypes/shapes/strides; ``run`` evaluates it.
+
+    Rebinds the device tables (a few small host->device copies) only when the tensors' addresses
+    change; parameters updated in place keep their addresses, so the tracker's per-step call costs
+    the launches alone.
+    """
+
+    def __init__(self, plan: Plan, xs, ys, fp64: bool, cfg: L.Config | None = None):
+        if len(xs) == 0 and (plan.grams or plan.norms or plan.sums):
+            raise ValueError("the plan has terms but no tensors were given")
+        self.device = xs[0].device if len(xs) else torch.device("cpu")
+        if not self.device.type == "cuda" and not _interpreting():
+            raise RuntimeError("the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                               "triton is imported for CPU tensors; use backend='torch' on CPU")
+        for i, t in enumerate(list(xs) + list(ys or [])):
+            if t.device != self.device:
+                raise ValueError(f"tensor {i % max(1, len(xs))} is on {t.device}, expected {self.device}; "
+                                 "move all tensors to one device")
+        self.cfg = cfg or L.Config.for_device(self.device)
+        self.fp64 = fp64
+        self.acc = torch.float64 if fp64 else torch.float32
+        self.st = L.build(plan, xs, ys, fp64, self.cfg)
+        self._ptrs = None
+        self._static_tables()
+
+    # ---- device tables -------------------------------------------------------------------------
+    def _dev(self, a, dtype=torch.int64):
+        return torch.as_tensor(np.asarray(a), dtype=dtype).to(self.device)
+
+    def _static_tables(self):
+        st, acc = self.st, self.acc
+        self.gram_static = []
+        for b in st.gram:
+            self.gram_static.append(dict(
+                order=self._dev(b.order), groups=self._dev(b.groups),
+                launches=[dict(signs=self._dev(l.signs, acc), items=self._dev(l.items)) for l in b.launches]))
+        self.norm_static = [dict(shifts=self._dev(l.shifts, acc), items=self._dev(l.items)) for l in st.norm]
+        self.finish = self._dev(st.finish)
+        self.csr = (self._dev(st.csr_ptr), self._dev(st.csr_idx), self._dev(st.csr_sgn, acc))
+        self.slowpart = torch.empty(max(1, st.slow_size), device=self.device, dtype=acc)
+        self.part = {b.D: torch.empty(max(1, b.n_items) * b.BT * b.BT, device=self.device, dtype=acc)
+                     for b in st.gram}
+
+    def _bind(self, xs, ys):
+        ptrs = tuple(t.data_ptr() for t in xs) + tuple(t.data_ptr() for t in (ys or ()))
+        if ptrs == self._ptrs:
+            return
+        st = self.st
+        bases, deltas = {}, {}
+        for g in st.groups():
+            idx = [int(i) for b in st.gram for l in b.launches if l.group == g for i in l.x_tensor] + \
+                  [int(i) for l in st.norm if l.group == g for i in l.x_tensor]
+            xb, xd = L.tensor_deltas(xs, idx)
+            yb, yd = L.tensor_deltas(ys, idx) if ys is not None else (xb, xd)
+            bases[g] = (xb, yb)
+            deltas[g] = (xd, yd)
+        self.bases = bases
+        self.gram_bound = []
+        for b in st.gram:
+            lb = []
+            for l in b.launches:
+                xd, yd = deltas[l.group]
+                terms = l.terms.copy()
+                terms[:, 0] = L.offsets(l.terms[:, 0], l.x_tensor, xd)
+                terms[:, 5] = L.offsets(l.terms[:, 5], l.y_tensor, yd) if ys is not None else 0
+                hint = list(terms[:, 0]) + list(terms[:, 5]) + list(l.items[:, 3]) + [l.BK]
+                for (xo, rs, cs, n, lay, yo, yrs, ycs) in terms:
+                    hint += [rs, yrs] if lay == 0 else ([cs, ycs] if lay == 1 else [])
+                    hint += [n] if lay == 0 else []
+                lb.append((self._dev(terms), self._align(l.group, hint)))
+            self.gram_bound.append(lb)
+        self.norm_bound = []
+        for l in st.norm:
+            xd, yd = deltas[l.group]
+            regs = l.regions.copy()
+            regs[:, 0] = L.offsets(l.regions[:, 0], l.x_tensor, xd)
+            regs[:, 9] = L.offsets(l.regions[:, 9], l.y_tensor, yd) if ys is not None else 0
+            hint = list(regs[:, 0]) + list(regs[:, 9])
+            for row in regs:
+                if row[5] == 0:
+                    hint += [row[1], row[10]]
+            self.norm_bound.append((self._dev(regs), self._align(l.group, hint)))
+        self._ptrs = ptrs
+
+    def _align(self, group, values) -> int:
+        """Power-of-two element alignment shared by every offset/stride the kernel hints with
+        ``tl.multiple_of`` and by the base pointers (the hint must be true, so it is computed)."""
+        xb, yb = self.bases[group]
+        a = L.pow2_divisor(values)
+        while a > 1 and (xb.data_ptr() % (a * xb.element_size()) or yb.data_ptr() % (a * yb.element_size())):
+            a //= 2
+        return a
+
+    # ---- launches ------------------------------------------------------------------------------
+    def run(self, xs, ys=None):
+        """Evaluate: returns ``(vec, {D: (slots, D, D)})`` in the accumulation dtype."""
+        from .gram import _gram_finish, _gram_kernel
+        from .norms import _gather, _rowcol_kernel, _slow_finish
+
+        st, acc, fp64 = self.st, self.acc, self.fp64
+        bil = ys is not None
+        if bil != st.bilinear:
+            raise ValueError("this prepared plan was built for the other mode (evaluate vs bilinear)")
+        self._bind(xs, ys)
+        grams = {d: torch.zeros(n, d, d, device=self.device, dtype=acc) for d, n in sorted(st.gram_slots.items())}
+        for b, bs, lb in zip(st.gram, self.gram_static, self.gram_bound):
+            part = self.part[b.D]
+            warps = 8 if b.BT >= 128 else 4
+            for l, ls, (terms, align) in zip(b.launches, bs["launches"], lb):
+                if len(l.items) == 0:
+                    continue
+                xb, yb = self.bases[l.group]
+                _gram_kernel[(len(l.items),)](
+                    xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:],
+                    D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=bil, FP64=fp64,
+                    num_warps=warps)
+            if len(b.groups):
+                _gram_finish[(len(b.groups),)](part, bs["order"], bs["groups"], grams[b.D],
+                                              D=b.D, BT=b.BT, FP64=fp64, num_warps=4)
+        elem = torch.empty(max(1, st.elem_size), device=self.device, dtype=acc)
+        for l, ls, (regs, align) in zip(st.norm, self.norm_static, self.norm_bound):
+            if len(l.items) == 0:
+                continue
+            xb, yb = self.bases[l.group]
+            _rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], elem, self.slowpart,
+                                            BS=self.cfg.BS, BF=self.cfg.BF, ALIGN=align, BILINEAR=bil,
+                                            FP64=fp64, num_warps=8)
+        if len(st.finish):
+            BF = 256
+            _slow_finish[(len(st.finish), -(-st.max_F // BF))](self.slowpart, self.finish, elem, BF=BF,
+                                                                FP64=fp64, num_warps=4)
+        vec = torch.empty(st.vec_size, device=self.device, dtype=acc)
+        if st.vec_size:
+            BO = 128
+            ptr, idx, sgn = self.csr
+            _gather[(-(-st.vec_size // BO),)](elem, ptr, idx, sgn, vec, st.vec_size, st.max_count, BO=BO,
+                                              FP64=fp64, num_warps=4)
+        return vec, grams
+
+
+def clear_cache():
+    """Forget every prepared plan (needed only after mutating a Plan that was already evaluated)."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+def prepare(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None = None, *,
+            fp64: bool = False) -> Prepared:
+    """The cached ``Prepared`` for this plan object and these tensors' dtypes/shapes/strides/device.
+
+    Keyed on the plan's identity (plus a fingerprint of its sizes) -- a Plan must not be edited after
+    its first evaluation (``clear_cache()`` if it is).  ``ys``: the second argument of ``bilinear``.
+    """
+    key = (id(plan), _fingerprint(plan), ys is not None, fp64, _layout_key(xs),
+           _layout_key(ys) if ys is not None else None)
+    with _LOCK:
+        p = _CACHE.get(key)
+        if p is not None:
+            _CACHE.move_to_end(key)
+            return p
+    p = Prepared(plan, xs, ys, fp64)
+    with _LOCK:
+        _CACHE[key] = p
+        while len(_CACHE) > _CACHE_MAX:
+            _CACHE.popitem(last=False)
+    pid = id(plan)
+    weakref.finalize(plan, _forget, pid)
+    return p
+
+
+def _forget(pid: int):
+    with _LOCK:
+        for k in [k for k in _CACHE if k[0] == pid]:
+            del _CACHE[k]
+
+
+def evaluate_triton(plan: Plan, tensors: Sequence[torch.Tensor], fp64: bool = False):
+    """Triton twin of ``plan.evaluate_reference``: ``(vec (vec_size,), {D: (slots, D, D)})`` in fp32
+    (fp64 if ``fp64``), for fp32/bf16/fp16 tensors of any strides, on CUDA (or CPU under the
+    interpreter).  Raises ``ValueError`` for views outside their tensor or unreserved slots/entries."""
+    tensors = list(tensors)
+    return prepare(plan, tensors, fp64=fp64).run(tensors)
+
+
+def bilinear_triton(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], fp64: bool = False):
+    """Triton twin of ``plan.bilinear_reference``: Gram ``sign*(X Y^T + Y X^T)/2``, Norm
+    ``sign*sum X*Y`` (shift must be 0), Sum terms 0.  ``xs[i]`` and ``ys[i]`` must have equal shapes."""
+    xs, ys = list(xs), list(ys)
+    return prepare(plan, xs, ys, fp64=fp64).run(xs, ys)

@@ -1,0 +1,457 @@
+"""Triton kernels (under TRITON_INTERPRET=1 on CPU) against the float64 torch reference.
+
+Tolerance: every output entry is compared against ``rtol * scale`` where ``scale`` is the same plan
+evaluated in float64 on ``|x|`` with ``|sign|`` and ``|shift|`` -- an entrywise bound on the terms'
+magnitudes (|sum_t s_t X X^T| <= sum_t |s_t| |X||X|^T), so cancellation in the laws (Q Q^T - K K^T)
+cannot hide or fake an error.  rtol: 1e-5 for fp32 inputs, 1e-4 for bf16/fp16 inputs (reference
+computed from the same rounded values), 1e-12 with fp64=True.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conserve.kernels import (GramTerm, NormTerm, Plan, SumTerm, View, bilinear, bilinear_reference, evaluate,
+                              evaluate_reference)
+from conserve.kernels import launch as L
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1"
+
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4, torch.float16: 1e-4}
+
+
+# ---------------------------------------------------------------------------------------------- plans
+def row_block(t, start, rows, cols, row_dim=0, row_step=1):
+    """Rows ``start .. start+rows`` of a 2-D weight (or a row block at a multi-index ``start``)."""
+    start = start if isinstance(start, tuple) else (start, 0)
+    col_dim = 1 - row_dim if len(start) == 2 else len(start) - 1
+    return View(t, start, row_dim, rows, col_dim, cols, row_step)
+
+
+def attention(p: Plan, nH, nKV, D, H, q, k, v, o, layout="separate", bq=None, bv=None, qk=True, vo=True):
+    """QK and VO Gram laws of (GQA) attention for several storage layouts (spec: MHA/GQA rows).
+
+    layout: "separate" (q/k/v/o are tensor indices), "fused" ([Q|K|V] rows in tensor q), "interleaved"
+    (per-head [q_h|k_h|v_h] rows in tensor q, nH == nKV), "conv1d" (GPT-2: tensor q is (H, 3H) with
+    columns [Q|K|V], tensor o is (nH*D, H) so head i of O is its rows)."""
+    g = nH // nKV
+
+    def qv(i):
+        if layout == "separate":
+            return View(q, (i * D, 0), 0, D, 1, H)
+        if layout == "fused":
+            return View(q, (i * D, 0), 0, D, 1, H)
+        if layout == "interleaved":
+            return View(q, (3 * i * D, 0), 0, D, 1, H)
+        return View(q, (0, i * D), 1, D, 0, H)
+
+    def kv(j, which):  # which 0: k, 1: v
+        if layout == "separate":
+            return View(k if which == 0 else v, (j * D, 0), 0, D, 1, H)
+        if layout == "fused":
+            return View(q, ((nH + which * nKV + j) * D, 0), 0, D, 1, H)
+        if layout == "interleaved":
+            return View(q, ((3 * j + 1 + which) * D, 0), 0, D, 1, H)
+        return View(q, (0, (nH + which * nKV + j) * D), 1, D, 0, H)
+
+    def ov(i):
+        if layout == "conv1d":
+            return View(o, (i * D, 0), 0, D, 1, H)
+        return View(o, (0, i * D), 1, D, 0, H)
+
+    for j in range(nKV):
+        if qk:
+            s = p.new_gram(D)
+            for i in range(j * g, (j + 1) * g):
+                p.grams.append(GramTerm(qv(i), 1.0, s))
+                if bq is not None:
+                    p.grams.append(GramTerm(View(bq, (i * D,), 0, D, None, 1), 1.0, s))
+            p.grams.append(GramTerm(kv(j, 0), -1.0, s))
+        if vo:
+            s = p.new_gram(D)
+            p.grams.append(GramTerm(kv(j, 1), 1.0, s))
+            if bv is not None:
+                p.grams.append(GramTerm(View(bv, (j * D,), 0, D, None, 1), 1.0, s))
+            for i in range(j * g, (j + 1) * g):
+                p.grams.append(GramTerm(ov(i), -1.0, s))
+
+
+def swiglu_units(p: Plan, up, down, I, H, up_at=(), down_at=(), b_up=None):
+    """Unit law ``||W_up[u,:]||^2 + b_up[u]^2 - ||W_down[:,u]||^2``; ``*_at``: leading expert index."""
+    u = p.new_vec(I)
+    n = len(up_at)
+    p.norms.append(NormTerm(View(up, up_at + (0, 0), n, I, n + 1, H), 1.0, u))
+    p.norms.append(NormTerm(View(down, down_at + (0, 0), n + 1, I, n, H), -1.0, u))
+    if b_up is not None:
+        p.norms.append(NormTerm(View(b_up, (0,), 0, I, None, 1), 1.0, u))
+    return u
+
+
+def gain(p: Plan, g, readers, H, shift=0.0):
+    """Gain law ``(g_c + shift)^2 - sum_M ||W_M[:, c]||^2``; readers: (tensor, rows, lead index)."""
+    c = p.new_vec(H)
+    p.norms.append(NormTerm(View(g, (0,), 0, H, None, 1), 1.0, c, shift=shift))
+    for t, rows, at in readers:
+        n = len(at)
+        p.norms.append(NormTerm(View(t, at + (0, 0), n + 1, H, n, rows), -1.0, c))
+    return c
+
+
+def rope_pairs(p: Plan, nH, nKV, D, H, q, k, R=None, interleaved=True):
+    """Pair laws on rotary dims [0, R); pass-through Gram on [R, D) when R < D (partial rotary)."""
+    R = D if R is None else R
+    g = nH // nKV
+    for j in range(nKV):
+        base = p.new_vec(R // 2)
+        for half in (0, 1):
+            start, step = (half, 2) if interleaved else (half * R // 2, 1)
+            for i in range(j * g, (j + 1) * g):
+                p.norms.append(NormTerm(View(q, (i * D + start, 0), 0, R // 2, 1, H, step), 1.0, base))
+            p.norms.append(NormTerm(View(k, (j * D + start, 0), 0, R // 2, 1, H, step), -1.0, base))
+        if R < D:
+            s = p.new_gram(D - R)
+            for i in range(j * g, (j + 1) * g):
+                p.grams.append(GramTerm(View(q, (i * D + R, 0), 0, D - R, 1, H), 1.0, s))
+            p.grams.append(GramTerm(View(k, (j * D + R, 0), 0, D - R, 1, H), -1.0, s))
+
+
+# --------------------------------------------------------------------------------------------- checks
+def _abs_plan(plan: Plan) -> Plan:
+    return Plan(grams=[dataclasses.replace(t, sign=abs(t.sign)) for t in plan.grams],
+                norms=[dataclasses.replace(t, sign=abs(t.sign), shift=abs(t.shift)) for t in plan.norms],
+                sums=[dataclasses.replace(t, sign=abs(t.sign)) for t in plan.sums],
+                vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
+
+
+def _close(got, want, scale, rtol, what):
+    got, want, scale = got.double(), want.double(), scale.double()
+    assert got.shape == want.shape, what
+    err = (got - want).abs()
+    bad = err > rtol * scale + 1e-30
+    assert not bad.any(), (f"{what}: max err {err.max().item():.3e}, max scale {scale.max().item():.3e}, "
+                           f"worst rel {(err / scale.clamp_min(1e-300)).max().item():.3e}")
+
+
+def check(plan, ts, ys=None, fp64=False, rtol=None):
+    """Triton vs float64 reference for evaluate (and bilinear when ``ys`` is given)."""
+    rtol = rtol or (1e-12 if fp64 else max(RTOL[t.dtype] for t in ts if t.is_floating_point()))
+    acc = torch.float64 if fp64 else torch.float32
+    d64 = [t.double() for t in ts]
+    vec, grams = evaluate(plan, ts, fp64=fp64, backend="triton")
+    rv, rg = evaluate_reference(plan, d64, fp64=True)
+    sv, sg = evaluate_reference(_abs_plan(plan), [t.abs() for t in d64], fp64=True)
+    assert vec.dtype == acc and vec.shape == (plan.vec_size,)
+    _close(vec, rv, sv, rtol, "vec")
+    assert sorted(grams) == sorted(rg)
+    for d in rg:
+        assert grams[d].dtype == acc
+        _close(grams[d], rg[d], sg[d], rtol, f"gram D={d}")
+    if ys is not None:
+        y64 = [t.double() for t in ys]
+        vec, grams = bilinear(plan, ts, ys, fp64=fp64, backend="triton")
+        rv, rg = bilinear_reference(plan, d64, y64, fp64=True)
+        ap = _abs_plan(plan)
+        sv, sg = bilinear_reference(ap, [t.abs() for t in d64], [t.abs() for t in y64], fp64=True)
+        _close(vec, rv, sv, rtol, "bilinear vec")
+        for d in rg:
+            _close(grams[d], rg[d], sg[d], rtol, f"bilinear gram D={d}")
+
+
+def randn(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def llama_block(nH=4, nKV=2, D=16, H=24, I=20, dtype=torch.float32, rope=False, seed=0):
+    """A tiny Llama-style block: (plan, tensors) with GQA attention, SwiGLU units, gain, q/v biases."""
+    g = torch.Generator().manual_seed(seed)
+    ts = [randn(nH * D, H, dtype=dtype, gen=g), randn(nKV * D, H, dtype=dtype, gen=g),
+          randn(nKV * D, H, dtype=dtype, gen=g), randn(H, nH * D, dtype=dtype, gen=g),
+          randn(nH * D, dtype=dtype, gen=g), randn(nKV * D, dtype=dtype, gen=g),
+          randn(I, H, dtype=dtype, gen=g), randn(I, H, dtype=dtype, gen=g), randn(H, I, dtype=dtype, gen=g),
+          randn(H, dtype=dtype, gen=g), randn(I, dtype=dtype, gen=g)]
+    p = Plan()
+    if rope:
+        rope_pairs(p, nH, nKV, D, H, 0, 1, R=D // 2, interleaved=True)
+        attention(p, nH, nKV, D, H, 0, 1, 2, 3, bv=5, qk=False)
+    else:
+        attention(p, nH, nKV, D, H, 0, 1, 2, 3, bq=4, bv=5)
+    swiglu_units(p, 7, 8, I, H, b_up=10)
+    gain(p, 9, [(0, nH * D, ()), (1, nKV * D, ()), (2, nKV * D, ()), (6, I, ()), (7, I, ())], H)
+    return p, ts
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_llama_block_all_dtypes(dtype):
+    p, ts = llama_block(dtype=dtype)
+    ys = [torch.randn(t.shape).to(dtype) for t in ts]
+    check(p, ts, ys)
+
+
+def test_rope_partial_rotary_and_fp64():
+    p, ts = llama_block(rope=True, D=16, seed=1)
+    check(p, ts, [torch.randn_like(t) for t in ts])
+    check(p, ts, [torch.randn_like(t) for t in ts], fp64=True)
+
+
+@pytest.mark.parametrize("D,nH,nKV,H", [(8, 14, 14, 16), (64, 2, 1, 24), (80, 2, 2, 16), (96, 1, 1, 40),
+                                        (128, 2, 1, 16), (192, 1, 1, 24), (256, 1, 1, 16), (8, 71, 1, 16)])
+def test_head_dims_and_head_counts(D, nH, nKV, H):
+    g = torch.Generator().manual_seed(D + nH)
+    ts = [randn(nH * D, H, gen=g), randn(nKV * D, H, gen=g), randn(nKV * D, H, gen=g), randn(H, nH * D, gen=g)]
+    p = Plan()
+    attention(p, nH, nKV, D, H, 0, 1, 2, 3)
+    check(p, ts, [torch.randn_like(t) for t in ts] if D in (80, 192) else None)
+
+
+@pytest.mark.parametrize("layout", ["fused", "interleaved", "conv1d"])
+def test_fused_qkv_layouts(layout):
+    nH, nKV, D, H = (2, 2, 16, 24) if layout == "interleaved" else (4, 2, 16, 24)
+    g = torch.Generator().manual_seed(3)
+    if layout == "conv1d":  # GPT-2 Conv1D: y = x @ W + b, W: (in, out)
+        ts = [randn(H, (nH + 2 * nKV) * D, gen=g), randn(nH * D, H, gen=g)]
+    else:
+        ts = [randn((nH + 2 * nKV) * D, H, gen=g), randn(H, nH * D, gen=g)]
+    p = Plan()
+    attention(p, nH, nKV, D, H, 0, None, None, 1, layout=layout)
+    check(p, ts, [torch.randn_like(t) for t in ts])
+
+
+def test_transposed_and_strided_tensors():
+    """Same law on a transposed tensor (layout 1) and a doubly strided slice (general layout 2)."""
+    g = torch.Generator().manual_seed(4)
+    D, H = 16, 20
+    q = randn(H, 2 * D, gen=g).t()  # logical (2D, H), rows contiguous
+    k = randn(3 * D, 3 * H, gen=g)[::3, ::3][:D]  # neither stride 1
+    big = randn(4 * H, 2 * D, gen=g)
+    p = Plan()
+    s = p.new_gram(D)
+    p.grams += [GramTerm(View(0, (0, 0), 0, D, 1, H), 1.0, s), GramTerm(View(0, (D, 0), 0, D, 1, H), 0.5, s),
+                GramTerm(View(1, (0, 0), 0, D, 1, H), -1.0, s), GramTerm(View(2, (1, 3), 1, D, 0, H, 1), -2.0, s)]
+    i = p.new_vec(D)
+    p.norms += [NormTerm(View(0, (0, 0), 0, D, 1, H), 1.0, i), NormTerm(View(1, (0, 0), 1, H, 0, D), -1.0, 0)]
+    p.vec_size = max(p.vec_size, H)
+    p.norms += [NormTerm(View(2, (0, 1), 0, D, 1, D, row_step=3), 1.0, 0, index_stride=1)]
+    p.sums += [SumTerm(View(1, (0, 0), 0, D, 1, H), 1.0, 0), SumTerm(View(0, (0, 0), 0, 2 * D, 1, H), -1.0, 0)]
+    ts = [q, k, big]
+    ys = [torch.randn(H, 2 * D).t(), torch.randn(D, H), torch.randn(4 * H, 2 * D)]  # y strides differ from x
+    check(p, ts, ys)
+
+
+def test_moe_fused_experts_router_and_gain():
+    """3-D fused expert tensors (E, 2I, H) gate_up / (E, H, I) down, router and lm_head sums, Gemma gain."""
+    g = torch.Generator().manual_seed(5)
+    E, I, H, V = 3, 12, 16, 10
+    ts = [randn(E, 2 * I, H, gen=g), randn(E, H, I, gen=g), randn(E, H, gen=g), randn(H, gen=g),
+          randn(V, H, gen=g), randn(E, gen=g)]
+    p = Plan()
+    for e in range(E):
+        u = p.new_vec(I)  # up = second half of gate_up (rows I..2I)
+        p.norms.append(NormTerm(View(0, (e, I, 0), 1, I, 2, H), 1.0, u))
+        p.norms.append(NormTerm(View(1, (e, 0, 0), 2, I, 1, H), -1.0, u))
+    readers = [(0, 2 * I, (e,)) for e in range(E)] + [(2, E, ())]
+    gain(p, 3, readers, H, shift=1.0)
+    r = p.new_vec(H)
+    p.sums.append(SumTerm(View(2, (0, 0), 0, E, 1, H), 1.0, r))
+    b = p.new_vec(1)
+    p.sums.append(SumTerm(View(5, (0,), 0, E, None, 1), 1.0, b))  # sum_e b_router[e]
+    w = p.new_vec(H)
+    p.sums.append(SumTerm(View(4, (0, 0), 0, V, 1, H), -1.0, w))
+    check(p, ts)
+    # bilinear needs shift == 0
+    p0 = Plan(grams=p.grams, norms=[dataclasses.replace(t, shift=0.0) for t in p.norms], sums=p.sums,
+              vec_size=p.vec_size, gram_slots=p.gram_slots)
+    check(p0, ts, [torch.randn_like(t) for t in ts])
+    with pytest.raises(ValueError, match="shift"):
+        bilinear(p, ts, ts, backend="triton")
+
+
+def test_zero_element_tensors_and_views():
+    g = torch.Generator().manual_seed(6)
+    D, H = 16, 8
+    ts = [randn(0, H, gen=g), randn(D, H, gen=g), randn(D, 0, gen=g)]
+    p = Plan()
+    s0 = p.new_gram(D)  # gets only an empty-column term: stays 0
+    s1 = p.new_gram(D)
+    p.grams += [GramTerm(View(2, (0, 0), 0, D, 1, 0), 1.0, s0), GramTerm(View(1, (0, 0), 0, D, 1, H), 1.0, s1),
+                GramTerm(View(1, (0, 0), 0, D, 1, 0), -1.0, s1)]
+    z = p.new_gram(0)
+    p.grams.append(GramTerm(View(0, (0, 0), 0, 0, 1, H), 1.0, z))
+    i = p.new_vec(D)
+    p.norms += [NormTerm(View(2, (0, 0), 0, D, 1, 0), 1.0, i), NormTerm(View(0, (0, 0), 0, 0, 1, H), 1.0, i)]
+    p.sums += [SumTerm(View(0, (0, 0), 0, 0, 1, H), 1.0, p.new_vec(H))]
+    check(p, ts, [torch.randn_like(t) for t in ts])
+    vec, grams = evaluate(p, ts, backend="triton")
+    assert grams[D][s0].abs().max() == 0 and grams[0].shape == (1, 0, 0)
+    assert vec[:D].abs().max() == 0 and vec[D:].abs().max() == 0
+
+
+def test_empty_plan():
+    vec, grams = evaluate(Plan(), [torch.randn(3)], backend="triton")
+    assert vec.shape == (0,) and grams == {}
+
+
+def test_cache_reuses_tables_and_sees_in_place_updates():
+    from conserve.kernels import triton_impl as T
+
+    p, ts = llama_block(seed=7)
+    pr = T.prepare(p, ts)
+    v1, _ = evaluate(p, ts, backend="triton")
+    assert T.prepare(p, ts) is pr
+    with torch.no_grad():
+        ts[0].mul_(2.0)  # in place: same tables, new values
+    v2, g2 = evaluate(p, ts, backend="triton")
+    rv, rg = evaluate_reference(p, ts, fp64=True)
+    assert T.prepare(p, ts) is pr
+    assert torch.allclose(v2.double(), rv, rtol=1e-5, atol=1e-4) and not torch.equal(v1, v2)
+    ts2 = [t.clone() for t in ts]  # new addresses, same layout: same structure, rebound offsets
+    v3, g3 = evaluate(p, ts2, backend="triton")
+    assert T.prepare(p, ts2) is pr and torch.equal(v3, v2) and all(torch.equal(g3[d], g2[d]) for d in g2)
+
+
+def test_deterministic():
+    p, ts = llama_block(seed=8, dtype=torch.bfloat16)
+    a = evaluate(p, ts, backend="triton")
+    b = evaluate(p, ts, backend="triton")
+    assert torch.equal(a[0], b[0]) and all(torch.equal(a[1][d], b[1][d]) for d in a[1])
+
+
+def test_bad_input_errors():
+    p = Plan()
+    p.grams.append(GramTerm(View(0, (0, 0), 0, 4, 1, 4), 1.0, 0))
+    with pytest.raises(ValueError, match="new_gram"):
+        evaluate(p, [torch.randn(4, 4)], backend="triton")
+    p = Plan()
+    p.norms.append(NormTerm(View(0, (0, 0), 0, 4, 1, 4), 1.0, 0))
+    with pytest.raises(ValueError, match="new_vec"):
+        evaluate(p, [torch.randn(4, 4)], backend="triton")
+    p.vec_size = 4
+    with pytest.raises(ValueError, match="does not fit"):
+        evaluate(p, [torch.randn(3, 4)], backend="triton")
+    with pytest.raises(ValueError, match="equal shapes"):
+        bilinear(p, [torch.randn(4, 4)], [torch.randn(4, 5)], backend="triton")
+
+
+# -------------------------------------------------------------------------------------- int64 offsets
+def test_offsets_past_2_31_elements_in_tables():
+    """Table arithmetic is int64: a view deep inside a >2**31-element (meta, unallocated) tensor."""
+    big = torch.empty(3, 2**31 + 64, device="meta")
+    p = Plan()
+    s = p.new_gram(2)
+    p.grams.append(GramTerm(View(0, (0, 2**31 + 5), 1, 2, 0, 3), 1.0, s))  # column block, row stride 2**31+64
+    p.norms.append(NormTerm(View(0, (1, 2**31 + 1), 1, 2, 0, 2), 1.0, p.new_vec(2)))
+    st = L.build(p, [big], None, False, L.Config())
+    row = st.gram[0].launches[0].terms[0]
+    assert row[0] == 2**31 + 5 and row[2] == 2**31 + 64 and row[4] == 1
+    reg = st.norm[0].regions[0]
+    assert reg[0] == (2**31 + 64) + 2**31 + 1 and reg[1] == 2**31 + 64  # transposed: slow stride
+    _, d = L.tensor_deltas([_Ptr(0), _Ptr(4 * (2**33 + 3))], [0, 1])
+    assert d.dtype == np.int64 and d[1] == 2**33 + 3
+    assert L.offsets(np.array([7]), np.array([1]), d)[0] == 2**33 + 10
+
+
+class _Ptr:
+    def __init__(self, p):
+        self.p = p
+
+    def data_ptr(self):
+        return self.p
+
+    def element_size(self):
+        return 4
+
+
+def _far_page(near: int, distance: int):
+    """Map one page ~``distance`` bytes above ``near`` (the kernel then reaches it through an int64
+    element offset > 2**31 from the base tensor); None if the OS places it elsewhere."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    hint = (near + distance) & ~(mmap.PAGESIZE - 1)
+    addr = libc.mmap(hint, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value) or abs(addr - near) < 2**31 * 4:
+        return None
+    return addr
+
+
+def test_kernel_with_element_offset_past_2_31():
+    base = torch.randn(4, 16)
+    addr = _far_page(base.data_ptr(), 2**34)
+    if addr is None:
+        pytest.skip("the OS did not map a page 16 GiB away from the heap")
+    buf = (ctypes.c_float * (mmap.PAGESIZE // 4)).from_address(addr)
+    far = torch.frombuffer(buf, dtype=torch.float32)[: 16 * 16].view(16, 16)
+    far.copy_(torch.randn(16, 16))
+    p = Plan()
+    s = p.new_gram(16)
+    p.grams += [GramTerm(View(1, (0, 0), 0, 16, 1, 16), 1.0, s), GramTerm(View(1, (0, 0), 1, 16, 0, 16), -0.5, s)]
+    i = p.new_vec(16)
+    p.norms += [NormTerm(View(1, (0, 0), 0, 16, 1, 16), 1.0, i), NormTerm(View(0, (0, 0), 1, 16, 0, 4), 1.0, i)]
+    ts = [base, far]
+    _, d = L.tensor_deltas(ts, [0, 1])
+    assert abs(int(d[1])) > 2**31
+    check(p, ts)
+
+
+# ------------------------------------------------------------------------------------------ hypothesis
+@st.composite
+def random_case(draw):
+    """A random 2-D weight (maybe transposed / strided / a 3-D slice), views of random rectangles."""
+    R = draw(st.integers(1, 40))
+    C = draw(st.integers(1, 40))
+    kind = draw(st.sampled_from(["contig", "transposed", "strided", "3d"]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    if kind == "contig":
+        t = randn(R, C, gen=g, dtype=dtype)
+    elif kind == "transposed":
+        t = randn(C, R, gen=g, dtype=dtype).t()
+    elif kind == "strided":
+        t = randn(2 * R, 3 * C, gen=g, dtype=dtype)[::2, 1::3]
+    else:
+        t = randn(2, R, C, gen=g, dtype=dtype)
+    at = (1,) if t.dim() == 3 else ()
+    p = Plan()
+    nterms = draw(st.integers(1, 4))
+    for _ in range(nterms):
+        what = draw(st.sampled_from(["gram", "norm", "sum"]))
+        axis = draw(st.integers(0, 1))  # which logical dim the view's rows walk
+        n_r, n_c = (R, C) if axis == 0 else (C, R)
+        rows = draw(st.integers(0, n_r))
+        step = draw(st.integers(1, 2))
+        rows = min(rows, (n_r + step - 1) // step)
+        r0 = draw(st.integers(0, n_r - (rows - 1) * step - 1)) if rows else 0
+        cols = draw(st.integers(0, n_c))
+        c0 = draw(st.integers(0, n_c - cols))
+        start = (r0, c0) if axis == 0 else (c0, r0)
+        n = len(at)
+        v = View(0, at + start, n + axis, rows, n + 1 - axis, cols, step)
+        sign = draw(st.sampled_from([1.0, -1.0, 0.5]))
+        if what == "gram":
+            p.grams.append(GramTerm(v, sign, p.new_gram(rows)))
+        elif what == "norm":
+            shift = draw(st.sampled_from([0.0, 0.0, 1.0]))
+            p.norms.append(NormTerm(v, sign, p.new_vec(rows), 1, shift))
+        else:
+            p.sums.append(SumTerm(v, sign, p.new_vec(cols)))
+    return p, [t]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_case())
+def test_hypothesis_random_shapes_and_layouts(case):
+    p, ts = case
+    check(p, ts)
+    if all(t.shift == 0.0 for t in p.norms):
+        y = torch.randn(ts[0].shape).to(ts[0].dtype)
+        check(p, ts, [y])
