@@ -338,10 +338,11 @@ class ContinuityMonitor:
     """Continuity metrics during training; plugs into the tracker (``update`` every step, ``metrics`` at flush).
 
     ``ContinuityMonitor(model_or_named_params, every=1, *, power_steps=1, alignment=True, coherence=True,
-    types=None, seed=0, max_batch_bytes=2**28)``
+    types=None, seed=0, warmup_steps=20, max_batch_bytes=2**28)``
 
     - ``model_or_named_params``: an ``nn.Module`` or ``(name, Parameter)`` pairs; grouped by
-      ``group_projections`` (raises ``ValueError`` if no type has two layers).
+      ``group_projections`` (raises ``ValueError`` if no type has two layers). The construction runs
+      ``warmup_steps`` power-iteration steps from random start vectors (seeded by ``seed``).
     - ``update()`` (after each optimizer step, gradients still present): adds each ``.grad`` to its running
       sum (float32, one ``torch._foreach_add_``; a parameter whose ``.grad`` is None is skipped that step),
       and every ``every``-th call runs ``power_steps`` warm-started power-iteration steps, with same-shape
@@ -361,7 +362,7 @@ class ContinuityMonitor:
 
     def __init__(self, model_or_named_params, every: int = 1, *, power_steps: int = 1, alignment: bool = True,
                  coherence: bool = True, types: Iterable[str] | None = None, seed: int = 0,
-                 max_batch_bytes: int = 2 ** 28):
+                 warmup_steps: int = 20, max_batch_bytes: int = 2 ** 28):
         if isinstance(model_or_named_params, torch.nn.Module):
             named = list(model_or_named_params.named_parameters())
         else:
@@ -402,7 +403,8 @@ class ContinuityMonitor:
             if self.coherence else []
         self.num_updates = 0
         self.num_power = 0
-        self._refresh_power()  # so metrics() right after construction already has u
+        if warmup_steps > 0:  # converge from the random start once, so the first metrics are meaningful
+            self._refresh_power(warmup_steps)
 
     # -- training-time work -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -239,7 +239,8 @@ def _violation(block: nn.Module, x: torch.Tensor, direction: dict[str, torch.Ten
 def router_study(seed: int = 0, num_experts: int = 4, hidden: int = 3, inter: int = 2):
     """Count laws and check the router-sum law for softmax / normalised-sigmoid routers.
 
-    Returns a list of rows ``(router, top_k, expected_without_router_sum, LawCount, violation)`` where
+    Returns a list of rows ``(router, top_k, renorm, unit_laws, LawCount, violation)`` where
+    ``unit_laws = num_experts * inter`` (the experts' SwiGLU laws) and
     ``violation`` is the relative first-order violation of ``h = <c, sum_e W_router[e,:]>`` for a
     random ``c`` (spec check 1)."""
     from .count import count_laws
@@ -248,12 +249,13 @@ def router_study(seed: int = 0, num_experts: int = 4, hidden: int = 3, inter: in
     g = torch.Generator().manual_seed(seed + 7)
     x = torch.randn(80, hidden, generator=g, dtype=torch.float64)
     c = torch.randn(hidden, generator=g, dtype=torch.float64)
-    for kind in ("softmax", "sigmoid"):
-        for k in (1, 2, 3):
-            moe = _seeded(seed, lambda: MoE(hidden, inter, num_experts, k, kind))
-            res = count_laws(moe, x)
-            viol = _violation(moe, x, {"router.weight": c.expand(num_experts, hidden).clone()})
-            rows.append((kind, k, num_experts * inter, res, viol))
+    configs = [(kind, k, True) for kind in ("softmax", "sigmoid") for k in range(1, num_experts + 1)]
+    configs += [("softmax", 1, False), ("sigmoid", 2, False)]
+    for kind, k, renorm in configs:
+        moe = _seeded(seed, lambda: MoE(hidden, inter, num_experts, k, kind, renorm))
+        res = count_laws(moe, x)
+        viol = _violation(moe, x, {"router.weight": c.expand(num_experts, hidden).clone()})
+        rows.append((kind, k, renorm, num_experts * inter, res, viol))
     return rows
 
 
@@ -262,11 +264,12 @@ def _main(argv: list[str]) -> None:
 
     if argv[:1] == ["router"]:
         print("E=4 SwiGLU experts (I=2), H=3, 80 inputs, float64; unit laws alone = E*I = 8")
-        print(f"{'router':8} {'top_k':>5} {'laws':>5} {'minus E*I':>9} {'gap':>9} {'2nd gap':>9} "
-              f"{'router-sum violation':>21}")
-        for kind, k, base, res, viol in router_study():
-            print(f"{kind:8} {k:5d} {res.count:5d} {res.count - base:9d} {res.gap_ratio:9.1e} "
-                  f"{res.second_gap_ratio:9.1e} {viol:21.1e}")
+        print("| router | top_k | renorm | params | laws | laws - E*I | gap ratio | next ratio "
+              "| router-sum first-order violation |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for kind, k, renorm, base, res, viol in router_study():
+            print(f"| {kind} | {k} | {'yes' if renorm else 'no'} | {res.num_params} | {res.count} | "
+                  f"{res.count - base} | {res.gap_ratio:.1e} | {res.second_gap_ratio:.1e} | {viol:.1e} |")
         return
     for inst in instances():
         res = count_laws(inst.block, inst.inputs)

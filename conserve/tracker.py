@@ -138,6 +138,7 @@ class Tracker:
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
         self.last: dict[str, Values] = {}
+        self.last_record: dict | None = None
 
     # ------------------------------------------------------------------------------------ layout
     def _build_index(self):
@@ -261,6 +262,24 @@ class Tracker:
         """Current ``h(theta_k)`` per law name (vector or D x D)."""
         return {l.name: v for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
 
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Per family, since step 0: ``eps`` now, ``measured`` = ||h_k - h_0||, the cumulative ``decay``,
+        ``first`` and ``second`` terms (norms of their per-entry sums), ``predicted`` = ||decay + first +
+        second|| (equals ``measured`` by the identity) and ``predicted_no_first`` = ||decay + second||
+        (the GD/SGD prediction, where the first-order term vanishes). Host floats (one sync)."""
+        c = self.cumulative
+        parts = {"measured": self._fam_norm(self.h.map(torch.sub, self.h0)),
+                 "decay": self._fam_norm(c["decay"]), "first": self._fam_norm(c["first"]),
+                 "second": self._fam_norm(c["second"]),
+                 "predicted": self._fam_norm(c["decay"].map(torch.add, c["first"]).map(torch.add, c["second"])),
+                 "predicted_no_first": self._fam_norm(c["decay"].map(torch.add, c["second"])),
+                 "scale": self._fam_norm(self.h0)}
+        rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
+        eps = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
+        parts["eps"] = eps / self._fam_count
+        host = {k: v.double().cpu().tolist() for k, v in parts.items()}
+        return {f: {k: host[k][i] for k in host} for i, f in enumerate(self.families)}
+
     def flush(self) -> list[dict]:
         """Move the pending rows to the host (one sync) and write them to the sinks.
 
@@ -290,6 +309,8 @@ class Tracker:
                 rec.update(mon)
             out.append(rec)
         self._write(out)
+        if out:
+            self.last_record = out[-1]
         return out
 
     def _write(self, recs):

@@ -35,13 +35,22 @@ def _tile(base, off, i, j, si, sj, mask):
 
 
 @triton.jit
-def _pair_dot(a, b, c, d, acc, BILINEAR: tl.constexpr, FP64: tl.constexpr):
-    """``acc + a b^T`` (evaluate) or ``acc + a d^T + c b^T`` (bilinear: a,b from x; c,d from y)."""
+def _pair_dot(a, b, c, d, acc, BILINEAR: tl.constexpr, FP64: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a b^T`` (evaluate) or ``acc + a b^T + c d^T`` (bilinear).
+
+    bf16/fp16 tiles go to the tensor cores as they are (fp32 accumulate: products of half inputs are
+    exact in fp32).  fp64: via fp32, exact (the interpreter casts bf16 -> fp64 wrongly).  UPCAST (set
+    only under TRITON_INTERPRET=1 for bf16, whose interpreter dot multiplies the raw bits): fp32."""
     if FP64:
-        a = a.to(tl.float64)
-        b = b.to(tl.float64)
-        c = c.to(tl.float64)
-        d = d.to(tl.float64)
+        a = a.to(tl.float32).to(tl.float64)
+        b = b.to(tl.float32).to(tl.float64)
+        c = c.to(tl.float32).to(tl.float64)
+        d = d.to(tl.float32).to(tl.float64)
+    elif UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        c = c.to(tl.float32)
+        d = d.to(tl.float32)
     acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     if BILINEAR:
         acc = tl.dot(c, tl.trans(d), acc, input_precision="ieee")
@@ -51,7 +60,8 @@ def _pair_dot(a, b, c, d, acc, BILINEAR: tl.constexpr, FP64: tl.constexpr):
 @triton.jit
 def _gram_kernel(xb, yb, terms, signs, items, part,
                  D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr,
-                 SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr):
+                 SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
+                 UPCAST: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     it = items + pid * 6
     t0 = tl.load(it)
@@ -96,13 +106,13 @@ def _gram_kernel(xb, yb, terms, signs, items, part,
                     else:
                         b = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
                         d = _tile(yb, yo, rj, kk, yrs_a, 1, mj[:, None] & mk[None, :])
-                    tacc = _pair_dot(a, d, c, b, tacc, BILINEAR, FP64)
+                    tacc = _pair_dot(a, d, c, b, tacc, BILINEAR, FP64, UPCAST)
                 else:
                     if SINGLE:
                         b = a
                     else:
                         b = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
-                    tacc = _pair_dot(a, b, a, b, tacc, BILINEAR, FP64)
+                    tacc = _pair_dot(a, b, a, b, tacc, BILINEAR, FP64, UPCAST)
         elif lay == 1:
             # the head dim is contiguous (column blocks, Conv1D): tiles [BK, BT], contracted over axis 0
             cs_a = tl.multiple_of(cs, ALIGN)
@@ -120,14 +130,14 @@ def _gram_kernel(xb, yb, terms, signs, items, part,
                         bt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
                         dt = _tile(yb, yo, kk, rj, ycs_a, 1, mk[:, None] & mj[None, :])
                     tacc = _pair_dot(tl.trans(at), tl.trans(dt), tl.trans(ct), tl.trans(bt), tacc,
-                                     BILINEAR, FP64)
+                                     BILINEAR, FP64, UPCAST)
                 else:
                     if SINGLE:
                         bt = at
                     else:
                         bt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
                     tacc = _pair_dot(tl.trans(at), tl.trans(bt), tl.trans(at), tl.trans(bt), tacc,
-                                     BILINEAR, FP64)
+                                     BILINEAR, FP64, UPCAST)
         else:
             # general strides (neither dimension contiguous)
             for k in range(k0, kend, BK):
@@ -138,9 +148,9 @@ def _gram_kernel(xb, yb, terms, signs, items, part,
                 if BILINEAR:
                     c = _tile(yb, yo, ri, kk, yrs, ycs, mi[:, None] & mk[None, :])
                     d = _tile(yb, yo, rj, kk, yrs, ycs, mj[:, None] & mk[None, :])
-                    tacc = _pair_dot(a, d, c, b, tacc, BILINEAR, FP64)
+                    tacc = _pair_dot(a, d, c, b, tacc, BILINEAR, FP64, UPCAST)
                 else:
-                    tacc = _pair_dot(a, b, a, b, tacc, BILINEAR, FP64)
+                    tacc = _pair_dot(a, b, a, b, tacc, BILINEAR, FP64, UPCAST)
         acc += sign * tacc
     if BILINEAR:
         acc = acc * 0.5

@@ -20,7 +20,6 @@ Tables (all int64, row-major):
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -69,12 +68,22 @@ class Config:
 
 
 def _layout(rows, cols, strides) -> int:
-    """0: every (rs, cs) in ``strides`` has cs == 1 (or cols <= 1); 1: rs == 1 (or rows <= 1); 2: general."""
-    if cols <= 1 or all(cs == 1 for _, cs in strides):
+    """0: cs == 1 for every (rs, cs) in ``strides`` (rows strided, columns contiguous); 1: rs == 1;
+    2: general.  A dimension of extent <= 1 has no stride to speak of (``_clean`` zeroes it)."""
+    if cols > 1 and all(cs == 1 for _, cs in strides):
         return 0
-    if rows <= 1 or all(rs == 1 for rs, _ in strides):
+    if rows > 1 and all(rs == 1 for rs, _ in strides):
+        return 1
+    if cols <= 1:
+        return 0
+    if rows <= 1:
         return 1
     return 2
+
+
+def _clean(rows, cols, rs, cs):
+    """Strides of extent-1 dimensions are never used: zero them so alignment hints stay true."""
+    return (rs if rows > 1 else 0), (cs if cols > 1 else 0)
 
 
 @dataclass
@@ -181,6 +190,8 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
         (xo, xrs, xcs), (yo, yrs, ycs) = _resolve(t.view, xs, ys)
         if D == 0 or t.view.cols == 0 or xs[t.view.tensor].numel() == 0:
             continue
+        xrs, xcs = _clean(D, t.view.cols, xrs, xcs)
+        yrs, ycs = _clean(D, t.view.cols, yrs, ycs)
         by_d[D].append((t, xo, xrs, xcs, yo, yrs, ycs))
     for D in sorted(by_d):
         BT = min(max(16, next_pow2(D)), cfg.BT_MAX)
@@ -236,8 +247,8 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
 def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
     bil = ys is not None
     terms = [("norm", t) for t in plan.norms] + ([] if bil else [("sum", t) for t in plan.sums])
-    regions = {}  # key -> dict
-    refs = []  # (out index, region key, "fast"/"slow", position, sign)
+    regions = {}  # key -> dict(fast=, slow=)
+    refs = []  # (out start, out step, n, region key, fast?, pos start, pos step, sign)
     for kind, t in terms:
         v = t.view
         if kind == "norm":
@@ -255,6 +266,8 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
         R, C = v.rows, v.cols
         if R == 0 or C == 0 or xs[v.tensor].numel() == 0:
             continue
+        xrs, xcs = _clean(R, C, xrs, xcs)
+        yrs, ycs = _clean(R, C, yrs, ycs)
         strides = [(xrs, xcs)] + ([(yrs, ycs)] if bil else [])
         lay = _layout(R, C, strides)
         if lay == 1:  # rows contiguous: the region is the transpose of the view
@@ -265,20 +278,21 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
         shift = float(t.shift) if kind == "norm" else 0.0
         key = (_group(xs, ys, v.tensor), v.tensor, xo, S, F, ss, fs, lay, func, shift, yo, yss, yfs)
         reg = regions.setdefault(key, dict(fast=False, slow=False))
-        # NormTerm reduces over view columns; SumTerm over view rows
+        # NormTerm reduces over view columns (one output per view row); SumTerm over view rows
         reduce_fast = (kind == "norm") != trans
         reg["fast" if reduce_fast else "slow"] = True
         if kind == "norm":
-            for r in range(R):
-                refs.append((t.index + r * t.index_stride, key, reduce_fast, r, float(t.sign)))
+            refs.append((t.index, t.index_stride, R, key, reduce_fast, 0, 1, float(t.sign)))
         else:
-            for c in range(C):
-                refs.append((t.index + c, key, reduce_fast, c, float(t.sign)))
+            refs.append((t.index, 1, C, key, reduce_fast, 0, 1, float(t.sign)))
+    remap = _merge_row_regions(regions, bil)
     elem = 0
     slow_off = 0
     finish = []
     per_group = defaultdict(list)
     for key, reg in regions.items():
+        if key in remap:
+            continue
         per_group[key[0]].append(key)
         S, F = key[3], key[4]
         if reg["fast"]:
@@ -315,24 +329,54 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
                                   shifts=shifts, items=np.asarray(items, dtype=np.int64).reshape(-1, 4)))
     st.elem_size, st.slow_size = elem, slow_off
     st.finish = np.asarray(finish, dtype=np.int64).reshape(-1, 4)
-    # CSR gather, stable in plan order per output
-    counts = np.zeros(plan.vec_size + 1, dtype=np.int64)
-    for o, *_ in refs:
-        counts[o + 1] += 1
-    ptr = np.cumsum(counts)
-    fill = ptr[:-1].copy()
-    idx = np.zeros(len(refs), dtype=np.int64)
-    sgn = [0.0] * len(refs)
-    for o, key, fast, pos, sign in refs:
+    # CSR gather: vec[o] = sum sign * elem[idx], entries of one output in plan order
+    outs, idxs, sgns = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0)]
+    for (o0, ostep, n, key, fast, p0, pstep, sign) in refs:
+        if key in remap:
+            key, a, b = remap[key]
+            p0, pstep = a + p0 * b, pstep * b
         reg = regions[key]
-        p = fill[o]
-        fill[o] += 1
-        idx[p] = reg["fast_base"] + pos if fast else reg["slow_elem"] + pos
-        sgn[p] = sign
-    st.csr_ptr, st.csr_idx, st.csr_sgn = ptr, idx, sgn
-    st.max_count = int(counts.max()) if len(refs) else 0
+        r = np.arange(n, dtype=np.int64)
+        outs.append(o0 + ostep * r)
+        idxs.append((reg["fast_base"] if fast else reg["slow_elem"]) + p0 + pstep * r)
+        sgns.append(np.full(n, sign))
+    o, idx, sgn = np.concatenate(outs), np.concatenate(idxs), np.concatenate(sgns)
+    order = np.argsort(o, kind="stable")
+    counts = np.bincount(o, minlength=plan.vec_size) if len(o) else np.zeros(plan.vec_size, np.int64)
+    st.csr_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    st.csr_idx, st.csr_sgn = idx[order], sgn[order].tolist()
+    st.max_count = int(counts.max()) if len(o) else 0
 
 
+def _merge_row_regions(regions: dict, bil: bool) -> dict:
+    """Serve fast sums (row norms) of a region from a larger region over the same rows that is read
+    anyway (e.g. RoPE pair views of ``W_q`` rows from the gain law's full ``W_q`` region): returns
+    ``{key: (host key, a, b)}`` meaning row ``r`` of ``key`` is row ``a + b*r`` of the host."""
+    hosts = defaultdict(list)
+    for key, reg in regions.items():
+        (g, tensor, xo, S, F, ss, fs, lay, func, shift, yo, yss, yfs) = key
+        if lay == 0 and (fs == 1 or F == 1) and ss > 0:
+            hosts[(g, tensor, F, func, shift)].append(key)
+    remap, used = {}, set()
+    for key, reg in regions.items():
+        (g, tensor, xo, S, F, ss, fs, lay, func, shift, yo, yss, yfs) = key
+        if reg["slow"] or not reg["fast"] or lay != 0 or not (fs == 1 or F == 1) or key in used:
+            continue
+        for h in sorted(hosts[(g, tensor, F, func, shift)], key=lambda k: -k[3]):
+            (_, _, hxo, hS, _, hss, _, _, _, _, hyo, hyss, _) = h
+            if h == key or h in remap or hS <= S or (xo - hxo) % hss or (S > 1 and ss % hss):
+                continue
+            a = (xo - hxo) // hss
+            b = ss // hss if S > 1 else 1
+            if a < 0 or a + b * (S - 1) >= hS:
+                continue
+            if bil and not (yss == hyss * b and yo - hyo == a * hyss):
+                continue
+            regions[h]["fast"] = True
+            remap[key] = (h, a, b)
+            used.add(h)
+            break
+    return remap
 def tensor_deltas(ts: Sequence[torch.Tensor], members: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
     """Base tensor (the first of ``members``) and ``(ptr_i - ptr_base) / itemsize`` for every member
     (int64 from exact python ints: correct beyond 2**31 elements).  Raises if an address is not a whole

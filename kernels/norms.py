@@ -67,13 +67,13 @@ def _rowcol_kernel(xb, yb, regions, shifts, items, elem, slowpart,
             s = s0 + sr
             m = (s < s_end)[:, None] & mf[None, :]
             if lay == 0:
-                x = _tile(xb, xo, s, f, tl.multiple_of(ss, ALIGN), 1, m).to(ACC)
+                x = _tile(xb, xo, s, f, tl.multiple_of(ss, ALIGN), 1, m).to(tl.float32).to(ACC)
                 if BILINEAR:
-                    y = _tile(yb, yo, s, f, tl.multiple_of(yss, ALIGN), 1, m).to(ACC)
+                    y = _tile(yb, yo, s, f, tl.multiple_of(yss, ALIGN), 1, m).to(tl.float32).to(ACC)
             else:
-                x = _tile(xb, xo, s, f, ss, fs, m).to(ACC)
+                x = _tile(xb, xo, s, f, ss, fs, m).to(tl.float32).to(ACC)
                 if BILINEAR:
-                    y = _tile(yb, yo, s, f, yss, yfs, m).to(ACC)
+                    y = _tile(yb, yo, s, f, yss, yfs, m).to(tl.float32).to(ACC)
             if BILINEAR:
                 v = x * y
             else:

@@ -109,10 +109,9 @@ class Prepared:
                 terms = l.terms.copy()
                 terms[:, 0] = L.offsets(l.terms[:, 0], l.x_tensor, xd)
                 terms[:, 5] = L.offsets(l.terms[:, 5], l.y_tensor, yd) if ys is not None else 0
-                hint = list(terms[:, 0]) + list(terms[:, 5]) + list(l.items[:, 3]) + [l.BK]
+                hint = list(terms[:, 0]) + list(terms[:, 5])
                 for (xo, rs, cs, n, lay, yo, yrs, ycs) in terms:
                     hint += [rs, yrs] if lay == 0 else ([cs, ycs] if lay == 1 else [])
-                    hint += [n] if lay == 0 else []
                 lb.append((self._dev(terms), self._align(l.group, hint)))
             self.gram_bound.append(lb)
         self.norm_bound = []
@@ -159,6 +158,7 @@ class Prepared:
                 _gram_kernel[(len(l.items),)](
                     xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:],
                     D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=bil, FP64=fp64,
+                    UPCAST=(_interpreting() and torch.bfloat16 in l.group) or l.group[0] != l.group[1],
                     num_warps=warps)
             if len(b.groups):
                 _gram_finish[(len(b.groups),)](part, bs["order"], bs["groups"], grams[b.D],

@@ -198,6 +198,10 @@ def test_llama_block_all_dtypes(dtype):
 
 def test_rope_partial_rotary_and_fp64():
     p, ts = llama_block(rope=True, D=16, seed=1)
+    # fused: the pair views of q/k rows are served by the gain law's q/k regions (one read each)
+    st = L.build(p, ts, None, False, L.Config())
+    per_tensor = [sum(int(t) == i for l in st.norm for t in l.x_tensor) for i in range(len(ts))]
+    assert per_tensor[0] == 1 and per_tensor[1] == 1 and per_tensor[7] == 1, per_tensor  # q, k, up
     check(p, ts, [torch.randn_like(t) for t in ts])
     check(p, ts, [torch.randn_like(t) for t in ts], fp64=True)
 
@@ -312,6 +316,14 @@ def test_cache_reuses_tables_and_sees_in_place_updates():
     rv, rg = evaluate_reference(p, ts, fp64=True)
     assert T.prepare(p, ts) is pr
     assert torch.allclose(v2.double(), rv, rtol=1e-5, atol=1e-4) and not torch.equal(v1, v2)
+    for lb in pr.gram_bound:  # the tl.multiple_of hints are true
+        for terms, align in lb:
+            t = terms.numpy()
+            hinted = np.concatenate([t[:, 0], t[:, 5], t[t[:, 4] == 0][:, [1, 6]].ravel(), t[t[:, 4] == 1][:, [2, 7]].ravel()])
+            assert align > 1 and (hinted % align == 0).all()
+    for regs, align in pr.norm_bound:
+        r = regs.numpy()
+        assert (np.concatenate([r[:, 0], r[:, 9], r[r[:, 5] == 0][:, [1, 10]].ravel()]) % align == 0).all()
     ts2 = [t.clone() for t in ts]  # new addresses, same layout: same structure, rebound offsets
     v3, g3 = evaluate(p, ts2, backend="triton")
     assert T.prepare(p, ts2) is pr and torch.equal(v3, v2) and all(torch.equal(g3[d], g2[d]) for d in g2)
@@ -455,3 +467,27 @@ def test_hypothesis_random_shapes_and_layouts(case):
     if all(t.shift == 0.0 for t in p.norms):
         y = torch.randn(ts[0].shape).to(ts[0].dtype)
         check(p, ts, [y])
+
+
+def test_gpu_work_split_under_interpreter():
+    """The GPU configuration's splits (contracted-dim chunks per Gram slot, several items and slow
+    partial rows per region) give the same results as the single-item CPU configuration."""
+    from conserve.kernels import triton_impl as T
+
+    p, ts = llama_block(nH=4, nKV=1, D=16, H=48, I=40, seed=9)
+    cfg = L.Config(target_items=64, slow_rows=32, BS=16, BF=32, BK_SMALL=16)
+    ys = [torch.randn_like(t) for t in ts]
+    for y in (None, ys):
+        pr = T.Prepared(p, ts, y, False, cfg)
+        assert max(len(l.items) for b in pr.st.gram for l in b.launches) > len(pr.st.gram[0].groups)
+        assert any((pr.st.finish[:, 1] > 1))
+        vec, grams = pr.run(ts, y)
+        d64 = [t.double() for t in ts]
+        rv, rg = (evaluate_reference(p, d64, fp64=True) if y is None
+                  else bilinear_reference(p, d64, [t.double() for t in y], fp64=True))
+        sv, sg = evaluate_reference(_abs_plan(p), [t.abs() for t in d64], fp64=True)
+        if y is not None:
+            sv, sg = bilinear_reference(_abs_plan(p), [t.abs() for t in d64], [t.double().abs() for t in y], fp64=True)
+        _close(vec, rv, sv, 1e-5, "vec")
+        for d in rg:
+            _close(grams[d], rg[d], sg[d], 1e-5, f"gram {d}")

@@ -1,0 +1,360 @@
+"""``conserve inspect PATH [OTHER]``: the conservation laws of a checkpoint on disk.
+
+PATH is a local HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards with
+``model.safetensors.index.json``) or one ``.safetensors`` file. The model is built on the meta device
+from the config (no weights allocated) and handed to ``conserve.detect.hf.detect_from_config``; the
+detected parameter names are matched to the checkpoint's tensor names (``conserve.checkpoint.match_names``).
+
+Prints a table per layer (family, laws, instances, parameters read), the declined blocks with their
+reasons and every module with no law detected. ``--values`` evaluates the invariants from the
+checkpoint tensors (``conserve.laws.evaluate_laws``; Triton kernels on GPU, float64 accumulation),
+one layer at a time. ``--compare OTHER`` (or a second PATH) prints the drift per law family between
+the two checkpoints: the paper's ``eps = mean_i ||h_i(B) - h_i(A)|| / ||h_i(A)||`` (spec "The paper's
+error metric"; guarded as in ``conserve.tracker``).
+
+A raw ``.safetensors`` file without a config is read from its tensor names only for the layouts
+where that is unambiguous (HF Llama-style and GPT-2 names); it needs ``--num-heads`` (the split of
+q rows into heads is not in the shapes) and, with RoPE, ``--rope-layout`` (HF's converter permutes
+q/k rows, so the pairing cannot be known: spec "RoPE layouts").
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import Checkpoint, match_names, open_checkpoint
+from ..errors import UsageError
+from ..laws import Law, Ref, evaluate_laws
+
+GUARD = 1e-4  # same guard as conserve.tracker.GUARD
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="HF checkpoint directory or .safetensors file; a second PATH compares the two")
+    p.add_argument("--compare", metavar="OTHER", help="second checkpoint: print the drift per law family")
+    p.add_argument("--values", action="store_true", help="evaluate the invariants of the checkpoint")
+    p.add_argument("--laws", action="store_true", help="list every law with the exact rows/columns it reads")
+    p.add_argument("--rope-layout", choices=("half", "interleaved"),
+                   help="RoPE pairing of the q/k rows (required for raw checkpoints of RoPE models)")
+    p.add_argument("--num-heads", type=int, help="query heads (raw checkpoints: not in the shapes)")
+    p.add_argument("--num-kv-heads", type=int, help="key/value heads (raw checkpoints; default: from k_proj rows)")
+    p.add_argument("--loss", default="ce", help="training loss of the logits; the translation law needs 'ce'")
+    p.add_argument("--approximate", action="store_true",
+                   help="keep laws that hold only up to a norm's eps (QK-norm scale laws)")
+    p.add_argument("--device", default="auto", help="where --values/--compare evaluate: auto (cuda if present), "
+                   "cpu, cuda")
+
+
+# ------------------------------------------------------------------------------- detection
+_LLAMA = re.compile(r"^(.*?)layers\.(\d+)\.self_attn\.q_proj\.weight$")
+_GPT2 = re.compile(r"^(.*?)h\.(\d+)\.attn\.c_attn\.weight$")
+
+
+def _need_heads(args, q_rows: int) -> int:
+    if not args.num_heads:
+        raise UsageError("a raw checkpoint does not say how the q rows split into heads: pass --num-heads "
+                         "(and --num-kv-heads for GQA), or put the model's config.json beside the file")
+    if q_rows % args.num_heads:
+        raise UsageError(f"--num-heads={args.num_heads} does not divide the {q_rows} query rows")
+    return args.num_heads
+
+
+def config_from_names(shapes: dict[str, tuple[int, ...]], args) -> tuple[dict, bool]:
+    """An HF config dict for a raw checkpoint, from tensor names and shapes where unambiguous.
+
+    Returns ``(config, uses_rope)``. Recognised: HF Llama-style names (``layers.{i}.self_attn.q_proj``,
+    ``mlp.{gate,up,down}_proj``; Qwen3 when ``q_norm`` is present) and GPT-2 names (``h.{i}.attn.c_attn``).
+    Raises UsageError saying what is missing."""
+    llama = {m.group(2): m.group(1) for k in shapes if (m := _LLAMA.match(k))}
+    gpt2 = {m.group(2): m.group(1) for k in shapes if (m := _GPT2.match(k))}
+    if llama:
+        pre = next(iter(llama.values()))
+        L = len(llama)
+        g = lambda i, n: shapes.get(f"{pre}layers.{i}.{n}")  # noqa: E731
+        if any(".experts." in k or re.search(r"mlp\.(gate|router)\.weight$", k) for k in shapes):
+            raise UsageError("a raw mixture-of-experts checkpoint is ambiguous (router kind, top_k): put the "
+                             "model's config.json beside the file")
+        if g(0, "mlp.gate_proj.weight") is None:
+            raise UsageError("raw checkpoint with Llama attention names but no mlp.gate_proj: not recognised; "
+                             "put the model's config.json beside the file")
+        q, k = g(0, "self_attn.q_proj.weight"), g(0, "self_attn.k_proj.weight")
+        nh = _need_heads(args, q[0])
+        d = q[0] // nh
+        if k[0] % d:
+            raise UsageError(f"k_proj has {k[0]} rows, not a multiple of head_dim={d} (--num-heads={nh})")
+        nkv = args.num_kv_heads or k[0] // d
+        if nkv * d != k[0]:
+            raise UsageError(f"--num-kv-heads={nkv} x head_dim={d} != {k[0]} k_proj rows")
+        emb = shapes.get(f"{pre}embed_tokens.weight")
+        hidden = q[1]
+        cfg = dict(model_type="qwen3" if g(0, "self_attn.q_norm.weight") else "llama",
+                   vocab_size=emb[0] if emb else 32000, hidden_size=hidden,
+                   intermediate_size=g(0, "mlp.up_proj.weight")[0], num_hidden_layers=L,
+                   num_attention_heads=nh, num_key_value_heads=nkv, head_dim=d,
+                   attention_bias=g(0, "self_attn.q_proj.bias") is not None,
+                   mlp_bias=g(0, "mlp.up_proj.bias") is not None,
+                   tie_word_embeddings=not any(n.endswith("lm_head.weight") for n in shapes))
+        cfg["architectures"] = ["Qwen3ForCausalLM" if cfg["model_type"] == "qwen3" else "LlamaForCausalLM"]
+        return cfg, True
+    if gpt2:
+        pre = next(iter(gpt2.values()))
+        ca = shapes[f"{pre}h.0.attn.c_attn.weight"]  # Conv1D: (in, 3 * out)
+        nh = _need_heads(args, ca[1] // 3)
+        wte, wpe = shapes.get(f"{pre}wte.weight"), shapes.get(f"{pre}wpe.weight")
+        if wte is None or wpe is None:
+            raise UsageError("raw GPT-2 checkpoint without wte/wpe: put the model's config.json beside the file")
+        cfg = dict(model_type="gpt2", vocab_size=wte[0], n_embd=wte[1], n_positions=wpe[0], n_layer=len(gpt2),
+                   n_head=nh, n_inner=shapes[f"{pre}h.0.mlp.c_fc.weight"][1], architectures=["GPT2LMHeadModel"],
+                   tie_word_embeddings=not any(n.endswith("lm_head.weight") for n in shapes))
+        return cfg, False
+    raise UsageError("cannot tell the architecture of a raw .safetensors file from its tensor names (known: HF "
+                     "Llama-style and GPT-2 names); put the model's config.json beside the file")
+
+
+def detect_checkpoint(ck: Checkpoint, args):
+    """``(Detection, {param name: checkpoint key})`` for a checkpoint. Raises UsageError."""
+    try:
+        from ..detect.hf import detect_from_config
+    except ImportError as e:  # transformers missing
+        raise UsageError(f"inspecting an HF checkpoint needs transformers ({e}); pip install transformers") from None
+    options = dict(loss=args.loss)
+    if args.approximate:
+        options["approximate"] = True
+    if args.rope_layout:
+        options["rope_layout"] = args.rope_layout
+    if ck.raw:
+        config, rope = config_from_names(ck.shapes, args)
+        if rope and not args.rope_layout:
+            raise UsageError("--rope-layout half|interleaved is required for a raw checkpoint of a RoPE model: HF's "
+                             "converter permutes the q/k rows of Meta checkpoints, so the pairing of rotary dims "
+                             "cannot be known from shapes (spec: RoPE layouts)")
+        options["require_rope_layout"] = True
+    else:
+        config = dict(ck.config)
+        if "model_type" not in config:
+            raise UsageError(f"{ck.path}: config.json has no 'model_type'; it is not an HF transformers config")
+        if args.num_heads or args.num_kv_heads:
+            raise UsageError("--num-heads/--num-kv-heads are for raw .safetensors files; the config.json says "
+                             "how many heads there are")
+    import transformers
+
+    try:
+        cfg = transformers.AutoConfig.for_model(**config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{ck.path}: transformers cannot read this config ({e})") from None
+    found = detect_from_config(cfg, **options)
+    params = [p for law in found.laws for p in law.params]
+    names = match_names(dict.fromkeys(params), ck.shapes)
+    shapes = _law_shapes(found.laws, names, ck)
+    del shapes
+    return found, names
+
+
+def _law_shapes(laws, names, ck):
+    """Check that every law fits the checkpoint's tensors (the config matches the weights)."""
+    from ..laws import compile_laws
+
+    shapes = {p: ck.shapes[k] for p, k in names.items()}
+    try:
+        compile_laws(laws, shapes)
+    except ValueError as e:
+        raise UsageError(f"{ck.path}: the weights do not match the config ({e})") from None
+    return shapes
+
+
+# ------------------------------------------------------------------------------- evaluation
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device here; use --device cpu")
+    return torch.device(spec)
+
+
+def _groups(laws: list[Law]) -> dict:
+    out = defaultdict(list)
+    for law in laws:
+        out[law.layer].append(law)
+    return out
+
+
+def _abs(law: Law) -> Law:
+    return dataclasses.replace(law, terms=[dataclasses.replace(t, sign=abs(t.sign)) for t in law.terms])
+
+
+def evaluate_checkpoint(ck: Checkpoint, laws: list[Law], names: dict[str, str], device="cpu", *,
+                        magnitude: bool = False) -> dict[str, torch.Tensor]:
+    """``{law.name: h}`` from the checkpoint's tensors (float64 accumulation), one layer at a time so only
+    that layer's tensors are in memory. ``magnitude=True`` evaluates every term with a + sign instead
+    (the scale used to guard ``eps``). Values are returned on the CPU as float64."""
+    out = {}
+    for _, group in sorted(_groups(laws).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+        need = list(dict.fromkeys(p for law in group for p in law.params))
+        loaded = ck.tensors([names[p] for p in need], device)
+        tensors = {p: loaded[names[p]] for p in need}
+        vals = evaluate_laws([_abs(l) for l in group] if magnitude else group, tensors, fp64=True)
+        out.update({k: v.detach().to("cpu", torch.float64) for k, v in vals.items()})
+        del loaded, tensors
+    return out
+
+
+def instances(law: Law, value: torch.Tensor) -> torch.Tensor:
+    """Per-instance norms (spec eps instances): every entry (``per='entry'``) or the whole law (``per='law'``,
+    Frobenius)."""
+    return value.reshape(-1).abs() if law.per == "entry" else value.reshape(1, -1).norm(dim=1)
+
+
+def compare(laws: list[Law], a: dict, b: dict, mag: dict) -> dict[str, dict]:
+    """Per family: ``eps`` (mean over instances of ||h(B) - h(A)|| / guarded ||h(A)||), ``max`` and the count."""
+    rel = defaultdict(list)
+    for law in laws:
+        num = instances(law, b[law.name] - a[law.name])
+        den = instances(law, a[law.name])
+        m = instances(law, mag[law.name])
+        den = torch.where(den >= GUARD * m, den, m)
+        r = torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
+        rel[law.family].append(r)
+    out = {}
+    for fam, rs in rel.items():
+        r = torch.cat(rs)
+        out[fam] = dict(instances=r.numel(), eps=float(r.mean()), max=float(r.max()))
+    return out
+
+
+# ------------------------------------------------------------------------------------ output
+def describe_ref(ref: Ref) -> str:
+    """``rows 0:4 of q_proj.weight`` / ``cols 4:8 of o_proj.weight`` / ``[0:16] of norm.weight``."""
+    lead = "".join(f"[{i}]" for i in ref.start[: ref.row_dim if ref.col_dim is None else min(ref.row_dim, ref.col_dim)])
+    a = ref.start[ref.row_dim]
+    step = f":{ref.row_step}" if ref.row_step != 1 else ""
+    span = f"{a}:{a + ref.rows * ref.row_step}{step}"
+    if ref.col_dim is None:
+        return f"{ref.param}{lead}[{span}]"
+    kind = "rows" if ref.row_dim < ref.col_dim else "cols"
+    return f"{kind} {span} of {ref.param}{lead}"
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    pre = []
+    for seg in zip(*parts):
+        if len(set(seg)) != 1:
+            break
+        pre.append(seg[0])
+    pre = pre[: len(min(parts, key=len)) - 1]
+    return ".".join(pre) + "." if pre else ""
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False, highlight=False)
+
+
+def _layer(l) -> str:
+    return "-" if l is None else str(l)
+
+
+def print_detection(con, title: str, det, names: dict[str, str], show_laws: bool) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{title}: {len(det.laws)} laws ({det.detector} detector)", show_lines=False)
+    for col in ("layer", "family", "laws", "instances", "parameters read"):
+        t.add_column(col, overflow="fold", justify="right" if col in ("laws", "instances") else "left")
+    rows_ = defaultdict(list)
+    for law in det.laws:
+        rows_[(law.layer, law.family)].append(law)
+    for (layer, fam), laws in sorted(rows_.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])):
+        params = list(dict.fromkeys(names.get(p, p) for law in laws for p in law.params))
+        pre = _common_prefix(params) if len(params) > 1 else ""
+        n_inst = sum(law.size if law.per == "entry" else 1 for law in laws)
+        t.add_row(_layer(layer), fam, str(len(laws)), str(n_inst),
+                  (f"{pre}{{" if pre else "") + ", ".join(p[len(pre):] for p in params) + ("}" if pre else ""))
+    con.print(t)
+    if show_laws:
+        for law in det.laws:
+            terms = "  ".join(f"{'+' if tm.sign > 0 else '-'}{tm.kind}({describe_ref(dataclasses.replace(tm.ref, param=names.get(tm.ref.param, tm.ref.param)))})"
+                              for tm in law.terms)
+            con.print(f"{law.name} [{law.family}, size {law.size}]: {terms}", overflow="fold")
+    if det.declined:
+        d = Table(title=f"declined ({len(det.declined)})")
+        for col in ("module", "block", "reason"):
+            d.add_column(col, overflow="fold")
+        for x in det.declined:
+            d.add_row(x.module, x.block, x.reason)
+        con.print(d)
+    for u in det.undetected:
+        con.print(f"no law detected: {u}")
+
+
+def print_values(con, laws, vals, mag) -> None:
+    from rich.table import Table
+
+    fam = defaultdict(lambda: [0, [], []])
+    for law in laws:
+        v, m = instances(law, vals[law.name]), instances(law, mag[law.name])
+        f = fam[law.family]
+        f[0] += v.numel()
+        f[1].append(v)
+        f[2].append(torch.where(m > 0, v / m.clamp_min(1e-300), torch.zeros_like(v)))
+    t = Table(title="invariant values per family (|h_i|: entry / Frobenius norm; imbalance = |h_i| / |h_i| with all signs +)")
+    for col in ("family", "instances", "mean |h_i|", "max |h_i|", "mean imbalance"):
+        t.add_column(col, justify="right" if col != "family" else "left")
+    for name, (n, vs, rs) in sorted(fam.items()):
+        v, r = torch.cat(vs), torch.cat(rs)
+        t.add_row(name, str(n), f"{float(v.mean()):.6g}", f"{float(v.max()):.6g}", f"{float(r.mean()):.4g}")
+    con.print(t)
+
+
+def print_compare(con, a: str, b: str, drift: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"drift per law family: eps = mean_i ||h_i(B) - h_i(A)|| / ||h_i(A)||\nA = {a}\nB = {b}")
+    for col in ("family", "instances", "eps", "max"):
+        t.add_column(col, justify="right" if col != "family" else "left")
+    for fam, d in sorted(drift.items()):
+        t.add_row(fam, str(d["instances"]), f"{d['eps']:.6e}", f"{d['max']:.6e}")
+    con.print(t)
+
+
+def main(args) -> int:
+    paths = list(args.paths)
+    if args.compare:
+        paths.append(args.compare)
+    if len(paths) > 2:
+        raise UsageError(f"at most two checkpoints (PATH [OTHER] or PATH --compare OTHER), got {len(paths)}")
+    ck = open_checkpoint(paths[0])
+    other = open_checkpoint(paths[1]) if len(paths) == 2 else None
+    det, names = detect_checkpoint(ck, args)
+    con = _console()
+    src = "raw safetensors (architecture from tensor names)" if ck.raw else f"config model_type={ck.config.get('model_type')!r}"
+    con.print(f"{paths[0]}: {len(ck.shapes)} tensors, {src}")
+    print_detection(con, str(paths[0]), det, names, args.laws)
+    if not (args.values or other is not None):
+        return 0
+    if not det.laws:
+        raise UsageError(f"{paths[0]}: no law detected, nothing to evaluate")
+    dev = _device(args.device)
+    vals = evaluate_checkpoint(ck, det.laws, names, dev)
+    mag = evaluate_checkpoint(ck, det.laws, names, dev, magnitude=True)
+    if args.values:
+        print_values(con, det.laws, vals, mag)
+    if other is not None:
+        try:
+            names_b = match_names(names, other.shapes)
+        except UsageError as e:
+            raise UsageError(f"{paths[1]} does not hold the same model: {e}") from None
+        bad = [p for p, k in names_b.items() if other.shapes[k] != ck.shapes[names[p]]]
+        if bad:
+            raise UsageError(f"{paths[1]} does not hold the same model: {bad[0]!r} has shape "
+                             f"{other.shapes[names_b[bad[0]]]} there, {ck.shapes[names[bad[0]]]} in {paths[0]}")
+        vals_b = evaluate_checkpoint(other, det.laws, names_b, dev)
+        print_compare(con, paths[0], paths[1], compare(det.laws, vals, vals_b, mag))
+    return 0

@@ -1,0 +1,176 @@
+"""``conserve run``: train the reference LM on text with conservation-law tracking.
+
+Writes a run directory: ``config.json``, ``metrics.jsonl`` (appended and flushed as it goes),
+``summary.md`` / ``summary.json`` and ``eps.png`` / ``drift.png``; TensorBoard events with ``--tensorboard``.
+The default model covers every law family of the paper: RoPE pairs (layers 0, 2), a NoPE layer with MHA
+QK Gram laws (layer 1), VO Grams, SwiGLU units, an MoE layer (router sum and experts' units), pre-norm
+gains and the untied output translation law.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..errors import NonFiniteError, UsageError
+
+OPTIMIZERS = ("gd", "sgd", "momentum", "adamw")
+SIZES = {  # hidden, layers, heads, kv heads, intermediate, experts
+    "tiny": dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
+    "small": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+    "base": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, intermediate_size=256),
+}
+
+
+def _int_tuple(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"expected comma-separated layer indices like 1,3, got {s!r}") from None
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data", default=None, help="text file (plain or .gz), or a PTB/WikiText directory; default: the "
+                   "embedded CPython documentation corpus")
+    g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
+    g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
+    g.add_argument("--every", type=int, default=10, help="flush metrics every N steps (default 10)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o = p.add_argument_group("optimization")
+    o.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="gd = full-batch gradient descent on one fixed batch; sgd; momentum (heavy ball); adamw")
+    o.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.1 for gd/sgd, 0.02 momentum, 3e-3 adamw)")
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--momentum", type=float, default=0.9, help="for --optimizer momentum")
+    o.add_argument("--steps", type=int, default=300)
+    o.add_argument("--batch-size", type=int, default=16)
+    o.add_argument("--seq-len", type=int, default=64)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    o.add_argument("--fp64-laws", action="store_true", help="accumulate law values in float64")
+    m = p.add_argument_group("model")
+    m.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    m.add_argument("--layers", type=int, default=None, help="number of layers (overrides --size)")
+    m.add_argument("--hidden", type=int, default=None, help="hidden size (overrides --size)")
+    m.add_argument("--heads", type=int, default=None)
+    m.add_argument("--kv-heads", type=int, default=None, help="num_key_value_heads: = heads for MHA, 1 for MQA")
+    m.add_argument("--head-dim", type=int, default=None)
+    m.add_argument("--position", choices=("rope", "none", "sinusoidal", "learned"), default="rope")
+    m.add_argument("--rope-layout", choices=("half", "interleaved"), default="half")
+    m.add_argument("--rotary-dim", type=int, default=None, help="partial rotary: rotary dims per head (< head_dim)")
+    m.add_argument("--nope-layers", type=_int_tuple, default=(1,), help="layers without RoPE (default 1)")
+    m.add_argument("--ffn", choices=("swiglu", "relu", "gelu", "silu"), default="swiglu")
+    m.add_argument("--experts", type=int, default=4, help="MoE experts (0 = dense everywhere)")
+    m.add_argument("--moe-layers", type=_int_tuple, default=(2,), help="which layers are MoE (default 2)")
+    m.add_argument("--top-k", type=int, default=2)
+    m.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax")
+    m.add_argument("--shared-expert", action="store_true")
+    m.add_argument("--tie-embeddings", action="store_true")
+
+
+def _out_dir(arg) -> Path:
+    out = Path(arg) if arg else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"cannot write to the output directory {out}: {e.strerror}; pass --out to a writable directory") from None
+    return out
+
+
+def build_config(args):
+    from ..models import LMConfig
+
+    kw = dict(SIZES[args.size])
+    for key, val in (("num_hidden_layers", args.layers), ("hidden_size", args.hidden), ("num_attention_heads", args.heads),
+                     ("num_key_value_heads", args.kv_heads)):
+        if val is not None:
+            kw[key] = val
+    if args.heads is not None and args.kv_heads is None:
+        kw["num_key_value_heads"] = args.heads
+    n = kw["num_hidden_layers"]
+    nope = tuple(i for i in args.nope_layers if i < n)
+    moe = tuple(i for i in args.moe_layers if i < n) if args.experts else None
+    try:
+        return LMConfig(vocab_size=256, max_position_embeddings=max(512, args.seq_len), head_dim=args.head_dim,
+                        position=args.position, rope_layout=args.rope_layout, rotary_dim=args.rotary_dim,
+                        nope_layers=nope, hidden_act=args.ffn, num_experts=args.experts if moe else 0, top_k=args.top_k,
+                        moe_layers=moe, router=args.router, shared_expert=args.shared_expert,
+                        tie_word_embeddings=args.tie_embeddings, **kw)
+    except ValueError as e:
+        raise UsageError(f"{e}") from None
+
+
+def make_optimizer(name: str, params, lr: float | None, weight_decay: float, momentum: float):
+    lr = lr if lr is not None else {"gd": 0.1, "sgd": 0.1, "momentum": 0.02, "adamw": 3e-3}[name]
+    if lr <= 0:
+        raise UsageError(f"--lr must be positive, got {lr}")
+    if name in ("gd", "sgd"):
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay), lr
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay), lr
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay), lr
+
+
+def main(args) -> int:
+    from .. import JSONLSink, track
+    from ..data import Batches, load_tokens
+    from ..models import DecoderLM
+    from ..report import plot_drift, plot_eps, read_metrics, write_summary
+    from ..sinks import TensorBoardSink
+    from ..train import train
+
+    for name in ("steps", "batch_size", "seq_len", "every"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but no GPU is available; use --device cpu")
+    out = _out_dir(args.out)
+    tokens, source = load_tokens(args.data)
+    cfg = build_config(args)
+    torch.manual_seed(args.seed)
+    model = DecoderLM(cfg).to(args.device)
+    opt, lr = make_optimizer(args.optimizer, model.parameters(), args.lr, args.weight_decay, args.momentum)
+    config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()), "optimizer": args.optimizer,
+              "lr": lr, "weight_decay": args.weight_decay, "momentum": args.momentum if args.optimizer == "momentum" else 0.0,
+              "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
+              "device": args.device, "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters())}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    metrics = out / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()  # a re-run into the same directory starts a fresh series
+    sinks = [JSONLSink(metrics)] + ([TensorBoardSink(out / "tb")] if args.tensorboard else [])
+    tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws)
+    batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
+    declined = [asdict(d) for d in tracked.tracker.declined]
+    print(f"conserve run: {config['parameters']:,} parameters, {len(tracked.tracker.laws)} laws in "
+          f"{len(tracked.tracker.families)} families ({', '.join(tracked.tracker.families)}); data: {source}; out: {out}")
+    failure = None
+    t0 = time.time()
+    try:
+        train(model, tracked, batches, args.steps, device=args.device, progress=not args.no_progress,
+              log_every=max(1, min(args.every, 10)), description=f"{args.optimizer} lr={lr:g}")
+        tracked.close()
+    except NonFiniteError as e:
+        failure = str(e)
+        for s in sinks:
+            s.close()
+    records = read_metrics(metrics)
+    totals = tracked.tracker.totals() if failure is None else None
+    write_summary(out, records, config, totals, {"declined": declined, "seconds": round(time.time() - t0, 1),
+                                                 **({"stopped": failure} if failure else {})})
+    if records:
+        plot_eps(records, out / "eps.png", f"{args.optimizer}, lr={lr:g}, {source.split('/')[-1]}")
+        plot_drift(records, out / "drift.png")
+    if failure:
+        raise UsageError(failure)
+    print(f"wrote {out}/: config.json metrics.jsonl summary.md summary.json eps.png drift.png")
+    print((out / "summary.md").read_text().split("\n\neps:")[0])
+    return 0

@@ -1,0 +1,246 @@
+"""Detector for timm Vision Transformers (``timm.models.vision_transformer.VisionTransformer``, timm 1.0.x).
+
+Structure read from the modules (timm 1.0 source, ``timm/models/vision_transformer.py`` and
+``timm/layers/attention.py``), per block ``blocks.{i}`` (``Block``, pre-LN):
+
+* ``attn.qkv`` fused (3A, H) with A = num_heads * head_dim: rows ``[0, A)`` are Q, ``[A, 2A)`` K,
+  ``[2A, 3A)`` V (the forward reshapes to (3, num_heads, head_dim)); head i owns rows ``i*D + [0, D)`` of
+  each part, with the matching ``qkv.bias`` entries. ``attn.proj`` columns ``[i*D, (i+1)*D)`` are O_i.
+  -> QK and VO Gram per head (spec: MHA rows). With ``qk_norm`` (per-head ``q_norm``/``k_norm``) the QK
+  Gram is declined and replaced by the scale laws ``||Q_i||_F^2 + ||b_q,i||^2`` (and K) (spec: breakers,
+  QK-norm), kept only when the norm has eps == 0 or with ``approximate=True`` (else declined: they
+  drift by O(eps)); the q_norm/k_norm gains get a per-dim balance law. VO is kept.
+* ``ls1``/``ls2`` LayerScale ``gamma`` multiplies the attention/MLP output rows: ``diag(gamma) (O x + b_o)``.
+  It acts on the output side of ``proj``, so the VO column symmetry is untouched; it adds its own
+  diagonal-rescaling law per feature c: ``gamma_c^2 - ||W_proj[c,:]||^2 - b_proj[c]^2`` (family
+  ``layer_scale``; derived like the deep-linear law, diagonal case; checked by ``conserve.verify``).
+* ``norm1`` -> gain law read by the ``qkv`` columns; ``norm2`` -> gain law read by ``mlp.fc1`` columns
+  (``fc1_g`` and ``fc1_x`` for SwiGLU); LayerNorm bias gives ``beta_c^2`` (spec: pre-norm gain row).
+* ``mlp``: ``Mlp`` with GELU -> declined; with ReLU -> unit balance; ``SwiGLU`` -> unit balance on
+  ``fc1_x`` (the un-gated branch) and ``fc2`` (spec: SwiGLU row).
+* Head: the norm that feeds ``head`` (``norm`` before pooling, or ``fc_norm`` after it for 'avg'
+  pooling) gets a gain law read by the ``head`` columns (token / avg / max / avgmax pooling all commute
+  with a positive per-feature scale); ``head`` gets the translation law (softmax cross-entropy; pass
+  ``loss`` other than 'ce' to decline it). Attention pooling ('map', 'prr') is not detected.
+
+Everything else (patch embedding, cls/reg tokens, position embedding, unknown block types) is declined
+or listed in ``undetected``.
+"""
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from ..laws import Declined, GainBalance, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram, cols, rows, vector
+from .core import register
+from .torchnn import NO_LAW_ACT, POST_LN, Collector, gain_law, linear_cols, norm_parts, walk
+
+
+class LayerScaleBalance(GainBalance):
+    """LayerScale after a Linear, feature c: ``gamma_c^2 - ||W[c,:]||^2 - b[c]^2`` (vector of H).
+
+    Symmetry: ``gamma_c -> s gamma_c``, row c of ``W`` and ``b[c] -> / s`` (a diagonal rescaling through
+    the product ``gamma * (W x + b)``; the deep-linear argument of Marcotte et al. 2023, diagonal case)."""
+
+    family = "layer_scale"
+    source = "derived (diagonal rescaling, as the spec's deep-linear row)"
+
+
+def _is(m, name: str) -> bool:
+    return type(m).__name__ == name and type(m).__module__.startswith("timm.")
+
+
+def _qk_norm(attn) -> bool:
+    return not isinstance(getattr(attn, "q_norm", nn.Identity()), nn.Identity) or \
+        not isinstance(getattr(attn, "k_norm", nn.Identity()), nn.Identity)
+
+
+def attention_laws(c: Collector, path: str, attn, layer) -> list | None:
+    """Laws of a timm ``Attention`` (fused qkv); returns the qkv column refs (its readers) or None."""
+    if not _is(attn, "Attention") or getattr(attn, "gate", None) is not None:
+        why = "gated attention output" if getattr(attn, "gate", None) is not None else type(attn).__name__
+        c.decline(path, why, "attention variant not recognised: no law detected (the elementwise gate breaks the "
+                  "VO symmetry)" if "gated" in why else "attention variant not recognised: no law detected")
+        return None
+    nh, d = attn.num_heads, attn.head_dim
+    a = nh * d
+    qkv, proj = f"{path}.qkv", f"{path}.proj"
+    qs, ps = attn.qkv.weight.shape, attn.proj.weight.shape
+    has_b = attn.qkv.bias is not None
+
+    def b(start):
+        return vector(f"{qkv}.bias", start, d) if has_b else None
+
+    scale_norm = not isinstance(attn.norm, nn.Identity)
+    qk_norm = _qk_norm(attn)
+    if qk_norm:
+        eps = getattr(attn.q_norm, "eps", None)
+        keep = eps == 0 or c.options.get("approximate")
+        c.declined.append(Declined(f"{path}.qkv", "QK-norm: QK Gram laws", "per-head q_norm/k_norm remove the GL(D) "
+                                   "symmetry of the q/k rows; replaced by the scale laws ||Q_i||_F^2, ||K_i||_F^2 "
+                                   "(spec: breakers, QK-norm)"))
+        qn, kn = norm_parts(attn.q_norm), norm_parts(attn.k_norm)
+        if qn and kn and type(attn.q_norm) is type(attn.k_norm) and (qn[1] is None) == (kn[1] is None):
+            # scaling dim t of q_norm's output by s and of k_norm's by 1/s leaves every score q.k unchanged
+            c.add(GainBalance.build(f"{path}/qk_norm_gain", layer, gain=vector(f"{path}.q_norm.weight", 0, d),
+                                    beta=vector(f"{path}.q_norm.bias", 0, d) if qn[1] else None,
+                                    readers=[vector(f"{path}.k_norm.weight", 0, d)]
+                                    + ([vector(f"{path}.k_norm.bias", 0, d)] if kn[1] else []),
+                                    note="q_norm gain (and bias) vs k_norm gain (and bias), per head dim t: "
+                                         "g_q[t]^2 + b_q[t]^2 - g_k[t]^2 - b_k[t]^2"))
+        c.mark(f"{path}.q_norm", f"{path}.k_norm")
+    for i in range(nh):
+        q_i = [rows(f"{qkv}.weight", qs, i * d, d), b(i * d)]
+        k_i = [rows(f"{qkv}.weight", qs, a + i * d, d), b(a + i * d)]
+        if qk_norm and keep:
+            note = "QK-norm scale law" + ("" if eps == 0 else f" (approximate: eps={eps}, error O(eps / mean(q^2)))")
+            c.add(ScaleLaw.build(f"{path}/qk_scale/q_head{i}", layer, blocks=q_i, note=note),
+                  ScaleLaw.build(f"{path}/qk_scale/k_head{i}", layer, blocks=k_i, note=note))
+        elif qk_norm:
+            for x in ("q", "k"):
+                c.declined.append(Declined(f"{path}/qk_scale/{x}_head{i}", "QK-norm scale law",
+                                           f"the norm has eps={eps}: the normalised q/k are scale invariant only up "
+                                           "to O(eps / mean(q^2)), so ||Q||^2 drifts by that much; pass "
+                                           "approximate=True to track it anyway"))
+        else:
+            c.add(QKGram.build(f"{path}/qk/head{i}", layer, plus=q_i, minus=k_i, note="timm fused qkv"))
+        if not scale_norm:
+            c.add(VOGram.build(f"{path}/vo/head{i}", layer, plus=[rows(f"{qkv}.weight", qs, 2 * a + i * d, d), b(2 * a + i * d)],
+                               minus=[cols(f"{proj}.weight", ps, i * d, d)], note="timm fused qkv"))
+    if scale_norm:
+        c.declined.append(Declined(f"{path}.norm", "scale_norm", "a norm between the attention output and proj "
+                                   "breaks the VO law; its own gain law is read by proj"))
+        gain_law(c, f"{path}.norm", attn.norm, [linear_cols(proj, attn.proj)], layer, "attn.proj")
+    c.mark(path)
+    return [linear_cols(qkv, attn.qkv)]
+
+
+def mlp_laws(c: Collector, path: str, mlp, layer) -> list | None:
+    """Laws of a timm ``Mlp`` / ``SwiGLU``; returns the refs of the maps reading its input, or None."""
+    hidden_norm = not isinstance(getattr(mlp, "norm", nn.Identity()), nn.Identity)
+    if _is(mlp, "Mlp") and isinstance(mlp.fc1, nn.Linear) and isinstance(mlp.fc2, nn.Linear):
+        act = mlp.act
+        if hidden_norm:
+            c.declined.append(Declined(f"{path}.fc1", "Mlp with a hidden norm", "the norm between fc1 and fc2 breaks "
+                                       "the per-unit law; its gain law is read by fc2"))
+            gain_law(c, f"{path}.norm", mlp.norm, [linear_cols(f"{path}.fc2", mlp.fc2)], layer, "mlp.fc2")
+        elif isinstance(act, (nn.ReLU, nn.LeakyReLU)):
+            n = mlp.fc1.out_features
+            c.add(ReLUUnit.build(f"{path}/unit", layer, up=rows(f"{path}.fc1.weight", mlp.fc1.weight.shape, 0, n),
+                                 up_bias=vector(f"{path}.fc1.bias", 0, n) if mlp.fc1.bias is not None else None,
+                                 down=cols(f"{path}.fc2.weight", mlp.fc2.weight.shape, 0, n), note="timm Mlp, ReLU"))
+        else:
+            c.declined.append(Declined(path, f"{type(act).__name__} Mlp", NO_LAW_ACT))
+        c.mark(path)
+        return [linear_cols(f"{path}.fc1", mlp.fc1)]
+    if _is(mlp, "SwiGLU") and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("fc1_g", "fc1_x", "fc2")):
+        if hidden_norm:
+            c.declined.append(Declined(f"{path}.fc1_x", "SwiGLU with a hidden norm", "the norm between fc1 and fc2 "
+                                       "breaks the per-unit law; its gain law is read by fc2"))
+            gain_law(c, f"{path}.norm", mlp.norm, [linear_cols(f"{path}.fc2", mlp.fc2)], layer, "mlp.fc2")
+        elif isinstance(mlp.act, nn.SiLU):
+            n = mlp.fc1_x.out_features
+            c.add(SwiGLUUnit.build(f"{path}/unit", layer, up=rows(f"{path}.fc1_x.weight", mlp.fc1_x.weight.shape, 0, n),
+                                   up_bias=vector(f"{path}.fc1_x.bias", 0, n) if mlp.fc1_x.bias is not None else None,
+                                   down=cols(f"{path}.fc2.weight", mlp.fc2.weight.shape, 0, n),
+                                   note="timm SwiGLU: up = fc1_x (gate fc1_g not involved)"))
+        else:
+            c.declined.append(Declined(path, f"GLU with {type(mlp.act).__name__}", "gated unit with a non-SiLU "
+                                       "gate: not recognised, no law detected"))
+        c.mark(path)
+        return [linear_cols(f"{path}.fc1_g", mlp.fc1_g), linear_cols(f"{path}.fc1_x", mlp.fc1_x)]
+    c.decline(path, type(mlp).__name__, "MLP variant not recognised: no law detected")
+    return None
+
+
+def layer_scale_law(c: Collector, path: str, ls, lin_path: str, lin: nn.Linear, layer) -> None:
+    if isinstance(ls, nn.Identity):
+        return
+    if not _is(ls, "LayerScale") or not isinstance(getattr(ls, "gamma", None), nn.Parameter):
+        c.decline(path, type(ls).__name__, "residual scale not recognised: no law detected")
+        return
+    h = lin.out_features
+    c.add(LayerScaleBalance.build(f"{path}/layer_scale", layer, gain=vector(f"{path}.gamma", 0, h),
+                                  readers=[rows(f"{lin_path}.weight", lin.weight.shape, 0, h)]
+                                  + ([vector(f"{lin_path}.bias", 0, h)] if lin.bias is not None else []),
+                                  note=f"LayerScale gamma times {lin_path} output rows"))
+    c.mark(path)
+
+
+def block_laws(c: Collector, path: str, blk, layer) -> None:
+    pre = _is(blk, "Block")
+    post = _is(blk, "ResPostBlock")
+    if not (pre or post):
+        return  # left for the generic walk / undetected
+    readers_attn = attention_laws(c, f"{path}.attn", blk.attn, layer)
+    readers_mlp = mlp_laws(c, f"{path}.mlp", blk.mlp, layer)
+    if pre:
+        for ls, sub, lin in (("ls1", "attn", "proj"), ("ls2", "mlp", "fc2")):
+            sub_m = getattr(blk, sub)
+            if isinstance(getattr(sub_m, lin, None), nn.Linear) and c.covered(f"{path}.{sub}"):
+                layer_scale_law(c, f"{path}.{ls}", getattr(blk, ls), f"{path}.{sub}.{lin}", getattr(sub_m, lin), layer)
+        for norm, readers, who in (("norm1", readers_attn, "attn.qkv"), ("norm2", readers_mlp, "mlp input (fc1)")):
+            if readers is None:
+                c.decline(f"{path}.{norm}", "pre-LN gain", "the block it feeds is not recognised, so its readers are "
+                          "unknown: no gain law")
+            else:
+                gain_law(c, f"{path}.{norm}", getattr(blk, norm), readers, layer, who)
+    else:
+        for norm in ("norm1", "norm2"):
+            c.decline(f"{path}.{norm}", "ResPostBlock norm", POST_LN)
+    c.mark(path)
+
+
+def _is_vit(model) -> bool:
+    mod = sys.modules.get("timm.models.vision_transformer")
+    return mod is not None and isinstance(model, mod.VisionTransformer)
+
+
+@register("timm")
+def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options):
+    """timm VisionTransformer detector (module docstring); None for any other model.
+
+    Options: ``loss`` (translation law only for 'ce', the default), ``approximate=True`` keeps the QK-norm
+    scale laws when the norm has eps > 0 (same meaning as in ``conserve.detect.hf``)."""
+    if not _is_vit(model):
+        return None
+    c = Collector(model, options)
+    for i, blk in enumerate(model.blocks):
+        block_laws(c, f"blocks.{i}", blk, i)
+    # what feeds the head
+    head = model.head
+    pool = model.global_pool
+    norm_path = "fc_norm" if not isinstance(model.fc_norm, nn.Identity) else "norm"
+    norm = getattr(model, norm_path)
+    if not isinstance(head, nn.Linear):
+        if not isinstance(norm, nn.Identity):
+            c.decline(norm_path, "final norm", "no classifier head (num_classes=0): the normed features are the "
+                      "output, nothing reads them; no gain law")
+    else:
+        if getattr(model, "attn_pool", None) is not None:
+            if not isinstance(norm, nn.Identity):
+                c.decline(norm_path, f"final norm before '{pool}' attention pooling",
+                          "the attention pool between the norm and the head is not detected: no gain law")
+        elif not isinstance(norm, nn.Identity):
+            gain_law(c, norm_path, norm, [linear_cols("head", head)], None, f"head (after '{pool or 'no'}' pooling)")
+        if not isinstance(model.norm, nn.Identity) and not isinstance(model.fc_norm, nn.Identity):
+            c.decline("norm", "final norm feeding fc_norm", "the norm output is re-normalised by fc_norm: no gain law")
+        w = head.weight
+        if loss == "ce":
+            c.add(Translation.build("head/translation", None, weight=rows("head.weight", w.shape, 0, w.shape[0]),
+                                    bias=vector("head.bias", 0, w.shape[0]) if head.bias is not None else None,
+                                    note="softmax cross-entropy only (pass loss=... otherwise)"))
+            c.mark("head")
+        else:
+            c.decline("head", "classifier", f"translation law holds only for softmax cross-entropy (loss={loss!r})")
+    emb = "no law: the embedding feeds the residual stream, nothing on the other side of it"
+    c.decline("patch_embed", "patch embedding", emb)
+    for p in ("cls_token", "reg_token", "pos_embed"):
+        if isinstance(getattr(model, p, None), nn.Parameter):
+            c.decline(p, p.replace("_", " "), emb)
+    if not isinstance(getattr(model, "norm_pre", nn.Identity()), nn.Identity):
+        c.decline("norm_pre", "pre-norm after the embedding", POST_LN.replace("post-LN", "norm_pre"))
+    walk(c, model, loss=None, skip=[f"blocks.{i}" for i in range(len(model.blocks))] + ["head"])
+    return c.finish("timm")
+

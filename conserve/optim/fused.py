@@ -1,0 +1,478 @@
+"""Fused optimizers: ``FusedAdamW`` / ``FusedAdam`` / ``FusedSGD`` update the weights and measure the laws
+in the same pass over each parameter (spec "Discrete steps: the exact drift identity").
+
+They are ``torch.optim.Optimizer`` subclasses in the torch.optim style: the class owns
+``param_groups``, ``state`` and ``state_dict`` (keys and layout identical to ``torch.optim.AdamW`` /
+``SGD``: ``step``, ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, the same group keys), and the math
+lives in pure functions over tensor lists (``conserve.kernels.optim_step``).  A state dict moves both
+ways between these classes and their torch twins.
+
+Tracking: pass the model (``track=model``), or explicit ``laws=`` with ``named_params=``, plus any
+``Tracker`` keyword (``every``, ``sinks``, ``fp64``, ``backend``, ``monitors``, ``drift``)::
+
+    opt = conserve.optim.FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, track=model,
+                                    sinks=[conserve.JSONLSink("laws.jsonl")], every=50)
+
+Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked step computes:
+
+* every NormTerm / SumTerm that reads whole rows or whole columns of a parameter (unit, RoPE pair,
+  gain, scale, router-sum, translation laws) comes from per-row / per-column sums of ``new^2``,
+  ``a*old*Delta``, ``Delta^2``, ``(a^2-1) old^2`` (``new``, ``Delta``, ``(a-1) old`` for sums) that the
+  step kernel accumulates while it writes the row: no extra read of any weight;
+* the D x D Gram laws (and any other term) are evaluated with the standalone kernels: the tensors
+  they read are copied before the step (one copy, e.g. ``v_proj``/``o_proj`` of a RoPE model), and the
+  five evaluations ``h(old), h(a old), B(a old, Delta), h(Delta), h(new)`` run over those tensors only.
+
+The three drift terms are computed directly (not as residuals), so the tracker's ``residual`` checks
+the identity at run time.  GradScaler: these optimizers do not set ``_step_supports_amp_scaling``,
+so ``GradScaler.step`` unscales the gradients and skips ``step()`` on an inf/NaN step (no law update
+on a skipped step).  ``lr`` may be a tensor (read with ``float()``: a host sync if it lives on a GPU).
+Backend: Triton on CUDA tensors, the torch twin on CPU (``backend="triton"`` forces Triton, which
+needs ``TRITON_INTERPRET=1`` on CPU).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim.optimizer import _get_scalar_dtype
+
+from .. import kernels
+from ..kernels import optim_step as K
+from ..kernels.dispatch import _choose
+from ..kernels.plan import Plan, View
+from ..tracker import Tracker, Values
+
+__all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
+
+_TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors")
+
+
+# --------------------------------------------------------------------------- term -> stats map
+def _map_norm(view: View, shape) -> tuple[str, list[int]] | None:
+    """Which stats a NormTerm reads: ``("row", matrix rows)`` or ``("col", b*C + column)`` per view row."""
+    B, R, C = K.matrix_shape(shape)
+    off, rs, cs = view.resolve(torch.empty(tuple(shape), device="meta"))
+    n, k = view.rows, view.cols
+    if k == C and (cs == 1 or C == 1) and off % C == 0 and (n <= 1 or rs % C == 0):
+        return "row", [off // C + r * (rs // C) for r in range(n)]
+    c0 = off % (R * C)
+    if k == R and (cs == C or R == 1) and c0 < C and (n <= 1 or (rs > 0 and c0 + (n - 1) * rs < C)):
+        b = off // (R * C)
+        return "col", [b * C + c0 + r * rs for r in range(n)]
+    return None
+
+
+def _map_sum(view: View, shape) -> tuple[str, list[int]] | None:
+    """Which stats a SumTerm reads (sum over the view's rows, one value per view column)."""
+    B, R, C = K.matrix_shape(shape)
+    off, rs, cs = view.resolve(torch.empty(tuple(shape), device="meta"))
+    n, k = view.rows, view.cols
+    c0 = off % (R * C)
+    if n == R and (rs == C or R == 1) and (cs == 1 or k == 1) and c0 + k - 1 < C:
+        b = off // (R * C)
+        return "col", [b * C + c0 + c for c in range(k)]
+    if n == C and (rs == 1 or C == 1) and off % C == 0 and (k <= 1 or cs % C == 0):
+        return "row", [off // C + c * (cs // C) for c in range(k)]
+    return None
+
+
+class _FusedPlan:
+    """The tracker's plan split into the part the step kernel measures and the rest (Gram terms...)."""
+
+    def __init__(self, tracker: Tracker):
+        plan: Plan = tracker.compiled.plan
+        shapes = [tuple(t.shape) for t in tracker.tensors]
+        self.reqs = [K.StatsRequest() for _ in shapes]
+        entries: list[list[tuple[int, float, bool]]] = [[] for _ in range(plan.vec_size)]
+        n_slots = 0
+        rest = Plan(vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
+        rest.grams = list(plan.grams)
+
+        def slot(i, axis, quad):
+            nonlocal n_slots
+            field = f"{axis}_{'q' if quad else 'l'}"
+            base = getattr(self.reqs[i], field)
+            if base < 0:
+                B, R, C = K.matrix_shape(shapes[i])
+                base = n_slots
+                n_slots += B * (R if axis == "row" else C)
+                setattr(self.reqs[i], field, base)
+            return base
+
+        for t in plan.norms:
+            m = _map_norm(t.view, shapes[t.view.tensor]) if t.shift == 0.0 else None
+            if m is None:
+                rest.norms.append(t)
+                continue
+            base = slot(t.view.tensor, m[0], True)
+            for r, s in enumerate(m[1]):
+                entries[t.index + r * t.index_stride].append((base + s, t.sign, True))
+        for t in plan.sums:
+            m = _map_sum(t.view, shapes[t.view.tensor])
+            if m is None:
+                rest.sums.append(t)
+                continue
+            base = slot(t.view.tensor, m[0], False)
+            for c, s in enumerate(m[1]):
+                entries[t.index + c].append((base + s, t.sign, False))
+        self.n_slots = n_slots
+        J = max([len(e) for e in entries] + [1])
+        dev, acc = tracker.device, torch.float64 if tracker.fp64 else torch.float32
+        idx = np.zeros((plan.vec_size, J), dtype=np.int64)
+        coef = np.zeros((K.NQ, plan.vec_size, J), dtype=np.float64)
+        for o, es in enumerate(entries):
+            for j, (s, sign, quad) in enumerate(es):
+                idx[o, j] = s
+                coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
+        self.idx, self.coef = torch.from_numpy(idx).to(dev), torch.from_numpy(coef).to(dev, acc)
+        self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
+        self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
+        self.fused_terms = len(plan.norms) + len(plan.sums) - (len(rest.norms) + len(rest.sums))
+
+
+# ------------------------------------------------------------------------------- base class
+class _FusedOptimizer(torch.optim.Optimizer):
+    _algo = ""
+    _refused: tuple = ()
+
+    def _setup_tracking(self, track, laws, named_params, tracker_kwargs):
+        bad = sorted(set(tracker_kwargs) - set(_TRACKER_KEYS))
+        if bad:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {bad}; tracking options "
+                            f"are {list(_TRACKER_KEYS)}")
+        self.backend = tracker_kwargs.get("backend", "auto")
+        self.tracker: Tracker | None = None
+        self._fp = None
+        self._layouts: dict = {}
+        if track is None and laws is None:
+            if named_params is not None:
+                raise ValueError("named_params is only used with laws=...; pass track=model or laws=[...]")
+            return
+        if track is None and named_params is None:
+            raise ValueError("laws=... needs named_params= (a mapping name -> parameter, e.g. "
+                             "dict(model.named_parameters())) or track=model")
+        params = dict(named_params) if named_params is not None else None
+        self.tracker = Tracker(track, laws, params=params, **tracker_kwargs)
+        self._fp = _FusedPlan(self.tracker)
+        self._tracked = {id(t): i for i, t in enumerate(self.tracker.tensors)}
+        acc = torch.float64 if self.tracker.fp64 else torch.float32
+        self._stats = torch.zeros(K.NQ, max(1, self._fp.n_slots), device=self.tracker.device, dtype=acc)
+        self._old: dict[int, torch.Tensor] = {}
+
+    # ---- param groups ---------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
+
+    def _check_group(self, group: Mapping) -> None:
+        name = type(self).__name__
+        for key in self._refused:
+            if group.get(key):
+                raise ValueError(f"{name} does not support {key}=True; use torch.optim with "
+                                 f"conserve.track(optimizer, model) for that option")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+        for s in self.state.values():
+            if "step" in s and not torch.is_tensor(s["step"]):
+                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
+
+    # ---- state dict -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        if self.tracker is not None:
+            sd["conserve"] = self.tracker.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        tracked = state_dict.pop("conserve", None)
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            self._check_group(g)
+        if tracked is not None and self.tracker is not None:
+            self.tracker.load_state_dict(tracked)
+
+    # ---- tracker conveniences -------------------------------------------------------------------
+    def record(self, **scalars) -> None:
+        """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row."""
+        self._need_tracker().record(**scalars)
+
+    def flush(self):
+        return self._need_tracker().flush()
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+
+    def _need_tracker(self) -> Tracker:
+        if self.tracker is None:
+            raise RuntimeError(f"this {type(self).__name__} tracks no laws: build it with track=model")
+        return self.tracker
+
+    # ---- the step -------------------------------------------------------------------------------
+    def _hyper(self, group) -> K.Hyper:
+        raise NotImplementedError
+
+    def _collect(self, group, done: set):
+        """Params with a gradient (each once), their state buffers, steps and fresh-buffer flags."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step (and, when tracking, one row of law values and drift terms).
+
+        Raises ``RuntimeError`` for sparse or complex gradients."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        tr, fp = self.tracker, self._fp
+        if tr is not None:
+            for i in fp.rest_tensors:
+                t = tr.tensors[i]
+                if i not in self._old or self._old[i].shape != t.shape:
+                    self._old[i] = torch.empty_like(t)
+                self._old[i].copy_(t)
+            self._stats.zero_()
+        a_of: dict[int, float] = {}
+        done: set = set()
+        for group in self.param_groups:
+            h = self._hyper(group)
+            params, grads, b1, b2, steps, fresh = self._collect(group, done)
+            if not params:
+                continue
+            buckets = defaultdict(list)
+            for j, p in enumerate(params):
+                tri = _choose(self.backend, [p]) == "triton" and K.triton_eligible(p, [grads[j], b1[j], b2[j]])
+                buckets[(p.device, p.dtype, tri)].append(j)
+            for (dev, dt, tri), js in buckets.items():
+                sub = lambda xs: [xs[j] for j in js] if xs else xs  # noqa: E731
+                ps, gs, m1, m2, st, fr = sub(params), sub(grads), sub(b1), sub(b2), sub(steps), sub(fresh)
+                ids = [self._tracked.get(id(p), -1) if tr is not None else -1 for p in ps]
+                reqs = [fp.reqs[i] if i >= 0 else K.StatsRequest() for i in ids]
+                if tri:
+                    K.step_triton(h, ps, gs, m1, m2, st, reqs, self._stats if tr is not None else None, fresh=fr,
+                                  cache=self._layouts, interpret=dev.type != "cuda")
+                else:
+                    olds = [p.detach().clone() if i >= 0 and reqs[k].any else None for k, (p, i) in enumerate(zip(ps, ids))]
+                    K.step_reference(h, ps, gs, m1, m2, st, first=fr)
+                    for o, p, r in zip(olds, ps, reqs):
+                        if o is not None:
+                            K.stats_reference(o, p, h.a, r, self._stats)
+                for i in ids:
+                    if i >= 0:
+                        a_of[i] = h.a
+        if tr is not None:
+            self._record(a_of)
+        return loss
+
+    def _record(self, a_of: dict[int, float]) -> None:
+        tr, fp = self.tracker, self._fp
+        for i, t in enumerate(tr.tensors):  # tracked but not stepped (no grad, not in any group): Delta = 0
+            if i not in a_of and fp.reqs[i].any:
+                K.stats_reference(t, t, 1.0, fp.reqs[i], self._stats)
+        vals = K.finish_reference(self._stats, fp.idx, fp.coef)
+        h1 = Values(vals[0], {d: torch.zeros(n, d, d, device=tr.device, dtype=vals.dtype)
+                              for d, n in tr.compiled.plan.gram_slots.items()})
+        terms = {"first": Values(vals[1], {}), "second": Values(vals[2], {}), "decay": Values(vals[3], {})}
+        for k in terms:
+            terms[k].grams = {d: torch.zeros_like(g) for d, g in h1.grams.items()}
+        if fp.rest is not None:
+            self._rest_terms(a_of, h1, terms)
+        tr.record_step(h1, terms if tr.drift else None)
+
+    def _rest_terms(self, a_of, h1: Values, terms: dict) -> None:
+        """Gram laws (and unmapped terms) with the standalone kernels, as ``Tracker.after_step`` does."""
+        tr, fp = self.tracker, self._fp
+        ev = lambda xs: Values(*kernels.evaluate(fp.rest, xs, fp64=tr.fp64, backend=tr.backend))  # noqa: E731
+        new = [t.detach() for t in tr.tensors]
+        h_new = ev(new)
+        h1.vec += h_new.vec
+        for d, g in h_new.grams.items():
+            h1.grams[d] = h1.grams[d] + g
+        if not tr.drift:
+            return
+        old = list(new)
+        for i in fp.rest_tensors:
+            old[i] = self._old[i]
+        h_old = ev(old)
+        a_old = list(old)
+        for i in fp.rest_tensors:
+            a = a_of.get(i, 1.0)
+            if a != 1.0:
+                a_old[i] = old[i] * a
+        h_a = ev(a_old) if any(a_old[i] is not old[i] for i in fp.rest_tensors) else h_old
+        delta = [n - o if k in fp.rest_tensors else torch.zeros_like(n) for k, (n, o) in enumerate(zip(new, a_old))]
+        b = Values(*kernels.bilinear(fp.rest, a_old, delta, fp64=tr.fp64, backend=tr.backend))
+        hd = ev(delta)
+        lin = tr._lin.to(hd.vec.dtype)
+        add = {"decay": h_a.map(torch.sub, h_old),
+               "first": Values(2 * b.vec + lin * hd.vec, {d: 2 * g for d, g in b.grams.items()}),
+               "second": Values((1 - lin) * hd.vec, hd.grams)}
+        for k, v in add.items():
+            terms[k] = terms[k].map(torch.add, v)
+
+
+def _params_with_grad(group, done: set):
+    out = []
+    for p in group["params"]:
+        if p.grad is None or id(p) in done:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError("fused optimizers do not support sparse gradients; use torch.optim.SparseAdam")
+        if torch.is_complex(p):
+            raise RuntimeError("fused optimizers do not support complex parameters; use torch.optim.AdamW")
+        done.add(id(p))
+        out.append(p)
+    return out
+
+
+def _scalar(x) -> float:
+    return float(x.item()) if torch.is_tensor(x) else float(x)
+
+
+# ------------------------------------------------------------------------------------- Adam
+class FusedAdam(_FusedOptimizer):
+    """Adam (``decoupled_weight_decay=False``: L2 added to the gradient) / AdamW with the laws measured
+    in the same pass.  Same arguments, defaults, state and math as ``torch.optim.Adam``, plus the
+    tracking arguments (see the module docstring): ``track`` (the model), ``laws`` + ``named_params``,
+    and ``Tracker`` keywords.
+
+    Raises ``ValueError`` at construction (or ``add_param_group`` / ``load_state_dict``) for
+    ``amsgrad``, ``capturable``, ``differentiable`` or ``fused`` set to True: use ``torch.optim.Adam``
+    with ``conserve.track`` for those.  ``foreach`` is accepted and ignored.
+    """
+
+    _algo = "adam"
+    _refused = ("amsgrad", "capturable", "differentiable", "fused")
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay: bool = False, track: nn.Module | None = None,
+                 laws=None, named_params: Mapping[str, torch.Tensor] | None = None, **tracker_kwargs: Any):
+        if torch.is_tensor(lr) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= _scalar(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= _scalar(betas[0]) < 1.0 or not 0.0 <= _scalar(betas[1]) < 1.0:
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        self._setup_tracking(track, laws, named_params, tracker_kwargs)
+        super().__init__(params, defaults)
+
+    def _hyper(self, group) -> K.Hyper:
+        self._check_group(group)
+        b1, b2 = group["betas"]
+        return K.Hyper("adam", lr=_scalar(group["lr"]), weight_decay=float(group["weight_decay"]),
+                       maximize=bool(group["maximize"]), beta1=_scalar(b1), beta2=_scalar(b2), eps=float(group["eps"]),
+                       decoupled=bool(group.get("decoupled_weight_decay", False)))
+
+    def _collect(self, group, done):
+        params = _params_with_grad(group, done)
+        grads, m, v, steps = [], [], [], []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            grads.append(p.grad)
+            m.append(state["exp_avg"])
+            v.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        return params, grads, m, v, [float(s) for s in steps], []
+
+
+class FusedAdamW(FusedAdam):
+    """AdamW (decoupled weight decay, default 1e-2) with the laws measured in the same pass; see
+    ``FusedAdam`` and the module docstring.  State dicts load into ``torch.optim.AdamW`` and back."""
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, track: nn.Module | None = None, laws=None,
+                 named_params: Mapping[str, torch.Tensor] | None = None, **tracker_kwargs: Any):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, track=track, laws=laws, named_params=named_params,
+                         **tracker_kwargs)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
+
+# -------------------------------------------------------------------------------------- SGD
+class FusedSGD(_FusedOptimizer):
+    """SGD (momentum, dampening, nesterov, coupled weight decay, maximize) with the laws measured in
+    the same pass.  Same arguments, defaults, state (``momentum_buffer``) and math as
+    ``torch.optim.SGD``, plus the tracking arguments (module docstring).  ``differentiable`` and
+    ``fused`` set to True are refused (``ValueError``); ``foreach`` is accepted and ignored.
+
+    Decay factor of the drift decomposition: ``1 - lr*weight_decay`` without momentum (the step is
+    exactly ``(1 - lr wd) theta - lr g``), 1 with momentum (the decay is inside ``Delta``), as
+    ``conserve.tracker.decay_factor``.
+    """
+
+    _algo = "sgd"
+    _refused = ("differentiable", "fused")
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
+                 track: nn.Module | None = None, laws=None, named_params: Mapping[str, torch.Tensor] | None = None,
+                 **tracker_kwargs: Any):
+        if torch.is_tensor(lr) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if _scalar(lr) < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused)
+        self._setup_tracking(track, laws, named_params, tracker_kwargs)
+        super().__init__(params, defaults)
+
+    def _hyper(self, group) -> K.Hyper:
+        self._check_group(group)
+        return K.Hyper("sgd", lr=_scalar(group["lr"]), weight_decay=float(group["weight_decay"]),
+                       maximize=bool(group["maximize"]), momentum=float(group["momentum"]),
+                       dampening=float(group["dampening"]), nesterov=bool(group["nesterov"]))
+
+    def _collect(self, group, done):
+        params = _params_with_grad(group, done)
+        grads, bufs, fresh = [], [], []
+        mom = group["momentum"] != 0
+        for p in params:
+            grads.append(p.grad)
+            if mom:
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                fresh.append(buf is None)
+                if buf is None:
+                    buf = state["momentum_buffer"] = torch.empty_like(p.grad, memory_format=torch.preserve_format)
+                bufs.append(buf)
+        n = len(params)
+        return params, grads, bufs if mom else [None] * n, [None] * n, [0.0] * n, fresh if mom else []

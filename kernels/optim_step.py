@@ -1,0 +1,484 @@
+"""Fused optimizer steps: update every weight (AdamW / Adam / SGD) and measure it in the same pass.
+
+Knows nothing of nn.Module or of laws: it takes lists of tensors, the hyper-parameters of one
+parameter group, and per tensor a *stats request* (which row/column statistics of the updated
+weight to accumulate).  The optimizer (``conserve/optim/fused.py``) maps those statistics onto the
+law plan's ``NormTerm``/``SumTerm`` entries.
+
+Matrix form.  Every tensor is read as ``B x R x C`` (``B`` = product of the leading dims, ``(R, C)`` =
+the last two; a vector of n entries is ``1 x 1 x n``, a scalar ``1 x 1 x 1``), contiguous.  With
+``old`` the weight before the step, ``new`` after it, ``a`` the decoupled decay factor of the group
+(``1 - lr*wd`` for AdamW and for plain SGD, else 1) and ``Delta = new - a*old`` (spec "Discrete steps:
+the exact drift identity"), a stats slot of kind
+
+* ``Q`` (quadratic, for NormTerms) accumulates ``[new^2, a*old*Delta, Delta^2, (a^2-1)*old^2]``,
+* ``L`` (linear, for SumTerms) accumulates     ``[new,   Delta,       0,       (a-1)*old]``,
+
+summed over the columns of each row (axis ``row``: ``B*R`` slots) or over the rows of each column
+within one batch entry (axis ``col``: ``B*C`` slots).  A NormTerm over whole rows then gets
+``h = sum sign*q0``, ``first = 2*sum sign*q1``, ``second = sum sign*q2``, ``decay = sum sign*q3``.
+
+Triton path (``step_triton``): ONE launch of ``_step_kernel`` per (group, dtype): a program per
+``(tensor, batch, row block RB, column block CB)`` reads ``param, grad, state`` once, writes the new
+``param, state`` and per-program partial row sums (one per CB columns) and column sums (one per RB
+rows) into a buffer; ``_finish_kernel`` sums the partials in a fixed order (no atomics:
+deterministic).  Torch twin (``step_reference``): the same math op by op, as ``torch.optim`` does it
+(``_single_tensor_adam`` / ``_single_tensor_sgd``; on CPU the ``foreach`` path runs the same ops), and
+the same statistics with torch reductions.
+
+Rounding: the kernel computes in fp32 and, for bf16/fp16 parameters, rounds to the storage dtype at
+every point where torch's foreach ops write a tensor (``LOWP``), so bf16 parameters follow torch's
+rounding (up to fp32 contraction differences inside one op).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["Hyper", "StatsRequest", "matrix_shape", "step_reference", "step_triton", "stats_reference",
+           "finish_reference", "NQ"]
+
+NQ = 4  # quantities per stats slot
+T_COLS = 16  # columns of the tensor table
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int, int]:
+    """``(B, R, C)`` of the matrix form of a tensor of ``shape`` (see module docstring)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        return 1, 1, 1
+    if len(shape) == 1:
+        return 1, 1, shape[0]
+    return int(math.prod(shape[:-2])), shape[-2], shape[-1]
+
+
+@dataclass
+class Hyper:
+    """Hyper-parameters of one parameter group, as python floats/bools (``torch.optim`` names).
+
+    ``algo``: 'adam' (``decoupled`` True = AdamW) or 'sgd'.  ``a``: the decay factor of the drift
+    decomposition (``1 - lr*weight_decay`` when decoupled / plain SGD, else 1)."""
+
+    algo: str
+    lr: float
+    weight_decay: float = 0.0
+    maximize: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    decoupled: bool = True
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+
+    @property
+    def a(self) -> float:
+        """Rounded to fp32 (the kernels' scalar type), so every path uses the very same ``a`` and
+        ``a^2 - 1`` is exact in double."""
+        if self.weight_decay == 0:
+            return 1.0
+        if (self.algo == "adam" and self.decoupled) or (self.algo == "sgd" and self.momentum == 0):
+            return float(np.float32(1.0 - self.lr * self.weight_decay))
+        return 1.0
+
+
+@dataclass
+class StatsRequest:
+    """Stats slots of one tensor: first slot of each (axis, kind) in the stats buffer, -1 if unused."""
+
+    row_q: int = -1
+    row_l: int = -1
+    col_q: int = -1
+    col_l: int = -1
+
+    @property
+    def any(self) -> bool:
+        return max(self.row_q, self.row_l, self.col_q, self.col_l) >= 0
+
+
+# --------------------------------------------------------------------------------- torch twin
+def _adam_scalars(h: Hyper, step: float) -> tuple[float, float]:
+    """``(step_size, sqrt(bias_correction2))`` exactly as torch computes them (python doubles)."""
+    bc1 = 1 - h.beta1 ** step
+    bc2 = 1 - h.beta2 ** step
+    return (h.lr / bc1) * -1, bc2 ** 0.5
+
+
+@torch.no_grad()
+def step_reference(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   bufs1: Sequence[torch.Tensor | None], bufs2: Sequence[torch.Tensor | None],
+                   steps: Sequence[float], first: Sequence[bool] = ()) -> None:
+    """Torch twin of the update (in place), op by op as ``torch.optim`` (``_single_tensor_adam``/``sgd``).
+
+    Args:
+        params, grads: the parameters and their gradients (same shapes and dtypes).
+        bufs1: ``exp_avg`` (adam) or ``momentum_buffer`` (sgd with momentum; ``first[i]`` True means the
+            buffer is fresh and receives a copy of the gradient, as torch's first momentum step does).
+        bufs2: ``exp_avg_sq`` (adam), unused for sgd.
+        steps: the step count of each tensor AFTER its increment (adam bias correction).
+    """
+    for i, (p, g) in enumerate(zip(params, grads)):
+        g = -g if h.maximize else g
+        if h.algo == "adam":
+            m, v = bufs1[i], bufs2[i]
+            if h.weight_decay != 0:
+                if h.decoupled:
+                    p.mul_(1 - h.lr * h.weight_decay)
+                else:
+                    g = g.add(p, alpha=h.weight_decay)
+            m.lerp_(g, 1 - h.beta1)
+            v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+            step_size, bc2s = _adam_scalars(h, steps[i])
+            denom = (v.sqrt() / bc2s).add_(h.eps)
+            p.addcdiv_(m, denom, value=step_size)
+        else:
+            if h.weight_decay != 0:
+                g = g.add(p, alpha=h.weight_decay)
+            if h.momentum != 0:
+                buf = bufs1[i]
+                if first and first[i]:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(h.momentum).add_(g, alpha=1 - h.dampening)
+                g = g.add(buf, alpha=h.momentum) if h.nesterov else buf
+            p.add_(g, alpha=-h.lr)
+
+
+def stats_reference(old: torch.Tensor, new: torch.Tensor, a: float, req: StatsRequest, out: torch.Tensor) -> None:
+    """Torch twin of the statistics: writes the slots of ``req`` into ``out`` (``(NQ, slots)``).
+
+    ``old`` / ``new``: the tensor before / after the step (any dtype; math in ``out.dtype``)."""
+    acc = out.dtype
+    B, R, C = matrix_shape(new.shape)
+    if new.numel() == 0:
+        return
+    n = new.detach().reshape(B, R, C).to(acc)
+    o = old.detach().reshape(B, R, C).to(acc)
+    d = n - a * o
+    q = torch.stack([n * n, (a * o) * d, d * d, (a * a - 1) * (o * o)])
+    lin = torch.stack([n, d, torch.zeros_like(n), (a - 1) * o])
+    for base, vals, axis in ((req.row_q, q, 3), (req.row_l, lin, 3), (req.col_q, q, 2), (req.col_l, lin, 2)):
+        if base >= 0:
+            s = vals.sum(axis).reshape(NQ, -1)
+            out[:, base: base + s.shape[1]] = s
+
+
+def finish_reference(stats: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """Plan entries from the stats: ``vals[k, o] = sum_j coef[k, o, j] * stats[k, idx[o, j]]`` (fixed order).
+
+    ``stats``: ``(NQ, S)``; ``idx``: ``(V, J)`` int64; ``coef``: ``(NQ, V, J)``. Returns ``(NQ, V)``."""
+    if idx.numel() == 0:
+        return torch.zeros(NQ, idx.shape[0], dtype=stats.dtype, device=stats.device)
+    return (coef * stats[:, idx]).sum(-1)
+
+
+# ------------------------------------------------------------------------------------ triton
+_KERNELS = None
+
+
+def _kernels():
+    # defined on first use (so TRITON_INTERPRET can be set before); bound as module globals because
+    # @triton.jit resolves names (tl, helpers) through the module's globals
+    global _KERNELS, triton, tl, _rnd, _store_rows
+    if _KERNELS is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _rnd(x, ref, LOWP: tl.constexpr):
+            # round fp32 to the storage dtype and back (LOWP 1: bf16, 2: fp16).  bf16 rounds to nearest
+            # even by bit arithmetic: the interpreter's fp32->bf16 cast truncates, the GPU's does not.
+            if LOWP == 1:
+                u = x.to(tl.uint32, bitcast=True)
+                u = (u + (((u >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+                return u.to(tl.float32, bitcast=True)
+            elif LOWP == 2:
+                return x.to(tl.float16).to(tl.float32)
+            else:
+                return x
+
+        @triton.jit
+        def _store_rows(part, NP, off, r, mr, s0, s1, s2, s3):
+            tl.store(part + off + r, s0, mask=mr)
+            tl.store(part + NP + off + r, s1, mask=mr)
+            tl.store(part + 2 * NP + off + r, s2, mask=mr)
+            tl.store(part + 3 * NP + off + r, s3, mask=mr)
+
+        @triton.jit
+        def _step_kernel(base, tensors, scal, progs, part, NP,
+                         neg_lr, decay, wd, a, a2m1, am1, w1, beta2, omb2, eps, momentum, omd,
+                         ALGO: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                         HAS_WD: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
+                         LOWP: tl.constexpr, STATS: tl.constexpr, FP64: tl.constexpr,
+                         RB: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr):
+            pid = tl.program_id(0).to(tl.int64)
+            pr = progs + pid * 4
+            t = tl.load(pr)
+            b = tl.load(pr + 1)
+            rb = tl.load(pr + 2)
+            cb = tl.load(pr + 3)
+            row = tensors + t * 16
+            p_off = tl.load(row)
+            g_off = tl.load(row + 1)
+            m_off = tl.load(row + 2)
+            v_off = tl.load(row + 3)
+            R = tl.load(row + 4)
+            C = tl.load(row + 5)
+            BRt = tl.load(row + 6)  # B*R
+            nrb = tl.load(row + 7)
+            rq = tl.load(row + 8)
+            rl = tl.load(row + 9)
+            cq = tl.load(row + 10)
+            cl = tl.load(row + 11)
+            fresh = tl.load(row + 12)  # sgd: momentum buffer not yet initialised
+            step_size = tl.load(scal + t * 2)
+            bc2s = tl.load(scal + t * 2 + 1)
+            ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
+            c = cb * CB + tl.arange(0, CB)
+            mc = c < C
+            r_start = rb * RB
+            r_end = tl.minimum(r_start + RB, R)
+            zc = tl.zeros([CB], dtype=ACC)
+            cq0, cq1, cq2, cq3 = zc, zc, zc, zc
+            cl0, cl1, cl3 = zc, zc, zc
+            for r0 in range(r_start, r_end, BR):
+                r = r0 + tl.arange(0, BR)
+                mr = r < r_end
+                m = mr[:, None] & mc[None, :]
+                e = (b * R + r).to(tl.int64)[:, None] * C + c[None, :]
+                p = tl.load(base + p_off + e, mask=m, other=0.0).to(tl.float32)
+                g = tl.load(base + g_off + e, mask=m, other=0.0).to(tl.float32)
+                old = p
+                if MAXIMIZE:
+                    g = -g
+                if ALGO == 0:  # adam / adamw
+                    if HAS_WD:
+                        if DECOUPLED:
+                            p = _rnd(p * decay, base, LOWP)
+                        else:
+                            g = _rnd(g + wd * p, base, LOWP)
+                    ea = tl.load(base + m_off + e, mask=m, other=0.0).to(tl.float32)
+                    es = tl.load(base + v_off + e, mask=m, other=0.0).to(tl.float32)
+                    if w1 < 0.5:  # torch's lerp: self + w*(end-self) for w < 0.5, else end - (end-self)*(1-w)
+                        ea = _rnd(ea + w1 * (g - ea), base, LOWP)
+                    else:
+                        ea = _rnd(g - (g - ea) * (1.0 - w1), base, LOWP)
+                    es = _rnd(es * beta2, base, LOWP)
+                    es = _rnd(es + omb2 * g * g, base, LOWP)
+                    den = _rnd(tl.sqrt_rn(es), base, LOWP)
+                    den = _rnd(tl.div_rn(den, bc2s), base, LOWP)
+                    den = _rnd(den + eps, base, LOWP)
+                    p = _rnd(p + step_size * tl.div_rn(ea, den), base, LOWP)
+                    tl.store(base + m_off + e, ea.to(base.dtype.element_ty), mask=m)
+                    tl.store(base + v_off + e, es.to(base.dtype.element_ty), mask=m)
+                else:  # sgd
+                    if HAS_WD:
+                        g = _rnd(g + wd * p, base, LOWP)
+                    if HAS_MOM:
+                        buf = tl.load(base + m_off + e, mask=m, other=0.0).to(tl.float32)
+                        buf = _rnd(buf * momentum, base, LOWP)
+                        buf = _rnd(buf + omd * g, base, LOWP)
+                        buf = tl.where(fresh != 0, g, buf)
+                        tl.store(base + m_off + e, buf.to(base.dtype.element_ty), mask=m)
+                        if NESTEROV:
+                            g = _rnd(g + momentum * buf, base, LOWP)
+                        else:
+                            g = buf
+                    p = _rnd(p + neg_lr * g, base, LOWP)
+                tl.store(base + p_off + e, p.to(base.dtype.element_ty), mask=m)
+                if STATS:
+                    if (rq >= 0) | (rl >= 0) | (cq >= 0) | (cl >= 0):
+                        n = tl.where(m, p.to(ACC), 0.0)
+                        o = tl.where(m, old.to(ACC), 0.0)
+                        ao = o * a
+                        d = n - ao
+                        q0 = n * n
+                        q1 = ao * d
+                        q2 = d * d
+                        q3 = (o * o) * a2m1
+                        l3 = o * am1
+                        rows = b * R + r
+                        if rq >= 0:
+                            _store_rows(part, NP, rq + cb * BRt, rows, mr, tl.sum(q0, 1), tl.sum(q1, 1),
+                                        tl.sum(q2, 1), tl.sum(q3, 1))
+                        if rl >= 0:
+                            _store_rows(part, NP, rl + cb * BRt, rows, mr, tl.sum(n, 1), tl.sum(d, 1),
+                                        tl.zeros([BR], dtype=ACC), tl.sum(l3, 1))
+                        if cq >= 0:
+                            cq0 += tl.sum(q0, 0)
+                            cq1 += tl.sum(q1, 0)
+                            cq2 += tl.sum(q2, 0)
+                            cq3 += tl.sum(q3, 0)
+                        if cl >= 0:
+                            cl0 += tl.sum(n, 0)
+                            cl1 += tl.sum(d, 0)
+                            cl3 += tl.sum(l3, 0)
+            if STATS:
+                cidx = (b * nrb + rb) * C + c
+                if cq >= 0:
+                    _store_rows(part, NP, cq, cidx, mc, cq0, cq1, cq2, cq3)
+                if cl >= 0:
+                    _store_rows(part, NP, cl, cidx, mc, cl0, cl1, zc, cl3)
+
+        @triton.jit
+        def _finish_kernel(part, NP, stats, NS, table, BF: tl.constexpr, FP64: tl.constexpr):
+            """Row ``pid0`` of ``table`` = ``[off, nrows, F, out]``: ``stats[q, out + f] = sum_i part[q, off + i*F + f]``."""
+            pid = tl.program_id(0).to(tl.int64)
+            tr = table + pid * 4
+            off = tl.load(tr)
+            nrows = tl.load(tr + 1)
+            F = tl.load(tr + 2)
+            out = tl.load(tr + 3)
+            f = tl.program_id(1).to(tl.int64) * BF + tl.arange(0, BF)
+            mf = f < F
+            ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
+            for q in tl.static_range(4):
+                acc = tl.zeros([BF], dtype=ACC)
+                for i in range(0, nrows):
+                    acc += tl.load(part + q * NP + off + i * F + f, mask=mf, other=0.0)
+                tl.store(stats + q * NS + out + f, acc, mask=mf)
+
+        _KERNELS = (_step_kernel, _finish_kernel)
+    return _KERNELS
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass
+class _Layout:
+    """Shape-only part of one launch: programs, partial offsets, finishing table (cached by the caller)."""
+
+    progs: torch.Tensor
+    table_static: np.ndarray  # (T, 16) without the pointer columns
+    finish: torch.Tensor | None
+    n_part: int
+    max_F: int
+    RB: int
+    BR: int
+    CB: int
+
+
+def _layout(shapes, reqs: Sequence[StatsRequest], fresh: Sequence[bool], device, interpret: bool) -> _Layout:
+    mats = [matrix_shape(s) for s in shapes]
+    maxC = max([C for _, _, C in mats] + [1])
+    CB = min(_next_pow2(maxC), 128 if interpret else 256)
+    BR = max(1, min(64, 4096 // CB))
+    RB = max(BR, 1024 if interpret else 256)  # the interpreter pays per program: few, large ones
+    progs, fin = [], []
+    table = np.zeros((len(shapes), T_COLS), dtype=np.int64)
+    n_part = 0
+    for t, ((B, R, C), req) in enumerate(zip(mats, reqs)):
+        if B * R * C == 0:
+            table[t, 8:12] = -1
+            continue
+        ncb, nrb = -(-C // CB), -(-R // RB)
+        for b in range(B):
+            for rb in range(nrb):
+                for cb in range(ncb):
+                    progs.append((t, b, rb, cb))
+        cols = [-1, -1, -1, -1]
+        for k, (slot, axis) in enumerate(((req.row_q, "r"), (req.row_l, "r"), (req.col_q, "c"), (req.col_l, "c"))):
+            if slot < 0:
+                continue
+            cols[k] = n_part
+            if axis == "r":
+                fin.append((n_part, ncb, B * R, slot))
+                n_part += ncb * B * R
+            else:
+                for b in range(B):
+                    fin.append((n_part + b * nrb * C, nrb, C, slot + b * C))
+                n_part += B * nrb * C
+        table[t, 4:13] = [R, C, B * R, nrb, *cols, int(bool(fresh[t])) if fresh else 0]
+    pr = torch.as_tensor(np.asarray(progs, dtype=np.int64).reshape(-1, 4)).to(device)
+    fn = torch.as_tensor(np.asarray(fin, dtype=np.int64).reshape(-1, 4)).to(device) if fin else None
+    max_F = max([f[2] for f in fin] + [1])
+    return _Layout(pr, table, fn, n_part, max_F, RB, BR, CB)
+
+
+def layout_key(params, reqs, fresh):
+    return (tuple(tuple(p.shape) for p in params), tuple((r.row_q, r.row_l, r.col_q, r.col_l) for r in reqs),
+            tuple(bool(f) for f in fresh))
+
+
+def triton_eligible(p: torch.Tensor, others: Sequence[torch.Tensor | None]) -> bool:
+    """Whether ``p`` and its grad/states can go through the kernel: contiguous, same dtype, a float
+    dtype the kernel stores (fp32/bf16/fp16)."""
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not p.is_contiguous():
+        return False
+    return all(o is None or (o.dtype == p.dtype and o.is_contiguous() and o.device == p.device) for o in others)
+
+
+@torch.no_grad()
+def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                bufs1: Sequence[torch.Tensor | None], bufs2: Sequence[torch.Tensor | None],
+                steps: Sequence[float], reqs: Sequence[StatsRequest], stats: torch.Tensor | None,
+                fresh: Sequence[bool] = (), cache: dict | None = None, interpret: bool = False) -> None:
+    """One launch updating ``params`` (and states) in place; writes the requested stats slots of ``stats``.
+
+    All tensors must pass ``triton_eligible`` and share one dtype and device (the caller groups them).
+    ``stats``: ``(NQ, S)`` fp32/fp64 buffer (its dtype sets the accumulation), or None (no stats).
+    ``cache``: a dict the caller keeps across steps (shape-only tables are reused).
+    """
+    step_kernel, finish_kernel = _kernels()
+    if not params:
+        return
+    dev, dt = params[0].device, params[0].dtype
+    want = stats is not None and any(r.any for r in reqs)
+    reqs = list(reqs) if want else [StatsRequest() for _ in params]
+    key = layout_key(params, reqs, fresh)
+    lay = cache.get(key) if cache is not None else None
+    if lay is None:
+        lay = _layout([p.shape for p in params], reqs, fresh, dev, interpret)
+        if cache is not None:
+            if len(cache) > 64:
+                cache.clear()
+            cache[key] = lay
+    if lay.progs.shape[0] == 0:
+        return
+    base = params[0]
+    es = base.element_size()
+    b0 = base.data_ptr()
+    table = lay.table_static.copy()
+
+    def off(t):
+        if t is None:
+            return 0
+        d = t.data_ptr() - b0
+        if d % es:
+            raise ValueError("tensor addresses are not aligned to the element size; use the torch backend")
+        return d // es
+
+    for i in range(len(params)):
+        table[i, 0:4] = (off(params[i]), off(grads[i]), off(bufs1[i] if bufs1 else None),
+                         off(bufs2[i] if bufs2 else None))
+    scal = np.zeros((len(params), 2), dtype=np.float32)
+    if h.algo == "adam":
+        for i, s in enumerate(steps):
+            scal[i] = _adam_scalars(h, s)
+    pin = dev.type == "cuda"
+    tab = torch.from_numpy(table)
+    sc = torch.from_numpy(scal)
+    if pin:
+        tab, sc = tab.pin_memory().to(dev, non_blocking=True), sc.pin_memory().to(dev, non_blocking=True)
+    fp64 = want and stats.dtype == torch.float64
+    acc = torch.float64 if fp64 else torch.float32
+    part = torch.empty(NQ, max(1, lay.n_part), device=dev, dtype=acc) if want else torch.empty(NQ, 1, device=dev, dtype=acc)
+    step_kernel[(lay.progs.shape[0],)](
+        base, tab, sc, lay.progs, part, part.shape[1],
+        -float(h.lr), 1.0 - h.lr * h.weight_decay, float(h.weight_decay), float(h.a), h.a * h.a - 1.0,
+        h.a - 1.0, 1.0 - h.beta1,
+        float(h.beta2), 1.0 - h.beta2, float(h.eps), float(h.momentum), 1.0 - h.dampening,
+        ALGO=0 if h.algo == "adam" else 1, DECOUPLED=bool(h.decoupled), MAXIMIZE=bool(h.maximize),
+        HAS_WD=h.weight_decay != 0, HAS_MOM=h.momentum != 0, NESTEROV=bool(h.nesterov),
+        LOWP={torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dt], STATS=want, FP64=fp64, RB=lay.RB, BR=lay.BR, CB=lay.CB,
+        num_warps=8 if lay.BR * lay.CB >= 4096 else 4)
+    if want and lay.finish is not None:
+        BF = 256 if not interpret else 64
+        finish_kernel[(lay.finish.shape[0], -(-lay.max_F // BF))](part, part.shape[1], stats, stats.shape[1],
+                                                                  lay.finish, BF=BF, FP64=fp64, num_warps=4)

@@ -1,0 +1,393 @@
+"""Detection of the laws of HF transformers models (conserve.detect.hf), issue 5 part A.
+
+Every family is built from a tiny config with random weights (no download). For each:
+(a) every detected law passes the spec's first-order check (float64, random inputs) <= 1e-10;
+(b) a planted wrong law (other RoPE pairing, wrong kv group, missing reader, ...) fails it (> 1e-6);
+(c) the declined blocks carry the expected reasons; nothing is left undetected.
+
+The HF modeling code upcasts to float32 in places (RMSNorm, softmax, rotary, routers); ``exact64`` runs
+the same code with those casts made float64 so the check can resolve 1e-10 (see its docstring).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+T = pytest.importorskip("transformers")
+
+from conserve.detect import detect  # noqa: E402
+from conserve.detect.hf import detect_from_config, probe_rope  # noqa: E402
+from conserve.errors import UsageError  # noqa: E402
+from conserve.laws import (GainBalance, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, VOGram, cols,  # noqa: E402
+                           rows, vector)
+from conserve.verify import TOL, first_order  # noqa: E402
+
+TINY = dict(hidden_size=16, num_attention_heads=4, intermediate_size=12, num_hidden_layers=1, vocab_size=17)
+MOE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
+
+
+def config(name: str, **over):
+    c = {
+        "gpt2": lambda: T.GPT2Config(n_embd=16, n_head=4, n_layer=1, vocab_size=17, n_positions=32, bos_token_id=0,
+                                     eos_token_id=0),
+        "llama": lambda: T.LlamaConfig(**TINY, num_key_value_heads=2, head_dim=4),
+        "mistral": lambda: T.MistralConfig(**TINY, num_key_value_heads=2, head_dim=6),  # head_dim != H / nH
+        "mixtral": lambda: T.MixtralConfig(**TINY, num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2),
+        "qwen2": lambda: T.Qwen2Config(**TINY, num_key_value_heads=2),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**TINY, num_key_value_heads=2, moe_intermediate_size=6,
+                                              shared_expert_intermediate_size=8, num_experts=3, num_experts_per_tok=2),
+        "qwen3": lambda: T.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=4, rms_norm_eps=0.0),
+        "gemma": lambda: T.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=6),
+        "phi3": lambda: T.Phi3Config(**TINY, num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0),
+        "gpt_neox": lambda: T.GPTNeoXConfig(**TINY, rotary_pct=0.5, eos_token_id=0, bos_token_id=0),
+        "falcon": lambda: T.FalconConfig(hidden_size=16, num_attention_heads=4, num_hidden_layers=1, vocab_size=17,
+                                         multi_query=True),
+        "bert": lambda: T.BertConfig(**TINY, max_position_embeddings=32),
+        "olmoe": lambda: T.OlmoeConfig(**TINY, num_key_value_heads=2, num_experts=3, num_experts_per_tok=2,
+                                       rms_norm_eps=0.0),
+        "deepseek_v3": lambda: T.DeepseekV3Config(
+            **TINY, num_key_value_heads=4, moe_intermediate_size=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=0, q_lora_rank=8, kv_lora_rank=6, qk_rope_head_dim=2, qk_nope_head_dim=4,
+            v_head_dim=4),
+    }[name]()
+    for k, v in over.items():
+        setattr(c, k, v)
+    return c
+
+
+def build(name: str, **over) -> nn.Module:
+    torch.manual_seed(0)
+    cls = T.AutoModelForMaskedLM if name == "bert" else T.AutoModelForCausalLM
+    kw = {"experts_implementation": "eager"} if name in MOE else {}  # grouped_mm has no float64 kernel
+    return randomize(cls.from_config(config(name, **over), attn_implementation="eager", **kw).eval())
+
+
+@torch.no_grad()
+def randomize(model: nn.Module) -> nn.Module:
+    """Random weights of unit scale: HF's init zeroes biases and keeps routers tiny (0.02), which would let
+    a wrong law that misreads a bias or a router pass unnoticed. Meta models are left alone."""
+    g = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            continue
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in name.lower() else 0.0))
+    return model
+
+
+class _Torch64:
+    """``torch`` as seen by a modeling module inside ``exact64``: float32 / float mean float64."""
+
+    def __getattr__(self, n):
+        return torch.float64 if n in ("float32", "float") else getattr(torch, n)
+
+
+@contextlib.contextmanager
+def exact64(model):
+    """Run the model's own HF code in float64 end to end: its explicit float32 upcasts (RMSNorm,
+    softmax(dtype=torch.float32), rotary, routers' ``.float()``) become float64. They are precision
+    choices, not part of the function, but at float32 they would bound the first-order check at ~1e-7."""
+    mods = {sys.modules[type(m).__module__] for m in model.modules()}
+    mods = [m for m in mods if m.__name__.startswith("transformers.") and getattr(m, "torch", None) is torch]
+    orig = torch.Tensor.float
+    for m in mods:
+        m.torch = _Torch64()
+    torch.Tensor.float = lambda self, *a, **k: self if self.dtype == torch.float64 else orig(self, *a, **k)
+    try:
+        yield
+    finally:
+        torch.Tensor.float = orig
+        for m in mods:
+            m.torch = torch
+
+
+def logits_model(model):
+    """Same module, ``forward(input_ids) -> logits`` (what first_order differentiates), float64."""
+    model = model.to(torch.float64)
+    fwd = type(model).forward
+    model.forward = lambda input_ids: fwd(model, input_ids=input_ids, use_cache=False).logits
+    return model
+
+
+def check(model, law) -> float:
+    ids = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(1))
+    with exact64(model):
+        return first_order(model, law, ids, trials=1)
+
+
+def law(d, name):
+    return next(l for l in d.laws if l.name == name)
+
+
+def without(l, pred):
+    return dataclasses.replace(l, terms=[t for t in l.terms if not pred(t)])
+
+
+def mix(plus_law, minus_law):
+    """Plus terms of one law with the minus terms of another (e.g. query heads of group 0 with kv head 1)."""
+    return dataclasses.replace(plus_law, terms=[t for t in plus_law.terms if t.sign > 0] +
+                               [t for t in minus_law.terms if t.sign < 0])
+
+
+A = "model.layers.0.self_attn"
+M = "model.layers.0.mlp"
+EMBED = ("model.embed_tokens", "input embedding")
+TIED = ("lm_head", "tied input/output embeddings")
+CAUSAL = {"rope_pair": 2, "vo": 2, "gain": 3, "swiglu": 1, "translation": 1}
+
+# name -> (family counts, [(declined module, substring of block + reason)], planted wrong laws)
+CASES = {
+    "gpt2": ({"qk": 4, "vo": 4, "gain": 2},
+             [("transformer.h.0.mlp", "no rescaling symmetry"), ("lm_head", "tied"), ("transformer.ln_f", "tied")],
+             lambda m, d: [mix(law(d, "transformer.h.0.attn/qk/group0"), law(d, "transformer.h.0.attn/qk/group1")),
+                           # c_proj read as if it were nn.Linear (not Conv1D): the transposition matters
+                           VOGram.build("bad", 0, plus=[cols("transformer.h.0.attn.c_attn.weight", (16, 48), 32, 4),
+                                                        None],
+                                        minus=[cols("transformer.h.0.attn.c_proj.weight", (16, 16), 0, 4)])]),
+    "llama": (CAUSAL, [EMBED],
+              lambda m, d: [law(detect(m, rope_layout="interleaved"), f"{A}/rope/group0"),
+                            mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1"))]),
+    "mistral": (CAUSAL, [EMBED],
+                lambda m, d: [mix(law(d, f"{A}/rope/group1"), law(d, f"{A}/rope/group0")),
+                              RopePairs.build("bad", 0, q_weight=f"{A}.q_proj.weight", q_shape=(24, 16), q_starts=[0, 4],
+                                              k_weight=f"{A}.k_proj.weight", k_shape=(12, 16), k_starts=[0],
+                                              rotary_dim=4, layout="half")]),  # head_dim taken as H / nH = 4
+    "mixtral": ({**CAUSAL, "swiglu": 3, "router_sum": 1}, [EMBED],
+                lambda m, d: [SwiGLUUnit.build("bad", 0, up=rows(f"{M}.experts.gate_up_proj", (3, 24, 16), 0, 12, lead=(1,)),
+                                               down=cols(f"{M}.experts.down_proj", (3, 16, 12), 0, 12, lead=(1,)))]),
+    "qwen2": (CAUSAL, [EMBED],
+              lambda m, d: [without(law(d, f"{A}/rope/group0"), lambda t: t.ref.param.endswith("k_proj.bias"))]),
+    "qwen2_moe": ({**CAUSAL, "swiglu": 4, "router_sum": 1},
+                  [EMBED, (f"{M}.shared_expert_gate", "sigmoid")],
+                  lambda m, d: [without(law(d, "model.layers.0.post_attention_layernorm/gain"),
+                                        lambda t: "shared_expert_gate" in t.ref.param)]),
+    "qwen3": ({"qk_scale": 6, "rope_pair": 1, "vo": 2, "gain": 3, "swiglu": 1, "translation": 1},
+              [EMBED, (f"{A}.q_proj", "QK-norm")],
+              lambda m, d: [RopePairs.build("bad", 0, q_weight=f"{A}.q_proj.weight", q_shape=(16, 16), q_starts=[0, 4],
+                                            k_weight=f"{A}.k_proj.weight", k_shape=(8, 16), k_starts=[0], rotary_dim=4,
+                                            layout="half"),
+                            ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 2)])]),
+    "gemma": ({"rope_pair": 1, "vo": 1, "gain": 2, "swiglu": 1}, [EMBED, TIED, ("model.norm", "tied")],
+              lambda m, d: [dataclasses.replace(
+                  law(d, "model.layers.0.input_layernorm/gain"),
+                  terms=[dataclasses.replace(t, shift=0.0) for t in law(d, "model.layers.0.input_layernorm/gain").terms])]),
+    "phi3": ({**CAUSAL, "rope_pass": 2}, [EMBED],
+             lambda m, d: [RopePairs.build("bad", 0, q_weight=f"{A}.qkv_proj.weight", q_shape=(32, 16), q_starts=[0, 4],
+                                           k_weight=f"{A}.qkv_proj.weight", k_shape=(32, 16), k_starts=[16],
+                                           rotary_dim=4, layout="half"),  # ignores partial_rotary_factor
+                           SwiGLUUnit.build("bad", 0, up=rows(f"{M}.gate_up_proj.weight", (24, 16), 0, 12),
+                                            down=cols(f"{M}.down_proj.weight", (16, 12), 0, 12))]),
+    "gpt_neox": ({"rope_pair": 4, "rope_pass": 4, "vo": 4, "gain": 3, "translation": 1},
+                 [("gpt_neox.layers.0.mlp", "no rescaling symmetry"), ("gpt_neox.embed_in", "input embedding")],
+                 # [Q | K | V] blocks instead of NeoX's per-head [q_h k_h v_h]
+                 lambda m, d: [RopePairs.build("bad", 0, q_weight="gpt_neox.layers.0.attention.query_key_value.weight",
+                                               q_shape=(48, 16), q_starts=[4],
+                                               k_weight="gpt_neox.layers.0.attention.query_key_value.weight",
+                                               k_shape=(48, 16), k_starts=[20], rotary_dim=2, layout="half",
+                                               q_bias="gpt_neox.layers.0.attention.query_key_value.bias",
+                                               k_bias="gpt_neox.layers.0.attention.query_key_value.bias")]),
+    "falcon": ({"rope_pair": 1, "vo": 1, "gain": 1},
+               [("transformer.h.0.mlp", "no rescaling symmetry"), ("lm_head", "tied")],
+               # value read at the key's rows of the multi-query layout [Q.. | K | V]
+               lambda m, d: [VOGram.build("bad", 0, plus=[rows("transformer.h.0.self_attention.query_key_value.weight",
+                                                               (24, 16), 16, 4)],
+                                          minus=[cols("transformer.h.0.self_attention.dense.weight", (16, 16), 4 * i, 4)
+                                                 for i in range(4)])]),
+    "bert": ({"qk": 4, "vo": 4},
+             [("bert.encoder.layer.0.attention.output.LayerNorm", "post-LN"), ("bert.encoder.layer.0.intermediate",
+                                                                               "no rescaling symmetry"),
+              ("cls", "tied decoder")],
+             lambda m, d: [without(law(d, "bert.encoder.layer.0.attention/qk/group0"),
+                                   lambda t: t.ref.param.endswith("bias")),
+                           # a gain law as if BERT were pre-LN
+                           GainBalance.build("bad", 0, gain=vector("bert.encoder.layer.0.attention.output.LayerNorm.weight", 0, 16),
+                                             beta=vector("bert.encoder.layer.0.attention.output.LayerNorm.bias", 0, 16),
+                                             readers=[cols("bert.encoder.layer.0.intermediate.dense.weight", (12, 16), 0,
+                                                           16)])]),
+    "olmoe": ({"qk_scale": 2, "rope_pair": 2, "vo": 2, "gain": 3, "swiglu": 3, "router_sum": 1, "translation": 1},
+              [EMBED, (f"{A}.q_proj", "over all heads")],
+              # per-head scale law: wrong, OLMoE's q_norm normalises all heads at once
+              lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 4)])]),
+    "deepseek_v3": ({"gain": 3, "swiglu": 5, "translation": 1},
+                    [(A, "multi-head latent attention"), (f"{M}.gate", "NOT conserved")],
+                    lambda m, d: [RouterSum.build("bad", 0, weight=rows(f"{M}.gate.weight", (4, 16), 0, 4))]),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            m = logits_model(build(name))
+            cache[name] = (m, detect(m))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_detected_laws_hold(models, name):
+    m, d = models(name)
+    assert d.detector == "hf"
+    assert d.families() == CASES[name][0]
+    assert d.undetected == []
+    worst = {l.name: check(m, l) for l in d.laws}
+    assert max(worst.values()) <= TOL, {k: v for k, v in worst.items() if v > TOL}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_planted_wrong_law_fails(models, name):
+    m, d = models(name)
+    for bad in CASES[name][2](m, d):
+        assert check(m, bad) > 1e-6, bad
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_declined_reasons(models, name):
+    _, d = models(name)
+    for module, text in CASES[name][1]:
+        hits = [x for x in d.declined if x.module == module and text in x.block + " " + x.reason]
+        assert hits, (module, text, [(x.module, x.block) for x in d.declined])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_meta_device_detects_from_shapes(models, name):
+    _, d = models(name)
+    with torch.device("meta"):
+        meta = build(name)
+    assert next(meta.parameters()).is_meta
+    dm = detect(meta)
+    assert dm.laws == d.laws and dm.declined == d.declined and dm.undetected == d.undetected
+
+
+def test_detect_from_config_matches_model(models):
+    for name in ("llama", "gpt2", "mixtral"):
+        _, d = models(name)
+        dc = detect_from_config(config(name))
+        assert [l.name for l in dc.laws] == [l.name for l in d.laws]
+        assert dc.laws == d.laws
+
+
+def test_rope_pairing_from_code_option_and_checkpoint():
+    import transformers.models.gpt_neox.modeling_gpt_neox as neox
+    import transformers.models.llama.modeling_llama as llama
+
+    assert probe_rope(llama.apply_rotary_pos_emb, 8, 8) == "half"
+    assert probe_rope(neox.apply_rotary_pos_emb, 8, 4) == "half"  # NeoX: rotate_half on the first R dims
+
+    def gptj(q, k, cos, sin):  # interleaved pairs {2p, 2p+1} (GPT-J rotate_every_two)
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+        return q * cos[:, None] + rot(q) * sin[:, None], k
+
+    assert probe_rope(gptj, 6, 6) == "interleaved"
+    m = build("llama")
+    assert all(l.terms[1].ref.row_step == 2 for l in detect(m, rope_layout="interleaved").laws if l.family == "rope_pair")
+    with pytest.raises(UsageError, match="--rope-layout"):
+        detect_from_config(config("llama"), require_rope_layout=True)
+    with pytest.raises(UsageError, match="rope_layout must be"):
+        detect(m, rope_layout="neox")
+    d = detect_from_config(config("llama"), require_rope_layout=True, rope_layout="half")
+    assert d.families() == CAUSAL
+
+
+def test_frozen_parameters_decline_their_laws():
+    m = build("llama")
+    m.model.layers[0].self_attn.v_proj.weight.requires_grad_(False)
+    d = detect(m)
+    names = {l.name for l in d.laws}
+    frozen = [x for x in d.declined if "frozen" in x.reason]
+    assert {x.module for x in frozen} == {f"{A}/vo/group0", f"{A}/vo/group1", "model.layers.0.input_layernorm/gain"}
+    assert all("v_proj.weight" in x.reason for x in frozen)
+    assert f"{A}/rope/group0" in names and not any("/vo/" in n for n in names)
+
+
+def test_wrappers_are_removed():
+    m = build("qwen2")
+    d = detect(m)
+    assert detect(torch.compile(m)).laws == d.laws
+    assert detect(nn.DataParallel(m)).laws == d.laws
+
+
+def test_unknown_modules_and_families_are_listed_never_dropped():
+    m = build("llama")
+    m.model.layers[0].adapter = nn.Linear(16, 16)
+    d = detect(m)
+    assert d.undetected == ["model.layers.0.adapter"]
+    # OLMo-2 names its post-attention *post*-norm ``post_attention_layernorm``: a name-guessing detector would
+    # build a wrong gain law. Not a known family: everything is listed as undetected, with the reason.
+    o = T.AutoModelForCausalLM.from_config(T.Olmo2Config(**TINY, num_key_value_heads=2))
+    d = detect(o)
+    assert d.laws == [] and "model.layers.0.post_attention_layernorm" in d.undetected
+    assert "no HF family handler" in d.declined[0].reason
+
+
+def test_qk_norm_with_eps_declines_scale_laws_with_reason():
+    m = logits_model(build("qwen3", rms_norm_eps=1e-6))
+    d = detect(m)
+    assert "qk_scale" not in d.families()
+    dec = [x for x in d.declined if x.block == "QK-norm scale law"]
+    assert len(dec) == 6 and "eps=1e-06" in dec[0].reason
+    approx = [l for l in detect(m, approximate=True).laws if l.family == "qk_scale"]
+    assert len(approx) == 6 and "approximate" in approx[0].note
+    assert check(m, approx[0]) > 1e-9  # really only approximate: the check sees the eps
+
+
+class LegacyExpert(nn.Module):
+    """transformers < 5 ``MixtralBlockSparseTop2MLP`` (w1 = gate, w3 = up, w2 = down)."""
+
+    def __init__(self, h, i):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(h, i, bias=False), nn.Linear(i, h, bias=False), nn.Linear(h, i, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        current_hidden_states = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        current_hidden_states = self.w2(current_hidden_states)
+        return current_hidden_states
+
+
+class LegacyExperts(nn.ModuleList):
+    """Expert ModuleList with the fused class's call signature (gates from the HF router)."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self):
+            g = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + g * expert(hidden_states)
+        return out
+
+
+def test_mixtral_expert_modulelist_and_transposed_experts():
+    m = build("mixtral")
+    m.model.layers[0].mlp.experts = LegacyExperts(LegacyExpert(16, 12) for _ in range(3))
+    m = logits_model(m)
+    d = detect(m)
+    assert d.undetected == [] and d.families() == {**CAUSAL, "swiglu": 3, "router_sum": 1}
+    unit = law(d, f"{M}.experts.1/unit")
+    assert unit.params == (f"{M}.experts.1.w3.weight", f"{M}.experts.1.w2.weight")
+    for l in (unit, law(d, "model.layers.0.post_attention_layernorm/gain")):
+        assert check(m, l) <= TOL
+    assert check(m, SwiGLUUnit.build("bad", 0, up=rows(f"{M}.experts.1.w1.weight", (12, 16), 0, 12),
+                                     down=cols(f"{M}.experts.1.w2.weight", (16, 12), 0, 12))) > 1e-6
+
+    # fused experts stored transposed (is_transposed: gate_up (E, H, 2I), down (E, I, H)), batched_mm path
+    m = T.AutoModelForCausalLM.from_config(config("mixtral"), attn_implementation="eager",
+                                           experts_implementation="batched_mm").eval()
+    ex = m.model.layers[0].mlp.experts
+    ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.detach().transpose(1, 2).contiguous())
+    ex.down_proj = nn.Parameter(ex.down_proj.detach().transpose(1, 2).contiguous())
+    ex.is_transposed = True
+    m = logits_model(m)
+    d = detect(m)
+    for name in (f"{M}.experts.2/unit", "model.layers.0.post_attention_layernorm/gain"):
+        assert check(m, law(d, name)) <= TOL

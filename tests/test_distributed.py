@@ -1,0 +1,435 @@
+"""conserve.distributed on CPU with gloo: FSDP2, DDP and tensor parallel against single-process values.
+
+Reference (independent of the sharding): at every step each rank gathers the full parameters
+(``DTensor.full_tensor()``) into an unsharded copy of the model tracked by a plain ``conserve.Tracker``;
+the distributed tracker's metric rows and law values must equal it to 1e-6 relative (fp64
+accumulation: both sides agree to rounding; fp32: to the fp32 rounding of partial sums). A first,
+process-free test checks the localisation algebra itself: summed over ranks, the local plans plus
+the straddling Gram terms give the global plan, for every shard dimension, uneven and empty shards.
+
+Spawns (the cost of this file is process start-up): one of 3 ranks (FSDP2 with kv heads straddling
+shards and an empty shard, DDP, a resume from torch.distributed.checkpoint) and one of 2 ranks
+(FSDP2, tensor parallel, DDP). Every spawn has a timeout, so a hang fails instead of blocking.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conserve import kernels
+from conserve.distributed import DistributedTracker, _Layout, _localize, flush_bytes, track, wants_distributed
+from conserve.models import DecoderLM, LMConfig
+from conserve.sinks import MemorySink
+from conserve.tracker import Tracker
+
+TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
+STEPS, EVERY = 7, 3
+LR, WD = 2e-2, 0.1
+
+# heads of D=4: k_proj/v_proj have 8 rows (3/3/2 on 3 ranks: both kv heads straddle), q_proj 16
+# (6/6/4); the router has 2 rows (rank 2 of 3 holds none); layer 0 has no RoPE (QK Gram laws with
+# biases), layer 1 has interleaved partial RoPE (pair norms with row_step 2, pass-through Gram).
+CFG = dict(hidden_size=12, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=10,
+           num_hidden_layers=2, vocab_size=11, nope_layers=(0,), rope_layout="interleaved", rotary_dim=2,
+           attention_bias=True, mlp_bias=True)
+MOE = dict(num_experts=2, moe_layers=(1,), top_k=1)
+
+
+# ------------------------------------------------------------------------------- localisation algebra
+def _shard_ranges(n: int, world: int, uneven: bool, rng: random.Random):
+    if not uneven:  # torch.chunk semantics (DTensor Shard)
+        c = -(-n // world)
+        return tuple((min(r * c, n), max(0, min(c, n - r * c))) for r in range(world))
+    cuts = sorted(rng.randint(0, n) for _ in range(world - 1))
+    edges = [0] + cuts + [n]
+    return tuple((edges[r], edges[r + 1] - edges[r]) for r in range(world))
+
+
+def _random_plan(rng: random.Random, shapes):
+    plan = kernels.Plan()
+    for _ in range(12):
+        i = rng.randrange(len(shapes))
+        shape = shapes[i]
+        nd = len(shape)
+        kind = rng.choice(["gram", "norm", "sum"])
+        if nd == 1:
+            row_dim, col_dim = 0, None
+        else:
+            row_dim, col_dim = rng.sample(range(nd), 2)
+        step = rng.choice([1, 1, 2])
+        start = [rng.randrange(s) for s in shape]
+        start[row_dim] = rng.randrange(max(1, shape[row_dim] // 2))
+        rows = max(1, (shape[row_dim] - start[row_dim] + step - 1) // step - rng.randrange(2))
+        if col_dim is not None:
+            start[col_dim] = rng.randrange(shape[col_dim] // 2 + 1)
+            cols = shape[col_dim] - start[col_dim] - rng.randrange(2)
+            cols = max(1, cols)
+        else:
+            cols = 1
+        v = kernels.View(i, tuple(start), row_dim, rows, col_dim, cols, step)
+        sign = rng.choice([1.0, -1.0])
+        if kind == "gram":
+            plan.grams.append(kernels.GramTerm(v, sign, plan.new_gram(rows)))
+        elif kind == "norm":
+            stride = rng.choice([0, 1, 1])  # 0: all rows into one entry (ScaleLaw)
+            plan.norms.append(kernels.NormTerm(v, sign, plan.new_vec(rows if stride else 1), stride,
+                                               rng.choice([0.0, 0.5])))
+        elif col_dim is not None:
+            plan.sums.append(kernels.SumTerm(v, sign, plan.new_vec(cols)))
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_local_plans_sum_to_the_global_plan(seed):
+    rng = random.Random(seed)
+    world = rng.choice([2, 3, 4])
+    shapes = [(rng.randint(1, 9), rng.randint(1, 7)), (rng.randint(1, 9),), (rng.randint(1, 3), rng.randint(2, 8), 5)]
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    plan = _random_plan(rng, shapes)
+    layouts = []
+    for s in shapes:
+        if rng.random() < 0.2:
+            layouts.append(_Layout(None))
+        else:
+            d = rng.randrange(len(s))
+            layouts.append(_Layout(d, _shard_ranges(s[d], world, rng.random() < 0.5, rng)))
+    want = kernels.evaluate_reference(plan, full, fp64=True)
+    got_vec, got_grams = torch.zeros_like(want[0]), {d: torch.zeros_like(x) for d, x in want[1].items()}
+    owners = []
+    for r in range(world):
+        local_t = [t if lay.dim is None else t.narrow(lay.dim, *lay.ranges[r]) for t, lay in zip(full, layouts)]
+        local, straddles = _localize(plan, layouts, r, world, [t.dtype for t in full])
+        vec, grams = kernels.evaluate_reference(local, local_t, fp64=True)
+        got_vec += vec
+        for d in grams:
+            got_grams[d] += grams[d]
+        owners.append([(id(s.term), s.owner) for s in straddles])
+        if r == 0:
+            for s in straddles:  # the straddling Gram terms, evaluated once on the gathered rows
+                pieces = [p.of(t) for p, t in ((p, full[s.term.view.tensor].narrow(
+                    layouts[s.term.view.tensor].dim, *layouts[s.term.view.tensor].ranges[q]))
+                    for q, p in enumerate(s.pieces)) if p is not None]
+                x = torch.cat(pieces)
+                torch.testing.assert_close(x, s.term.view.of(full[s.term.view.tensor]))  # rows in order
+                got_grams[s.term.view.rows][s.term.slot] += s.term.sign * x @ x.T
+    assert all(o == owners[0] for o in owners), "ranks disagree on the straddling terms"
+    torch.testing.assert_close(got_vec, want[0], rtol=1e-12, atol=1e-12)
+    for d in want[1]:
+        torch.testing.assert_close(got_grams[d], want[1][d], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- spawning
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, queue, args):
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT // 2))
+        out = fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _spawn(fn, world, *args):
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; returns {rank: result}; any error or a
+    hang (TIMEOUT) fails the test."""
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    import time
+
+    results, deadline = {}, time.monotonic() + TIMEOUT
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                pytest.fail(f"distributed test hung: ranks {sorted(set(range(world)) - set(results))} did not finish "
+                            f"in {TIMEOUT}s")
+            if queue.empty():
+                if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs):
+                    pytest.fail(f"a rank died: exit codes {[p.exitcode for p in procs]}")
+                time.sleep(0.05)
+                continue
+            rank, status, out = queue.get()
+            if status == "error":
+                pytest.fail(f"rank {rank} failed:\n{out}")
+            results[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return DecoderLM(LMConfig(**cfg))
+
+
+def _batch(step, rank, vocab):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (2, 6), generator=g)
+
+
+def _loss(model, x):
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+class _Reference:
+    """A single-process ``Tracker`` on an unsharded copy, fed the gathered full parameters."""
+
+    def __init__(self, cfg, laws, **kw):
+        self.model = _model(cfg, seed=123)  # values are overwritten by the gathered ones
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WD)  # decay factors only
+        self.sink = MemorySink()
+        self.named = dict(self.model.named_parameters())
+        self.kw, self.laws = kw, laws
+        self.tracker = None
+
+    @torch.no_grad()
+    def load(self, model):
+        for n, p in model.named_parameters():  # collective for DTensors: same order on every rank
+            n = n.replace("module.", "", 1) if n.startswith("module.") else n
+            self.named[n].copy_(_full(p))
+
+    def start(self, model):
+        self.load(model)
+        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], **self.kw)
+
+
+def _check_rows(got, want, what):
+    assert [r["step"] for r in got] == [r["step"] for r in want], what
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys(), what
+        for k in b:
+            x, y = float(a[k]), float(b[k])
+            assert abs(x - y) <= 1e-6 * abs(y) + 1e-12, f"{what} step {b['step']} {k}: {x} != {y}"
+
+
+def _check_values(got, want, rtol, what):
+    assert got.keys() == want.keys()
+    for k in want:
+        err = (got[k].double() - want[k].double()).norm()
+        assert err <= rtol * want[k].double().norm() + 1e-30, f"{what} {k}: |diff| {err:.3g} vs |h| {want[k].norm():.3g}"
+
+
+def _train(model, opt, trackers, refs, steps, rank, vocab, first=1):
+    """Steps ``first..first+steps-1``: each tracker drives its own before/after around one optimizer step."""
+    for k in range(first, first + steps):
+        opt.zero_grad()
+        loss = _loss(model, _batch(k, rank, vocab))
+        loss.backward()
+        for r in refs:
+            r.tracker.before_step(r.opt)
+        for t in trackers:
+            t.before_step(opt)
+        opt.step()
+        for t in trackers:
+            t.after_step()
+            t.record(loss=loss.detach())
+        for r in refs:
+            r.load(model)
+            r.tracker.after_step()
+            r.tracker.record(loss=loss.detach())
+
+
+def _fsdp(cfg, world, seed=0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(cfg, seed)
+    laws, _ = model.conservation_laws()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, laws
+
+
+def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
+    """Two distributed trackers (fp64 rows, fp32 values) against two single-process references."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    sinks = [MemorySink(), MemorySink()]
+    trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]]),
+                DistributedTracker(model, laws, every=2 * EVERY, fp64=False, sinks=[sinks[1]], backend="torch")]
+    refs = [_Reference(cfg, laws, every=EVERY, fp64=True), _Reference(cfg, laws, every=2 * EVERY, fp64=False)]
+    for r in refs:
+        r.start(model)
+    # h_0 and the guards equal the single-process ones
+    _check_values({"h0": trackers[0].h0.vec, **{f"g{d}": g for d, g in trackers[0].h0.grams.items()}},
+                  {"h0": refs[0].tracker.h0.vec, **{f"g{d}": g for d, g in refs[0].tracker.h0.grams.items()}},
+                  1e-12, what + " h0")
+    torch.testing.assert_close(trackers[0].denom, refs[0].tracker.denom, rtol=1e-12, atol=0)
+    _train(model, opt, trackers, refs, STEPS, rank if data_rank is None else data_rank, cfg["vocab_size"])
+    _check_values(trackers[0].values(), refs[0].tracker.values(), 1e-12, what + " fp64")
+    _check_values(trackers[1].values(), refs[1].tracker.values(), 1e-6, what + " fp32")
+    for k in ("decay", "first", "second"):
+        _check_values(dict(enumerate(trackers[0].cumulative[k].grams.values())),
+                      dict(enumerate(refs[0].tracker.cumulative[k].grams.values())), 1e-9, f"{what} cumulative {k}")
+    for t, r in zip(trackers, refs):
+        t.close()
+        r.tracker.close()
+    if rank == 0:
+        _check_rows(sinks[0].records, refs[0].sink.records, what)
+        assert len(sinks[0].records) == STEPS and "eps/qk" in sinks[0].records[0]
+    else:
+        assert sinks[0].records == [] and sinks[1].records == [], "only rank 0 writes"
+    return trackers[0]
+
+
+# --------------------------------------------------------------------------------------- scenarios
+def _scenario_fsdp(rank, world, cfg, tmpdir):
+    """FSDP2 (fully_shard per layer + root) vs single process; then a DCP save/resume."""
+    model, laws = _fsdp(cfg, world)
+    assert wants_distributed(model)
+    t = _compare_run(rank, world, model, laws, cfg, f"fsdp{world}")
+    info = {"straddles": len(t._straddles), "comm": t._comm, "bytes": flush_bytes(t),
+            "empty": [n for n, p in model.named_parameters() if p.to_local().numel() == 0]}
+    if tmpdir is not None:
+        info["resume"] = _resume(rank, world, cfg, tmpdir)
+    return info
+
+
+def _resume(rank, world, cfg, tmpdir):
+    """Run 8 steps with a DCP checkpoint after step 4 (pending, unreduced steps inside); a fresh model,
+    optimizer and tracker loaded from it continue the same series (rows and values)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_model_state_dict,
+                                                         set_optimizer_state_dict, set_model_state_dict)
+
+    def build(seed):
+        model, laws = _fsdp(cfg, world, seed)
+        inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        sink = MemorySink()
+        opt = track(inner, model, every=EVERY, fp64=True, sinks=[sink])
+        return model, inner, opt, sink
+
+    def run(model, opt, first, n):
+        for k in range(first, first + n):
+            opt.zero_grad()
+            loss = _loss(model, _batch(k, rank, cfg["vocab_size"]))
+            loss.backward()
+            opt.step()
+            opt.record(loss=loss.detach())
+
+    model, inner, opt, sink = build(0)
+    run(model, opt, 1, 4)
+    assert opt.tracker._pend, "the checkpoint should hold steps not yet reduced"
+    flushed = len(sink.records)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, inner),
+              "conserve": opt.tracker.state_dict()}, checkpoint_id=tmpdir)
+    run(model, opt, 5, 4)
+    want_values = opt.tracker.values()
+    opt.close()
+
+    model2, inner2, opt2, sink2 = build(7)  # different initial weights: everything must come from the checkpoint
+    state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, inner2),
+             "conserve": opt2.tracker.state_dict()}
+    dcp.load(state, checkpoint_id=tmpdir)
+    set_model_state_dict(model2, state["model"])
+    set_optimizer_state_dict(model2, inner2, state["optim"])
+    opt2.tracker.load_state_dict(state["conserve"])
+    run(model2, opt2, 5, 4)
+    got_values = opt2.tracker.values()
+    opt2.close()
+    _check_values(got_values, want_values, 1e-12, "resumed values")
+    if rank == 0:
+        assert sink2.records and sink2.records[0]["step"] == flushed + 1, [r["step"] for r in sink2.records]
+        _check_rows(sink2.records, sink.records[flushed:], "resumed series")
+        assert "loss" in sink2.records[0]
+    return flushed
+
+
+def _scenario_ddp(rank, world, cfg):
+    """DDP: replicated parameters, no communication by the tracker, identical values on every rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model(cfg)
+    laws, _ = model.conservation_laws()
+    ddp = DDP(model)
+    assert wants_distributed(ddp)
+    t = _compare_run(rank, world, ddp, None, cfg, f"ddp{world}")
+    assert not t._comm
+    h = torch.cat([v.reshape(-1) for v in t.values().values()]).double()
+    allh = [torch.zeros_like(h) for _ in range(world)]
+    dist.all_gather(allh, h)
+    assert all(torch.equal(x, allh[0]) for x in allh), "ranks disagree"
+
+
+def _scenario_tp(rank, world, cfg):
+    """Tensor parallel: ColwiseParallel on q/k/v/gate/up (Shard(0)), RowwiseParallel on o/down (Shard(1));
+    norms, embeddings and lm_head stay replicated plain tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model(cfg)
+    laws, _ = model.conservation_laws()  # before the heads are split (global head counts)
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {}
+    for i, layer in enumerate(model.layers):
+        for n in ("q_proj", "k_proj", "v_proj"):
+            plan[f"layers.{i}.self_attn.{n}"] = ColwiseParallel()
+        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"layers.{i}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+        layer.self_attn.nh //= world  # the attention runs on the local heads
+        layer.self_attn.nkv //= world
+    parallelize_module(model, mesh, plan)
+    kinds = {type(p).__name__ for p in model.parameters()}
+    assert kinds == {"DTensor", "Parameter"}, kinds
+    t = _compare_run(rank, world, model, laws, cfg, f"tp{world}", data_rank=0)  # TP: every rank, same batch
+    assert t._comm and not t._straddles
+
+
+def _world3(rank, world, tmpdir):
+    info = _scenario_fsdp(rank, world, {**CFG, **MOE}, tmpdir)
+    _scenario_ddp(rank, world, CFG)
+    return info
+
+
+def _world2(rank, world):
+    info = _scenario_fsdp(rank, world, {**CFG, **MOE}, None)
+    _scenario_tp(rank, world, CFG)
+    _scenario_ddp(rank, world, CFG)
+    return info
+
+
+def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):
+    res = _spawn(_world3, 3, str(tmp_path / "ckpt"))
+    assert res[0]["straddles"] > 0 and res[0]["comm"]  # kv heads (and q heads) straddle 3/3/2 shards
+    assert res[2]["empty"] == ["layers.1.mlp.router.weight"]  # dim 0 = 2 < 3 ranks: rank 2 holds nothing
+    assert res[0]["bytes"]["all_gather"] > 0
+    assert res[0]["resume"] == 3  # rows 1..3 were flushed before the checkpoint, 4 was pending
+
+
+def test_two_ranks_fsdp_tensor_parallel_and_ddp():
+    res = _spawn(_world2, 2)
+    assert res[0]["comm"] and res[0]["straddles"] == 0  # 8 kv rows 4/4 and 16 q rows 8/8: heads aligned
+    assert res[0]["bytes"]["all_gather"] == 0 and res[0]["bytes"]["all_reduce"] > 0
