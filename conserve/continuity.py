@@ -11,6 +11,9 @@ and adjacent layers ``l, l+1`` of that type, with ``W`` of shape ``(out, in)`` (
   ``G = W^T W`` (input space, ``align_in``) or ``G = W W^T`` (output space, ``align_out``). Computed without
   forming ``G``: ``tr(W_a^T W_a W_b^T W_b) = ||W_a W_b^T||_F^2`` and ``tr(W_a W_a^T W_b W_b^T) = ||W_a^T W_b||_F^2``;
   ``||W^T W||_F = ||W W^T||_F = sqrt(sum sigma^4)``. In [0, 1]; 1 iff ``G_{l+1}`` is a multiple of ``G_l``.
+  Not centred: for independent i.i.d. ``m x n`` weights it is about ``m/(m+n)`` (input) and ``n/(m+n)``
+  (output), e.g. 0.5 for square matrices (Marchenko-Pastur: ``E tr(G_a G_b) = n (m/n)^2``,
+  ``||G||_F^2 ~ n (m/n)^2 (1 + n/m)``).
 - cumulative gradient coherence (spec's proposal) ``cos(S_l, S_{l+1})``, ``S_l = sum_t grad_{W_l}(t)``
   (running sum over optimizer steps, flattened). Signed, in [-1, 1].
 
@@ -43,6 +46,8 @@ __all__ = [
     "leading_singular_vectors",
     "abs_cos",
     "gram_alignment",
+    "grams",
+    "gram_cosine",
     "gradient_coherence",
     "continuity_report",
     "ContinuityMonitor",
@@ -153,13 +158,19 @@ def _normalize(x: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.T
     return y
 
 
+def _compute_dtype(w_dtype: torch.dtype, v_dtype: torch.dtype) -> torch.dtype:
+    """Mat-vecs with half/bfloat16 weights run in the weights' dtype (fp32 accumulation), others in ``v``'s."""
+    return w_dtype if w_dtype in (torch.float16, torch.bfloat16) else v_dtype
+
+
 def power_iteration(w: torch.Tensor, v: torch.Tensor, steps: int = 1
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Warm-started power iteration on ``W^T W`` for a batch of matrices, no host sync.
 
     ``w``: ``(B, m, n)`` (or ``(m, n)``), any float dtype; ``v``: ``(B, n)`` (or ``(n,)``) start vectors,
     float32/64. Each step does ``u = W v / ||W v||``, ``v = W^T u / ||W^T u||`` (two batched mat-vecs, in
-    ``v``'s dtype). Returns ``(u, sigma, v)`` with ``sigma = ||W^T u|| = u^T W v`` (estimate of sigma_1).
+    ``v``'s dtype; for float16/bfloat16 ``w`` in ``w``'s dtype with float32 accumulation, so no float32 copy of
+    ``w`` is made and ``u, v`` carry about 3 significant digits). Returns ``(u, sigma, v)`` with ``sigma = ||W^T u|| = u^T W v`` (estimate of sigma_1).
     The sign is carried over from the start vector (a step never flips it: ``<v_new, v> >= 0``) and
     ``(u, v)`` is a consistent pair. Error after k steps ~ ``(sigma_2 / sigma_1)^(2k)`` times the start error.
     """
@@ -170,11 +181,12 @@ def power_iteration(w: torch.Tensor, v: torch.Tensor, steps: int = 1
         raise ValueError(f"power_iteration: expected w (B, m, n) and v (B, n), got {tuple(w.shape)}, {tuple(v.shape)}")
     if steps < 1:
         raise ValueError("power_iteration: steps must be >= 1")
-    w = w.to(v.dtype)
+    cdt = _compute_dtype(w.dtype, v.dtype)
+    w = w.to(cdt)
     v = _normalize(v)
     for _ in range(steps):
-        u = _normalize(torch.bmm(w, v.unsqueeze(-1)).squeeze(-1))
-        x = torch.bmm(w.transpose(1, 2), u.unsqueeze(-1)).squeeze(-1)
+        u = _normalize(torch.bmm(w, v.to(cdt).unsqueeze(-1)).squeeze(-1).to(v.dtype))
+        x = torch.bmm(w.transpose(1, 2), u.to(cdt).unsqueeze(-1)).squeeze(-1).to(v.dtype)
         sigma = torch.linalg.vector_norm(x, dim=-1)
         v = _normalize(x, v)
     if single:
@@ -247,6 +259,23 @@ def _gram_fro(w: torch.Tensor) -> torch.Tensor:
     return torch.linalg.matrix_norm(g)
 
 
+def grams(w: torch.Tensor, input_space: bool = True, output_space: bool = True
+          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(W^T W, W W^T)`` in float32 (float64 for float64 ``w``); half/bfloat16 ``w`` is multiplied in its own
+    dtype (fp32 accumulation, entries rounded to 3 digits). ``None`` for a space not asked for."""
+    out_dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+    wc = w if w.dtype in (torch.float16, torch.bfloat16, torch.float64) else w.float()
+    gi = (wc.transpose(-1, -2) @ wc).to(out_dtype) if input_space else None
+    go = (wc @ wc.transpose(-1, -2)).to(out_dtype) if output_space else None
+    return gi, go
+
+
+def gram_cosine(ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
+    """``tr(G_a G_b) / (||G_a||_F ||G_b||_F)`` for symmetric ``G`` (= their Frobenius cosine); 0 if one is zero."""
+    num = (ga * gb).sum((-1, -2))
+    return num / (torch.linalg.matrix_norm(ga) * torch.linalg.matrix_norm(gb)).clamp_min(_TINY)
+
+
 def gram_alignment(wa: torch.Tensor, wb: torch.Tensor, space: str = "input") -> torch.Tensor:
     """sigma^2-weighted alignment ``tr(G_a G_b) / (||G_a||_F ||G_b||_F)`` (spec proposal).
 
@@ -313,18 +342,20 @@ def continuity_report(groups: Mapping[str, list[Projection]], load, *, method: s
         for p in projs:
             w = as_matrix(load(p.name)).to(device=device, dtype=torch.float32)
             u, _, v, _ = leading_singular_vectors(w, method=method, generator=generator)
-            cur = (p, w, u, v)
+            gi, go = grams(w) if alignment else (None, None)
+            cur = (p, w.shape, u, v, gi, go)
             if prev is not None:
-                pp, pw, pu, pv = prev
+                pp, pshape, pu, pv, pgi, pgo = prev
                 rep.pairs.append((pp.layer, p.layer))
-                same_in, same_out = pw.shape[1] == w.shape[1], pw.shape[0] == w.shape[0]
+                same_in, same_out = pshape[1] == w.shape[1], pshape[0] == w.shape[0]
                 nan = float("nan")
                 rep.values["v1"].append(float(abs_cos(pv, v)) if same_in else nan)
                 rep.values["u1"].append(float(abs_cos(pu, u)) if same_out else nan)
                 if alignment:
-                    rep.values["align_in"].append(float(gram_alignment(pw, w, "input")) if same_in else nan)
-                    rep.values["align_out"].append(float(gram_alignment(pw, w, "output")) if same_out else nan)
+                    rep.values["align_in"].append(float(gram_cosine(pgi, gi)) if same_in else nan)
+                    rep.values["align_out"].append(float(gram_cosine(pgo, go)) if same_out else nan)
             prev = cur
+            del w
             if progress is not None:
                 progress(1)
         reports.append(rep)
@@ -345,13 +376,16 @@ class ContinuityMonitor:
       ``warmup_steps`` power-iteration steps from random start vectors (seeded by ``seed``).
     - ``update()`` (after each optimizer step, gradients still present): adds each ``.grad`` to its running
       sum (float32, one ``torch._foreach_add_``; a parameter whose ``.grad`` is None is skipped that step),
-      and every ``every``-th call runs ``power_steps`` warm-started power-iteration steps, with same-shape
-      matrices stacked (chunks of at most ``max_batch_bytes``) and multiplied with ``torch.bmm``. All work
-      stays on the parameters' device; nothing is copied to the host.
+      and every ``every``-th call runs ``power_steps`` warm-started power-iteration steps: same-shape matrices
+      of at most ``stack_max_numel`` elements are stacked (chunks of at most ``max_batch_bytes``) and
+      multiplied with ``torch.bmm``; larger ones are not copied (one ``torch.mv`` per matrix into a shared
+      buffer, normalised in one batch). Half/bfloat16 weights are multiplied in their dtype. All work stays
+      on the parameters' device; nothing is copied to the host.
     - ``metrics()`` (at flush) returns 0-dim float32 tensors on the device under
       ``continuity/{v1,u1,align_in,align_out,coherence}/{type}/{l}-{l+1}`` and per-type means under
       ``continuity/{metric}/{type}``. ``align_*`` (if ``alignment``) are computed from the weights at flush
-      time (two Gram products per pair); ``coherence`` (if ``coherence``) from the running gradient sums.
+      time (two Grams per matrix, in the weights' dtype for half/bfloat16: the costly part of a flush);
+      ``coherence`` (if ``coherence``) from the running gradient sums.
       v1/u1 are the warm-started estimates (they lag a fast-changing spectrum or a small spectral gap).
     - ``state_dict()`` / ``load_state_dict()``: running sums, power-iteration vectors and counters, keyed by
       parameter name.
@@ -362,7 +396,7 @@ class ContinuityMonitor:
 
     def __init__(self, model_or_named_params, every: int = 1, *, power_steps: int = 1, alignment: bool = True,
                  coherence: bool = True, types: Iterable[str] | None = None, seed: int = 0,
-                 warmup_steps: int = 20, max_batch_bytes: int = 2 ** 28):
+                 warmup_steps: int = 20, max_batch_bytes: int = 2 ** 28, stack_max_numel: int = 2 ** 20):
         if isinstance(model_or_named_params, torch.nn.Module):
             named = list(model_or_named_params.named_parameters())
         else:
@@ -387,18 +421,19 @@ class ContinuityMonitor:
         by_shape: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(self.params):
             by_shape[(tuple(as_matrix(p).shape), p.device)].append(i)
-        self._buckets: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
+        self._buckets: list[tuple[list[int], torch.Tensor, torch.Tensor, bool]] = []
         self._where: dict[int, tuple[int, int]] = {}
         for (shape, device), idx in by_shape.items():
             m, n = shape
-            per = max(1, self.max_batch_bytes // max(1, m * n * 4))
+            stacked = m * n <= stack_max_numel
+            per = max(1, self.max_batch_bytes // max(1, m * n * 4)) if stacked else len(idx)
             for s in range(0, len(idx), per):
                 chunk = idx[s: s + per]
                 v = _normalize(torch.randn(len(chunk), n, generator=gen)).to(device)
                 u = torch.zeros(len(chunk), m, device=device)
                 for r, i in enumerate(chunk):
                     self._where[i] = (len(self._buckets), r)
-                self._buckets.append((chunk, u, v))
+                self._buckets.append((chunk, u, v, stacked))
         self.sums = [torch.zeros(as_matrix(p).shape, dtype=torch.float32, device=p.device) for p in self.params] \
             if self.coherence else []
         self.num_updates = 0
@@ -409,12 +444,26 @@ class ContinuityMonitor:
     # -- training-time work -------------------------------------------------------------------------------
     @torch.no_grad()
     def _refresh_power(self, steps: int = 1) -> None:
-        for b, (idx, u, v) in enumerate(self._buckets):
+        for idx, u, v, stacked in self._buckets:
             ws = [as_matrix(self.params[i].detach()) for i in idx]
-            w = ws[0].unsqueeze(0) if len(ws) == 1 else torch.stack(ws)
-            u_new, _, v_new = power_iteration(w, v, steps)
-            u.copy_(u_new)
-            v.copy_(v_new)
+            if stacked:  # small matrices: one copy into a stack, then two bmm per step
+                w = ws[0].unsqueeze(0) if len(ws) == 1 else torch.stack(ws)
+                u_new, _, v_new = power_iteration(w, v, steps)
+                u.copy_(u_new)
+                v.copy_(v_new)
+                continue
+            # large matrices: no copy; one mat-vec launch per matrix into a shared buffer, batched normalisation
+            cdt = _compute_dtype(ws[0].dtype, v.dtype)
+            ws = [w.to(cdt) for w in ws]
+            for _ in range(steps):
+                vl, ul = v.to(cdt), torch.empty(u.shape, dtype=cdt, device=u.device)
+                for r, w in enumerate(ws):
+                    torch.mv(w, vl[r], out=ul[r])
+                u.copy_(_normalize(ul.to(u.dtype)))
+                ul, xl = u.to(cdt), torch.empty(v.shape, dtype=cdt, device=v.device)
+                for r, w in enumerate(ws):
+                    torch.mv(w.t(), ul[r], out=xl[r])
+                v.copy_(_normalize(xl.to(v.dtype), v))
 
     @torch.no_grad()
     def update(self) -> None:
@@ -422,13 +471,9 @@ class ContinuityMonitor:
         self.num_updates += 1
         if self.coherence:
             pairs = [(s, as_matrix(p.grad)) for s, p in zip(self.sums, self.params) if p.grad is not None]
-            if pairs:
+            if pairs:  # one fused launch where dtypes allow; mixed (bf16 grad into fp32 sum) is promoted
                 sums, grads = zip(*pairs)
-                if all(g.dtype == torch.float32 for g in grads):
-                    torch._foreach_add_(list(sums), list(grads))
-                else:
-                    for s, g in pairs:
-                        s.add_(g)
+                torch._foreach_add_(list(sums), list(grads))
         if self.num_updates % self.every == 0:
             self._refresh_power(self.power_steps)
             self.num_power += 1
@@ -436,7 +481,7 @@ class ContinuityMonitor:
     # -- flush ---------------------------------------------------------------------------------------------
     def _vectors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, r = self._where[i]
-        _, u, v = self._buckets[b]
+        _, u, v, _ = self._buckets[b]
         return u[r], v[r]
 
     @torch.no_grad()
@@ -445,29 +490,32 @@ class ContinuityMonitor:
         out: dict[str, torch.Tensor] = {}
         for type_, projs in self.groups.items():
             per: dict[str, list[torch.Tensor]] = defaultdict(list)
-            for pa, pb in zip(projs[:-1], projs[1:]):
-                ia, ib = self._index[pa.name], self._index[pb.name]
-                ua, va = self._vectors(ia)
-                ub, vb = self._vectors(ib)
-                tag = f"{pa.layer}-{pb.layer}"
-                vals: dict[str, torch.Tensor] = {}
-                same_in, same_out = pa.shape[1] == pb.shape[1], pa.shape[0] == pb.shape[0]
-                if same_in:
-                    vals["v1"] = abs_cos(va, vb)
-                if same_out:
-                    vals["u1"] = abs_cos(ua, ub)
+            prev = None  # (projection, index, G_in, G_out) of the previous layer: each Gram is formed once
+            for pb in projs:
+                ib = self._index[pb.name]
+                gi = go = None
                 if self.alignment:
-                    wa = as_matrix(self.params[ia].detach()).float()
-                    wb = as_matrix(self.params[ib].detach()).float()
+                    gi, go = grams(as_matrix(self.params[ib].detach()))
+                if prev is not None:
+                    pa, ia, gia, goa = prev
+                    ua, va = self._vectors(ia)
+                    ub, vb = self._vectors(ib)
+                    vals: dict[str, torch.Tensor] = {}
+                    same_in, same_out = pa.shape[1] == pb.shape[1], pa.shape[0] == pb.shape[0]
                     if same_in:
-                        vals["align_in"] = gram_alignment(wa, wb, "input")
+                        vals["v1"] = abs_cos(va, vb)
                     if same_out:
-                        vals["align_out"] = gram_alignment(wa, wb, "output")
-                if self.coherence and pa.shape == pb.shape:
-                    vals["coherence"] = gradient_coherence(self.sums[ia], self.sums[ib])
-                for k, x in vals.items():
-                    out[f"continuity/{k}/{type_}/{tag}"] = x
-                    per[k].append(x)
+                        vals["u1"] = abs_cos(ua, ub)
+                    if self.alignment and same_in:
+                        vals["align_in"] = gram_cosine(gia, gi).float()
+                    if self.alignment and same_out:
+                        vals["align_out"] = gram_cosine(goa, go).float()
+                    if self.coherence and pa.shape == pb.shape:
+                        vals["coherence"] = gradient_coherence(self.sums[ia], self.sums[ib])
+                    for k, x in vals.items():
+                        out[f"continuity/{k}/{type_}/{pa.layer}-{pb.layer}"] = x
+                        per[k].append(x)
+                prev = (pb, ib, gi, go)
             for k, xs in per.items():
                 out[f"continuity/{k}/{type_}"] = torch.stack(xs).mean()
         return out

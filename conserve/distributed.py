@@ -301,6 +301,9 @@ class DistributedTracker(Tracker):
         self._straddle_max = max(self._straddle_count, default=0) * blocks
         self._packer = _Packer(self.compiled.plan, self.device)
         self._pack_dtype = torch.float64 if fp64 else torch.float32
+        # NCCL only moves CUDA tensors: parameters kept on the CPU (FSDP2 offload) reduce through the GPU
+        nccl = self._comm and dist.get_backend() == "nccl"
+        self._comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else self.device
         self._step_elems = self._packer.size * (4 if drift else 1)
         self._reduce_every = max(1, min(every, max_pending_bytes // max(1, self._step_elems * self._pack_dtype.itemsize)))
         self._pend: list[_Pending] = []
@@ -394,10 +397,11 @@ class DistributedTracker(Tracker):
         """All-gather the straddling rows of k steps (``rows``: (k, blocks * my count)). Returns, for
         each step and block, the full ``(D, N)`` view of every straddle term this rank owns."""
         k, m = rows.shape[0], max(self._straddle_count) * blocks
-        buf = torch.zeros(k, m, dtype=self._row_dtype, device=self.device)
+        buf = torch.zeros(k, m, dtype=self._row_dtype, device=self._comm_device)
         buf[:, : rows.shape[1]] = rows
         got = [torch.empty_like(buf) for _ in range(self.world)]
         dist.all_gather(got, buf)
+        got = [g.to(self.device) for g in got]
         out = [[[] for _ in range(blocks)] for _ in range(k)]
         starts = [0] * self.world
         for s in self._straddles:
@@ -430,7 +434,9 @@ class DistributedTracker(Tracker):
                 h0 = h0.map(torch.add, self._evaluate(self._mini, full))
                 mag = mag.map(torch.add, self._evaluate(_abs_plan(self._mini), full))
         x = torch.stack([self._packer.pack(h0, self._pack_dtype), self._packer.pack(mag, self._pack_dtype)])
+        x = x.to(self._comm_device)
         dist.all_reduce(x)
+        x = x.to(self.device)
         dtype = h0.vec.dtype
         return self._packer.unpack(x[0], dtype), self._packer.unpack(x[1], dtype)
 
@@ -505,7 +511,9 @@ class DistributedTracker(Tracker):
                     vals = self._step_values(self._mini, step[0], prev, self._lin)
                     add = torch.cat([self._packer.pack(v, self._pack_dtype) for v in vals])
                     packs[i, : add.numel()] += add
+        packs = packs.to(self._comm_device)
         dist.all_reduce(packs)
+        packs = packs.to(self.device)
         dtype = self.h0.vec.dtype
         n = self._packer.size
         for i, p in enumerate(pend):

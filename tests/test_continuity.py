@@ -178,10 +178,11 @@ class Stack(nn.Module):
         return self.out(x)
 
 
-def test_monitor_matches_brute_force_and_state_roundtrip():
+@pytest.mark.parametrize("stack_max_numel", [2 ** 20, 0])  # stacked bmm path / per-matrix mv path
+def test_monitor_matches_brute_force_and_state_roundtrip(stack_max_numel):
     gen = torch.Generator().manual_seed(3)
     model = Stack(gen=gen)
-    mon = ContinuityMonitor(model, power_steps=4)
+    mon = ContinuityMonitor(model, power_steps=4, stack_max_numel=stack_max_numel)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     sums = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     x, y = torch.randn(16, 12, generator=gen), torch.randint(0, 3, (16,), generator=gen)
@@ -262,6 +263,22 @@ def test_monitor_resume_continues_identically():
     assert ma.keys() == mb.keys()
     for k in ma:
         torch.testing.assert_close(ma[k], mb[k], rtol=1e-6, atol=1e-7)
+
+
+def test_monitor_bfloat16_weights():
+    """Half-precision weights are multiplied in their dtype: metrics agree with float64 to ~1e-2."""
+    gen = torch.Generator().manual_seed(8)
+    model = Stack(gen=gen).to(torch.bfloat16)
+    ws = [model.layers[i]["fc"].weight.detach().double() for i in range(4)]
+    for stack in (2 ** 20, 0):
+        m = ContinuityMonitor(model, coherence=False, stack_max_numel=stack).metrics()
+        for i in range(3):
+            _, _, v1 = torch.linalg.svd(ws[i])
+            _, _, v2 = torch.linalg.svd(ws[i + 1])
+            assert m[f"continuity/v1/fc/{i}-{i + 1}"].dtype == torch.float32
+            assert math.isclose(float(m[f"continuity/v1/fc/{i}-{i + 1}"]), abs(float(v1[0] @ v2[0])), abs_tol=1e-2)
+            ref = float(gram_alignment(ws[i], ws[i + 1], "output"))
+            assert math.isclose(float(m[f"continuity/align_out/fc/{i}-{i + 1}"]), ref, abs_tol=1e-2)
 
 
 def test_monitor_every_and_missing_grads():
@@ -466,3 +483,31 @@ def test_experiment_cli_writes_run_dir(tmp_path):
     assert main(["experiment", "continuity", "--out", str(out), "--part", "mlp"]) == 2  # --mnist missing
     assert main(["experiment", "continuity", "--out", str(out), "--part", "mlp", "--mnist", str(d),
                  "--variants", "Res+Tanh"]) == 2
+
+
+def test_tracker_integration_reference_lm():
+    """The lead's Tracker calls update() after each step and metrics() at flush; state travels with it."""
+    from conserve import MemorySink, Tracker
+    from conserve.models.lm import DecoderLM, LMConfig
+
+    torch.manual_seed(0)
+    model = DecoderLM(LMConfig(num_hidden_layers=3))
+    sink, mon = MemorySink(), ContinuityMonitor(model)
+    tr = Tracker(model, every=2, sinks=[sink], monitors=[mon])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        tr.before_step(opt)
+        opt.step()
+        tr.after_step()
+    tr.close()
+    last = sink.records[-1]
+    assert mon.num_updates == 4
+    for t in ("self_attn.q_proj", "mlp.down_proj"):
+        assert 0 <= last[f"continuity/v1/{t}"] <= 1 and -1 <= last[f"continuity/coherence/{t}/1-2"] <= 1
+    twin = ContinuityMonitor(model, seed=1)
+    Tracker(model, every=2, monitors=[twin]).load_state_dict(tr.state_dict())
+    assert twin.num_updates == 4

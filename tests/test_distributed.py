@@ -24,6 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# imported here, before the ranks are forked, so that no rank pays for these imports again
+import torch._dynamo  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.checkpoint.state_dict  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.tensor.parallel  # noqa: F401
+import torch.nn.parallel  # noqa: F401
+
 from conserve import kernels
 from conserve.distributed import DistributedTracker, _Layout, _localize, flush_bytes, track, wants_distributed
 from conserve.models import DecoderLM, LMConfig
@@ -31,7 +39,7 @@ from conserve.sinks import MemorySink
 from conserve.tracker import Tracker
 
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
-STEPS, EVERY = 7, 3
+STEPS, EVERY = 5, 2
 LR, WD = 2e-2, 0.1
 
 # heads of D=4: k_proj/v_proj have 8 rows (3/3/2 on 3 ranks: both kv heads straddle), q_proj 16
@@ -41,6 +49,7 @@ CFG = dict(hidden_size=12, num_attention_heads=4, num_key_value_heads=2, head_di
            num_hidden_layers=2, vocab_size=11, nope_layers=(0,), rope_layout="interleaved", rotary_dim=2,
            attention_bias=True, mlp_bias=True)
 MOE = dict(num_experts=2, moe_layers=(1,), top_k=1)
+SMALL = {**CFG, "num_hidden_layers": 1, "nope_layers": ()}  # TP and DDP: one RoPE layer (fewer terms to evaluate)
 
 
 # ------------------------------------------------------------------------------- localisation algebra
@@ -87,7 +96,7 @@ def _random_plan(rng: random.Random, shapes):
     return plan
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(24))
 def test_local_plans_sum_to_the_global_plan(seed):
     rng = random.Random(seed)
     world = rng.choice([2, 3, 4])
@@ -125,6 +134,30 @@ def test_local_plans_sum_to_the_global_plan(seed):
     torch.testing.assert_close(got_vec, want[0], rtol=1e-12, atol=1e-12)
     for d in want[1]:
         torch.testing.assert_close(got_grams[d], want[1][d], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_local_plans_run_on_the_triton_kernels(seed):
+    # the local plans (offset views, strided and empty shards) through the Triton path (interpreted on CPU)
+    rng = random.Random(seed)
+    world = 3
+    shapes = [(rng.randint(2, 9), rng.randint(1, 7)), (rng.randint(1, 9),), (2, rng.randint(2, 8), 5)]
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(s, generator=g) for s in shapes]
+    plan = _random_plan(rng, shapes)
+    layouts = [_Layout(d, _shard_ranges(s[d], world, True, rng)) for s, d in zip(shapes, (0, 0, 1))]
+    ran = 0
+    for r in range(world):
+        local_t = [t.narrow(lay.dim, *lay.ranges[r]) for t, lay in zip(full, layouts)]
+        local, _ = _localize(plan, layouts, r, world, [t.dtype for t in full])
+        if local.grams or local.norms or local.sums:
+            want = kernels.evaluate(local, local_t, backend="torch")
+            got = kernels.evaluate(local, local_t, backend="triton")
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+            for d in want[1]:
+                torch.testing.assert_close(got[1][d], want[1][d], rtol=1e-5, atol=1e-6)
+            ran += 1
+    assert ran
 
 
 # ------------------------------------------------------------------------------------------- spawning
@@ -197,8 +230,14 @@ def _loss(model, x):
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
-def _full(p):
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+@torch.no_grad()
+def _full(model):
+    """Full parameters by unwrapped name (a collective for DTensors: same order on every rank)."""
+    out = {}
+    for n, p in model.named_parameters():
+        n = n.replace("module.", "", 1) if n.startswith("module.") else n
+        out[n] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+    return out
 
 
 class _Reference:
@@ -206,30 +245,29 @@ class _Reference:
 
     def __init__(self, cfg, laws, **kw):
         self.model = _model(cfg, seed=123)  # values are overwritten by the gathered ones
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WD)  # decay factors only
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, weight_decay=WD)  # decay factors only
         self.sink = MemorySink()
         self.named = dict(self.model.named_parameters())
         self.kw, self.laws = kw, laws
         self.tracker = None
 
     @torch.no_grad()
-    def load(self, model):
-        for n, p in model.named_parameters():  # collective for DTensors: same order on every rank
-            n = n.replace("module.", "", 1) if n.startswith("module.") else n
-            self.named[n].copy_(_full(p))
+    def load(self, full):
+        for n, p in full.items():
+            self.named[n].copy_(p)
 
-    def start(self, model):
-        self.load(model)
+    def start(self, full):
+        self.load(full)
         self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], **self.kw)
 
 
-def _check_rows(got, want, what):
+def _check_rows(got, want, what, rtol=1e-6, atol=1e-12):
     assert [r["step"] for r in got] == [r["step"] for r in want], what
     for a, b in zip(got, want):
         assert a.keys() == b.keys(), what
         for k in b:
             x, y = float(a[k]), float(b[k])
-            assert abs(x - y) <= 1e-6 * abs(y) + 1e-12, f"{what} step {b['step']} {k}: {x} != {y}"
+            assert abs(x - y) <= rtol * abs(y) + atol, f"{what} step {b['step']} {k}: {x} != {y}"
 
 
 def _check_values(got, want, rtol, what):
@@ -253,8 +291,9 @@ def _train(model, opt, trackers, refs, steps, rank, vocab, first=1):
         for t in trackers:
             t.after_step()
             t.record(loss=loss.detach())
+        full = _full(model)
         for r in refs:
-            r.load(model)
+            r.load(full)
             r.tracker.after_step()
             r.tracker.record(loss=loss.detach())
 
@@ -273,14 +312,18 @@ def _fsdp(cfg, world, seed=0):
 
 
 def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
-    """Two distributed trackers (fp64 rows, fp32 values) against two single-process references."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    """Two distributed trackers (fp64 with drift terms; fp32 without) against two single-process
+    references. SGD with weight decay: the decay factor a = 1 - lr*wd enters the drift terms."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
     sinks = [MemorySink(), MemorySink()]
     trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]]),
-                DistributedTracker(model, laws, every=2 * EVERY, fp64=False, sinks=[sinks[1]], backend="torch")]
-    refs = [_Reference(cfg, laws, every=EVERY, fp64=True), _Reference(cfg, laws, every=2 * EVERY, fp64=False)]
+                DistributedTracker(model, laws, every=2 * EVERY, fp64=False, drift=False, sinks=[sinks[1]],
+                                   backend="torch", max_pending_bytes=1)]  # all-reduce at every step
+    assert trackers[0]._reduce_every == EVERY and trackers[1]._reduce_every == 1
+    refs = [_Reference(cfg, laws, every=EVERY, fp64=True), _Reference(cfg, laws, every=2 * EVERY, fp64=False, drift=False)]
+    full = _full(model)
     for r in refs:
-        r.start(model)
+        r.start(full)
     # h_0 and the guards equal the single-process ones
     _check_values({"h0": trackers[0].h0.vec, **{f"g{d}": g for d, g in trackers[0].h0.grams.items()}},
                   {"h0": refs[0].tracker.h0.vec, **{f"g{d}": g for d, g in refs[0].tracker.h0.grams.items()}},
@@ -297,7 +340,10 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
         r.tracker.close()
     if rank == 0:
         _check_rows(sinks[0].records, refs[0].sink.records, what)
-        assert len(sinks[0].records) == STEPS and "eps/qk" in sinks[0].records[0]
+        # fp32 rows: eps_i = |h_i - h0_i| / |h0_i| divides fp32 rounding (~1e-7 |terms|) by entries that may
+        # be 1e-4 of their terms, so two summation orders agree to ~1e-3 only (the values above: 1e-6)
+        _check_rows(sinks[1].records, refs[1].sink.records, what + " fp32", rtol=1e-2, atol=1e-6)
+        assert len(sinks[0].records) == STEPS and "eps/vo" in sinks[0].records[0]
     else:
         assert sinks[0].records == [] and sinks[1].records == [], "only rank 0 writes"
     return trackers[0]
@@ -317,7 +363,7 @@ def _scenario_fsdp(rank, world, cfg, tmpdir):
 
 
 def _resume(rank, world, cfg, tmpdir):
-    """Run 8 steps with a DCP checkpoint after step 4 (pending, unreduced steps inside); a fresh model,
+    """Run 6 steps with a DCP checkpoint after step 3 (a pending, unreduced step inside); a fresh model,
     optimizer and tracker loaded from it continue the same series (rows and values)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_model_state_dict,
@@ -327,7 +373,7 @@ def _resume(rank, world, cfg, tmpdir):
         model, laws = _fsdp(cfg, world, seed)
         inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
         sink = MemorySink()
-        opt = track(inner, model, every=EVERY, fp64=True, sinks=[sink])
+        opt = track(inner, model, every=EVERY, sinks=[sink])  # fp32 with drift terms
         return model, inner, opt, sink
 
     def run(model, opt, first, n):
@@ -339,12 +385,12 @@ def _resume(rank, world, cfg, tmpdir):
             opt.record(loss=loss.detach())
 
     model, inner, opt, sink = build(0)
-    run(model, opt, 1, 4)
+    run(model, opt, 1, 3)
     assert opt.tracker._pend, "the checkpoint should hold steps not yet reduced"
     flushed = len(sink.records)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, inner),
               "conserve": opt.tracker.state_dict()}, checkpoint_id=tmpdir)
-    run(model, opt, 5, 4)
+    run(model, opt, 4, 3)
     want_values = opt.tracker.values()
     opt.close()
 
@@ -355,10 +401,10 @@ def _resume(rank, world, cfg, tmpdir):
     set_model_state_dict(model2, state["model"])
     set_optimizer_state_dict(model2, inner2, state["optim"])
     opt2.tracker.load_state_dict(state["conserve"])
-    run(model2, opt2, 5, 4)
+    run(model2, opt2, 4, 3)
     got_values = opt2.tracker.values()
     opt2.close()
-    _check_values(got_values, want_values, 1e-12, "resumed values")
+    _check_values(got_values, want_values, 1e-7, "resumed values")
     if rank == 0:
         assert sink2.records and sink2.records[0]["step"] == flushed + 1, [r["step"] for r in sink2.records]
         _check_rows(sink2.records, sink.records[flushed:], "resumed series")
@@ -410,14 +456,14 @@ def _scenario_tp(rank, world, cfg):
 
 def _world3(rank, world, tmpdir):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, tmpdir)
-    _scenario_ddp(rank, world, CFG)
+    _scenario_ddp(rank, world, SMALL)
     return info
 
 
 def _world2(rank, world):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, None)
-    _scenario_tp(rank, world, CFG)
-    _scenario_ddp(rank, world, CFG)
+    _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
+    _scenario_ddp(rank, world, SMALL)
     return info
 
 
@@ -426,7 +472,7 @@ def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):
     assert res[0]["straddles"] > 0 and res[0]["comm"]  # kv heads (and q heads) straddle 3/3/2 shards
     assert res[2]["empty"] == ["layers.1.mlp.router.weight"]  # dim 0 = 2 < 3 ranks: rank 2 holds nothing
     assert res[0]["bytes"]["all_gather"] > 0
-    assert res[0]["resume"] == 3  # rows 1..3 were flushed before the checkpoint, 4 was pending
+    assert res[0]["resume"] == 2  # rows 1, 2 were flushed before the checkpoint, step 3 was pending
 
 
 def test_two_ranks_fsdp_tensor_parallel_and_ddp():

@@ -135,7 +135,9 @@ def test_compare_one_sgd_step(ckpts, capsys):
         assert 0 < d1[fam]["eps"] < 1e-2, (fam, d1[fam])
         # plain SGD: h(theta - lr g) - h(theta) = lr^2 g^T M g exactly, so eps scales as lr^2
         assert d1[fam]["eps"] / d10[fam]["eps"] == pytest.approx(100.0, rel=1e-6), fam
-    assert d1["translation"]["eps"] < 1e-12  # linear law: exactly conserved by softmax cross-entropy
+    # linear law, exactly conserved by softmax cross-entropy; HF's loss casts the logits to float32, so only
+    # up to float32 rounding of the gradient (the quadratic laws above drift by lr^2 g^T M g >> that)
+    assert d1["translation"]["eps"] < 1e-6 < d1["swiglu"]["eps"]
     assert f"{d1['swiglu']['eps']:.6e}" in out
 
 

@@ -91,12 +91,13 @@ def _loader(index):
 
 
 def observed(v1: float, u1: float, d_in: int, d_out: int) -> str:
-    """'v1', 'u1' or 'low': the space with the larger ratio to its random baseline, if that ratio > FACTOR."""
-    cands = [(x / random_baseline(d), s) for x, d, s in ((v1, d_in, "v1"), (u1, d_out, "u1")) if x == x]
+    """'v1', 'u1' or 'low': the space with the larger mean |cos|, if it exceeds FACTOR x its random baseline
+    ``sqrt(2/(pi d))`` (``d_in`` for v1, ``d_out`` for u1); '-' when neither was measured."""
+    cands = [(x, s, d) for x, d, s in ((v1, d_in, "v1"), (u1, d_out, "u1")) if x == x]
     if not cands:
         return "-"
-    r, s = max(cands)
-    return s if r > FACTOR else "low"
+    x, s, d = max(cands)
+    return s if x > FACTOR * random_baseline(d) else "low"
 
 
 def _fmt(x: float) -> str:
@@ -131,8 +132,9 @@ def markdown(rows, title: str) -> str:
     if checked:
         ok = sum(r["observed"] == r["paper"] for r in checked)
         lines.append(f"\nPaper pattern (q, k, gate, up: v1; o, down: u1; v: low): {ok}/{len(checked)} types match.")
-    lines.append(f"\nMeans of |cos| over adjacent-layer pairs. 'observed': the space whose continuity is the larger "
-                 f"multiple of its random baseline sqrt(2/(pi d)), if above {FACTOR:g}x; else 'low'.")
+    lines.append(f"\nMeans of |cos| over adjacent-layer pairs. 'observed': the space (v1 or u1) with the larger "
+                 f"continuity, if above {FACTOR:g}x its random baseline sqrt(2/(pi d)); else 'low'. Random baseline "
+                 "of the alignments: about m/(m+n) (align_in) and n/(m+n) (align_out) for i.i.d. m x n weights.")
     return "\n".join(lines)
 
 

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", default="ce", help="training loss of the logits; the translation law needs 'ce'")
     p.add_argument("--approximate", action="store_true",
                    help="keep laws that hold only up to a norm's eps (QK-norm scale laws)")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="law evaluator: auto (Triton on CUDA tensors, torch reference on CPU), torch, triton")
+    p.add_argument("--fp32", action="store_true", help="accumulate in float32 instead of float64 (faster on GPU; "
+                   "too coarse for the drift of a few steps)")
     p.add_argument("--device", default="auto", help="where --values/--compare evaluate: auto (cuda if present), "
                    "cpu, cuda")
 
@@ -152,21 +156,18 @@ def detect_checkpoint(ck: Checkpoint, args):
     found = detect_from_config(cfg, **options)
     params = [p for law in found.laws for p in law.params]
     names = match_names(dict.fromkeys(params), ck.shapes)
-    shapes = _law_shapes(found.laws, names, ck)
-    del shapes
+    _check_fits(found.laws, names, ck)
     return found, names
 
 
-def _law_shapes(laws, names, ck):
-    """Check that every law fits the checkpoint's tensors (the config matches the weights)."""
+def _check_fits(laws, names, ck) -> None:
+    """Every law must fit the checkpoint's tensors (the config matches the weights). Raises UsageError."""
     from ..laws import compile_laws
 
-    shapes = {p: ck.shapes[k] for p, k in names.items()}
     try:
-        compile_laws(laws, shapes)
+        compile_laws(laws, {p: ck.shapes[k] for p, k in names.items()})
     except ValueError as e:
         raise UsageError(f"{ck.path}: the weights do not match the config ({e})") from None
-    return shapes
 
 
 # ------------------------------------------------------------------------------- evaluation
@@ -190,16 +191,17 @@ def _abs(law: Law) -> Law:
 
 
 def evaluate_checkpoint(ck: Checkpoint, laws: list[Law], names: dict[str, str], device="cpu", *,
-                        magnitude: bool = False) -> dict[str, torch.Tensor]:
-    """``{law.name: h}`` from the checkpoint's tensors (float64 accumulation), one layer at a time so only
-    that layer's tensors are in memory. ``magnitude=True`` evaluates every term with a + sign instead
-    (the scale used to guard ``eps``). Values are returned on the CPU as float64."""
+                        magnitude: bool = False, fp64: bool = True, backend: str = "auto") -> dict[str, torch.Tensor]:
+    """``{law.name: h}`` from the checkpoint's tensors (float64 accumulation unless ``fp64=False``), one layer
+    at a time so only that layer's tensors are in memory. ``magnitude=True`` evaluates every term with a
+    + sign instead (the scale used to guard ``eps``). ``backend``: see ``conserve.kernels.evaluate``.
+    Values are returned on the CPU as float64."""
     out = {}
     for _, group in sorted(_groups(laws).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         need = list(dict.fromkeys(p for law in group for p in law.params))
         loaded = ck.tensors([names[p] for p in need], device)
         tensors = {p: loaded[names[p]] for p in need}
-        vals = evaluate_laws([_abs(l) for l in group] if magnitude else group, tensors, fp64=True)
+        vals = evaluate_laws([_abs(l) for l in group] if magnitude else group, tensors, fp64=fp64, backend=backend)
         out.update({k: v.detach().to("cpu", torch.float64) for k, v in vals.items()})
         del loaded, tensors
     return out
@@ -298,25 +300,30 @@ def print_values(con, laws, vals, mag) -> None:
     from rich.table import Table
 
     fam = defaultdict(lambda: [0, [], []])
+    linear = {law.family for law in laws if law.linear}
     for law in laws:
         v, m = instances(law, vals[law.name]), instances(law, mag[law.name])
         f = fam[law.family]
         f[0] += v.numel()
         f[1].append(v)
         f[2].append(torch.where(m > 0, v / m.clamp_min(1e-300), torch.zeros_like(v)))
-    t = Table(title="invariant values per family (|h_i|: entry / Frobenius norm; imbalance = |h_i| / |h_i| with all signs +)")
+    t = Table(title="invariant values per family",
+              caption="|h_i|: the instance's absolute value (Frobenius norm for Gram laws); imbalance: |h_i| over the "
+                      "same sum with every sign + (0 = balanced, 1 = one side only; '-' for linear laws)")
     for col in ("family", "instances", "mean |h_i|", "max |h_i|", "mean imbalance"):
         t.add_column(col, justify="right" if col != "family" else "left")
     for name, (n, vs, rs) in sorted(fam.items()):
         v, r = torch.cat(vs), torch.cat(rs)
-        t.add_row(name, str(n), f"{float(v.mean()):.6g}", f"{float(v.max()):.6g}", f"{float(r.mean()):.4g}")
+        t.add_row(name, str(n), f"{float(v.mean()):.6g}", f"{float(v.max()):.6g}",
+                  "-" if name in linear else f"{float(r.mean()):.4g}")
     con.print(t)
 
 
 def print_compare(con, a: str, b: str, drift: dict) -> None:
     from rich.table import Table
 
-    t = Table(title=f"drift per law family: eps = mean_i ||h_i(B) - h_i(A)|| / ||h_i(A)||\nA = {a}\nB = {b}")
+    t = Table(title="drift per law family", caption=f"eps = mean_i ||h_i(B) - h_i(A)|| / ||h_i(A)|| (paper's error; "
+              f"guarded as in conserve.tracker)\nA = {a}\nB = {b}")
     for col in ("family", "instances", "eps", "max"):
         t.add_column(col, justify="right" if col != "family" else "left")
     for fam, d in sorted(drift.items()):
@@ -342,8 +349,9 @@ def main(args) -> int:
     if not det.laws:
         raise UsageError(f"{paths[0]}: no law detected, nothing to evaluate")
     dev = _device(args.device)
-    vals = evaluate_checkpoint(ck, det.laws, names, dev)
-    mag = evaluate_checkpoint(ck, det.laws, names, dev, magnitude=True)
+    kw = dict(fp64=not args.fp32, backend=args.backend)
+    vals = evaluate_checkpoint(ck, det.laws, names, dev, **kw)
+    mag = evaluate_checkpoint(ck, det.laws, names, dev, magnitude=True, **kw)
     if args.values:
         print_values(con, det.laws, vals, mag)
     if other is not None:
@@ -355,6 +363,6 @@ def main(args) -> int:
         if bad:
             raise UsageError(f"{paths[1]} does not hold the same model: {bad[0]!r} has shape "
                              f"{other.shapes[names_b[bad[0]]]} there, {ck.shapes[names[bad[0]]]} in {paths[0]}")
-        vals_b = evaluate_checkpoint(other, det.laws, names_b, dev)
+        vals_b = evaluate_checkpoint(other, det.laws, names_b, dev, **kw)
         print_compare(con, paths[0], paths[1], compare(det.laws, vals, vals_b, mag))
     return 0

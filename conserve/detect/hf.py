@@ -255,7 +255,8 @@ def _attn_laws(ctx: _Ctx, a: _Attn) -> list:
             if r < d:
                 laws.append(RopePassGram.build(
                     f"{a.path}/rope_pass/group{j}", layer,
-                    plus=[x for i in heads for x in (a.q.out_rows(a.q_starts[i] + r, d - r), a.q.b(a.q_starts[i] + r, d - r))],
+                    plus=[x for i in heads
+                          for x in (a.q.out_rows(a.q_starts[i] + r, d - r), a.q.b(a.q_starts[i] + r, d - r))],
                     minus=[a.k.out_rows(a.k_starts[j] + r, d - r), a.k.b(a.k_starts[j] + r, d - r)],
                     note=f"pass-through dims [{r}, {d}) of each head"))
         laws.append(VOGram.build(
@@ -512,7 +513,8 @@ def _router(ctx, path, gate, layer, num_experts):
                       "(trivially frozen); no sum law to track")
         else:
             reason = (f"sigmoid router (top_k={top_k}, norm_topk_prob={norm}"
-                      + (", bias-corrected top-k choice (e_score_correction_bias)" if hasattr(gate, "e_score_correction_bias") else "")
+                      + (", bias-corrected top-k choice (e_score_correction_bias)"
+                         if hasattr(gate, "e_score_correction_bias") else "")
                       + "): sum_e W_router[e,:] is NOT conserved: sum_e dg_k/dz_e = g_k (sum_i g_i s_i - s_k) != 0 "
                         "(spec: MoE router, normalised sigmoid: open row)")
         ctx.decline(path, "sigmoid router: router sum", reason)
@@ -568,7 +570,7 @@ def _moe(ctx, path, mlp, layer, config) -> _Mlp | None:
 
 
 # -------------------------------------------------------------------------------------------- families
-def _embed_and_head(ctx: _Ctx, embed_paths: list, final_norm_path: str | None, layer_of_head=None):
+def _embed_and_head(ctx: _Ctx, embed_paths: list, final_norm_path: str | None):
     """Input embeddings (no law), final norm gain read by lm_head and the translation law, or the
     declined tied head."""
     model, config = ctx.model, ctx.config
@@ -678,10 +680,7 @@ def _gpt2(ctx: _Ctx):
         _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, [c.in_cols()], "c_attn (q, k, v)")
         m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "c_fc", "c_proj", blk.mlp.act)
         ctx.laws.extend(m.laws)
-        if m.laws:
-            _gain(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, m.what)
-        else:
-            _gain(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, "c_fc")
+        _gain(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, "c_fc")  # holds whatever the activation
     _embed_and_head(ctx, ["transformer.wte", "transformer.wpe"], "transformer.ln_f")
 
 
@@ -779,8 +778,9 @@ def _bert(ctx: _Ctx):
         if getattr(layer, "crossattention", None) is not None:
             ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
         for p in (f"{lp}.attention.output.LayerNorm", f"{lp}.output.LayerNorm"):
-            ctx.decline(p, "post-LN LayerNorm", "no gain law: the normed vector is the residual stream itself "
-                                                "(read by the skip connection, not only by linear maps) (spec breakers: post-LN)")
+            ctx.decline(p, "post-LN LayerNorm",
+                        "no gain law: the normed vector is the residual stream itself (read by the skip connection, "
+                        "not only by linear maps) (spec breakers: post-LN)")
         act = layer.intermediate.intermediate_act_fn
         uw, dw = _w(f"{lp}.intermediate.dense", layer.intermediate.dense), _w(f"{lp}.output.dense", layer.output.dense)
         if isinstance(act, (nn.ReLU, nn.LeakyReLU)):

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..commands.continuity import observed
 from ..continuity import ContinuityMonitor, continuity_report, random_baseline
 from ..errors import UsageError
 
@@ -176,6 +177,7 @@ def _final_table(model, monitor) -> dict[str, dict[str, float]]:
             "align_in": rep.mean("align_in"), "align_out": rep.mean("align_out"),
             "coherence": mon.get(f"continuity/coherence/{rep.type}", float("nan")),
             "baseline_v1": random_baseline(rep.shape[1]), "baseline_u1": random_baseline(rep.shape[0]),
+            "dims": [rep.shape[1], rep.shape[0]],
             "pairs": len(rep.pairs),
         }
     return out
@@ -305,12 +307,6 @@ def mlp_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def observed_space(v1: float, u1: float, b1: float, b2: float, factor: float = 3.0) -> str:
-    """'v1', 'u1' or 'low': the space whose continuity is larger, if it exceeds ``factor`` x its random baseline."""
-    best = max((v1 / b1, "v1"), (u1 / b2, "u1")) if v1 == v1 and u1 == u1 else (0.0, "low")
-    return best[1] if best[0] > factor else "low"
-
-
 def lm_markdown(res: dict) -> str:
     out = []
     for act, r in res.items():
@@ -319,7 +315,8 @@ def lm_markdown(res: dict) -> str:
         out.append("|---|---|---|---|---|---|---|---|")
         for t, f in r["final"].items():
             i = r["init"][t]
-            obs = observed_space(f["v1"], f["u1"], f["baseline_v1"], f["baseline_u1"])
+            d_in, d_out = f["dims"]
+            obs = observed(f["v1"], f["u1"], d_in, d_out)
             paper = PAPER_LM.get(t.split(".")[-1], "")
             out.append(f"| {t} | {_f(i['v1'])} -> {_f(f['v1'])} | {_f(i['u1'])} -> {_f(f['u1'])} | "
                        f"{_f(f['align_in'])} | {_f(f['align_out'])} | {_f(f['coherence'])} | {obs} | {paper} |")
@@ -335,19 +332,28 @@ def plot_curves(res: dict, path: Path, title: str, metrics=("coherence", "v1", "
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), constrained_layout=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    types = sorted({k.split("/", 1)[1] for r in res.values() for k in r["curve"] if "/" in k})
+    many = len(types) > 1  # LM: colour = projection type, line style = variant; MLP: colour = variant
     for ax, metric in zip(axes, metrics):
-        for name, r in res.items():
+        for vi, (name, r) in enumerate(res.items()):
             c = r["curve"]
             keys = [k for k in c if k.startswith(metric + "/")] if metric != "loss" else ["loss"]
             for k in keys:
-                label = name if len(keys) == 1 else f"{name} {k.split('/', 1)[1].split('.')[-1]}"
-                ax.plot(c["step"], c[k], label=label)
+                t = k.split("/", 1)[1] if "/" in k else ""
+                color = colors[(types.index(t) if many and t in types else vi) % len(colors)]
+                label = f"{name} {t.split('.')[-1]}" if many and t else name
+                ax.plot(c["step"], c[k], label=label, color=color, ls=styles[vi % len(styles)] if many else "-")
         ax.set_title({"coherence": "cumulative gradient coherence", "v1": "|cos v1| adjacent layers",
                       "u1": "|cos u1| adjacent layers", "loss": "train loss"}.get(metric, metric))
         ax.set_xlabel("step")
         if metric == "loss":
             ax.set_yscale("log")
-    axes[0].legend(fontsize=7)
+    if many:
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center", fontsize=7)
+    else:
+        axes[0].legend(fontsize=7)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -443,7 +449,7 @@ def main(args) -> int:
             record["lm"] = res
             md += [f"## Reference LM on {Path(args.text).name} (bytes; {lcfg.num_hidden_layers} layers, hidden "
                    f"{lcfg.hidden_size}, {lcfg.steps} steps)\n", lm_markdown(res), "\n![curves](lm_curves.png)\n"]
-            plot_curves(res, out / "lm_curves.png", "reference LM: per projection type", metrics=("v1", "u1", "loss"))
+            plot_curves(res, out / "lm_curves.png", "reference LM: per projection type", metrics=("coherence", "v1", "u1", "loss"))
     (out / "results.md").write_text("\n".join(md) + "\n")
     (out / "results.json").write_text(json.dumps(_finite(record), indent=1))
     print("\n".join(md))

@@ -303,6 +303,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         old = list(new)
         for i in fp.rest_tensors:
             old[i] = self._old[i]
+        if tr.fp64:  # Delta = new - a old in float64 too, as the step kernel forms it
+            for i in fp.rest_tensors:
+                new[i], old[i] = new[i].double(), old[i].double()
         h_old = ev(old)
         a_old = list(old)
         for i in fp.rest_tensors:
