@@ -37,8 +37,8 @@ from torch import nn
 
 from . import kernels
 from .errors import UsageError
-from .laws import Compiled, Declined, Law, compile_laws
-from .tracker import GUARD, Tracker, Values, _abs_plan, _model_laws, _unwrap, decay_factor
+from .laws import Law
+from .tracker import Tracker, Values, _abs_plan, decay_factor
 
 __all__ = ["DistributedTracker", "track", "wants_distributed", "flush_bytes"]
 
@@ -247,49 +247,32 @@ class DistributedTracker(Tracker):
             raise UsageError("DistributedTracker needs torch.distributed: call torch.distributed.init_process_group() "
                              "first (torchrun sets its environment), or use conserve.Tracker in a single process")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if every < 1:
-            raise ValueError(f"every={every} must be >= 1")
-        named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
-        # What Tracker.__init__ does, except the evaluations: h_0 and the guards need the shards of every
-        # rank (see _initial_values). Keep in step with Tracker.__init__.
-        self.declined: list[Declined] = []
-        if laws is None:
-            laws, self.declined = _model_laws(_unwrap(model))
-        kept = []
-        for law in laws:
-            frozen = [p for p in law.params if p in named and not named[p].requires_grad]
-            if frozen:
-                self.declined.append(Declined(law.name, law.family, f"reads frozen parameter(s) {frozen}: "
-                                              "unfreeze them or drop the law"))
-            else:
-                kept.append(law)
-        if not kept:
-            raise ValueError("no law to track: the model has no detected law on trainable parameters "
-                             f"(declined: {[d.reason for d in self.declined][:3]})")
-        self.compiled: Compiled = compile_laws(kept, {k: tuple(v.shape) for k, v in named.items()})  # global shapes
-        self.laws = kept
-        self.every, self.drift, self.fp64, self.backend = every, drift, fp64, backend
-        sinks = list(sinks)
-        self.sinks, self.monitors = (sinks if self.rank == 0 else []), list(monitors)
-        self._idle_sinks = sinks if self.rank != 0 else []
-        self.params = [named[n] for n in self.compiled.names]
-        self.tensors = [_local(p) for p in self.params]
-        self.device = self.tensors[0].device
-        self._build_index()
-        self.step_count = 0
-        self._rows: list[torch.Tensor] = []
-        self._extras: list[dict[str, torch.Tensor]] = []
-        self.last_record = None
+        self._max_pending_bytes = max_pending_bytes
+        super().__init__(model, laws, every=every, sinks=sinks, drift=drift, fp64=fp64, backend=backend,
+                         monitors=monitors, params=params)
+
+    def _local_tensors(self, params):
+        return [_local(p) for p in params]
+
+    def _setup(self) -> None:
+        """Shard layouts, the local plan, straddling Gram rows and the packed all-reduce buffers."""
+        drift, fp64, every, max_pending_bytes = self.drift, self.fp64, self.every, self._max_pending_bytes
+        # sinks are written on rank 0 only; the others keep theirs to close them
+        self._idle_sinks = self.sinks if self.rank != 0 else []
+        if self.rank != 0:
+            self.sinks = []
         local = self.tensors
         self._layouts = self._gather_layouts()
         self._comm = self.world > 1 and any(l.dim is not None for l in self._layouts)
         dtypes = [t.dtype for t in local]
         if self._comm:
-            self._local_plan, self._straddles = _localize(self.compiled.plan, self._layouts, self.rank, self.world, dtypes)
+            self._local_plan, self._straddles = _localize(self.compiled.plan, self._layouts, self.rank, self.world,
+                                                          dtypes)
         else:
             self._local_plan, self._straddles = self.compiled.plan, []
         self._abs_local = _abs_plan(self._local_plan)
         self._mine = [s for s in self._straddles if s.owner == self.rank]
+        # the straddling terms this rank evaluates, each over its gathered (D, N) rows (tensor j)
         self._mini = kernels.Plan([replace(s.term, view=kernels.View(j, (0, 0), 0, s.term.view.rows, 1, s.term.view.cols))
                                    for j, s in enumerate(self._mine)], [], [], self.compiled.plan.vec_size,
                                   dict(self.compiled.plan.gram_slots))
@@ -305,17 +288,9 @@ class DistributedTracker(Tracker):
         nccl = self._comm and dist.get_backend() == "nccl"
         self._comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else self.device
         self._step_elems = self._packer.size * (4 if drift else 1)
-        self._reduce_every = max(1, min(every, max_pending_bytes // max(1, self._step_elems * self._pack_dtype.itemsize)))
+        step_bytes = self._step_elems * self._pack_dtype.itemsize
+        self._reduce_every = max(1, min(every, max_pending_bytes // step_bytes))
         self._pend: list[_Pending] = []
-        self._prev = None
-        self._a = [1.0] * len(self.params)
-        with torch.no_grad():
-            self.h0, mag = self._initial_values()
-        self.h = self.h0.clone()
-        h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
-        self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
-        self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
-        self.last = {}
 
     # ---------------------------------------------------------------------------------- layout
     def _gather_layouts(self) -> list[_Layout]:
@@ -367,7 +342,8 @@ class DistributedTracker(Tracker):
         if not (plan.grams or plan.norms or plan.sums):
             dtype = torch.float64 if self.fp64 else torch.float32
             return Values(torch.zeros(plan.vec_size, dtype=dtype, device=self.device),
-                          {d: torch.zeros(n, d, d, dtype=dtype, device=self.device) for d, n in sorted(plan.gram_slots.items())})
+                          {d: torch.zeros(n, d, d, dtype=dtype, device=self.device)
+                           for d, n in sorted(plan.gram_slots.items())})
         return Values(*kernels.evaluate(plan, tensors, fp64=self.fp64, backend=self.backend))
 
     def _bilinear(self, plan, xs, ys) -> Values:
@@ -485,6 +461,8 @@ class DistributedTracker(Tracker):
             if self.drift:
                 rows = torch.cat([rows, self._straddle_rows(prev) if prev is not None else torch.zeros_like(rows)])
         self._pend.append(_Pending(pack, rows, len(vals) == 4))
+        for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
+            m.update()
 
     def _replay(self, vals: Sequence[Values], extras: Mapping | None = None) -> None:
         terms = None
@@ -516,9 +494,13 @@ class DistributedTracker(Tracker):
         packs = packs.to(self.device)
         dtype = self.h0.vec.dtype
         n = self._packer.size
-        for i, p in enumerate(pend):
-            vals = [self._packer.unpack(packs[i, j * n:(j + 1) * n], dtype) for j in range(4 if p.drift else 1)]
-            self._replay(vals, p.extras)
+        monitors, self.monitors = self.monitors, []  # updated in after_step already
+        try:
+            for i, p in enumerate(pend):
+                vals = [self._packer.unpack(packs[i, j * n:(j + 1) * n], dtype) for j in range(4 if p.drift else 1)]
+                self._replay(vals, p.extras)
+        finally:
+            self.monitors = monitors
 
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None) -> None:
         """Book one step from values a fused optimizer computed (full, not partial values: they are

@@ -120,7 +120,8 @@ class Tracker:
                              f"(declined: {[d.reason for d in self.declined][:3]})")
         self.compiled: Compiled = compile_laws(kept, {k: tuple(v.shape) for k, v in named.items()})
         self.laws = kept
-        self.tensors = [named[n] for n in self.compiled.names]
+        self.params = [named[n] for n in self.compiled.names]
+        self.tensors = self._local_tensors(self.params)
         self.every, self.drift, self.fp64, self.backend = every, drift, fp64, backend
         self.sinks, self.monitors = list(sinks), list(monitors)
         self.device = self.tensors[0].device
@@ -130,15 +131,28 @@ class Tracker:
         self._extras: list[dict[str, torch.Tensor]] = []
         self._prev: list[torch.Tensor] | None = None
         self._a: list[float | torch.Tensor] = [1.0] * len(self.tensors)
+        self.last: dict[str, Values] = {}
+        self.last_record: dict | None = None
+        self._setup()
         with torch.no_grad():
-            self.h0 = self._eval(self.tensors)
-            mag = Values(*kernels.evaluate(_abs_plan(self.compiled.plan), self.tensors, fp64=fp64, backend=backend))
+            self.h0, mag = self._initial_values()
         self.h = self.h0.clone()
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
-        self.last: dict[str, Values] = {}
-        self.last_record: dict | None = None
+
+    # -------------------------------------------------------------- hooks (see conserve.distributed)
+    def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors the kernels read (the parameters themselves; local shards when distributed)."""
+        return params
+
+    def _setup(self) -> None:
+        """Called after the plan and index are built, before ``h_0`` is evaluated."""
+
+    def _initial_values(self) -> tuple["Values", "Values"]:
+        """``h(theta_0)`` and the magnitudes (every sign +) used by the ``eps`` guard."""
+        mag = Values(*kernels.evaluate(_abs_plan(self.compiled.plan), self.tensors, fp64=self.fp64, backend=self.backend))
+        return self._eval(self.tensors), mag
 
     # ------------------------------------------------------------------------------------ layout
     def _build_index(self):
@@ -292,8 +306,12 @@ class Tracker:
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
         extras += [{}] * (len(self._rows) - len(extras))
         mon = {}
-        for m in self.monitors:
-            mon.update({k: float(v) for k, v in m.metrics().items()})
+        for m in self.monitors:  # one device->host copy per monitor, not one per key
+            got = m.metrics()
+            if got:
+                vals = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(self.device)
+                                    for v in got.values()]).cpu().tolist()
+                mon.update(zip(got.keys(), vals))
         self._rows, self._extras = [], []
         n_eps = len(self.families) + len(self.groups)
         out = []

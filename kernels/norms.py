@@ -7,14 +7,23 @@ strided axis (gain law: columns of q/k/v/gate/up; unit law: columns of down) nee
 ``sum_s v[s, f]``.  Terms over the same region with the same function share it, so ``W_up`` is read
 ONCE for both the SwiGLU unit law (its rows) and the gain law (its columns).
 
-``_rowcol_kernel``: one program per item = (region, slow range [s_start, s_end)).  Outer loop over F
-tiles, inner over S tiles; ``v = (x + shift)^2`` (func 0), ``x`` (func 1, SumTerm) or ``x*y``
-(bilinear).  Fast sums (items of one S tile) go straight to the element buffer ``elem``; slow sums
-of the item's range go to one row of ``slowpart`` that ``_slow_finish`` sums over the region's items.
-``_gather`` then forms ``vec[o] = sum_p sign_p * elem[idx_p]`` (CSR, fixed order).  No atomics.
+``_rowcol_kernel``: one program per item = (region, rows [s_start, s_end), ONE column tile
+[f0, f0 + BF)).  Items are sized by bytes (``launch.Config.item_bytes``, ~256 KiB on a GPU) so that
+every program streams the same amount of memory.  The inner loop over row tiles ``[BS, BF]`` is a
+pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v = (x + shift)^2``
+(func 0), ``x`` (func 1, SumTerm) or ``x*y`` (bilinear), and an elementwise add into a
+``[BS, BF]`` register accumulator -- no reduction and no branch on the layout inside the loop.  The
+column (slow) sums are reduced ONCE per item and written as one partial row; the row (fast) sums of a
+tile are reduced per tile and written as a partial for this column tile (a region with fast sums and
+``F`` columns has ``ceil(F / BF)`` fast partials per row).  ``_finish_rows`` sums partial rows in a
+fixed order into the element buffer ``elem``; ``_gather`` then forms
+``vec[o] = sum_p sign_p * elem[idx_p]`` (CSR, fixed order).  No atomics: bitwise deterministic.
 
-Region table row (int64): ``x_off, ss, fs, S, F, layout, func, fast_base, slow_row, y_off, yss, yfs``;
-``fast_base``/``slow_row`` are -1 when unused; item row: ``region, s_start, s_end, slow_off``.
+Region table row (int64): ``x_off, ss, fs, S, F, layout, func, fast_base, -, y_off, yss, yfs``;
+item row: ``region, s_start, s_end, f0, fast_off, slow_off`` (partial-buffer offsets, -1 when unused:
+row ``s``'s fast partial goes to ``part[fast_off + s]``, column ``f``'s slow partial to
+``part[slow_off + f]``); finishing row: ``part_off, nrows, length, elem_base``
+(``elem[elem_base + j] = sum_i part[part_off + i*length + j]``), processed in column blocks.
 """
 from __future__ import annotations
 
@@ -22,25 +31,59 @@ import triton
 import triton.language as tl
 
 REGION_COLS = 12
-ITEM_COLS = 4
+ITEM_COLS = 6
+FIN_COLS = 4
 
 
 @triton.jit
-def _tile(base, off, i, j, si, sj, mask):
-    ptrs = base + off + i[:, None].to(tl.int64) * si + j[None, :].to(tl.int64) * sj
-    return tl.load(ptrs, mask=mask, other=0.0)
+def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
+           BS: tl.constexpr, BF: tl.constexpr, ACC: tl.constexpr, CONTIG: tl.constexpr,
+           MASK_F: tl.constexpr, BILINEAR: tl.constexpr):
+    """Stream rows [s_start, s_end) of one column tile ``f``; returns the ``[BS, BF]`` accumulator
+    of ``v`` (its column sums are the slow sums).  CONTIG: the column stride is the literal 1 (the
+    compiler then vectorises along it); MASK_F: the tile crosses the region's last column (otherwise
+    only the row mask, constant along the contiguous axis, is applied, so loads stay vectorised)."""
+    sr = tl.arange(0, BS)
+    acc = tl.zeros([BS, BF], dtype=ACC)
+    if CONTIG:
+        fo = f[None, :]
+        yfo = f[None, :]
+    else:
+        fo = f[None, :].to(tl.int64) * fs
+        yfo = f[None, :].to(tl.int64) * yfs
+    for s0 in range(s_start, s_end, BS):
+        s = s0 + sr
+        ms = s < s_end
+        if MASK_F:
+            m = ms[:, None] & mf[None, :]
+        else:
+            m = ms[:, None]  # broadcast by tl.load: constant along the contiguous axis
+        x = tl.load(xb + xo + s[:, None].to(tl.int64) * ss + fo, mask=m, other=0.0).to(tl.float32).to(ACC)
+        if BILINEAR:
+            y = tl.load(yb + yo + s[:, None].to(tl.int64) * yss + yfo, mask=m, other=0.0)
+            v = x * y.to(tl.float32).to(ACC)
+        else:
+            xs = x + shift
+            v = tl.where(is_sq, xs * xs, x)
+            v = tl.where(m, v, 0.0)  # masked entries would give shift^2
+        acc += v
+        if fast_off >= 0:
+            tl.store(part + fast_off + s, tl.sum(v, axis=1), mask=ms)
+    return acc
 
 
 @triton.jit
-def _rowcol_kernel(xb, yb, regions, shifts, items, elem, slowpart,
+def _rowcol_kernel(xb, yb, regions, shifts, items, part,
                    BS: tl.constexpr, BF: tl.constexpr, ALIGN: tl.constexpr,
                    BILINEAR: tl.constexpr, FP64: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    it = items + pid * 4
+    it = items + pid * 6
     r = tl.load(it)
     s_start = tl.load(it + 1)
     s_end = tl.load(it + 2)
-    slow_off = tl.load(it + 3)
+    f0 = tl.multiple_of(tl.load(it + 3), BF)  # launch.py: f0 is a multiple of BF
+    fast_off = tl.load(it + 4)
+    slow_off = tl.load(it + 5)
     reg = regions + r * 12
     xo = tl.multiple_of(tl.load(reg), ALIGN)
     ss = tl.load(reg + 1)
@@ -48,65 +91,51 @@ def _rowcol_kernel(xb, yb, regions, shifts, items, elem, slowpart,
     F = tl.load(reg + 4)
     lay = tl.load(reg + 5)
     func = tl.load(reg + 6)
-    fast_base = tl.load(reg + 7)
     yo = tl.multiple_of(tl.load(reg + 9), ALIGN)
     yss = tl.load(reg + 10)
     yfs = tl.load(reg + 11)
     shift = tl.load(shifts + r)
+    is_sq = func == 0
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
-    want_fast = fast_base >= 0
-    want_slow = slow_off >= 0
-    sr = tl.arange(0, BS)
-    fr = tl.arange(0, BF)
-    facc = tl.zeros([BS], dtype=ACC)  # complete only when the item is one S tile (launch.py ensures)
-    for f0 in range(0, F, BF):
-        f = f0 + fr
-        mf = f < F
-        sacc = tl.zeros([BF], dtype=ACC)
-        for s0 in range(s_start, s_end, BS):
-            s = s0 + sr
-            m = (s < s_end)[:, None] & mf[None, :]
-            if lay == 0:
-                x = _tile(xb, xo, s, f, tl.multiple_of(ss, ALIGN), 1, m).to(tl.float32).to(ACC)
-                if BILINEAR:
-                    y = _tile(yb, yo, s, f, tl.multiple_of(yss, ALIGN), 1, m).to(tl.float32).to(ACC)
-            else:
-                x = _tile(xb, xo, s, f, ss, fs, m).to(tl.float32).to(ACC)
-                if BILINEAR:
-                    y = _tile(yb, yo, s, f, yss, yfs, m).to(tl.float32).to(ACC)
-            if BILINEAR:
-                v = x * y
-            else:
-                xs = x + shift
-                v = tl.where(func == 0, xs * xs, x)
-                v = tl.where(m, v, 0.0)
-            if want_slow:
-                sacc += tl.sum(v, axis=0)
-            if want_fast:
-                facc += tl.sum(v, axis=1)
-        if want_slow:
-            tl.store(slowpart + slow_off + f, sacc, mask=mf)
-    if want_fast:
-        s = s_start + sr
-        tl.store(elem + fast_base + s, facc, mask=s < s_end)
+    f = f0 + tl.arange(0, BF)
+    mf = f < F
+    if lay == 0:
+        ssa = tl.multiple_of(ss, ALIGN)
+        yssa = tl.multiple_of(yss, ALIGN)
+        if f0 + BF <= F:
+            acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
+                         BS, BF, ACC, True, False, BILINEAR)
+        else:
+            acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
+                         BS, BF, ACC, True, True, BILINEAR)
+    else:
+        acc = _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
+                     BS, BF, ACC, False, True, BILINEAR)
+    if slow_off >= 0:
+        tl.store(part + slow_off + f, tl.sum(acc, axis=0), mask=mf)
 
 
 @triton.jit
-def _slow_finish(slowpart, table, elem, BF: tl.constexpr, FP64: tl.constexpr):
-    """Region ``pid0``: ``elem[base + f] = sum_i slowpart[off + i*F + f]`` over its ``nrows`` items."""
+def _finish_rows(part, table, blocks, elem, RB: tl.constexpr, BC: tl.constexpr, FP64: tl.constexpr):
+    """Block ``pid`` = (finishing row, first column): ``elem[base + c] = sum_i part[off + i*len + c]``
+    for ``BC`` columns, summing ``RB`` partial rows per step into a 2-D accumulator (fixed order)."""
     pid = tl.program_id(0).to(tl.int64)
-    row = table + pid * 4
+    row = table + tl.load(blocks + 2 * pid) * 4
+    c0 = tl.load(blocks + 2 * pid + 1)
     off = tl.load(row)
     nrows = tl.load(row + 1)
-    F = tl.load(row + 2)
+    length = tl.load(row + 2)
     base = tl.load(row + 3)
-    f = tl.program_id(1) * BF + tl.arange(0, BF)
-    mf = f < F
+    c = c0 + tl.arange(0, BC)
+    mc = c < length
+    rr = tl.arange(0, RB)
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
-    acc = tl.zeros([BF], dtype=ACC)
-    for i in range(0, nrows):
-        acc += tl.load(slowpart + off + i * F + f, mask=mf, other=0.0)
-    tl.store(elem + base + f, acc, mask=mf)
+    acc = tl.zeros([RB, BC], dtype=ACC)
+    for i0 in range(0, nrows, RB):
+        i = i0 + rr
+        m = (i < nrows)[:, None] & mc[None, :]
+        acc += tl.load(part + off + i[:, None].to(tl.int64) * length + c[None, :], mask=m, other=0.0)
+    tl.store(elem + base + c, tl.sum(acc, axis=0), mask=mc)
 
 
 @triton.jit

@@ -168,7 +168,7 @@ CASES = {
                   [EMBED, (f"{M}.shared_expert_gate", "sigmoid")],
                   lambda m, d: [without(law(d, "model.layers.0.post_attention_layernorm/gain"),
                                         lambda t: "shared_expert_gate" in t.ref.param)]),
-    "qwen3": ({"qk_scale": 6, "rope_pair": 1, "vo": 2, "gain": 3, "swiglu": 1, "translation": 1},
+    "qwen3": ({"qk_scale": 6, "qk_norm_gain": 1, "vo": 2, "gain": 3, "swiglu": 1, "translation": 1},
               [EMBED, (f"{A}.q_proj", "QK-norm")],
               lambda m, d: [RopePairs.build("bad", 0, q_weight=f"{A}.q_proj.weight", q_shape=(16, 16), q_starts=[0, 4],
                                             k_weight=f"{A}.k_proj.weight", k_shape=(8, 16), k_starts=[0], rotary_dim=4,
@@ -211,7 +211,7 @@ CASES = {
                                              beta=vector("bert.encoder.layer.0.attention.output.LayerNorm.bias", 0, 16),
                                              readers=[cols("bert.encoder.layer.0.intermediate.dense.weight", (12, 16), 0,
                                                            16)])]),
-    "olmoe": ({"qk_scale": 2, "rope_pair": 2, "vo": 2, "gain": 3, "swiglu": 3, "router_sum": 1, "translation": 1},
+    "olmoe": ({"qk_scale": 2, "qk_norm_gain": 2, "vo": 2, "gain": 3, "swiglu": 3, "router_sum": 1, "translation": 1},
               [EMBED, (f"{A}.q_proj", "over all heads")],
               # per-head scale law: wrong, OLMoE's q_norm normalises all heads at once
               lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 4)])]),

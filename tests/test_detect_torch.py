@@ -361,7 +361,7 @@ def test_timm_qk_norm():
     r = reasons(found)
     assert "QK-norm" in r["blocks.0.attn.qkv"]
     assert "eps=1e-06" in r["blocks.0.attn/qk_scale/q_head0"] and "approximate=True" in r["blocks.0.attn/qk_scale/q_head0"]
-    assert found.families() == {"vo": 2, "gain": 4, "translation": 1}  # q/k-norm gains, norm1, norm2, final
+    assert found.families() == {"vo": 2, "gain": 3, "qk_norm_gain": 1, "translation": 1}  # norm1, norm2, final
     x = images()
     assert_all_hold(m, found, x)
     approx = detect(m, approximate=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -189,8 +190,6 @@ def _spawn(fn, world, *args):
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    import time
-
     results, deadline = {}, time.monotonic() + TIMEOUT
     try:
         while len(results) < world:
@@ -240,6 +239,19 @@ def _full(model):
     return out
 
 
+class _Counter:
+    """A monitor: counts ``update`` calls (one per optimizer step on every tracker)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def update(self):
+        self.n += 1
+
+    def metrics(self):
+        return {"monitor/updates": float(self.n)}
+
+
 class _Reference:
     """A single-process ``Tracker`` on an unsharded copy, fed the gathered full parameters."""
 
@@ -274,7 +286,8 @@ def _check_values(got, want, rtol, what):
     assert got.keys() == want.keys()
     for k in want:
         err = (got[k].double() - want[k].double()).norm()
-        assert err <= rtol * want[k].double().norm() + 1e-30, f"{what} {k}: |diff| {err:.3g} vs |h| {want[k].norm():.3g}"
+        assert err <= rtol * want[k].double().norm() + 1e-30, \
+            f"{what} {k}: |diff| {err:.3g} vs |h| {want[k].norm():.3g}"
 
 
 def _train(model, opt, trackers, refs, steps, rank, vocab, first=1):
@@ -316,11 +329,12 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
     references. SGD with weight decay: the decay factor a = 1 - lr*wd enters the drift terms."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
     sinks = [MemorySink(), MemorySink()]
-    trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]]),
+    trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]], monitors=[_Counter()]),
                 DistributedTracker(model, laws, every=2 * EVERY, fp64=False, drift=False, sinks=[sinks[1]],
                                    backend="torch", max_pending_bytes=1)]  # all-reduce at every step
     assert trackers[0]._reduce_every == EVERY and trackers[1]._reduce_every == 1
-    refs = [_Reference(cfg, laws, every=EVERY, fp64=True), _Reference(cfg, laws, every=2 * EVERY, fp64=False, drift=False)]
+    refs = [_Reference(cfg, laws, every=EVERY, fp64=True, monitors=[_Counter()]),
+            _Reference(cfg, laws, every=2 * EVERY, fp64=False, drift=False)]
     full = _full(model)
     for r in refs:
         r.start(full)
@@ -344,6 +358,7 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
         # be 1e-4 of their terms, so two summation orders agree to ~1e-3 only (the values above: 1e-6)
         _check_rows(sinks[1].records, refs[1].sink.records, what + " fp32", rtol=1e-2, atol=1e-6)
         assert len(sinks[0].records) == STEPS and "eps/vo" in sinks[0].records[0]
+        assert sinks[0].records[-1]["monitor/updates"] == STEPS
     else:
         assert sinks[0].records == [] and sinks[1].records == [], "only rank 0 writes"
     return trackers[0]
@@ -460,11 +475,31 @@ def _world3(rank, world, tmpdir):
     return info
 
 
+def _scenario_mismatch(rank, world, cfg):
+    """Ranks that build different law sets get a UsageError on every rank (not a hang)."""
+    from conserve.errors import UsageError
+
+    model, laws = _fsdp(cfg, world)
+    with pytest.raises(UsageError, match="different laws"):
+        DistributedTracker(model, laws if rank == 0 else laws[:-1])
+
+
 def _world2(rank, world):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, None)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
     _scenario_ddp(rank, world, SMALL)
+    _scenario_mismatch(rank, world, SMALL)
     return info
+
+
+def test_needs_an_initialised_process_group():
+    from conserve.errors import UsageError
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(UsageError, match="init_process_group"):
+        DistributedTracker(_model(SMALL))
+    assert not wants_distributed(_model(SMALL))
 
 
 def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):

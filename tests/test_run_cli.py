@@ -50,7 +50,9 @@ def test_user_directory_in_wikitext_layout(tmp_path):
     d.mkdir()
     with gzip.open(d / "wiki.train.tokens.gz", "wt") as f:
         f.write(" = Title = \n\n The quick brown fox jumps over the lazy dog . \n" * 40)
-    assert _run(tmp_path, "--data", str(d), "--steps", "2", "--optimizer", "gd") == 0
+    assert _run(tmp_path, "--data", str(d), "--steps", "2", "--optimizer", "gd", "--continuity") == 0
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 <= last["continuity/v1/self_attn.q_proj"] <= 1
 
 
 def _err(capsys):

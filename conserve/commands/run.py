@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
     g.add_argument("--every", type=int, default=10, help="flush metrics every N steps (default 10)")
+    g.add_argument("--continuity", action="store_true",
+                   help="also log geometric continuity across layers (Jeong, Paeng, Suh 2026) at each flush")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     o = p.add_argument_group("optimization")
     o.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
@@ -147,7 +149,12 @@ def main(args) -> int:
     if metrics.exists():
         metrics.unlink()  # a re-run into the same directory starts a fresh series
     sinks = [JSONLSink(metrics)] + ([TensorBoardSink(out / "tb")] if args.tensorboard else [])
-    tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws)
+    monitors = []
+    if args.continuity:
+        from ..continuity import ContinuityMonitor
+
+        monitors.append(ContinuityMonitor(model, every=1))
+    tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors)
     batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
     declined = [asdict(d) for d in tracked.tracker.declined]
     print(f"conserve run: {config['parameters']:,} parameters, {len(tracked.tracker.laws)} laws in "

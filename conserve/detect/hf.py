@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..laws import (Declined, GainBalance, QKGram, ReLUUnit, RopePairs, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit,
+from ..laws import (Declined, GainBalance, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit,
                     Term, Translation, VOGram, cols, rows, vector)
 from .core import Detection, finish, register
 
@@ -321,7 +321,7 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
         if a.rope is None:  # no RoPE: every dim is its own "pair"; members overlap -> use one member of size d
             terms = [Term("norm", vector(vec, s, d), sign) for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0))
                      for s in starts]
-        laws.append(RopePairs(f"{a.path}/qk_norm_gain/group{g}", a.layer, terms, half if a.rope else d,
+        laws.append(QKNormGain(f"{a.path}/qk_norm_gain/group{g}", a.layer, terms, half if a.rope else d,
                               note=f"{qn}/{kn} gains, {'shared by all heads' if kind == 'head' else 'per kv group'}"
                                    f"; layout {layout!r}"))
     return laws

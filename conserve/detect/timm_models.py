@@ -32,19 +32,9 @@ import sys
 
 from torch import nn
 
-from ..laws import Declined, GainBalance, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram, cols, rows, vector
+from ..laws import Declined, GainBalance, LayerScaleBalance, QKNormGain, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram, cols, rows, vector
 from .core import register
 from .torchnn import NO_LAW_ACT, POST_LN, Collector, gain_law, linear_cols, norm_parts, walk
-
-
-class LayerScaleBalance(GainBalance):
-    """LayerScale after a Linear, feature c: ``gamma_c^2 - ||W[c,:]||^2 - b[c]^2`` (vector of H).
-
-    Symmetry: ``gamma_c -> s gamma_c``, row c of ``W`` and ``b[c] -> / s`` (a diagonal rescaling through
-    the product ``gamma * (W x + b)``; the deep-linear argument of Marcotte et al. 2023, diagonal case)."""
-
-    family = "layer_scale"
-    source = "derived (diagonal rescaling, as the spec's deep-linear row)"
 
 
 def _is(m, name: str) -> bool:
@@ -83,12 +73,12 @@ def attention_laws(c: Collector, path: str, attn, layer) -> list | None:
         qn, kn = norm_parts(attn.q_norm), norm_parts(attn.k_norm)
         if qn and kn and type(attn.q_norm) is type(attn.k_norm) and (qn[1] is None) == (kn[1] is None):
             # scaling dim t of q_norm's output by s and of k_norm's by 1/s leaves every score q.k unchanged
-            c.add(GainBalance.build(f"{path}/qk_norm_gain", layer, gain=vector(f"{path}.q_norm.weight", 0, d),
-                                    beta=vector(f"{path}.q_norm.bias", 0, d) if qn[1] else None,
-                                    readers=[vector(f"{path}.k_norm.weight", 0, d)]
-                                    + ([vector(f"{path}.k_norm.bias", 0, d)] if kn[1] else []),
-                                    note="q_norm gain (and bias) vs k_norm gain (and bias), per head dim t: "
-                                         "g_q[t]^2 + b_q[t]^2 - g_k[t]^2 - b_k[t]^2"))
+            c.add(QKNormGain.build(f"{path}/qk_norm_gain", layer,
+                                   plus=[vector(f"{path}.q_norm.weight", 0, d),
+                                         vector(f"{path}.q_norm.bias", 0, d) if qn[1] else None],
+                                   minus=[vector(f"{path}.k_norm.weight", 0, d),
+                                          vector(f"{path}.k_norm.bias", 0, d) if kn[1] else None],
+                                   note="per head dim t: g_q[t]^2 + b_q[t]^2 - g_k[t]^2 - b_k[t]^2"))
         c.mark(f"{path}.q_norm", f"{path}.k_norm")
     for i in range(nh):
         q_i = [rows(f"{qkv}.weight", qs, i * d, d), b(i * d)]

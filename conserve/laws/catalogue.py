@@ -200,5 +200,35 @@ class ScaleLaw(Law):
         return cls(name, layer, _norms(blocks, +1.0, stride=0), 1, note)
 
 
+class QKNormGain(Law):
+    """QK-norm gains (q_norm / k_norm weights, and biases for LayerNorm): scaling dim t of the q_norm output
+    by c and of the k_norm output by 1/c leaves every score unchanged. Without RoPE, per dim t:
+    ``g_q[t]^2 (+ b_q[t]^2) - g_k[t]^2 (- b_k[t]^2)``; with RoPE only equal scalings within a rotary pair
+    commute with the rotation, so per pair p: ``sum_{t in p} (g_q[t]^2 - g_k[t]^2)`` (derived like the
+    spec's RoPE row; terms built by the detectors, which know the layout)."""
+
+    family = "qk_norm_gain"
+    source = "derived (spec: QK-norm breaker + RoPE row)"
+
+    @classmethod
+    def build(cls, name: str, layer: int | None, *, plus: Sequence[Ref | None], minus: Sequence[Ref | None],
+              note: str = ""):
+        """Per-dim form (no RoPE): ``plus`` = q_norm gain (and bias), ``minus`` = k_norm gain (and bias)."""
+        sizes = {r.rows for r in list(plus) + list(minus) if r is not None}
+        if len(sizes) != 1:
+            raise ValueError(f"{name}: q_norm and k_norm refs have different sizes {sorted(sizes)}")
+        return cls(name, layer, _norms(plus, +1.0) + _norms(minus, -1.0), sizes.pop(), note)
+
+
+class LayerScaleBalance(GainBalance):
+    """LayerScale after a Linear, feature c: ``gamma_c^2 - ||W[c,:]||^2 - b[c]^2`` (vector of H).
+    Symmetry: ``gamma_c -> s gamma_c``, row c of ``W`` and ``b[c] -> / s`` (diagonal rescaling through
+    ``gamma * (W x + b)``; the deep-linear argument of Marcotte et al. 2023, diagonal case). Built with
+    ``GainBalance.build(gain=gamma, beta=None, readers=[rows of W, bias])``."""
+
+    family = "layer_scale"
+    source = "derived (diagonal rescaling, as the spec's deep-linear row)"
+
+
 FAMILIES = {c.family: c for c in (SwiGLUUnit, ReLUUnit, QKGram, VOGram, RopePassGram, DeepLinearGram, RopePairs,
-                                  RouterSum, Translation, GainBalance, ScaleLaw)}
+                                  RouterSum, Translation, GainBalance, ScaleLaw, QKNormGain, LayerScaleBalance)}

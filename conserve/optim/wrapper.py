@@ -110,6 +110,13 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
         opt = conserve.track(torch.optim.AdamW(model.parameters(), lr=1e-3), model,
                              sinks=[conserve.JSONLSink("metrics.jsonl")], every=50)
     """
+    from .fused import _FusedOptimizer
+
+    if isinstance(optimizer, _FusedOptimizer) and getattr(optimizer, "tracker", None) is not None:
+        return optimizer  # it measures inside its own step
     if model is None and laws is None:
         raise ValueError("track() needs the model (or explicit laws) to know which laws to evaluate")
-    return TrackedOptimizer(optimizer, Tracker(model, laws, **tracker_kwargs))
+    from ..distributed import DistributedTracker, wants_distributed
+
+    cls = DistributedTracker if wants_distributed(model, tracker_kwargs.get("params")) else Tracker
+    return TrackedOptimizer(optimizer, cls(model, laws, **tracker_kwargs))
