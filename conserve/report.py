@@ -12,6 +12,17 @@ from pathlib import Path
 from .errors import UsageError
 
 
+def json_safe(x):
+    """JSON has no NaN/Inf: replace them with null, recursively (tuples become lists)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics.jsonl file (a truncated last line, from a crash, is skipped)."""
     p = Path(path)

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from .errors import UsageError
+from .report import json_safe
 
 
 class JSONLSink:
@@ -25,8 +26,7 @@ class JSONLSink:
             raise UsageError(f"cannot write metrics to {self.path}: {e.strerror}; choose a writable --out directory") from None
 
     def write(self, step: int, metrics: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-        self._f.write(json.dumps(clean) + "\n")
+        self._f.write(json.dumps(json_safe(metrics)) + "\n")
         self._f.flush()
 
     def close(self) -> None:

@@ -14,9 +14,10 @@ Tables (all int64, row-major):
   the accumulation dtype.  Items ``[t0, t1, k0, k1, ti, tj]``: the slot's term range, a chunk of the
   contracted dim, an upper-triangular output tile.  Finishing groups ``[i0, i1, slot, ti, tj]`` index
   ``order`` (item ids of one output tile, across dtype groups, in a fixed order).
-* Regions ``[x_off, ss, fs, S, F, layout, func, fast_base, slow_base, y_off, yss, yfs]`` (see
-  ``norms.py``), items ``[region, s_start, s_end, slow_off]``, slow-finish rows
-  ``[slow_off, nrows, F, elem_base]`` and the CSR gather ``ptr, idx, sgn`` into ``vec``.
+* Regions ``[x_off, ss, fs, S, F, layout, func, fast_base, -, y_off, yss, yfs]`` (see
+  ``norms.py``), items ``[region, s_start, s_end, f0, fast_off, slow_off]`` (one column tile of one
+  row chunk, sized by bytes), finishing rows ``[part_off, nrows, length, elem_base]`` that sum the
+  items' partials into the element buffer, and the CSR gather ``ptr, idx, sgn`` into ``vec``.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 from .plan import Plan, View
 
 MAX_ALIGN = 16
+FIN_BC = 256  # columns per finishing program (norms._finish_rows)
 
 
 def next_pow2(n: int) -> int:
@@ -48,13 +50,20 @@ def pow2_divisor(values, cap: int = MAX_ALIGN) -> int:
 
 @dataclass
 class Config:
-    """Block sizes (constexpr) and work split.  ``target_items``: aim for at least this many programs
-    (GPU: 4 per SM); ``slow_rows``: rows per item of a slow-only region (0: the whole region)."""
+    """Block sizes (constexpr) and work split.
+
+    ``target_items``: aim for at least this many Gram programs (GPU: 4 per SM).  Norm items: one
+    column tile of ``BF`` columns (doubled for 2-byte dtypes, so a row segment is always ``4*BF``
+    bytes) times ``slow_rows`` rows if > 0, else enough rows to stream ``item_bytes`` if > 0, else
+    the whole region.  ``BS``: rows per loaded tile; ``norm_warps``: warps of a norm program for
+    4-byte inputs (doubled with ``BF``)."""
 
     target_items: int = 1
     slow_rows: int = 0
+    item_bytes: int = 0
     BS: int = 64
     BF: int = 128
+    norm_warps: int = 4
     BK_BIG: int = 32  # contracted block for output tiles of 128
     BK_SMALL: int = 64
     BT_MAX: int = 128
@@ -63,8 +72,16 @@ class Config:
     def for_device(device: torch.device) -> "Config":
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            return Config(target_items=4 * sms, slow_rows=512)
+            # norm tiles [16, 256] fp32 = 16 KiB per load step, 32 values per thread (4 warps), so
+            # several programs fit per SM; 256 KiB per item keeps the last wave short.
+            return Config(target_items=4 * sms, item_bytes=256 << 10, BS=16, BF=256, norm_warps=4)
         return Config()
+
+    def norm_tile(self, group) -> tuple[int, int]:
+        """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""
+        esize = min(torch.empty(0, dtype=d).element_size() for d in group)
+        k = max(1, 4 // esize)
+        return self.BF * k, self.norm_warps * k
 
 
 def _layout(rows, cols, strides) -> int:
@@ -101,6 +118,7 @@ class GramLaunch:
     signs: list
     items: np.ndarray  # (I, 6) int64
     item_base: int  # first item id in the bucket's partial buffer
+    fold: bool = False  # signs folded into the dot operands (gram._gram_kernel FOLD)
 
 
 @dataclass
@@ -121,7 +139,9 @@ class NormLaunch:
     x_tensor: np.ndarray
     y_tensor: np.ndarray
     shifts: list
-    items: np.ndarray  # (I, 4)
+    items: np.ndarray  # (I, 6): region, s_start, s_end, f0, fast_off, slow_off
+    BF: int = 128
+    warps: int = 4
 
 
 @dataclass
@@ -136,9 +156,9 @@ class Structure:
     gram: list = field(default_factory=list)  # GramBucket
     norm: list = field(default_factory=list)  # NormLaunch
     elem_size: int = 0
-    slow_size: int = 0
-    finish: np.ndarray = None  # (P, 4)
-    max_F: int = 0
+    part_size: int = 0  # fast + slow partial sums of the norm items
+    finish: np.ndarray = None  # (P, 4): part_off, nrows, length, elem_base
+    finish_blocks: np.ndarray = None  # (B, 2): finishing row, first column (FIN_BC columns each)
     csr_ptr: np.ndarray = None
     csr_idx: np.ndarray = None
     csr_sgn: list = None
@@ -229,10 +249,13 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
                     signs.append(float(t.sign))
                 i = j
             items_np = np.asarray(items, dtype=np.int64).reshape(-1, 6)
+            # sign folded into a half-precision operand must be exact (|sign| == 1); an fp32 operand
+            # takes one rounding of sign*x, far below the fp32 accumulation error
+            fold = all(abs(v) == 1.0 for v in signs) or all(d == torch.float32 for d in g)
             launches.append(GramLaunch(D=D, group=g, BT=BT, BK=BK, single=NT == 1,
                                        terms=np.asarray(rows, dtype=np.int64).reshape(-1, 8),
                                        x_tensor=np.asarray(xt, dtype=np.int64), y_tensor=np.asarray(xt, dtype=np.int64),
-                                       signs=signs, items=items_np, item_base=item_base))
+                                       signs=signs, items=items_np, item_base=item_base, fold=fold))
             item_base += len(items)
         order, groups = [], []
         for (slot, ti, tj) in sorted(tile_items):
@@ -287,7 +310,7 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
             refs.append((t.index, 1, C, key, reduce_fast, 0, 1, float(t.sign)))
     remap = _merge_row_regions(regions, bil)
     elem = 0
-    slow_off = 0
+    part = 0
     finish = []
     per_group = defaultdict(list)
     for key, reg in regions.items():
@@ -304,31 +327,49 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
             reg["slow_elem"] = elem
             elem += F
     for g in sorted(per_group, key=str):
-        rows, xt, shifts, items = [], [], [], []
+        BF, warps = cfg.norm_tile(g)
+        esize = min(torch.empty(0, dtype=d).element_size() for d in g)
+        if cfg.slow_rows > 0:
+            rows_per_item = max(cfg.BS, cfg.slow_rows // cfg.BS * cfg.BS)
+        elif cfg.item_bytes > 0:
+            rows_per_item = max(cfg.BS, cfg.item_bytes // (BF * esize) // cfg.BS * cfg.BS)
+        else:
+            rows_per_item = 0  # whole region
+        rows, xt, shifts, items, sizes = [], [], [], [], []
         for key in per_group[g]:
             reg = regions[key]
             (_, tensor, xo, S, F, ss, fs, lay, func, shift, yo, yss, yfs) = key
-            if reg["fast"] or cfg.slow_rows <= 0:
-                span = cfg.BS if reg["fast"] else S
-            else:
-                span = max(cfg.BS, cfg.slow_rows // cfg.BS * cfg.BS)
+            span = rows_per_item or S
+            n_chunks, n_tiles = -(-S // span), -(-F // BF)
             ridx = len(rows)
-            starts = list(range(0, S, span))
-            base = slow_off if reg["slow"] else -1
-            for n, s0 in enumerate(starts):
-                items.append((ridx, s0, min(s0 + span, S), base + n * F if reg["slow"] else -1))
-            if reg["slow"]:
-                finish.append((slow_off, len(starts), F, reg["slow_elem"]))
-                slow_off += len(starts) * F
-                st.max_F = max(st.max_F, F)
+            fast_block = slow_block = -1
+            if reg["fast"]:  # partial row sums: one length-S row per column tile
+                fast_block = part
+                part += n_tiles * S
+                finish.append((fast_block, n_tiles, S, reg["fast_base"]))
+            if reg["slow"]:  # partial column sums: one length-F row per row chunk
+                slow_block = part
+                part += n_chunks * F
+                finish.append((slow_block, n_chunks, F, reg["slow_elem"]))
+            for c in range(n_chunks):  # column tiles of one row chunk are neighbours (DRAM locality)
+                s0, s1 = c * span, min((c + 1) * span, S)
+                for t in range(n_tiles):
+                    items.append((ridx, s0, s1, t * BF, fast_block + t * S if reg["fast"] else -1,
+                                  slow_block + c * F if reg["slow"] else -1))
+                    sizes.append((s1 - s0) * min(BF, F - t * BF))
             rows.append((xo, ss, fs, S, F, lay, func, reg["fast_base"], -1, yo, yss, yfs))
             xt.append(tensor)
             shifts.append(shift)
+        items_np = np.asarray(items, dtype=np.int64).reshape(-1, 6)
+        if len(sizes):  # biggest items first (they are near-equal on a GPU; small regions go last)
+            items_np = items_np[np.argsort(-np.asarray(sizes), kind="stable")]
         st.norm.append(NormLaunch(group=g, regions=np.asarray(rows, dtype=np.int64).reshape(-1, 12),
                                   x_tensor=np.asarray(xt, dtype=np.int64), y_tensor=np.asarray(xt, dtype=np.int64),
-                                  shifts=shifts, items=np.asarray(items, dtype=np.int64).reshape(-1, 4)))
-    st.elem_size, st.slow_size = elem, slow_off
+                                  shifts=shifts, items=items_np, BF=BF, warps=warps))
+    st.elem_size, st.part_size = elem, part
     st.finish = np.asarray(finish, dtype=np.int64).reshape(-1, 4)
+    st.finish_blocks = np.asarray([(i, c0) for i, (_, _, length, _) in enumerate(finish)
+                                   for c0 in range(0, length, FIN_BC)], dtype=np.int64).reshape(-1, 2)
     # CSR gather: vec[o] = sum sign * elem[idx], entries of one output in plan order
     outs, idxs, sgns = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0)]
     for (o0, ostep, n, key, fast, p0, pstep, sign) in refs:

@@ -4,7 +4,9 @@ Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)
 
 1. ``_gram_kernel``   once per Gram size D   (every head, kv group, layer and expert of that D)
 2. ``_rowcol_kernel`` once                   (every NormTerm / SumTerm region, fused rows+columns)
-3. ``_gram_finish``   once per D, ``_slow_finish`` once, ``_gather`` once (small finishing passes)
+3. ``_gram_finish``   once per D, ``_finish_rows`` once, ``_gather`` once (small finishing passes)
+
+On CUDA the Gram launches (1, 3a) run on a side stream concurrently with the norm launches (2, 3b).
 
 No host synchronisation, no atomics (bitwise deterministic for fixed tensors).  The work tables are
 built once per (plan, dtypes/shapes/strides) and re-bound only when ``data_ptr``s change
@@ -82,10 +84,16 @@ class Prepared:
                 launches=[dict(signs=self._dev(l.signs, acc), items=self._dev(l.items)) for l in b.launches]))
         self.norm_static = [dict(shifts=self._dev(l.shifts, acc), items=self._dev(l.items)) for l in st.norm]
         self.finish = self._dev(st.finish)
+        self.finish_blocks = self._dev(st.finish_blocks)
         self.csr = (self._dev(st.csr_ptr), self._dev(st.csr_idx), self._dev(st.csr_sgn, acc))
-        self.slowpart = torch.empty(max(1, st.slow_size), device=self.device, dtype=acc)
+        self.normpart = torch.empty(max(1, st.part_size), device=self.device, dtype=acc)
         self.part = {b.D: torch.empty(max(1, b.n_items) * b.BT * b.BT, device=self.device, dtype=acc)
                      for b in st.gram}
+        # CUDA: the (compute-bound, fp32) Gram launches run on a side stream, concurrently with the
+        # (bandwidth-bound) norm launches; CONSERVE_OVERLAP=0 serialises them (for comparison).
+        self.side = None
+        if self.device.type == "cuda" and st.gram and st.norm and os.environ.get("CONSERVE_OVERLAP", "1") != "0":
+            self.side = torch.cuda.Stream(self.device)
 
     def _bind(self, xs, ys):
         ptrs = tuple(t.data_ptr() for t in xs) + tuple(t.data_ptr() for t in (ys or ()))
@@ -139,15 +147,28 @@ class Prepared:
     # ---- launches ------------------------------------------------------------------------------
     def run(self, xs, ys=None):
         """Evaluate: returns ``(vec, {D: (slots, D, D)})`` in the accumulation dtype."""
-        from .gram import _gram_finish, _gram_kernel
-        from .norms import _gather, _rowcol_kernel, _slow_finish
-
-        st, acc, fp64 = self.st, self.acc, self.fp64
+        st, acc = self.st, self.acc
         bil = ys is not None
         if bil != st.bilinear:
             raise ValueError("this prepared plan was built for the other mode (evaluate vs bilinear)")
         self._bind(xs, ys)
         grams = {d: torch.zeros(n, d, d, device=self.device, dtype=acc) for d, n in sorted(st.gram_slots.items())}
+        if self.side is not None:
+            main = torch.cuda.current_stream(self.device)
+            self.side.wait_stream(main)  # inputs, grams and the partial buffers are ready
+            with torch.cuda.stream(self.side):
+                self._run_gram(grams, bil)
+            vec = self._run_norm(bil)
+            main.wait_stream(self.side)  # the caller's stream sees finished grams
+        else:
+            self._run_gram(grams, bil)
+            vec = self._run_norm(bil)
+        return vec, grams
+
+    def _run_gram(self, grams, bil):
+        from .gram import _gram_finish, _gram_kernel
+
+        st, fp64 = self.st, self.fp64
         for b, bs, lb in zip(st.gram, self.gram_static, self.gram_bound):
             part = self.part[b.D]
             warps = 8 if b.BT >= 128 else 4
@@ -159,29 +180,33 @@ class Prepared:
                     xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:],
                     D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=bil, FP64=fp64,
                     UPCAST=(_interpreting() and torch.bfloat16 in l.group) or l.group[0] != l.group[1],
-                    num_warps=warps)
+                    FOLD=l.fold, num_warps=warps)
             if len(b.groups):
                 _gram_finish[(len(b.groups),)](part, bs["order"], bs["groups"], grams[b.D],
                                               D=b.D, BT=b.BT, FP64=fp64, num_warps=4)
+
+    def _run_norm(self, bil):
+        from .norms import _finish_rows, _gather, _rowcol_kernel
+
+        st, acc, fp64 = self.st, self.acc, self.fp64
         elem = torch.empty(max(1, st.elem_size), device=self.device, dtype=acc)
         for l, ls, (regs, align) in zip(st.norm, self.norm_static, self.norm_bound):
             if len(l.items) == 0:
                 continue
             xb, yb = self.bases[l.group]
-            _rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], elem, self.slowpart,
-                                            BS=self.cfg.BS, BF=self.cfg.BF, ALIGN=align, BILINEAR=bil,
-                                            FP64=fp64, num_warps=8)
-        if len(st.finish):
-            BF = 256
-            _slow_finish[(len(st.finish), -(-st.max_F // BF))](self.slowpart, self.finish, elem, BF=BF,
-                                                                FP64=fp64, num_warps=4)
+            _rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], self.normpart,
+                                            BS=self.cfg.BS, BF=l.BF, ALIGN=align, BILINEAR=bil,
+                                            FP64=fp64, num_warps=l.warps)
+        if len(st.finish_blocks):
+            _finish_rows[(len(st.finish_blocks),)](self.normpart, self.finish, self.finish_blocks, elem,
+                                                   RB=8, BC=L.FIN_BC, FP64=fp64, num_warps=4)
         vec = torch.empty(st.vec_size, device=self.device, dtype=acc)
         if st.vec_size:
             BO = 128
             ptr, idx, sgn = self.csr
             _gather[(-(-st.vec_size // BO),)](elem, ptr, idx, sgn, vec, st.vec_size, st.max_count, BO=BO,
                                               FP64=fp64, num_warps=4)
-        return vec, grams
+        return vec
 
 
 def clear_cache():

@@ -491,3 +491,54 @@ def test_gpu_work_split_under_interpreter():
         _close(vec, rv, sv, 1e-5, "vec")
         for d in rg:
             _close(grams[d], rg[d], sg[d], 1e-5, f"gram {d}")
+
+
+def test_norm_items_sized_by_bytes_and_fp64_gram_without_dot():
+    """GPU-style norm split (``item_bytes``: several row chunks AND column tiles per region, the
+    unmasked full-tile branch and the masked last tile, fast partials per column tile, BF doubled for
+    bf16) and the fp64 Gram path (rank-1 updates, no tl.dot), against the float64 reference."""
+    from conserve.kernels import triton_impl as T
+
+    cfg = L.Config(target_items=16, item_bytes=32 * 32 * 4, BS=16, BF=32)  # 32 rows x 32 fp32 columns
+    for dtype in (torch.float32, torch.bfloat16):
+        p, ts = llama_block(nH=2, nKV=1, D=16, H=72, I=40, dtype=dtype, seed=10)
+        st = L.build(p, ts, None, False, cfg)
+        (nl,) = st.norm
+        assert nl.BF == (32 if dtype == torch.float32 else 64) and nl.warps == (4 if dtype == torch.float32 else 8)
+        assert (nl.items[:, 3] % nl.BF == 0).all()
+        it = nl.items
+        sizes = (it[:, 2] - it[:, 1]) * np.minimum(nl.BF, nl.regions[it[:, 0], 4] - it[:, 3])
+        assert (np.diff(sizes) <= 0).all()  # biggest first
+        if dtype == torch.float32:
+            assert sizes.max() == 32 * 32 and (st.finish[:, 1] > 1).sum() >= 2  # split rows and columns
+        ys = [torch.randn_like(t, dtype=torch.float32).to(dtype) for t in ts]
+        for fp64, y in ([(False, None), (False, ys), (True, ys)] if dtype == torch.float32 else [(False, ys)]):
+            pr = T.Prepared(p, ts, y, fp64, cfg)
+            vec, grams = pr.run(ts, y)
+            d64 = [t.double() for t in ts]
+            ap = _abs_plan(p)
+            if y is None:
+                (rv, rg), (sv, sg) = evaluate_reference(p, d64, fp64=True), evaluate_reference(ap, [t.abs() for t in d64], fp64=True)
+            else:
+                y64 = [t.double() for t in y]
+                rv, rg = bilinear_reference(p, d64, y64, fp64=True)
+                sv, sg = bilinear_reference(ap, [t.abs() for t in d64], [t.abs() for t in y64], fp64=True)
+            rtol = 1e-12 if fp64 else RTOL[dtype]
+            _close(vec, rv, sv, rtol, f"vec {dtype} fp64={fp64}")
+            for d in rg:
+                _close(grams[d], rg[d], sg[d], rtol, f"gram {dtype} fp64={fp64}")
+
+
+def test_gram_sign_folding_rule():
+    """Signs are folded into the dot operands only where that is exact enough: any sign for fp32
+    inputs, |sign| == 1 for half inputs (else a separate accumulator); both paths are checked."""
+    g = torch.Generator().manual_seed(11)
+    for dtype, signs, fold in ((torch.float32, (1.0, -0.3), True), (torch.bfloat16, (1.0, -1.0), True),
+                               (torch.bfloat16, (1.0, -0.3), False)):
+        ts = [randn(32, 24, gen=g, dtype=dtype)]
+        p = Plan()
+        s = p.new_gram(16)
+        p.grams += [GramTerm(View(0, (0, 0), 0, 16, 1, 24), signs[0], s), GramTerm(View(0, (16, 0), 0, 16, 1, 24), signs[1], s)]
+        st = L.build(p, ts, None, False, L.Config())
+        assert st.gram[0].launches[0].fold is fold
+        check(p, ts)

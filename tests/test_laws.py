@@ -151,3 +151,27 @@ def test_compile_rejects_bad_refs():
         compile_laws([QKGram.build("x", 0, plus=[rows("nope", (4, 4), 0, 2)], minus=[])], {"w": (4, 4)})
     with pytest.raises(ValueError, match="does not fit"):
         compile_laws([QKGram.build("x", 0, plus=[rows("w", (4, 4), 3, 2)], minus=[])], {"w": (4, 4)})
+
+
+def test_verify_api_flags_wrong_laws_and_checks_user_functions():
+    """``conserve.verify`` on a mix: detected laws pass, a planted wrong law and a wrong user h fail,
+    a right user h (the SwiGLU law written by hand) passes."""
+    import conserve
+
+    m = DecoderLM(LMConfig(**{**TINY, "position": "none"}))
+    q, k = m.layers[0].self_attn.q_proj.weight.shape, m.layers[0].self_attn.k_proj.weight.shape
+    wrong = QKGram.build("wrong-group", 0, plus=[rows("layers.0.self_attn.q_proj.weight", q, 0, 4)],
+                         minus=[rows("layers.0.self_attn.k_proj.weight", k, 4, 4)])
+
+    def unit_by_hand(p):
+        return p["layers.0.mlp.up_proj.weight"].square().sum(1) - p["layers.0.mlp.down_proj.weight"].square().sum(0)
+
+    def gate_by_hand(p):  # the gate is NOT part of the SwiGLU law
+        return p["layers.0.mlp.gate_proj.weight"].square().sum(1) - p["layers.0.mlp.down_proj.weight"].square().sum(0)
+
+    right = m.conservation_laws()[0][:2]
+    checks = {c.law: c for c in conserve.verify(m, right + [wrong, unit_by_hand, gate_by_hand])}
+    assert all(checks[l.name].ok for l in right)
+    assert not checks["wrong-group"].ok and checks["wrong-group"].first_order > 1e-6
+    assert checks["unit_by_hand"].ok and checks["unit_by_hand"].symmetry is None
+    assert not checks["gate_by_hand"].ok

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..report import json_safe
 from ..continuity import continuity_report, group_projections, random_baseline
 from ..errors import UsageError
 
@@ -207,7 +208,7 @@ def main(args) -> int:
               "source": "Jeong, Paeng, Suh 2026; spec laws.md, Geometric continuity"}
     try:
         (out / "continuity.md").write_text(md + "\n\n![continuity](continuity.png)\n")
-        (out / "continuity.json").write_text(json.dumps(_finite(record), indent=1))
+        (out / "continuity.json").write_text(json.dumps(json_safe(record), indent=1))
         plot(reports, out / "continuity.png", title)
     except OSError as e:
         raise UsageError(f"cannot write to --out {out}: {e.strerror}; choose a writable directory") from e
@@ -215,13 +216,3 @@ def main(args) -> int:
     console.print(f"wrote {out / 'continuity.md'}, {out / 'continuity.json'}, {out / 'continuity.png'}")
     return 0
 
-
-def _finite(x):
-    """JSON has no NaN: replace it with null."""
-    if isinstance(x, float):
-        return None if math.isnan(x) else x
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x

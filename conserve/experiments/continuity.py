@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..report import json_safe
 from ..commands.continuity import observed
 from ..continuity import ContinuityMonitor, continuity_report, random_baseline
 from ..errors import UsageError
@@ -451,18 +452,8 @@ def main(args) -> int:
                    f"{lcfg.hidden_size}, {lcfg.steps} steps)\n", lm_markdown(res), "\n![curves](lm_curves.png)\n"]
             plot_curves(res, out / "lm_curves.png", "reference LM: per projection type", metrics=("coherence", "v1", "u1", "loss"))
     (out / "results.md").write_text("\n".join(md) + "\n")
-    (out / "results.json").write_text(json.dumps(_finite(record), indent=1))
+    (out / "results.json").write_text(json.dumps(json_safe(record), indent=1))
     print("\n".join(md))
     console.print(f"wrote {out / 'results.md'}, {out / 'results.json'} and the PNG curves")
     return 0
 
-
-def _finite(x):
-    """JSON has no NaN: replace it with null (tensors and tuples become lists)."""
-    if isinstance(x, float):
-        return None if math.isnan(x) else x
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x

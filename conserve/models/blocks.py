@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..laws import (Declined, GainBalance, QKGram, ReLUUnit, RopePairs, RopePassGram, RouterSum, SwiGLUUnit, VOGram,
-                    cols, rows, vector)
+from ..laws import (Declined, GainBalance, QKGram, ReLUUnit, RopePairs, RopePassGram, RouterSum, SwiGLUUnit,
+                    Translation, VOGram, cols, rows, vector)
 
 ACTIVATIONS = ("swiglu", "relu", "gelu", "silu")
 
@@ -280,3 +280,27 @@ class Block(nn.Module):
                  gain_law(f"{prefix}.post_attention_layernorm", self.post_attention_layernorm, layer,
                           self.mlp.readers(f"{prefix}.mlp"), "mlp inputs (gate/up; router and experts in MoE)")]
         return a_laws + m_laws + gains, a_dec + m_dec
+
+
+def stack_laws(layers, norm: nn.Module, head: str, head_linear: nn.Linear, *, head_bias: bool = False,
+               tied: bool = False):
+    """Laws of a pre-norm stack ``layers.{i}`` -> ``norm`` -> output Linear ``head``: every block's laws,
+    then, for an untied head, the final-norm gain law (read by the head) and the head's translation law
+    (softmax cross-entropy only; spec: untied output layer row). A tied head is declined: its weight
+    also feeds the input (spec: breakers)."""
+    laws, declined = [], []
+    for i, layer in enumerate(layers):
+        l_, d_ = layer.conservation_laws(f"layers.{i}", i)
+        laws += l_
+        declined += d_
+    if tied:
+        declined.append(Declined(head, "tied input/output embeddings",
+                                 f"the translation law and the final-norm gain law need an untied {head}: "
+                                 "the tied weight also feeds the input"))
+        return laws, declined
+    w = head_linear.weight
+    laws.append(gain_law("norm", norm, None, [cols(f"{head}.weight", w.shape, 0, w.shape[1])], head))
+    laws.append(Translation.build(f"{head}/translation", None, weight=rows(f"{head}.weight", w.shape, 0, w.shape[0]),
+                                  bias=vector(f"{head}.bias", 0, w.shape[0]) if head_bias else None,
+                                  note="softmax cross-entropy only"))
+    return laws, declined

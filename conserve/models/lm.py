@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..laws import Declined, Translation, cols, rows
-from .blocks import FFN, MoE, Attention, Block, Rope, gain_law, make_norm
+from ..laws import Declined
+from .blocks import FFN, MoE, Attention, Block, Rope, make_norm, stack_laws
 
 POSITIONS = ("none", "sinusoidal", "learned", "rope")
 
@@ -131,19 +131,7 @@ class DecoderLM(nn.Module):
 
     def conservation_laws(self):
         """Laws and declined blocks of the whole model (loss: softmax cross-entropy over the vocabulary)."""
-        laws, declined = [], []
-        for i, layer in enumerate(self.layers):
-            l_, d_ = layer.conservation_laws(f"layers.{i}", i)
-            laws += l_
-            declined += d_
-        if self.config.tie_word_embeddings:
-            declined.append(Declined("lm_head", "tied input/output embeddings",
-                                     "the translation law and the final-norm gain law need an untied lm_head: "
-                                     "the tied weight also feeds the input"))
-        else:
-            w = self.lm_head.weight
-            laws.append(gain_law("norm", self.norm, None, [cols("lm_head.weight", w.shape, 0, w.shape[1])], "lm_head"))
-            laws.append(Translation.build("lm_head/translation", None, weight=rows("lm_head.weight", w.shape, 0, w.shape[0]),
-                                          note="softmax cross-entropy only"))
+        laws, declined = stack_laws(self.layers, self.norm, "lm_head", self.lm_head,
+                                    tied=self.config.tie_word_embeddings)
         declined.append(Declined("embed_tokens", "input embedding", "no law: no parameter on the other side of it"))
         return laws, declined

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..laws import Declined, Translation, cols, rows, vector
-from .blocks import FFN, Attention, Block, gain_law, make_norm
+from ..laws import Declined
+from .blocks import FFN, Attention, Block, make_norm, stack_laws
 
 
 @dataclass
@@ -63,14 +63,6 @@ class ViT(nn.Module):
 
     def conservation_laws(self):
         """Head Grams, FFN laws and gains of each block, final-norm gain and the classifier translation law."""
-        laws, declined = [], []
-        for i, layer in enumerate(self.layers):
-            l_, d_ = layer.conservation_laws(f"layers.{i}", i)
-            laws += l_
-            declined += d_
-        w = self.head.weight
-        laws.append(gain_law("norm", self.norm, None, [cols("head.weight", w.shape, 0, w.shape[1])], "head"))
-        laws.append(Translation.build("head/translation", None, weight=rows("head.weight", w.shape, 0, w.shape[0]),
-                                      bias=vector("head.bias", 0, w.shape[0]), note="softmax cross-entropy only"))
+        laws, declined = stack_laws(self.layers, self.norm, "head", self.head, head_bias=True)
         declined.append(Declined("patch_embed", "patch embedding", "no law: no parameter on the other side of it"))
         return laws, declined

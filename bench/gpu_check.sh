@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One prepared GPU check of conserve.kernels (issue 3): run from the repository root on the device.
+#   bash bench/gpu_check.sh            # results under $OUT (default: ./gpu_out)
+# (a) parity of the compiled Triton path vs the float64 torch reference (< 30 s incl. compilation),
+# (b) Llama-3-8B x 8 layers, no-RoPE and RoPE plans, fp32 and bf16, (c) ViT-B/16 x 12,
+# (d) the RoPE fp32 case again with the Gram/norm stream overlap switched off (A/B of that choice).
+# torch.compile of the naive code is skipped by default (it costs ~20-40 s per case on a cold
+# machine; the lead's earlier numbers have it): COMPILE=1 bash bench/gpu_check.sh to include it.
+ln -sfn ../kernels conserve/kernels  # the device copy has no install: make conserve.kernels importable
+set -u
+OUT="${OUT:-./gpu_out}"
+mkdir -p "$OUT"
+NOCOMPILE="--no-compile"
+[ "${COMPILE:-0}" = "1" ] && NOCOMPILE=""
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+echo "== (a) parity"
+timeout 90 python -m bench.gpu_parity 2>&1 | tee "$OUT/parity.txt"
+parity_rc=${PIPESTATUS[0]}
+echo "parity rc=$parity_rc at $(( $(date +%s) - t0 )) s"
+
+echo "== (b) llama-3-8b x 8 layers"
+timeout 200 python -m bench.kernels --cases norope,llama --dtypes float32,bfloat16 $NOCOMPILE \
+    --csv "$OUT/results.csv" 2>&1 | tee "$OUT/bench_llama.txt"
+echo "llama bench rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
+
+echo "== (c) vit-b16 x 12"
+timeout 60 python -m bench.kernels --cases vit --dtypes float32,bfloat16 $NOCOMPILE \
+    --csv "$OUT/results.csv" 2>&1 | tee "$OUT/bench_vit.txt"
+echo "vit bench rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
+
+echo "== (d) llama fp32 without the Gram/norm stream overlap"
+CONSERVE_OVERLAP=0 timeout 60 python -m bench.kernels --cases llama --dtypes float32 --no-compile \
+    --csv "$OUT/results_no_overlap.csv" 2>&1 | tee "$OUT/bench_no_overlap.txt"
+echo "done in $(( $(date +%s) - t0 )) s; parity rc=$parity_rc"
+exit "$parity_rc"

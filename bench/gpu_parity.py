@@ -1,0 +1,88 @@
+"""CUDA parity check of the compiled Triton path against the float64 torch reference (not a test:
+the CPU suite checks the same code under TRITON_INTERPRET=1; this checks what the GPU compiles).
+
+    python -m bench.gpu_parity        # needs a CUDA device; exits 1 on the first mismatch
+
+Reuses the plan builders and the tolerance check of ``tests/test_kernels.py`` (entrywise bound
+``rtol * scale``, scale = the same plan on ``|x|`` in float64): a Llama block large enough for the
+GPU work split (several row chunks and column tiles per norm region, D = 128 Gram tiles) in fp32 and
+bf16 (evaluate + bilinear), the fp64 mode, a multi-tile head dim (D = 192) and the Conv1D layout.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _load_test_helpers():
+    """Import tests/test_kernels.py for its helpers.  It asserts TRITON_INTERPRET=1 at import time,
+    so the variable is set only while importing it (no triton.jit function is defined then: the
+    kernels are imported lazily on the first call) and removed before any kernel is compiled."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_kernels.py"
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        assert "conserve.kernels.gram" not in sys.modules, "import bench.gpu_parity before the kernels"
+        spec = importlib.util.spec_from_file_location("_kernel_test_helpers", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return mod
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_parity: no CUDA device; the CPU suite (pytest tests/test_kernels.py) covers the interpreter")
+        return 0
+    T = _load_test_helpers()
+    dev = torch.device("cuda")
+    cases = []
+
+    def block(dtype, rope, **kw):
+        p, ts = T.llama_block(dtype=dtype, rope=rope, **kw)
+        return p, [t.to(dev) for t in ts]
+
+    big = dict(nH=4, nKV=2, D=128, H=1024, I=2816, seed=1)
+    cases.append(("llama D=128 fp32 (+bilinear)", *block(torch.float32, False, **big), True, False))
+    cases.append(("llama D=128 bf16 (+bilinear)", *block(torch.bfloat16, False, **big), True, False))
+    cases.append(("llama rope partial-rotary fp32 fp64=True (+bilinear)", *block(torch.float32, True, D=64, H=96, I=80),
+                  True, True))
+    g = torch.Generator().manual_seed(2)
+    D, H = 192, 256
+    ts = [T.randn(2 * D, H, gen=g), T.randn(D, H, gen=g), T.randn(D, H, gen=g), T.randn(H, 2 * D, gen=g)]
+    p = T.Plan()
+    T.attention(p, 2, 1, D, H, 0, 1, 2, 3)
+    cases.append(("head_dim 192 (multi-tile)", p, [t.to(dev) for t in ts], False, False))
+    nH, nKV, D, H = 4, 2, 64, 256
+    ts = [T.randn(H, (nH + 2 * nKV) * D, gen=g), T.randn(nH * D, H, gen=g)]
+    p = T.Plan()
+    T.attention(p, nH, nKV, D, H, 0, None, None, 1, layout="conv1d")
+    cases.append(("conv1d layout", p, [t.to(dev) for t in ts], False, False))
+
+    t_all = time.perf_counter()
+    failed = 0
+    for name, plan, ts, bil, fp64 in cases:
+        t = time.perf_counter()
+        try:
+            T.check(plan, ts, [torch.randn_like(x, dtype=torch.float32).to(x.dtype) for x in ts] if bil else None,
+                    fp64=fp64)
+            status = "ok"
+        except AssertionError as e:  # report every case, then fail
+            status, failed = f"FAIL {e}", failed + 1
+        torch.cuda.synchronize()
+        print(f"parity {name}: {status} ({time.perf_counter() - t:.1f} s incl. compile)", flush=True)
+    print(f"parity total {time.perf_counter() - t_all:.1f} s, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
