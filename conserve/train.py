@@ -13,7 +13,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import NonFiniteError
+from .errors import NonFiniteError, UsageError
+
+
+def add_threads_argument(group) -> None:
+    group.add_argument("--threads", type=int, default=1,
+                       help="torch intra-op threads on CPU (default 1: small models gain nothing from more and contend "
+                            "with other processes; "
+                            "0 keeps torch's default)")
+
+
+class torch_threads:
+    """Context manager: ``torch.set_num_threads(n)`` inside (n >= 1), the previous value restored after."""
+
+    def __init__(self, n: int):
+        if n < 0:
+            raise UsageError(f"--threads must be >= 0, got {n}")
+        self.n = n
+
+    def __enter__(self):
+        self.prev = torch.get_num_threads()
+        if self.n:
+            torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *a):
+        torch.set_num_threads(self.prev)
+        return False
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

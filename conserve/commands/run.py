@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import NonFiniteError, UsageError
+from ..train import add_threads_argument, torch_threads
 
 OPTIMIZERS = ("gd", "sgd", "momentum", "adamw")
 SIZES = {  # hidden, layers, heads, kv heads, intermediate, experts
@@ -54,6 +55,7 @@ def add_arguments(p) -> None:
     o.add_argument("--seq-len", type=int, default=64)
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_threads_argument(o)
     o.add_argument("--fp64-laws", action="store_true", help="accumulate law values in float64")
     m = p.add_argument_group("model")
     m.add_argument("--size", choices=tuple(SIZES), default="tiny")
@@ -75,7 +77,8 @@ def add_arguments(p) -> None:
     m.add_argument("--tie-embeddings", action="store_true")
 
 
-def _out_dir(arg) -> Path:
+def out_dir(arg) -> Path:
+    """The run directory (default ``runs/<timestamp>``), created and checked writable (``UsageError``)."""
     out = Path(arg) if arg else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -122,6 +125,11 @@ def make_optimizer(name: str, params, lr: float | None, weight_decay: float, mom
 
 
 def main(args) -> int:
+    with torch_threads(args.threads):
+        return _main(args)
+
+
+def _main(args) -> int:
     from .. import JSONLSink, track
     from ..data import Batches, load_tokens
     from ..models import DecoderLM
@@ -134,7 +142,7 @@ def main(args) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no GPU is available; use --device cpu")
-    out = _out_dir(args.out)
+    out = out_dir(args.out)
     tokens, source = load_tokens(args.data)
     cfg = build_config(args)
     torch.manual_seed(args.seed)

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,14 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 # ------------------------------------------------------------------------------------------- parsing
 def float_list(s: str) -> tuple[float, ...]:
-    """``"0.01,0.02"`` -> ``(0.01, 0.02)``; raises ``UsageError`` naming the fix."""
+    """``"0.01,0.02"`` -> ``(0.01, 0.02)``. The parsers here raise ``argparse.ArgumentTypeError`` (argparse
+    prints it as one line naming the option, exit 2)."""
     try:
         out = tuple(float(x) for x in s.split(",") if x.strip())
     except ValueError:
-        raise UsageError(f"expected comma-separated numbers like 0.01,0.02,0.04, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0.01,0.02,0.04, got {s!r}") from None
     if not out:
-        raise UsageError(f"expected at least one number, got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected at least one number, got {s!r}")
     return out
 
 
@@ -41,7 +43,7 @@ def name_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
         out = tuple(x.strip() for x in s.split(",") if x.strip())
         bad = [x for x in out if x not in choices]
         if bad or not out:
-            raise UsageError(f"expected a comma-separated subset of {','.join(choices)}, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(choices)}, got {s!r}")
         return tuple(dict.fromkeys(out))
     return parse
 
@@ -50,10 +52,12 @@ def int_pair(s: str) -> tuple[int, int]:
     try:
         lo, hi = (int(x) for x in s.split(","))
     except ValueError:
-        raise UsageError(f"expected two comma-separated steps LO,HI like 1,100, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"expected two comma-separated steps LO,HI like 1,100, got {s!r}") from None
     if not 1 <= lo < hi:
-        raise UsageError(f"the step range LO,HI needs 1 <= LO < HI, got {s!r}")
+        raise argparse.ArgumentTypeError(f"the step range LO,HI needs 1 <= LO < HI, got {s!r}")
     return lo, hi
+
+
 
 
 def log_steps(steps: int, per_decade: int = 12) -> list[int]:
@@ -110,6 +114,9 @@ def load_images(path: str | Path | None, limit: int | None = None) -> tuple[torc
         source = "embedded: scikit-learn digits (8x8)"
     else:
         p = Path(path).expanduser()
+        if not p.exists():
+            raise UsageError(f"--images path not found: {p}; pass an MNIST idx directory or a CIFAR-10 .bin[.gz] "
+                             "file or directory")
         if p.is_file() and "idx" in p.name:
             p = p.parent
         mnist = p.is_dir() and any(p.glob("*-images*idx3-ubyte*"))
