@@ -8,20 +8,11 @@ from .optim import TrackedOptimizer, track
 from .sinks import JSONLSink, MemorySink, TensorBoardSink, WandbSink
 from .tracker import Tracker
 from .verify import verify
+from .detection import detect
+from .counting import count_laws as count
 
 __version__ = "0.1.0"
 
 __all__ = ["track", "Tracker", "TrackedOptimizer", "Law", "Declined", "compile_laws", "evaluate_laws", "verify",
            "JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "detect", "count"]
 
-
-def __getattr__(name):  # modules written by other parts load lazily
-    if name == "detect":
-        from .detect import detect
-
-        return detect
-    if name == "count":
-        from .count import count_laws
-
-        return count_laws
-    raise AttributeError(f"module 'conserve' has no attribute {name!r}")

@@ -26,7 +26,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="conserve", description=__doc__.splitlines()[0])
+    p = _Parser(prog="conserve", description="Track the conservation laws of training dynamics: conserve run | inspect | "
+                "continuity | experiment NAME")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (module, help_) in COMMANDS.items():

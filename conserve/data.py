@@ -8,6 +8,7 @@ Tokens are UTF-8 bytes (vocabulary 256).
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ def read_text(path: str | Path) -> str:
         raw = p.read_bytes()
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, zlib.error) as e:
         raise UsageError(f"cannot read {p}: {e}; pass --data PATH to a readable text file (plain or .gz)") from None
     if not raw.strip():
         raise UsageError(f"data file {p} is empty; pass --data PATH to a file with text in it")

@@ -97,11 +97,14 @@ def plot_drift(records: list[dict], path: Path) -> Path | None:
                 ax.plot(xs, [max(y, 1e-20) for y in ys], style, lw=1, label=term)
         ax.set_yscale("log")
         ax.set_title(f, fontsize=9)
+        ax.set_xlabel("step k", fontsize=8)
+        ax.set_ylabel("norm of the per-step term", fontsize=8)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle("per-step change of each law family and its exact decomposition (norms)")
+    fig.suptitle("per-step change h(k+1) - h(k) of each law family and its exact decomposition\n"
+                 "(terms that are identically zero, e.g. decay without weight decay, are not drawn)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -139,7 +142,10 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
                "families": fams, **(extra or {})}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     opt = config.get("optimizer", "?")
-    lines = [f"# conserve run: {summary['steps']} steps, optimizer {opt}", "",
+    lines = [f"# conserve run: {summary['steps']} steps, optimizer {opt}", ""]
+    if extra and extra.get("stopped"):
+        lines += [f"**Stopped early:** {extra['stopped']}", ""]
+    lines += [
              f"data: {config.get('data_source', '?')}; final loss {_fmt(summary['final_loss'])} nats/token", "",
              "| family | eps final | eps max | max step drift | total drift measured | predicted (decay+1st+2nd) "
              "| GD prediction (decay+2nd) | first-order total |",
@@ -151,7 +157,11 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
     lines += ["", "eps: the paper's error (spec 'The paper's error metric'). Drift columns: Euclidean norms over the",
               "family's entries (Frobenius for Gram laws) of h_K - h_0 and of the summed per-step terms of the exact",
               "identity h_{k+1} - h_k = decay + first + second (spec 'Discrete steps'). For gd/sgd the first-order",
-              "term vanishes (Noether), so the measured drift should equal the GD prediction up to rounding.", "",
+              "term vanishes (Noether), so the measured drift should equal the GD prediction up to rounding.",
+              "In float32 that rounding is ~1e-7 relative: it is the whole drift of the linear laws (router_sum,",
+              "translation: zero in exact arithmetic) and the floor of the first-order term; `--fp64-laws` and a",
+              "float64 model push it down. A family whose h_0 is near zero (e.g. vo at a balanced init) has a",
+              "large relative eps even when its absolute drift is tiny.", "",
               "Plots: `eps.png`, `drift.png`."]
     if extra and extra.get("declined"):
         lines += ["", "## Blocks without a law", ""] + [f"- `{d['module']}` ({d['block']}): {d['reason']}"

@@ -243,7 +243,7 @@ def router_study(seed: int = 0, num_experts: int = 4, hidden: int = 3, inter: in
     ``unit_laws = num_experts * inter`` (the experts' SwiGLU laws) and
     ``violation`` is the relative first-order violation of ``h = <c, sum_e W_router[e,:]>`` for a
     random ``c`` (spec check 1)."""
-    from .count import count_laws
+    from .counting import count_laws
 
     rows = []
     g = torch.Generator().manual_seed(seed + 7)
@@ -260,7 +260,7 @@ def router_study(seed: int = 0, num_experts: int = 4, hidden: int = 3, inter: in
 
 
 def _main(argv: list[str]) -> None:
-    from .count import count_laws
+    from .counting import count_laws
 
     if argv[:1] == ["router"]:
         print("E=4 SwiGLU experts (I=2), H=3, 80 inputs, float64; unit laws alone = E*I = 8")

@@ -345,7 +345,9 @@ class Tracker:
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Everything needed to continue the same series: ``h0``, ``h_k``, the guards, the cumulative
-        drift terms, the step counter and the rows not yet flushed."""
+        drift terms and the step counter. Pending rows are flushed to the sinks first (one host sync),
+        so a run resumed from this state neither repeats nor loses a row."""
+        self.flush()
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
                 "cumulative": {k: v.state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
                 "pending": torch.stack(self._rows) if self._rows else None,
@@ -382,7 +384,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _model_laws(model: nn.Module):
     if hasattr(model, "conservation_laws"):
         return model.conservation_laws()
-    from .detect import detect
+    from .detection import detect
 
     found = detect(model)
     return found.laws, found.declined

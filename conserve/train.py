@@ -102,10 +102,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable,
 
 def _stop(tracker, step: int):
     if tracker is not None:
-        # rows up to step-1 are valid; the step with the NaN loss has already updated the weights
-        keep = step - 1 - (tracker.step_count - len(tracker._rows))
-        tracker._rows = tracker._rows[: max(keep, 0)]
-        tracker._extras = tracker._extras[: max(keep, 0)]
+        # rows up to step-1 are valid; the step with the NaN loss (and any after it) are dropped
+        drop = min(len(tracker._rows), max(tracker.step_count - (step - 1), 0))
+        if drop:
+            del tracker._rows[len(tracker._rows) - drop:]
+            del tracker._extras[len(tracker._rows):]
+            tracker.step_count -= drop
         tracker.flush()
     raise NonFiniteError(f"the loss is NaN/Inf at step {step}; metrics up to step {step - 1} are saved. "
                          "Lower --lr (or add gradient clipping) and run again")

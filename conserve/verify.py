@@ -149,7 +149,7 @@ def verify(model: nn.Module, laws: Sequence[Law | Callable] | None = None, input
         if hasattr(model, "conservation_laws"):
             laws = model.conservation_laws()[0]
         else:
-            from .detect import detect
+            from .detection import detect
 
             laws = detect(model).laws
     g = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from conserve.count import count_laws, lie_bracket, numerical_rank
+from conserve.counting import count_laws, lie_bracket, numerical_rank
 from conserve.toyblocks import FFN, MoE, _seeded, _violation, instances
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")

@@ -1,4 +1,4 @@
-"""Detection of the laws of HF transformers models (conserve.detect.hf), issue 5 part A.
+"""Detection of the laws of HF transformers models (conserve.detection.hf), issue 5 part A.
 
 Every family is built from a tiny config with random weights (no download). For each:
 (a) every detected law passes the spec's first-order check (float64, random inputs) <= 1e-10;
@@ -20,8 +20,8 @@ from torch import nn
 
 T = pytest.importorskip("transformers")
 
-from conserve.detect import detect  # noqa: E402
-from conserve.detect.hf import detect_from_config, probe_rope  # noqa: E402
+from conserve.detection import detect  # noqa: E402
+from conserve.detection.hf import detect_from_config, probe_rope  # noqa: E402
 from conserve.errors import UsageError  # noqa: E402
 from conserve.laws import (GainBalance, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, VOGram, cols,  # noqa: E402
                            rows, vector)

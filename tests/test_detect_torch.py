@@ -1,4 +1,4 @@
-"""Detection of torch.nn and timm structures (conserve/detect/torchnn.py, timm_models.py).
+"""Detection of torch.nn and timm structures (conserve/detection/torchnn.py, timm_models.py).
 
 For every model: (a) each detected law passes the spec's first-order check (float64 autograd, random
 parameters and inputs, ``conserve.verify.first_order``); (b) a planted wrong law fails that check;
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from conserve.detect import detect
+from conserve.detection import detect
 from conserve.kernels import evaluate_reference
 from conserve.laws import (DeepLinearGram, GainBalance, QKGram, ReLUUnit, Translation, VOGram, cols, compile_laws, rows,
                           vector)

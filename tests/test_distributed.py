@@ -401,10 +401,12 @@ def _resume(rank, world, cfg, tmpdir):
 
     model, inner, opt, sink = build(0)
     run(model, opt, 1, 3)
-    assert opt.tracker._pend, "the checkpoint should hold steps not yet reduced"
-    flushed = len(sink.records)
+    assert opt.tracker._pend, "steps not yet reduced when the checkpoint is taken"
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, inner),
               "conserve": opt.tracker.state_dict()}, checkpoint_id=tmpdir)
+    flushed = len(sink.records)  # state_dict() reduced and wrote the pending steps: none is repeated or lost
+    if rank == 0:
+        assert flushed == 3, [r["step"] for r in sink.records]
     run(model, opt, 4, 3)
     want_values = opt.tracker.values()
     opt.close()
@@ -507,7 +509,7 @@ def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):
     assert res[0]["straddles"] > 0 and res[0]["comm"]  # kv heads (and q heads) straddle 3/3/2 shards
     assert res[2]["empty"] == ["layers.1.mlp.router.weight"]  # dim 0 = 2 < 3 ranks: rank 2 holds nothing
     assert res[0]["bytes"]["all_gather"] > 0
-    assert res[0]["resume"] == 2  # rows 1, 2 were flushed before the checkpoint, step 3 was pending
+    assert res[0]["resume"] == 3  # rows 1, 2 were flushed before the checkpoint; state_dict() wrote the pending step 3
 
 
 def test_two_ranks_fsdp_tensor_parallel_and_ddp():

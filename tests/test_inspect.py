@@ -13,7 +13,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("conserve.detect.hf")
+pytest.importorskip("conserve.detection.hf")
 
 from conserve.checkpoint import match_names, open_checkpoint  # noqa: E402
 from conserve.cli import main  # noqa: E402

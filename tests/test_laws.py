@@ -175,3 +175,13 @@ def test_verify_api_flags_wrong_laws_and_checks_user_functions():
     assert not checks["wrong-group"].ok and checks["wrong-group"].first_order > 1e-6
     assert checks["unit_by_hand"].ok and checks["unit_by_hand"].symmetry is None
     assert not checks["gate_by_hand"].ok
+
+
+def test_package_level_detect_and_count_stay_callable():
+    import conserve
+    import conserve.detection.hf  # importing sub-modules must not shadow the functions
+    import conserve.counting  # noqa: F401
+
+    m = DecoderLM(LMConfig(**TINY))
+    assert conserve.detect(m).laws and conserve.detect(m).laws
+    assert callable(conserve.count) and callable(conserve.detect)

@@ -106,3 +106,15 @@ def test_console_script_reports_one_line(tmp_path):
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "not found" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--kv-heads", "3", "--heads", "4"], "multiple"), (["--rotary-dim", "3"], "rotary_dim"),
+    (["--top-k", "9", "--experts", "4"], "--top-k"), (["--heads", "0"], "--heads"),
+    (["--weight-decay", "-1"], "--weight-decay"), (["--device", "foo"], "--device"),
+    (["--nope-layers", "7"], "out of range"), (["--lr", "nan"], "--lr"),
+])
+def test_inconsistent_architecture_and_options_are_one_line_errors(tmp_path, capsys, args, needle):
+    assert main(["run", "--out", str(tmp_path / "o"), "--steps", "1", "--no-progress", *args]) == 2
+    assert needle in _err(capsys)
+    assert not (tmp_path / "o").exists()  # nothing is created before the inputs are known to be good

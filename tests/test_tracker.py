@@ -205,7 +205,8 @@ def test_state_dict_resume_continues_the_same_series():
     ob = conserve.track(torch.optim.AdamW(mb.parameters(), lr=1e-2, weight_decay=0.1), mb, sinks=[sink_b], every=4)
     _run(mb, ob, 6)
     buf = io.BytesIO()
-    torch.save({"model": mb.state_dict(), "opt": ob.state_dict()}, buf)
+    torch.save({"model": mb.state_dict(), "opt": ob.state_dict()}, buf)  # flushes the pending rows
+    ob.close()  # the old run ends cleanly after its checkpoint: no row is written twice
     # a fresh process: new model, optimizer and tracker from the checkpoint (the old one never flushes again)
     buf.seek(0)
     ck = torch.load(buf, weights_only=False)

@@ -2,7 +2,7 @@
 
 PATH is a local HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards with
 ``model.safetensors.index.json``) or one ``.safetensors`` file. The model is built on the meta device
-from the config (no weights allocated) and handed to ``conserve.detect.hf.detect_from_config``; the
+from the config (no weights allocated) and handed to ``conserve.detection.hf.detect_from_config``; the
 detected parameter names are matched to the checkpoint's tensor names (``conserve.checkpoint.match_names``).
 
 Prints a table per layer (family, laws, instances, parameters read), the declined blocks with their
@@ -125,7 +125,7 @@ def config_from_names(shapes: dict[str, tuple[int, ...]], args) -> tuple[dict, b
 def detect_checkpoint(ck: Checkpoint, args):
     """``(Detection, {param name: checkpoint key})`` for a checkpoint. Raises UsageError."""
     try:
-        from ..detect.hf import detect_from_config
+        from ..detection.hf import detect_from_config
     except ImportError as e:  # transformers missing
         raise UsageError(f"inspecting an HF checkpoint needs transformers ({e}); pip install transformers") from None
     options = dict(loss=args.loss)

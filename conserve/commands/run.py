@@ -8,8 +8,9 @@ gains and the untied output translation law.
 """
 from __future__ import annotations
 
+import argparse
 import json
-import os
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -29,9 +30,12 @@ SIZES = {  # hidden, layers, heads, kv heads, intermediate, experts
 
 def _int_tuple(s: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in s.split(",") if x.strip())
+        out = tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
-        raise UsageError(f"expected comma-separated layer indices like 1,3, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 1,3, got {s!r}") from None
+    if any(i < 0 for i in out):
+        raise argparse.ArgumentTypeError(f"layer indices must be >= 0, got {s!r}")
+    return out
 
 
 def add_arguments(p) -> None:
@@ -79,7 +83,13 @@ def add_arguments(p) -> None:
 
 def out_dir(arg) -> Path:
     """The run directory (default ``runs/<timestamp>``), created and checked writable (``UsageError``)."""
-    out = Path(arg) if arg else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if arg:
+        out = Path(arg)
+    else:  # runs/<timestamp>, with a suffix if two runs start in the same second
+        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        out, i = base, 1
+        while out.exists():
+            out, i = base.with_name(f"{base.name}-{i}"), i + 1
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -88,6 +98,21 @@ def out_dir(arg) -> Path:
     except OSError as e:
         raise UsageError(f"cannot write to the output directory {out}: {e.strerror}; pass --out to a writable directory") from None
     return out
+
+
+_FLAG = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
+         "num_key_value_heads": "kv-heads", "intermediate_size": "size"}
+
+
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"unknown --device {device!r}; use cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but no GPU is available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r} is not supported; use cpu or cuda[:N]")
 
 
 def build_config(args):
@@ -100,9 +125,21 @@ def build_config(args):
             kw[key] = val
     if args.heads is not None and args.kv_heads is None:
         kw["num_key_value_heads"] = args.heads
+    for key, val in kw.items():
+        if val < 1:
+            raise UsageError(f"--{_FLAG[key]} must be >= 1, got {val}")
+    if args.experts < 0:
+        raise UsageError(f"--experts must be >= 0, got {args.experts}")
     n = kw["num_hidden_layers"]
+    explicit = {"nope_layers": args.nope_layers != (1,), "moe_layers": args.moe_layers != (2,)}
+    for name in ("nope_layers", "moe_layers"):
+        bad = [i for i in getattr(args, name) if i >= n]
+        if bad and explicit[name]:
+            raise UsageError(f"--{name.replace('_', '-')} {bad} is out of range for {n} layers (indices 0..{n - 1})")
     nope = tuple(i for i in args.nope_layers if i < n)
     moe = tuple(i for i in args.moe_layers if i < n) if args.experts else None
+    if moe and args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k} is larger than --experts {args.experts}; use --top-k <= --experts")
     try:
         return LMConfig(vocab_size=256, max_position_embeddings=max(512, args.seq_len), head_dim=args.head_dim,
                         position=args.position, rope_layout=args.rope_layout, rotary_dim=args.rotary_dim,
@@ -115,8 +152,12 @@ def build_config(args):
 
 def make_optimizer(name: str, params, lr: float | None, weight_decay: float, momentum: float):
     lr = lr if lr is not None else {"gd": 0.1, "sgd": 0.1, "momentum": 0.02, "adamw": 3e-3}[name]
-    if lr <= 0:
-        raise UsageError(f"--lr must be positive, got {lr}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {lr}")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        raise UsageError(f"--weight-decay must be >= 0, got {weight_decay}")
+    if name == "momentum" and not 0 <= momentum < 1:
+        raise UsageError(f"--momentum must be in [0, 1), got {momentum}")
     if name in ("gd", "sgd"):
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay), lr
     if name == "momentum":
@@ -140,14 +181,16 @@ def _main(args) -> int:
     for name in ("steps", "batch_size", "seq_len", "every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but no GPU is available; use --device cpu")
-    out = out_dir(args.out)
+    _check_device(args.device)
     tokens, source = load_tokens(args.data)
     cfg = build_config(args)
     torch.manual_seed(args.seed)
-    model = DecoderLM(cfg).to(args.device)
+    try:
+        model = DecoderLM(cfg).to(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     opt, lr = make_optimizer(args.optimizer, model.parameters(), args.lr, args.weight_decay, args.momentum)
+    out = out_dir(args.out)  # created only once the inputs are known to be good
     config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()), "optimizer": args.optimizer,
               "lr": lr, "weight_decay": args.weight_decay, "momentum": args.momentum if args.optimizer == "momentum" else 0.0,
               "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,

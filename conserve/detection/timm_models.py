@@ -192,7 +192,7 @@ def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options)
     """timm VisionTransformer detector (module docstring); None for any other model.
 
     Options: ``loss`` (translation law only for 'ce', the default), ``approximate=True`` keeps the QK-norm
-    scale laws when the norm has eps > 0 (same meaning as in ``conserve.detect.hf``)."""
+    scale laws when the norm has eps > 0 (same meaning as in ``conserve.detection.hf``)."""
     if not _is_vit(model):
         return None
     c = Collector(model, options)

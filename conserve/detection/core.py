@@ -10,7 +10,7 @@ from torch import nn
 from ..laws import Declined, Law
 
 # detector modules, imported lazily in this order (each calls @register at import)
-_MODULES = ("conserve.detect.reference", "conserve.detect.hf", "conserve.detect.timm_models", "conserve.detect.torchnn")
+_MODULES = ("conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models", "conserve.detection.torchnn")
 _DETECTORS: list[tuple[str, Callable]] = []
 _loaded = False
 
