@@ -133,7 +133,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per training step (batch 1)")
     ap.add_argument("--no-train", action="store_true", help="skip the whole-training-step comparison")
-    ap.add_argument("--csv", default="bench/results.csv")
+    ap.add_argument("--csv", default=None, help="CSV to append to (default: bench/results.csv on a GPU, "
+                    "bench/results-cpu.csv, untracked, on the CPU)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     import conserve
@@ -207,6 +208,8 @@ def main(argv=None):
         a, b = res.values()
         print(f"whole training step: tracked / untracked = {b / a:.4f} (goal <= 1.002)", flush=True)
 
+    if args.csv is None:
+        args.csv = "bench/results.csv" if torch.cuda.is_available() and args.device != "cpu" else "bench/results-cpu.csv"
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     new = not os.path.exists(args.csv)
     with open(args.csv, "a", newline="") as f:

@@ -251,7 +251,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="norope,llama,vit")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the naive code")
     ap.add_argument("--no-interpret", action="store_true", help="on CPU: time only the torch paths")
-    ap.add_argument("--csv", default=str(RESULTS))
+    ap.add_argument("--csv", default=None, help="CSV to append to (default: bench/results.csv on a GPU, "
+                    "bench/results-cpu.csv, untracked, on the CPU smoke run)")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     interpret = device.type == "cpu" and not a.no_interpret
@@ -279,8 +280,9 @@ def main(argv=None):
             rows.append(row)
             print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None
-    append_csv(rows, Path(a.csv))
-    print(f"appended {len(rows)} rows to {a.csv}")
+    csv_path = Path(a.csv) if a.csv else (RESULTS if device.type == "cuda" else RESULTS.with_name("results-cpu.csv"))
+    append_csv(rows, csv_path)
+    print(f"appended {len(rows)} rows to {csv_path}")
     return rows
 
 
