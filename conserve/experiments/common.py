@@ -256,3 +256,10 @@ def linear_families(tracker) -> list[str]:
 
 def fmt(v, spec: str = ".3e") -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def tasks_from_args(args, dtype):
+    """``make_tasks`` with the data, model and batch options shared by the experiment CLIs."""
+    return make_tasks(args.models, data=args.data, images=args.images, batch_size=args.batch_size, seq_len=args.seq_len,
+                      image_batch=args.image_batch, image_limit=args.image_limit, hidden_size=args.hidden, dtype=dtype,
+                      seed=args.seed, device=args.device)

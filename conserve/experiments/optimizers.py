@@ -33,7 +33,7 @@ import torch
 
 from ..errors import NonFiniteError, UsageError
 from ..train import add_threads_argument, torch_threads
-from .common import (DTYPES, MODELS, family_norms, fmt, make_tasks, name_list)
+from .common import (DTYPES, MODELS, family_norms, fmt, tasks_from_args, name_list)
 
 CONFIGS = ("sgd", "sgd+wd", "momentum", "momentum+wd", "adamw", "adamw+wd")
 
@@ -276,9 +276,7 @@ def _main(args) -> int:
 
     dtype = DTYPES[args.dtype]
     out = out_dir(args.out or f"runs/optimizers-{time.strftime('%Y%m%d-%H%M%S')}")
-    tasks = make_tasks(args.models, data=args.data, images=args.images, batch_size=args.batch_size, seq_len=args.seq_len,
-                       image_batch=args.image_batch, image_limit=args.image_limit, hidden_size=args.hidden, dtype=dtype,
-                       seed=args.seed, device=args.device)
+    tasks = tasks_from_args(args, dtype)
     config = {"command": "conserve experiment optimizers", "steps": args.steps, "dtype": args.dtype, "seed": args.seed,
               "momentum": args.momentum, "weight_decay": args.weight_decay, "device": args.device,
               "lrs": {"sgd": args.sgd_lr, "momentum": args.momentum_lr, "adamw": args.adamw_lr},

@@ -33,7 +33,7 @@ import torch
 from ..errors import NonFiniteError, UsageError
 from ..train import add_threads_argument, torch_threads
 from .common import (DTYPES, MODELS, fit_pooled, fit_power, float_list, fmt, int_pair,
-                     linear_families, log_steps, make_tasks, name_list)
+                     linear_families, log_steps, tasks_from_args, name_list)
 
 OPTIMIZERS = ("gd", "sgd")
 # The theory needs lr * k small enough that the gradients barely change. The ViT (torch's default init,
@@ -295,9 +295,7 @@ def _main(args) -> int:
     out = out_dir(args.out or f"runs/scaling-{time.strftime('%Y%m%d-%H%M%S')}")
     fit_k = args.fit_k or (1, min(args.steps, DEFAULT_FIT_HI))
     checkpoints = sorted(set(log_steps(args.steps)) | set(fit_k))
-    tasks = make_tasks(args.models, data=args.data, images=args.images, batch_size=args.batch_size, seq_len=args.seq_len,
-                       image_batch=args.image_batch, image_limit=args.image_limit, hidden_size=args.hidden, dtype=dtype,
-                       seed=args.seed, device=args.device)
+    tasks = tasks_from_args(args, dtype)
     lrs_of = {"lm": args.lrs or DEFAULT_LRS["lm"], "vit": args.vit_lrs or DEFAULT_LRS["vit"]}
     jobs = [(t, o, lr) for t in tasks for o in args.optimizers for lr in sorted(set(lrs_of[t.name]))]
     config = {"command": "conserve experiment scaling", "steps": args.steps, "fit_k": list(fit_k), "dtype": args.dtype,
