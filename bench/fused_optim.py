@@ -82,6 +82,29 @@ def free(*objs):
         torch.cuda.empty_cache()
 
 
+def kernel_breakdown(fn, device, steps: int, title: str, top: int = 12):
+    """Where a step's GPU time goes: ``torch.profiler`` device time per kernel name, summed over
+    ``steps`` calls of ``fn`` (printed as ms per step and share of the total)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize(device)
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t:
+            per[e.key] = per.get(e.key, 0.0) + t / 1e3 / steps
+    total = sum(per.values()) or 1.0
+    print(f"  {title} (total {total:.2f} ms per step):")
+    for k, ms in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {ms:8.3f} ms  {100 * ms / total:5.1f}%  {k[:90]}")
+
+
 def parity(device, lines):
     """20 steps on small tensors with fixed gradients: FusedAdamW (Triton on CUDA) vs torch foreach."""
     from conserve.optim import FusedAdamW
@@ -133,6 +156,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per training step (batch 1)")
     ap.add_argument("--no-train", action="store_true", help="skip the whole-training-step comparison")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel GPU time breakdown (torch.profiler)")
     ap.add_argument("--csv", default=None, help="CSV to append to (default: bench/results.csv on a GPU, "
                     "bench/results-cpu.csv, untracked, on the CPU)")
     args = ap.parse_args(argv)
@@ -155,7 +179,7 @@ def main(argv=None):
     set_grads(model)
     lr, wd = 1e-4, 0.1
 
-    def bench_opt(name, make):
+    def bench_opt(name, make, breakdown=False):
         opt = make()
         t0 = time.perf_counter()
         opt.step()  # state init + compile
@@ -163,6 +187,11 @@ def main(argv=None):
         ms = timer(opt.step, args.iters, args.warmup)
         rows.append((name, ms))
         print(f"{name:<46s} {ms:9.3f} ms   (first step {first:.1f} s)", flush=True)
+        if breakdown and device.type == "cuda" and not args.no_profile:
+            try:
+                kernel_breakdown(opt.step, device, 3, f"{name}: GPU time per kernel over 3 steps")
+            except Exception as e:  # the timings above stand without it
+                print(f"  (no kernel breakdown: {type(e).__name__}: {e})", flush=True)
         if hasattr(opt, "close"):
             opt.close()
         free(opt)
@@ -172,9 +201,11 @@ def main(argv=None):
     base = bench_opt("torch AdamW fused" if device.type == "cuda" else "torch AdamW foreach",
                      lambda: torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, **fused_kw))
     bench_opt("torch AdamW foreach", lambda: torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, foreach=True))
-    plain = bench_opt("conserve FusedAdamW (untracked)", lambda: FusedAdamW(model.parameters(), lr=lr, weight_decay=wd))
+    plain = bench_opt("conserve FusedAdamW (untracked)", lambda: FusedAdamW(model.parameters(), lr=lr, weight_decay=wd),
+                      breakdown=True)
     tracked = bench_opt("conserve FusedAdamW + all invariants + drift",
-                        lambda: FusedAdamW(model.parameters(), lr=lr, weight_decay=wd, track=model, every=50))
+                        lambda: FusedAdamW(model.parameters(), lr=lr, weight_decay=wd, track=model, every=50),
+                        breakdown=True)
     naive = bench_opt("naive: torch AdamW + conserve.track(backend=torch)",
                       lambda: conserve.track(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, **fused_kw),
                                              model, backend="torch", every=50))

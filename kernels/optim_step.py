@@ -213,8 +213,12 @@ def _kernels():
                          neg_lr, decay, wd, a, a2m1, am1, w1, beta2, omb2, eps, momentum, omd,
                          ALGO: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                          HAS_WD: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
-                         LOWP: tl.constexpr, STATS: tl.constexpr, FP64: tl.constexpr,
-                         RB: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr):
+                         LOWP: tl.constexpr, STATS: tl.constexpr, COLS: tl.constexpr, LIN: tl.constexpr,
+                         FP64: tl.constexpr, RB: tl.constexpr, BR: tl.constexpr, CB: tl.constexpr,
+                         ALIGN: tl.constexpr):
+            """COLS / LIN (constexpr, from the launch's requests): some tensor wants column stats / linear
+            stats; without them their accumulators are not allocated.  ALIGN: every offset and column
+            count of the launch's tensors is a multiple of it (``_align``), so loads vectorise."""
             pid = tl.program_id(0).to(tl.int64)
             pr = progs + pid * 4
             t = tl.load(pr)
@@ -222,12 +226,12 @@ def _kernels():
             rb = tl.load(pr + 2)
             cb = tl.load(pr + 3)
             row = tensors + t * 16
-            p_off = tl.load(row)
-            g_off = tl.load(row + 1)
-            m_off = tl.load(row + 2)
-            v_off = tl.load(row + 3)
+            p_off = tl.multiple_of(tl.load(row), ALIGN)
+            g_off = tl.multiple_of(tl.load(row + 1), ALIGN)
+            m_off = tl.multiple_of(tl.load(row + 2), ALIGN)
+            v_off = tl.multiple_of(tl.load(row + 3), ALIGN)
             R = tl.load(row + 4)
-            C = tl.load(row + 5)
+            C = tl.multiple_of(tl.load(row + 5), ALIGN)
             BRt = tl.load(row + 6)  # B*R
             nrb = tl.load(row + 7)
             rq = tl.load(row + 8)
@@ -238,13 +242,16 @@ def _kernels():
             step_size = tl.load(scal + t * 2)
             bc2s = tl.load(scal + t * 2 + 1)
             ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
-            c = cb * CB + tl.arange(0, CB)
+            c = tl.multiple_of(cb * CB, CB) + tl.arange(0, CB)
             mc = c < C
             r_start = rb * RB
             r_end = tl.minimum(r_start + RB, R)
-            zc = tl.zeros([CB], dtype=ACC)
-            cq0, cq1, cq2, cq3 = zc, zc, zc, zc
-            cl0, cl1, cl3 = zc, zc, zc
+            # column sums: elementwise [BR, CB] accumulators, reduced once after the loop (no
+            # cross-warp reduction inside it); row sums: one warp spans a row's CB columns
+            # (launch: CB = 32 lanes x one 16-byte vector), so they are warp shuffles only.
+            z2 = tl.zeros([BR, CB], dtype=ACC)
+            cq0, cq1, cq2, cq3 = z2, z2, z2, z2
+            cl0, cl1, cl3 = z2, z2, z2
             for r0 in range(r_start, r_end, BR):
                 r = r0 + tl.arange(0, BR)
                 mr = r < r_end
@@ -300,29 +307,36 @@ def _kernels():
                         q1 = ao * d
                         q2 = d * d
                         q3 = (o * o) * a2m1
-                        l3 = o * am1
                         rows = b * R + r
                         if rq >= 0:
                             _store_rows(part, NP, rq + cb * BRt, rows, mr, tl.sum(q0, 1), tl.sum(q1, 1),
                                         tl.sum(q2, 1), tl.sum(q3, 1))
-                        if rl >= 0:
-                            _store_rows(part, NP, rl + cb * BRt, rows, mr, tl.sum(n, 1), tl.sum(d, 1),
-                                        tl.zeros([BR], dtype=ACC), tl.sum(l3, 1))
-                        if cq >= 0:
-                            cq0 += tl.sum(q0, 0)
-                            cq1 += tl.sum(q1, 0)
-                            cq2 += tl.sum(q2, 0)
-                            cq3 += tl.sum(q3, 0)
-                        if cl >= 0:
-                            cl0 += tl.sum(n, 0)
-                            cl1 += tl.sum(d, 0)
-                            cl3 += tl.sum(l3, 0)
+                        if COLS:
+                            if cq >= 0:
+                                cq0 += q0
+                                cq1 += q1
+                                cq2 += q2
+                                cq3 += q3
+                        if LIN:
+                            l3 = o * am1
+                            if rl >= 0:
+                                _store_rows(part, NP, rl + cb * BRt, rows, mr, tl.sum(n, 1), tl.sum(d, 1),
+                                            tl.zeros([BR], dtype=ACC), tl.sum(l3, 1))
+                            if COLS:
+                                if cl >= 0:
+                                    cl0 += n
+                                    cl1 += d
+                                    cl3 += l3
             if STATS:
-                cidx = (b * nrb + rb) * C + c
-                if cq >= 0:
-                    _store_rows(part, NP, cq, cidx, mc, cq0, cq1, cq2, cq3)
-                if cl >= 0:
-                    _store_rows(part, NP, cl, cidx, mc, cl0, cl1, zc, cl3)
+                if COLS:
+                    cidx = (b * nrb + rb) * C + c
+                    if cq >= 0:
+                        _store_rows(part, NP, cq, cidx, mc, tl.sum(cq0, 0), tl.sum(cq1, 0), tl.sum(cq2, 0),
+                                    tl.sum(cq3, 0))
+                    if LIN:
+                        if cl >= 0:
+                            _store_rows(part, NP, cl, cidx, mc, tl.sum(cl0, 0), tl.sum(cl1, 0),
+                                        tl.zeros([CB], dtype=ACC), tl.sum(cl3, 0))
 
         @triton.jit
         def _finish_kernel(part, NP, stats, NS, table, BF: tl.constexpr, FP64: tl.constexpr):
@@ -355,6 +369,7 @@ class _Layout:
     """Shape-only part of one launch: programs, partial offsets, finishing table (cached by the caller)."""
 
     progs: torch.Tensor
+    progs_host: np.ndarray  # (P, 4): tensor, batch, row block, column block
     table_static: np.ndarray  # (T, 16) without the pointer columns
     finish: torch.Tensor | None
     n_part: int
@@ -362,14 +377,31 @@ class _Layout:
     RB: int
     BR: int
     CB: int
+    cols: bool  # some tensor wants column stats (kernel COLS)
+    lin: bool  # some tensor wants linear stats (kernel LIN)
+    subsets: dict = field(default_factory=dict)  # misaligned tensor ids -> (aligned progs, other progs)
 
 
-def _layout(shapes, reqs: Sequence[StatsRequest], fresh: Sequence[bool], device, interpret: bool) -> _Layout:
+def _tiles(maxC: int, esize: int, interpret: bool) -> tuple[int, int, int]:
+    """``(CB, BR, RB)``.  GPU: one warp spans ``CB = 32 x (one 16-byte vector)`` columns, so row sums are
+    warp shuffles; ``BR x CB`` = 1024 = 8 elements per thread of 4 warps (80-114 registers with the
+    stats on sm_90, so 4-6 programs per SM keep loads in flight; ``bench/sass.py``); ``RB`` = 256 rows
+    per program.  The interpreter pays
+    per program: few, large ones."""
+    vec = max(1, 16 // esize)
+    CB = min(_next_pow2(maxC), 128 if interpret else 32 * vec)
+    if interpret:
+        BR = max(1, min(64, 4096 // CB))
+        return CB, BR, max(BR, 1024)
+    BR = max(1, min(64, 1024 // CB))
+    return CB, BR, max(BR, 256)
+
+
+def _layout(shapes, reqs: Sequence[StatsRequest], fresh: Sequence[bool], device, interpret: bool,
+            esize: int = 4) -> _Layout:
     mats = [matrix_shape(s) for s in shapes]
     maxC = max([C for _, _, C in mats] + [1])
-    CB = min(_next_pow2(maxC), 128 if interpret else 256)
-    BR = max(1, min(64, 4096 // CB))
-    RB = max(BR, 1024 if interpret else 256)  # the interpreter pays per program: few, large ones
+    CB, BR, RB = _tiles(maxC, esize, interpret)
     progs, fin = [], []
     table = np.zeros((len(shapes), T_COLS), dtype=np.int64)
     n_part = 0
@@ -395,14 +427,34 @@ def _layout(shapes, reqs: Sequence[StatsRequest], fresh: Sequence[bool], device,
                     fin.append((n_part + b * nrb * C, nrb, C, slot + b * C))
                 n_part += B * nrb * C
         table[t, 4:13] = [R, C, B * R, nrb, *cols, int(bool(fresh[t])) if fresh else 0]
-    pr = torch.as_tensor(np.asarray(progs, dtype=np.int64).reshape(-1, 4)).to(device)
+    ph = np.asarray(progs, dtype=np.int64).reshape(-1, 4)
     fn = torch.as_tensor(np.asarray(fin, dtype=np.int64).reshape(-1, 4)).to(device) if fin else None
     max_F = max([f[2] for f in fin] + [1])
-    return _Layout(pr, table, fn, n_part, max_F, RB, BR, CB)
+    return _Layout(torch.as_tensor(ph).to(device), ph, table, fn, n_part, max_F, RB, BR, CB,
+                   cols=any(r.col_q >= 0 or r.col_l >= 0 for r in reqs),
+                   lin=any(r.row_l >= 0 or r.col_l >= 0 for r in reqs))
+
+
+def _launches(lay: _Layout, table: np.ndarray, base: torch.Tensor, vec: int):
+    """``[(progs, ALIGN)]``: the programs of tensors whose four offsets and column count are multiples
+    of ``vec`` elements (and a 16-byte aligned base) run with ``ALIGN = vec`` (16-byte vector loads);
+    the others, if any, in a second launch with ``ALIGN = 1``."""
+    if base.data_ptr() % 16:
+        return [(lay.progs, 1)]
+    bad = frozenset(int(t) for t in range(table.shape[0])
+                    if np.any(table[t, 0:4] % vec) or table[t, 5] % vec)
+    if not bad:
+        return [(lay.progs, vec)]
+    if bad not in lay.subsets:
+        sel = np.isin(lay.progs_host[:, 0], list(bad))
+        dev = lay.progs.device
+        lay.subsets[bad] = [(torch.as_tensor(lay.progs_host[k]).to(dev), al)
+                            for k, al in ((~sel, vec), (sel, 1)) if k.any()]
+    return lay.subsets[bad]
 
 
 def layout_key(params, reqs, fresh):
-    return (tuple(tuple(p.shape) for p in params), tuple((r.row_q, r.row_l, r.col_q, r.col_l) for r in reqs),
+    return (params[0].dtype if params else None, tuple(tuple(p.shape) for p in params), tuple((r.row_q, r.row_l, r.col_q, r.col_l) for r in reqs),
             tuple(bool(f) for f in fresh))
 
 
@@ -419,7 +471,7 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
                 bufs1: Sequence[torch.Tensor | None], bufs2: Sequence[torch.Tensor | None],
                 steps: Sequence[float], reqs: Sequence[StatsRequest], stats: torch.Tensor | None,
                 fresh: Sequence[bool] = (), cache: dict | None = None, interpret: bool = False) -> None:
-    """One launch updating ``params`` (and states) in place; writes the requested stats slots of ``stats``.
+    """One launch (two if some tensor's offsets are not 16-byte aligned) updating ``params`` (and states) in place; writes the requested stats slots of ``stats``.
 
     All tensors must pass ``triton_eligible`` and share one dtype and device (the caller groups them).
     ``stats``: ``(NQ, S)`` fp32/fp64 buffer (its dtype sets the accumulation), or None (no stats).
@@ -434,7 +486,7 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
     key = layout_key(params, reqs, fresh)
     lay = cache.get(key) if cache is not None else None
     if lay is None:
-        lay = _layout([p.shape for p in params], reqs, fresh, dev, interpret)
+        lay = _layout([p.shape for p in params], reqs, fresh, dev, interpret, params[0].element_size())
         if cache is not None:
             if len(cache) > 64:
                 cache.clear()
@@ -469,15 +521,17 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
     fp64 = want and stats.dtype == torch.float64
     acc = torch.float64 if fp64 else torch.float32
     part = torch.empty(NQ, max(1, lay.n_part), device=dev, dtype=acc) if want else torch.empty(NQ, 1, device=dev, dtype=acc)
-    step_kernel[(lay.progs.shape[0],)](
-        base, tab, sc, lay.progs, part, part.shape[1],
-        -float(h.lr), 1.0 - h.lr * h.weight_decay, float(h.weight_decay), float(h.a), h.a * h.a - 1.0,
-        h.a - 1.0, 1.0 - h.beta1,
-        float(h.beta2), 1.0 - h.beta2, float(h.eps), float(h.momentum), 1.0 - h.dampening,
-        ALGO=0 if h.algo == "adam" else 1, DECOUPLED=bool(h.decoupled), MAXIMIZE=bool(h.maximize),
-        HAS_WD=h.weight_decay != 0, HAS_MOM=h.momentum != 0, NESTEROV=bool(h.nesterov),
-        LOWP={torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dt], STATS=want, FP64=fp64, RB=lay.RB, BR=lay.BR, CB=lay.CB,
-        num_warps=8 if lay.BR * lay.CB >= 4096 else 4)
+    for progs, align in _launches(lay, table, base, max(1, 16 // es)):
+        step_kernel[(progs.shape[0],)](
+            base, tab, sc, progs, part, part.shape[1],
+            -float(h.lr), 1.0 - h.lr * h.weight_decay, float(h.weight_decay), float(h.a), h.a * h.a - 1.0,
+            h.a - 1.0, 1.0 - h.beta1,
+            float(h.beta2), 1.0 - h.beta2, float(h.eps), float(h.momentum), 1.0 - h.dampening,
+            ALGO=0 if h.algo == "adam" else 1, DECOUPLED=bool(h.decoupled), MAXIMIZE=bool(h.maximize),
+            HAS_WD=h.weight_decay != 0, HAS_MOM=h.momentum != 0, NESTEROV=bool(h.nesterov),
+            LOWP={torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[dt], STATS=want, COLS=want and lay.cols,
+            LIN=want and lay.lin, FP64=fp64, RB=lay.RB, BR=lay.BR, CB=lay.CB, ALIGN=align,
+            num_warps=4 if not interpret else 1)
     if want and lay.finish is not None:
         BF = 256 if not interpret else 64
         finish_kernel[(lay.finish.shape[0], -(-lay.max_F // BF))](part, part.shape[1], stats, stats.shape[1],

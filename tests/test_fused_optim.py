@@ -13,6 +13,7 @@ import os
 import warnings
 
 import pytest
+import numpy as np
 import torch
 from torch import nn
 
@@ -245,9 +246,10 @@ def test_triton_stats_match_torch_twin():
     assert o1.tracker.last["residual"].vec.abs().max() < 1e-9 * o1.tracker.h.vec.abs().max()
 
 
-def test_stats_kernel_vs_reference():
+@pytest.mark.parametrize("shapes", [[(5, 7), (13,), (2, 3, 9), (0, 4), ()],
+                                    [(4, 8), (3, 5), (16,), (2, 4, 12)]])  # 16-byte aligned mixed with not
+def test_stats_kernel_vs_reference(shapes):
     """Row/column statistics of the kernel == the torch twin, for every (axis, kind) on odd shapes."""
-    shapes = [(5, 7), (13,), (2, 3, 9), (0, 4), ()]
     reqs, n = [], 0
     for s in shapes:
         B, R, C = K.matrix_shape(s)
@@ -259,12 +261,64 @@ def test_stats_kernel_vs_reference():
     G = [torch.randn(s) for s in shapes]
     old = [p.clone() for p in P]
     S = torch.zeros(K.NQ, n, dtype=torch.float64)
-    K.step_triton(h, P, G, [None] * 5, [None] * 5, [1.0] * 5, reqs, S, interpret=True)
+    none = [None] * len(shapes)
+    K.step_triton(h, P, G, none, none, [1.0] * len(shapes), reqs, S, interpret=True)
     S2 = torch.zeros(K.NQ, n, dtype=torch.float64)
     for o, p, r in zip(old, P, reqs):
         K.stats_reference(o, p, h.a, r, S2)
     torch.testing.assert_close(S, S2, rtol=1e-12, atol=1e-12)
     assert S[:, :reqs[0].row_l].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_kernel_gpu_tiles(dtype):
+    """The GPU tiles of the step kernel (``_tiles(interpret=False)``: [8, 128] fp32 / [4, 256] bf16, 256
+    rows per program, so several row and column blocks and a masked tail) under the interpreter: the
+    update equals the torch twin and the row/column statistics equal ``stats_reference``."""
+    shapes = [(300, 260), (2, 40, 256), (260,)]
+    CB, BR, RB = K._tiles(260, torch.empty(0, dtype=dtype).element_size(), interpret=False)
+    assert (CB, BR, RB) == ((128, 8, 256) if dtype == torch.float32 else (256, 4, 256))
+    reqs, n = [], 0
+    for sh in shapes:
+        B, R, C = K.matrix_shape(sh)
+        reqs.append(K.StatsRequest(n, n + B * R, n + 2 * B * R, n + 2 * B * R + B * C))
+        n += 2 * B * R + 2 * B * C
+    g = torch.Generator().manual_seed(3)
+    h = K.Hyper("adam", lr=1e-2, weight_decay=0.1)
+    P = [torch.randn(sh, generator=g).to(dtype) for sh in shapes]
+    G = [torch.randn(sh, generator=g).to(dtype) for sh in shapes]
+    M = [torch.randn(sh, generator=g).to(dtype) * 0.1 for sh in shapes]
+    V = [torch.rand(sh, generator=g).to(dtype) * 0.1 for sh in shapes]
+    P2, M2, V2 = ([t.clone() for t in ts] for ts in (P, M, V))
+    old = [p.clone() for p in P]
+    S = torch.zeros(K.NQ, n, dtype=torch.float64)
+    K.step_triton(h, P, G, M, V, [3.0] * 3, reqs, S, interpret=False)
+    K.step_reference(h, P2, G, M2, V2, [3.0] * 3)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    for a, b in zip(P + M + V, P2 + M2 + V2):
+        _close(a.float(), b.float(), tol, "param/state")
+    S2 = torch.zeros(K.NQ, n, dtype=torch.float64)
+    for o, p, r in zip(old, P, reqs):
+        K.stats_reference(o, p, h.a, r, S2)
+    torch.testing.assert_close(S, S2, rtol=1e-12, atol=1e-12)
+
+
+def test_launch_split_by_alignment():
+    """Tensors whose offsets or column count are not multiples of one 16-byte vector run in a second
+    launch with ALIGN=1; together the launches cover every program exactly once."""
+    shapes = [(4, 8), (3, 5), (16,), (2, 4, 12)]
+    lay = K._layout(shapes, [K.StatsRequest()] * 4, [], torch.device("cpu"), interpret=True)
+    table = lay.table_static.copy()
+    table[:, 0:4] = [[0, 64, 128, 192], [256, 300, 320, 340], [400, 416, 432, 448], [500, 600, 700, 801]]
+    base = torch.zeros(4)
+    runs = K._launches(lay, table, base, 4)
+    assert [al for _, al in runs] == [4, 1]
+    seen = np.concatenate([p.numpy() for p, _ in runs])
+    assert sorted(map(tuple, seen)) == sorted(map(tuple, lay.progs_host))
+    assert set(runs[1][0][:, 0].tolist()) == {1, 3}  # C = 5; an offset of 801
+    table[1, 0:4] = table[3, 0:4] = [0, 4, 8, 12]
+    lay2 = K._layout([(4, 8), (16,)], [K.StatsRequest()] * 2, [], torch.device("cpu"), interpret=True)
+    assert [al for _, al in K._launches(lay2, table[[0, 2]], base, 4)] == [4]
 
 
 # --------------------------------------------------------------------------------- 3. interop
