@@ -3,7 +3,9 @@
 #   bash bench/gpu_check.sh            # results under $OUT (default: ./gpu_out)
 # (a) parity of the compiled Triton path vs the float64 torch reference (< 30 s incl. compilation),
 # (b) Llama-3-8B x 8 layers, no-RoPE and RoPE plans, fp32 and bf16, (c) ViT-B/16 x 12,
-# (d) the RoPE fp32 case again with the Gram/norm stream overlap switched off (A/B of that choice).
+# (d) the fused AdamW benchmark (issue 4) with its per-kernel breakdown, (e) the RoPE fp32 case again
+# with the Gram/norm stream overlap switched off (A/B of that choice).  (b) prints the time per
+# kernel (--profile) so the bound (Gram vs row/column kernel) is visible in one run.
 # torch.compile of the naive code is skipped by default (it costs ~20-40 s per case on a cold
 # machine; the lead's earlier numbers have it): COMPILE=1 bash bench/gpu_check.sh to include it.
 ln -sfn ../kernels conserve/kernels  # the device copy has no install: make conserve.kernels importable
@@ -22,7 +24,7 @@ parity_rc=${PIPESTATUS[0]}
 echo "parity rc=$parity_rc at $(( $(date +%s) - t0 )) s"
 
 echo "== (b) llama-3-8b x 8 layers"
-timeout 200 python -m bench.kernels --cases norope,llama --dtypes float32,bfloat16 $NOCOMPILE \
+timeout 200 python -m bench.kernels --cases norope,llama --dtypes float32,bfloat16 $NOCOMPILE --profile \
     --csv "$OUT/results.csv" 2>&1 | tee "$OUT/bench_llama.txt"
 echo "llama bench rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
 
@@ -31,7 +33,11 @@ timeout 60 python -m bench.kernels --cases vit --dtypes float32,bfloat16 $NOCOMP
     --csv "$OUT/results.csv" 2>&1 | tee "$OUT/bench_vit.txt"
 echo "vit bench rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
 
-echo "== (d) llama fp32 without the Gram/norm stream overlap"
+echo "== (d) fused AdamW vs torch fused AdamW (issue 4), with the per-kernel breakdown"
+timeout 300 python -m bench.fused_optim --csv "$OUT/results_optim.csv" 2>&1 | tee "$OUT/bench_optim.txt"
+echo "optim bench rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
+
+echo "== (e) llama fp32 without the Gram/norm stream overlap"
 CONSERVE_OVERLAP=0 timeout 60 python -m bench.kernels --cases llama --dtypes float32 --no-compile \
     --csv "$OUT/results_no_overlap.csv" 2>&1 | tee "$OUT/bench_no_overlap.txt"
 echo "done in $(( $(date +%s) - t0 )) s; parity rc=$parity_rc"

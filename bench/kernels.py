@@ -195,7 +195,7 @@ def max_rel(a, b) -> float:
     return max(errs)
 
 
-def run_case(name, shape, make, plan, naive, *, dtype, device, compile_naive, copy_gbs, interpret):
+def run_case(name, shape, make, plan, naive, *, dtype, device, compile_naive, copy_gbs, interpret, profile=False):
     from conserve.kernels import evaluate, evaluate_reference
 
     ts = make(shape, device, dtype)
@@ -214,6 +214,10 @@ def run_case(name, shape, make, plan, naive, *, dtype, device, compile_naive, co
         cn = torch.compile(naive)
         cn(ts)
         row["compiled_ms"] = round(_bench(lambda: cn(ts), device), 4)
+    if profile and device.type == "cuda":
+        from bench.profile import kernel_breakdown
+
+        kernel_breakdown(lambda: evaluate(plan, ts, backend=backend), device, 5, f"{name} {row['dtype']}")
     ms = row[f"{backend}_ms"]
     row["GBps"] = round(nbytes / ms / 1e6, 1)
     row["copy_GBps"] = round(copy_gbs, 1)
@@ -251,6 +255,8 @@ def main(argv=None):
     ap.add_argument("--cases", default="norope,llama,vit")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the naive code")
     ap.add_argument("--no-interpret", action="store_true", help="on CPU: time only the torch paths")
+    ap.add_argument("--profile", action="store_true", help="GPU: print the Triton path's time per kernel "
+                    "(torch.profiler), e.g. Gram vs row/column kernels")
     ap.add_argument("--csv", default=None, help="CSV to append to (default: bench/results.csv on a GPU, "
                     "bench/results-cpu.csv, untracked, on the CPU smoke run)")
     a = ap.parse_args(argv)
@@ -276,7 +282,7 @@ def main(argv=None):
             else:
                 raise SystemExit(f"unknown case {case!r}; use norope, llama, vit")
             row = run_case(case, *args, compile_naive=compile_naive, copy_gbs=copy_gbs, interpret=interpret,
-                           dtype=dtype, device=device)
+                           dtype=dtype, device=device, profile=a.profile)
             rows.append(row)
             print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None
