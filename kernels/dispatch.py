@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .plan import Plan, bilinear_reference, evaluate_reference
+from .plan import Plan, bilinear_reference, drift_reference, evaluate_reference
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -41,3 +41,16 @@ def bilinear(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
 
         return bilinear_triton(plan, xs, ys, fp64=fp64)
     return bilinear_reference(plan, xs, ys, fp64=fp64)
+
+
+def drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, *, fp64: bool = False,
+          backend: str = "auto"):
+    """The four pieces of the exact drift identity of one optimizer step (spec "Discrete steps"):
+    ``h_new, decay, bil, h_delta`` as ``(vec, {D: grams})`` pairs (see ``plan.drift_reference``).
+    ``a``: decay factor per tensor (or one float).  Triton: every Gram term in ONE pass over old and
+    new weights per (D, dtype group) (``triton_impl.drift_triton``)."""
+    if _choose(backend, news) == "triton":
+        from .triton_impl import drift_triton
+
+        return drift_triton(plan, olds, news, a, fp64=fp64)
+    return drift_reference(plan, olds, news, a, fp64=fp64)

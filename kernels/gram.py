@@ -9,6 +9,16 @@ and every layer/expert share ONE launch) and accumulates, in registers,
     acc = sum_t sign_t * (X_t Y_t^T + Y_t X_t^T)[rows_i, rows_j] / 2              (bilinear)
 
 with ``X_t`` read through its logical strides (seed paper's head Gram law; spec "The catalogue").
+
+DRIFT mode (spec "Discrete steps: the exact drift identity"): ``X_t`` = old weights ``O``, ``Y_t`` =
+new weights ``N`` of one optimizer step, ``a_t`` its decay factor.  Each tile of ``O`` and ``N`` is
+read once and four register tiles are accumulated (``Dl = N - a_t*O`` formed in fp32 registers,
+``a_t*O`` rounded to fp32 first, exactly as ``plan.drift_reference`` rounds it)::
+
+    h_new   = sum_t s_t N N^T                               decay = sum_t s_t (a_t^2 - 1) O O^T
+    bil     = sum_t s_t (aO Dl^T + Dl aO^T) / 2             h_delta = sum_t s_t Dl Dl^T
+
+and the item writes them to four planes of the partial buffer (``plane`` elements apart).
 The item writes its BT x BT tile to a partial buffer; ``_gram_finish`` sums, per output tile, the
 partials of its items in a fixed order and mirrors off-diagonal tiles (no atomics: deterministic).
 
@@ -25,6 +35,17 @@ import triton.language as tl
 TERM_COLS = 8
 ITEM_COLS = 6
 GROUP_COLS = 5
+
+
+@triton.jit
+def widen(x, ACC: tl.constexpr):
+    """``x`` in the accumulation dtype ``ACC``: fp64 inputs of an fp64 accumulation as they are; any
+    other input through fp32 (exact for fp32/bf16/fp16; the interpreter's direct bf16 -> fp64 cast is
+    wrong)."""
+    if (x.dtype == tl.float64) and (ACC == tl.float64):
+        return x
+    else:
+        return x.to(tl.float32).to(ACC)
 
 
 @triton.jit
@@ -131,16 +152,16 @@ def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign,
 def _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR: tl.constexpr):
     """fp64 accumulation without ``tl.dot`` (triton 3.6 rejects an fp64 accumulator there): one rank-1
     update ``acc += sign * a_k b_k^T`` per contracted index, from two column loads (any strides).
-    Inputs are upcast through fp32, exactly (the interpreter casts bf16 -> fp64 wrongly).  A
+    Inputs are widened by ``widen`` (fp64 inputs kept exact; others through fp32, exactly).  A
     correctness mode: O(BT^2) fp64 FMAs per loaded column, no tensor cores."""
     ri64 = ri.to(tl.int64)
     rj64 = rj.to(tl.int64)
     for k in range(k0, kend):
-        a = tl.load(xb + xo + ri64 * rs + k * cs, mask=mi, other=0.0).to(tl.float32).to(tl.float64) * sign
-        b = tl.load(xb + xo + rj64 * rs + k * cs, mask=mj, other=0.0).to(tl.float32).to(tl.float64)
+        a = widen(tl.load(xb + xo + ri64 * rs + k * cs, mask=mi, other=0.0), tl.float64) * sign
+        b = widen(tl.load(xb + xo + rj64 * rs + k * cs, mask=mj, other=0.0), tl.float64)
         if BILINEAR:
-            c = tl.load(yb + yo + ri64 * yrs + k * ycs, mask=mi, other=0.0).to(tl.float32).to(tl.float64) * sign
-            d = tl.load(yb + yo + rj64 * yrs + k * ycs, mask=mj, other=0.0).to(tl.float32).to(tl.float64)
+            c = widen(tl.load(yb + yo + ri64 * yrs + k * ycs, mask=mi, other=0.0), tl.float64) * sign
+            d = widen(tl.load(yb + yo + rj64 * yrs + k * ycs, mask=mj, other=0.0), tl.float64)
             acc += a[:, None] * d[None, :] + c[:, None] * b[None, :]
         else:
             acc += a[:, None] * b[None, :]
@@ -148,13 +169,121 @@ def _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign,
 
 
 @triton.jit
-def _gram_kernel(xb, yb, terms, signs, items, part,
+def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                SINGLE: tl.constexpr, DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr):
+    """One contracted block of the four DRIFT accumulators from ``[BT, BK]`` (logical) tiles of the
+    old (``oi``, ``oj``) and new (``ni``, ``nj``) weights of output rows i and j (``*j`` ignored if
+    SINGLE: the tile is on the diagonal of a one-tile D).  Factors folded into the left operands:
+    ``sign`` (h_new, bil, h_delta), ``sdec = sign*(a^2-1)`` (decay).  Everything but h_new runs in
+    fp32 (``aO``, ``Dl`` are fp32 by construction, and ``sdec`` is not +-1); h_new folds ``sign`` in the
+    input dtype when FOLD (|sign| == 1 or fp32 inputs: exact / one rounding), so bf16/fp16 tiles go to
+    the tensor cores, else in fp32.  bil on a SINGLE tile: one dot ``aO Dl^T`` here, the transpose is
+    added once at the end of the item."""
+    oi32 = oi.to(tl.float32)
+    ni32 = ni.to(tl.float32)
+    aoi = oi32 * a  # rounded to fp32, as torch rounds ``old * a``
+    dli = ni32 - aoi
+    if SINGLE:
+        oj32 = oi32
+        nj32 = ni32
+        nj = ni
+        aoj = aoi
+        dlj = dli
+    else:
+        oj32 = oj.to(tl.float32)
+        nj32 = nj.to(tl.float32)
+        aoj = oj32 * a
+        dlj = nj32 - aoj
+    if FOLD:
+        nl = (ni * sign).to(ni.dtype)
+        nr = nj
+        if UPCAST:
+            nl = nl.to(tl.float32)
+            nr = nr.to(tl.float32)
+    else:
+        nl = ni32 * sign
+        nr = nj32
+    acc_n = tl.dot(nl, tl.trans(nr), acc_n, input_precision="ieee")
+    if DECAY:
+        acc_d = tl.dot(oi32 * sdec, tl.trans(oj32), acc_d, input_precision="ieee")
+    dls = dli * sign
+    acc_b = tl.dot(aoi * sign, tl.trans(dlj), acc_b, input_precision="ieee")
+    if not SINGLE:
+        acc_b = tl.dot(dls, tl.trans(aoj), acc_b, input_precision="ieee")
+    acc_l = tl.dot(dls, tl.trans(dlj), acc_l, input_precision="ieee")
+    return acc_n, acc_d, acc_b, acc_l
+
+
+@triton.jit
+def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, a, sign, sdec,
+                acc_n, acc_d, acc_b, acc_l, BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr,
+                DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr):
+    """One term's DRIFT contribution over [k0, kend): ``xb`` = old weights, ``yb`` = new weights."""
+    kr = tl.arange(0, BK)
+    if lay == 0:
+        rs_a = tl.multiple_of(rs, ALIGN)
+        yrs_a = tl.multiple_of(yrs, ALIGN)
+        for k in range(k0, kend, BK):
+            kk = k + kr
+            mk = kk < kend
+            oi = _tile(xb, xo, ri, kk, rs_a, 1, mi[:, None] & mk[None, :])
+            ni = _tile(yb, yo, ri, kk, yrs_a, 1, mi[:, None] & mk[None, :])
+            if SINGLE:
+                oj = oi
+                nj = ni
+            else:
+                oj = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
+                nj = _tile(yb, yo, rj, kk, yrs_a, 1, mj[:, None] & mk[None, :])
+            acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                                                     SINGLE, DECAY, FOLD, UPCAST)
+    elif lay == 1:
+        cs_a = tl.multiple_of(cs, ALIGN)
+        ycs_a = tl.multiple_of(ycs, ALIGN)
+        for k in range(k0, kend, BK):
+            kk = k + kr
+            mk = kk < kend
+            oit = _tile(xb, xo, kk, ri, cs_a, 1, mk[:, None] & mi[None, :])
+            nit = _tile(yb, yo, kk, ri, ycs_a, 1, mk[:, None] & mi[None, :])
+            if SINGLE:
+                ojt = oit
+                njt = nit
+            else:
+                ojt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
+                njt = _tile(yb, yo, kk, rj, ycs_a, 1, mk[:, None] & mj[None, :])
+            acc_n, acc_d, acc_b, acc_l = _drift_dots(tl.trans(oit), tl.trans(nit), tl.trans(ojt), tl.trans(njt),
+                                                     a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                                                     SINGLE, DECAY, FOLD, UPCAST)
+    else:
+        for k in range(k0, kend, BK):
+            kk = k + kr
+            mk = kk < kend
+            oi = _tile(xb, xo, ri, kk, rs, cs, mi[:, None] & mk[None, :])
+            ni = _tile(yb, yo, ri, kk, yrs, ycs, mi[:, None] & mk[None, :])
+            if SINGLE:
+                oj = oi
+                nj = ni
+            else:
+                oj = _tile(xb, xo, rj, kk, rs, cs, mj[:, None] & mk[None, :])
+                nj = _tile(yb, yo, rj, kk, yrs, ycs, mj[:, None] & mk[None, :])
+            acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                                                     SINGLE, DECAY, FOLD, UPCAST)
+    return acc_n, acc_d, acc_b, acc_l
+
+
+@triton.jit
+def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
                  D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr,
                  SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
-                 UPCAST: tl.constexpr, FOLD: tl.constexpr):
+                 UPCAST: tl.constexpr, FOLD: tl.constexpr, DRIFT: tl.constexpr = False,
+                 DECAY: tl.constexpr = False):
     """FOLD (launch.py: every sign is +-1, or fp32 inputs): the sign is applied to the left operands
     and every term accumulates into ONE register tile; otherwise each term gets its own tile that is
-    scaled and added (twice the accumulator registers)."""
+    scaled and added (twice the accumulator registers).
+
+    DRIFT (fp32 accumulation only; ``xb`` old, ``yb`` new weights): ``factors`` holds per term
+    ``[a_t, sign_t*(a_t^2-1)]`` in fp32, four accumulators (h_new, decay, bil, h_delta) are written
+    ``plane`` elements apart; DECAY=False (every a_t == 1) skips the decay dots (its plane is 0).
+    FOLD here only selects the input-dtype fold of h_new (see ``_drift_dots``).  Ignored otherwise."""
     pid = tl.program_id(0).to(tl.int64)
     it = items + pid * 6
     t0 = tl.load(it)
@@ -168,38 +297,74 @@ def _gram_kernel(xb, yb, terms, signs, items, part,
     rj = tj * BT + tl.arange(0, BT)
     mi = ri < D
     mj = rj < D
-    acc = tl.zeros([BT, BT], dtype=ACC)
-    for t in range(t0, t1):
-        row = terms + t * 8
-        xo = tl.multiple_of(tl.load(row), ALIGN)
-        rs = tl.load(row + 1)
-        cs = tl.load(row + 2)
-        n = tl.load(row + 3)
-        lay = tl.load(row + 4)
-        yo = tl.multiple_of(tl.load(row + 5), ALIGN)
-        yrs = tl.load(row + 6)
-        ycs = tl.load(row + 7)
-        sign = tl.load(signs + t)
-        kend = tl.minimum(k1, n)
-        if FP64:
-            acc = _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR)
-        elif FOLD:
-            acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign, acc,
-                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True)
-        else:
-            tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign,
-                         tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False)
-            acc += sign * tacc
-    if BILINEAR:
-        acc = acc * 0.5
     o = tl.arange(0, BT)
-    tl.store(part + pid * (BT * BT) + o[:, None] * BT + o[None, :], acc)
+    out = part + pid * (BT * BT) + o[:, None] * BT + o[None, :]
+    if DRIFT:
+        acc_n = tl.zeros([BT, BT], dtype=tl.float32)
+        acc_d = tl.zeros([BT, BT], dtype=tl.float32)
+        acc_b = tl.zeros([BT, BT], dtype=tl.float32)
+        acc_l = tl.zeros([BT, BT], dtype=tl.float32)
+        for t in range(t0, t1):
+            row = terms + t * 8
+            xo = tl.multiple_of(tl.load(row), ALIGN)
+            rs = tl.load(row + 1)
+            cs = tl.load(row + 2)
+            n = tl.load(row + 3)
+            lay = tl.load(row + 4)
+            yo = tl.multiple_of(tl.load(row + 5), ALIGN)
+            yrs = tl.load(row + 6)
+            ycs = tl.load(row + 7)
+            sign = tl.load(signs + t)
+            a = tl.load(factors + 2 * t)
+            sdec = tl.load(factors + 2 * t + 1)
+            kend = tl.minimum(k1, n)
+            acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0,
+                                                     kend, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                                                     BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST)
+        if SINGLE:  # one dot per step (aO Dl^T), its transpose added once here
+            acc_b = acc_b + tl.trans(acc_b)
+        pl = plane.to(tl.int64)
+        tl.store(out, acc_n)
+        tl.store(out + pl, acc_d)
+        tl.store(out + 2 * pl, acc_b * 0.5)
+        tl.store(out + 3 * pl, acc_l)
+    else:
+        acc = tl.zeros([BT, BT], dtype=ACC)
+        for t in range(t0, t1):
+            row = terms + t * 8
+            xo = tl.multiple_of(tl.load(row), ALIGN)
+            rs = tl.load(row + 1)
+            cs = tl.load(row + 2)
+            n = tl.load(row + 3)
+            lay = tl.load(row + 4)
+            yo = tl.multiple_of(tl.load(row + 5), ALIGN)
+            yrs = tl.load(row + 6)
+            ycs = tl.load(row + 7)
+            sign = tl.load(signs + t)
+            kend = tl.minimum(k1, n)
+            if FP64:
+                acc = _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR)
+            elif FOLD:
+                acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign, acc,
+                            BK, ALIGN, SINGLE, BILINEAR, UPCAST, True)
+            else:
+                tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign,
+                             tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False)
+                acc += sign * tacc
+        if BILINEAR:
+            acc = acc * 0.5
+        tl.store(out, acc)
 
 
 @triton.jit
-def _gram_finish(part, order, groups, out, D: tl.constexpr, BT: tl.constexpr, FP64: tl.constexpr):
-    """Per output tile: sum its items' partial tiles in table order; write the tile and its mirror."""
+def _gram_finish(part, order, groups, out, pplane, oplane, D: tl.constexpr, BT: tl.constexpr,
+                 FP64: tl.constexpr):
+    """Per output tile: sum its items' partial tiles in table order; write the tile and its mirror.
+    Program axis 1 selects a plane (DRIFT: 4 outputs): ``part``/``out`` advance by ``pplane``/``oplane``."""
     pid = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    part += p * pplane
+    out += p * oplane
     g = groups + pid * 5
     i0 = tl.load(g)
     i1 = tl.load(g + 1)

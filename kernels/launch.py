@@ -71,11 +71,18 @@ class Config:
     @staticmethod
     def for_device(device: torch.device) -> "Config":
         if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            # norm tiles [16, 256] fp32 = 16 KiB per load step, 32 values per thread (4 warps), so
-            # several programs fit per SM; 256 KiB per item keeps the last wave short.
-            return Config(target_items=4 * sms, item_bytes=256 << 10, BS=16, BF=256, norm_warps=4)
+            return Config.gpu(torch.cuda.get_device_properties(device).multi_processor_count)
         return Config()
+
+    @staticmethod
+    def gpu(sms: int = 132) -> "Config":
+        """The GPU configuration for a device with ``sms`` multiprocessors (H100/H200: 132)."""
+        # norm tiles [32, 128] fp32 = 16 KiB per load step, 32 values per thread (4 warps), so several
+        # programs fit per SM (107 registers on sm_90, bench/sass.py); one warp spans a row's 128
+        # columns (32 lanes x one 16-byte vector), so the row sums of fused regions are warp shuffles
+        # (a [16, 256] tile put two warps on a row: a cross-warp reduction per tile).  256 KiB per
+        # item keeps the last wave short.
+        return Config(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4)
 
     def norm_tile(self, group) -> tuple[int, int]:
         """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""
@@ -201,7 +208,9 @@ def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | N
     return st
 
 
-def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
+def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | None = None, bk: int | None = None):
+    """Gram launches of ``plan`` into ``st.gram``; ``bt_max``/``bk`` override the output tile cap and the
+    contracted block (the DRIFT mode's four accumulators need ``BT <= 64``, see ``build_drift``)."""
     by_d = defaultdict(list)
     for t in plan.grams:
         D = t.view.rows
@@ -214,9 +223,9 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
         yrs, ycs = _clean(D, t.view.cols, yrs, ycs)
         by_d[D].append((t, xo, xrs, xcs, yo, yrs, ycs))
     for D in sorted(by_d):
-        BT = min(max(16, next_pow2(D)), cfg.BT_MAX)
+        BT = min(max(16, next_pow2(D)), bt_max or cfg.BT_MAX)
         NT = -(-D // BT)
-        BK = cfg.BK_BIG if BT > 64 else cfg.BK_SMALL
+        BK = bk or (cfg.BK_BIG if BT > 64 else cfg.BK_SMALL)
         tiles = [(i, j) for i in range(NT) for j in range(i, NT)]
         per_group = defaultdict(list)
         for e in by_d[D]:
@@ -237,8 +246,11 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
                 max_n = max(e[0].view.cols for e in ents[i:j])
                 chunk = max(BK, -(-max_n // nchunk))
                 chunk = -(-chunk // BK) * BK
-                for (ti, tj) in tiles:
-                    for k0 in range(0, max_n, chunk):
+                # the output tiles of one contracted chunk are neighbours: they read the same rows at
+                # about the same time (L2 reuse when D spans several tiles); each tile's partials are
+                # still summed in k order (``order``), so the results do not depend on this ordering
+                for k0 in range(0, max_n, chunk):
+                    for (ti, tj) in tiles:
                         tile_items[(slot, ti, tj)].append(item_base + len(items))
                         items.append((len(rows) + 0, len(rows) + (j - i), k0, min(k0 + chunk, max_n), ti, tj))
                 for (t, xo, xrs, xcs, yo, yrs, ycs) in ents[i:j]:
@@ -265,6 +277,35 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config):
         st.gram.append(GramBucket(D=D, BT=BT, slots=plan.gram_slots[D], n_items=item_base, launches=launches,
                                   order=np.asarray(order, dtype=np.int64),
                                   groups=np.asarray(groups, dtype=np.int64).reshape(-1, 5)))
+
+
+DRIFT_BT = 64  # DRIFT output tile: 4 fp32 accumulators of 64 x 64 (4 x 128 x 128 would spill)
+DRIFT_BK = 16  # DRIFT contracted block: 4-8 operand tiles of [64, BK] live beside the accumulators
+
+
+def build_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], cfg: Config) -> Structure:
+    """Gram tables of ``plan`` for the DRIFT mode of ``gram._gram_kernel`` (x = ``olds``, y = ``news``):
+    ``BT <= DRIFT_BT``, ``BK = DRIFT_BK``, no norm tables (the vector terms go through the standalone
+    composition, see ``triton_impl.drift_triton``).  Raises ``ValueError`` for mismatched lists/shapes."""
+    if len(olds) != len(news):
+        raise ValueError(f"drift: got {len(olds)} old tensors but {len(news)} new ones; pass one old per new")
+    st = Structure(bilinear=True, fp64=False, cfg=cfg, vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
+    _build_gram(st, plan, olds, news, cfg, bt_max=min(DRIFT_BT, cfg.BT_MAX), bk=DRIFT_BK)
+    st.finish = np.zeros((0, 4), dtype=np.int64)
+    st.finish_blocks = np.zeros((0, 2), dtype=np.int64)
+    st.csr_ptr = np.zeros(plan.vec_size + 1, dtype=np.int64)
+    st.csr_idx = np.zeros(0, dtype=np.int64)
+    st.csr_sgn = []
+    return st
+
+
+def launch_factors(launch: GramLaunch, a: Sequence[float]) -> tuple[np.ndarray, bool]:
+    """Per term ``[a_t, sign_t*(a_t^2 - 1)]`` (float64, the kernel rounds them to fp32 once) of a DRIFT
+    launch, ``a`` given per tensor; and whether any ``a_t != 1`` (the DECAY constexpr)."""
+    at = np.asarray(a, dtype=np.float64)[launch.x_tensor] if len(launch.x_tensor) else np.zeros(0)
+    s = np.asarray(launch.signs, dtype=np.float64)
+    f = np.stack([at, s * (at * at - 1.0)], axis=1) if len(at) else np.zeros((0, 2))
+    return f, bool((at != 1.0).any())
 
 
 def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):

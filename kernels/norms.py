@@ -30,6 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gram import widen
+
 REGION_COLS = 12
 ITEM_COLS = 6
 FIN_COLS = 4
@@ -58,10 +60,10 @@ def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift
             m = ms[:, None] & mf[None, :]
         else:
             m = ms[:, None]  # broadcast by tl.load: constant along the contiguous axis
-        x = tl.load(xb + xo + s[:, None].to(tl.int64) * ss + fo, mask=m, other=0.0).to(tl.float32).to(ACC)
+        x = widen(tl.load(xb + xo + s[:, None].to(tl.int64) * ss + fo, mask=m, other=0.0), ACC)
         if BILINEAR:
             y = tl.load(yb + yo + s[:, None].to(tl.int64) * yss + yfo, mask=m, other=0.0)
-            v = x * y.to(tl.float32).to(ACC)
+            v = x * widen(y, ACC)
         else:
             xs = x + shift
             v = tl.where(is_sq, xs * xs, x)

@@ -7,6 +7,8 @@ Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)
 3. ``_gram_finish``   once per D, ``_finish_rows`` once, ``_gather`` once (small finishing passes)
 
 On CUDA the Gram launches (1, 3a) run on a side stream concurrently with the norm launches (2, 3b).
+``drift_triton`` (DRIFT mode): one ``_gram_kernel`` pass over old AND new weights per D for the four
+Gram pieces of the drift identity + one 4-plane ``_gram_finish`` per D (README "DRIFT mode").
 
 No host synchronisation, no atomics (bitwise deterministic for fixed tensors).  The work tables are
 built once per (plan, dtypes/shapes/strides) and re-bound only when ``data_ptr``s change
@@ -24,9 +26,11 @@ import numpy as np
 import torch
 
 from . import launch as L
-from .plan import Plan
+from .plan import Plan, _check_drift_inputs, drift_compose, drift_factors
 
-__all__ = ["evaluate_triton", "bilinear_triton", "prepare", "Prepared", "clear_cache"]
+__all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare", "Prepared", "clear_cache"]
+
+DRIFT_WARPS = 4  # DRIFT mode (64 x 64 tiles, 4 accumulators): see README "DRIFT mode" for the sm_90 compile
 
 _CACHE: "OrderedDict[tuple, Prepared]" = OrderedDict()
 _CACHE_MAX = 32
@@ -53,7 +57,7 @@ class Prepared:
     the launches alone.
     """
 
-    def __init__(self, plan: Plan, xs, ys, fp64: bool, cfg: L.Config | None = None):
+    def __init__(self, plan: Plan, xs, ys, fp64: bool, cfg: L.Config | None = None, drift: bool = False):
         if len(xs) == 0 and (plan.grams or plan.norms or plan.sums):
             raise ValueError("the plan has terms but no tensors were given")
         self.device = xs[0].device if len(xs) else torch.device("cpu")
@@ -67,7 +71,16 @@ class Prepared:
         self.cfg = cfg or L.Config.for_device(self.device)
         self.fp64 = fp64
         self.acc = torch.float64 if fp64 else torch.float32
-        self.st = L.build(plan, xs, ys, fp64, self.cfg)
+        self.drift = drift
+        if drift:  # Gram terms only (DRIFT mode); the vector terms go through ``drift_compose``
+            if fp64:
+                raise ValueError("the DRIFT mode accumulates in fp32; fp64 drift uses the standalone composition")
+            self.st = L.build_drift(plan, xs, ys, self.cfg)
+            self.vec_plan = (Plan(norms=list(plan.norms), sums=list(plan.sums), vec_size=plan.vec_size)
+                             if plan.norms or plan.sums else None)
+            self._a_key = None
+        else:
+            self.st = L.build(plan, xs, ys, fp64, self.cfg)
         self._ptrs = None
         self._static_tables()
 
@@ -87,7 +100,8 @@ class Prepared:
         self.finish_blocks = self._dev(st.finish_blocks)
         self.csr = (self._dev(st.csr_ptr), self._dev(st.csr_idx), self._dev(st.csr_sgn, acc))
         self.normpart = torch.empty(max(1, st.part_size), device=self.device, dtype=acc)
-        self.part = {b.D: torch.empty(max(1, b.n_items) * b.BT * b.BT, device=self.device, dtype=acc)
+        planes = 4 if self.drift else 1  # DRIFT: h_new, decay, bil, h_delta planes
+        self.part = {b.D: torch.empty(planes * max(1, b.n_items) * b.BT * b.BT, device=self.device, dtype=acc)
                      for b in st.gram}
         # CUDA: the (compute-bound, fp32) Gram launches run on a side stream, concurrently with the
         # (bandwidth-bound) norm launches; CONSERVE_OVERLAP=0 serialises them (for comparison).
@@ -177,13 +191,59 @@ class Prepared:
                     continue
                 xb, yb = self.bases[l.group]
                 _gram_kernel[(len(l.items),)](
-                    xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:],
+                    xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], ls["signs"], 0,
                     D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=bil, FP64=fp64,
-                    UPCAST=(_interpreting() and torch.bfloat16 in l.group) or l.group[0] != l.group[1],
-                    FOLD=l.fold, num_warps=warps)
+                    UPCAST=_upcast(l.group), FOLD=l.fold, num_warps=warps)
             if len(b.groups):
-                _gram_finish[(len(b.groups),)](part, bs["order"], bs["groups"], grams[b.D],
-                                              D=b.D, BT=b.BT, FP64=fp64, num_warps=4)
+                _gram_finish[(len(b.groups), 1)](part, bs["order"], bs["groups"], grams[b.D], 0, 0,
+                                                 D=b.D, BT=b.BT, FP64=fp64, num_warps=4)
+
+    # ---- DRIFT mode ----------------------------------------------------------------------------
+    def _factors(self, a):
+        """Device table of per-term ``[a_t, sign_t*(a_t^2-1)]`` (fp32) per launch and its DECAY flag;
+        re-sent only when ``a`` changes (one small host->device copy per step under an lr schedule)."""
+        key = tuple(a)
+        if key != self._a_key:
+            fs, flags = [], []
+            for b in self.st.gram:
+                for l in b.launches:
+                    f, decay = L.launch_factors(l, a)
+                    fs.append(f)
+                    flags.append(decay)
+            allf = self._dev(np.concatenate(fs + [np.zeros((1, 2))]), torch.float32)
+            out, i = [], 0
+            for f, decay in zip(fs, flags):
+                out.append((allf[i:], decay))
+                i += len(f)
+            self._fac, self._a_key = out, key
+        return self._fac
+
+    def run_drift(self, olds, news, a):
+        """DRIFT pass: ``[h_new, decay, bil, h_delta]`` Gram dicts ``{D: (slots, D, D)}`` in fp32 (one
+        ``_gram_kernel`` launch per (D, dtype group) + one ``_gram_finish`` per D)."""
+        from .gram import _gram_finish, _gram_kernel
+
+        st = self.st
+        self._bind(olds, news)
+        fac = iter(self._factors(a))
+        out = {d: torch.zeros(4, n, d, d, device=self.device, dtype=torch.float32)
+               for d, n in sorted(st.gram_slots.items())}
+        for b, bs, lb in zip(st.gram, self.gram_static, self.gram_bound):
+            part = self.part[b.D]
+            plane = max(1, b.n_items) * b.BT * b.BT
+            for l, ls, (terms, align) in zip(b.launches, bs["launches"], lb):
+                f, decay = next(fac)
+                if len(l.items) == 0:
+                    continue
+                xb, yb = self.bases[l.group]
+                _gram_kernel[(len(l.items),)](
+                    xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], f, plane,
+                    D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=True, FP64=False,
+                    UPCAST=_upcast(l.group), FOLD=l.fold, DRIFT=True, DECAY=decay, num_warps=DRIFT_WARPS)
+            if len(b.groups):
+                _gram_finish[(len(b.groups), 4)](part, bs["order"], bs["groups"], out[b.D], plane,
+                                                 out[b.D][0].numel(), D=b.D, BT=b.BT, FP64=False, num_warps=4)
+        return [{d: g[p] for d, g in out.items()} for p in range(4)]
 
     def _run_norm(self, bil):
         from .norms import _finish_rows, _gather, _rowcol_kernel
@@ -209,6 +269,11 @@ class Prepared:
         return vec
 
 
+def _upcast(group) -> bool:
+    """bf16 tiles under the interpreter (its dot multiplies raw bits) and mixed x/y dtypes: fp32 dots."""
+    return (_interpreting() and torch.bfloat16 in group) or group[0] != group[1]
+
+
 def clear_cache():
     """Forget every prepared plan (needed only after mutating a Plan that was already evaluated)."""
     with _LOCK:
@@ -216,24 +281,25 @@ def clear_cache():
 
 
 def prepare(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None = None, *,
-            fp64: bool = False) -> Prepared:
+            fp64: bool = False, drift: bool = False) -> Prepared:
     """The cached ``Prepared`` for this plan object and these tensors' dtypes/shapes/strides/device.
 
     Keyed on the plan's identity (plus a fingerprint of its sizes) -- a Plan must not be edited after
-    its first evaluation (``clear_cache()`` if it is).  ``ys``: the second argument of ``bilinear``.
+    its first evaluation (``clear_cache()`` if it is).  ``ys``: the second argument of ``bilinear``
+    (``drift``: ``xs`` old and ``ys`` new weights, DRIFT mode).
     """
-    key = (id(plan), _fingerprint(plan), ys is not None, fp64, _layout_key(xs),
+    key = (id(plan), _fingerprint(plan), ys is not None, fp64, drift, _layout_key(xs),
            _layout_key(ys) if ys is not None else None)
     with _LOCK:
         p = _CACHE.get(key)
         if p is not None:
             _CACHE.move_to_end(key)
             return p
-    p = Prepared(plan, xs, ys, fp64)
+    p = Prepared(plan, xs, ys, fp64, drift=drift)
     with _LOCK:
         _CACHE[key] = p
-        while len(_CACHE) > _CACHE_MAX:
-            _CACHE.popitem(last=False)
+        evicted = [_CACHE.popitem(last=False) for _ in range(len(_CACHE) - _CACHE_MAX)]
+    del evicted  # outside the lock: a DRIFT Prepared owns a plan whose finalizer takes the lock
     pid = id(plan)
     weakref.finalize(plan, _forget, pid)
     return p
@@ -241,8 +307,8 @@ def prepare(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] |
 
 def _forget(pid: int):
     with _LOCK:
-        for k in [k for k in _CACHE if k[0] == pid]:
-            del _CACHE[k]
+        dropped = [_CACHE.pop(k) for k in [k for k in _CACHE if k[0] == pid]]
+    del dropped  # outside the lock (see ``prepare``)
 
 
 def evaluate_triton(plan: Plan, tensors: Sequence[torch.Tensor], fp64: bool = False):
@@ -258,3 +324,30 @@ def bilinear_triton(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.T
     ``sign*sum X*Y`` (shift must be 0), Sum terms 0.  ``xs[i]`` and ``ys[i]`` must have equal shapes."""
     xs, ys = list(xs), list(ys)
     return prepare(plan, xs, ys, fp64=fp64).run(xs, ys)
+
+
+def drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, fp64: bool = False):
+    """Triton twin of ``plan.drift_reference``: ``[h_new, decay, bil, h_delta]``, each ``(vec, {D: grams})``.
+
+    Gram terms: ONE pass of ``gram._gram_kernel`` (DRIFT mode) per (D, dtype group) reads each tile of
+    old and new weights once and accumulates the four Grams (64 x 64 output tiles), + one finishing
+    launch per D.  Vector terms (NormTerm/SumTerm: rare in the optimizer's rest plan, e.g. Gemma-shifted
+    gains, unmapped views) and ``fp64=True`` use the standalone composition ``plan.drift_compose``
+    (evaluate/bilinear over materialised ``a*old`` and ``Delta``).  CUDA tensors, or CPU under
+    ``TRITON_INTERPRET=1``; fp32/bf16/fp16 inputs.  Raises ``ValueError`` like ``drift_reference``."""
+    olds, news = list(olds), list(news)
+    _check_drift_inputs(plan, olds, news)
+    a = drift_factors(a, len(news))
+    acc = torch.float64 if fp64 else torch.float32
+    if fp64 or not plan.grams:
+        return drift_compose(plan, olds, news, a, fp64, lambda p, xs: evaluate_triton(p, xs, fp64=fp64),
+                             lambda p, xs, ys: bilinear_triton(p, xs, ys, fp64=fp64))
+    pr = prepare(plan, olds, news, drift=True)
+    grams = pr.run_drift(olds, news, a)
+    if pr.vec_plan is not None:
+        vecs = [v for v, _ in drift_compose(pr.vec_plan, olds, news, a, False,
+                                            lambda p, xs: evaluate_triton(p, xs),
+                                            lambda p, xs, ys: bilinear_triton(p, xs, ys))]
+    else:
+        vecs = [torch.zeros(plan.vec_size, device=pr.device, dtype=acc) for _ in range(4)]
+    return list(zip(vecs, grams))

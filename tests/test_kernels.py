@@ -493,6 +493,25 @@ def test_gpu_work_split_under_interpreter():
             _close(grams[d], rg[d], sg[d], 1e-5, f"gram {d}")
 
 
+def test_exact_gpu_config_under_interpreter():
+    """The configuration a 132-SM GPU gets (``Config.gpu``: [32, 128] norm tiles, [32, 256] for bf16,
+    256 KiB items, Gram chunks for 4 programs per SM) on a block whose columns give full and masked
+    tiles, against the float64 reference."""
+    from conserve.kernels import triton_impl as T
+
+    cfg = L.Config.gpu()
+    assert (cfg.BS, cfg.BF) == (32, 128) and cfg.norm_tile((torch.bfloat16, torch.bfloat16)) == (256, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        p, ts = llama_block(nH=2, nKV=1, D=16, H=300, I=40, dtype=dtype, seed=12)
+        vec, grams = T.Prepared(p, ts, None, False, cfg).run(ts)
+        d64 = [t.double() for t in ts]
+        rv, rg = evaluate_reference(p, d64, fp64=True)
+        sv, sg = evaluate_reference(_abs_plan(p), [t.abs() for t in d64], fp64=True)
+        _close(vec, rv, sv, RTOL[dtype], f"vec {dtype}")
+        for d in rg:
+            _close(grams[d], rg[d], sg[d], RTOL[dtype], f"gram {dtype}")
+
+
 def test_norm_items_sized_by_bytes_and_fp64_gram_without_dot():
     """GPU-style norm split (``item_bytes``: several row chunks AND column tiles per region, the
     unmasked full-tile branch and the masked last tile, fast partials per column tile, BF doubled for
@@ -542,3 +561,199 @@ def test_gram_sign_folding_rule():
         st = L.build(p, ts, None, False, L.Config())
         assert st.gram[0].launches[0].fold is fold
         check(p, ts)
+
+
+# ------------------------------------------------------------------------- drift (one fused Gram pass)
+def drift_case(D, dtype, seed, vec_terms=False, odd_sign=True):
+    """GQA-like VO slots of head size D over row blocks (v_proj rows), column blocks (o_proj columns),
+    a transposed tensor, a doubly strided slice and a zero-element tensor; signs +-1 and, if
+    ``odd_sign``, -0.5 (bf16 then folds h_new's sign in fp32, else in bf16: ``GramLaunch.fold``).  Returns (plan, olds, news): news = olds + 0.3 noise,
+    rounded to ``dtype``; news[2] has other strides than olds[2] (a contiguous copy)."""
+    g = torch.Generator().manual_seed(seed)
+    H, nKV, nH = 24, 2, 4
+    olds = [randn(nKV * D, H, gen=g, dtype=dtype), randn(H, nH * D, gen=g, dtype=dtype),
+            randn(H, D, gen=g, dtype=dtype).t(), randn(2 * D, 2 * H, gen=g, dtype=dtype)[::2, ::2],
+            randn(D, 0, gen=g, dtype=dtype)]
+    news = [(o.float() + 0.3 * torch.randn(o.shape, generator=g)).to(dtype) for o in olds]
+    news[0], news[1], news[4] = news[0].contiguous(), news[1].contiguous(), news[4].contiguous()
+    news[3] = news[3].contiguous()  # other strides than olds[3]: general layout for both
+    news[2] = news[2].t().contiguous().t()  # same (transposed) strides as olds[2]
+    p = Plan()
+    for j in range(nKV):
+        s = p.new_gram(D)
+        p.grams.append(GramTerm(View(0, (j * D, 0), 0, D, 1, H), 1.0, s))
+        for i in range(j * nH // nKV, (j + 1) * nH // nKV):
+            p.grams.append(GramTerm(View(1, (0, i * D), 1, D, 0, H), -1.0, s))
+    s = p.new_gram(D)
+    p.grams += [GramTerm(View(2, (0, 0), 0, D, 1, H), 1.0, s), GramTerm(View(3, (0, 0), 0, D, 1, H), -0.5 if odd_sign else -1.0, s),
+                GramTerm(View(4, (0, 0), 0, D, 1, 0), 1.0, s)]
+    s = p.new_gram(D)  # only a zero-element term: zeros
+    p.grams.append(GramTerm(View(4, (0, 0), 0, D, 1, 0), -1.0, s))
+    if vec_terms:  # vector terms go through the standalone composition
+        u = p.new_vec(D)
+        p.norms += [NormTerm(View(0, (0, 0), 0, D, 1, H), 1.0, u), NormTerm(View(2, (0, 0), 0, D, 1, H), -1.0, u)]
+        c = p.new_vec(H)
+        p.sums.append(SumTerm(View(1, (0, 0), 1, D, 0, H), 1.0, c))
+    return p, olds, news
+
+
+DRIFT_NAMES = ("h_new", "decay", "bil", "h_delta")
+
+
+def check_drift(got, want, rtol, what):
+    """Per output and component: ``|got - want| <= rtol * max|want|`` (0 demands exact zeros)."""
+    for name, (gv, gg), (wv, wg) in zip(DRIFT_NAMES, got, want):
+        assert gv.dtype == torch.float32 and gv.shape == wv.shape, (what, name)
+        pairs = [("vec", gv, wv)] + [(f"gram D={d}", gg[d], wg[d]) for d in wg]
+        assert sorted(gg) == sorted(wg), (what, name)
+        for part, x, y in pairs:
+            scale = y.abs().max().item() if y.numel() else 0.0
+            err = (x.double() - y.double()).abs().max().item() if y.numel() else 0.0
+            assert err <= rtol * scale, f"{what} {name} {part}: err {err:.3e} > {rtol} * {scale:.3e}"
+
+
+@pytest.mark.parametrize("D,dtype", [(8, torch.float32), (80, torch.float32), (128, torch.float32),
+                                     (192, torch.float32), (8, torch.bfloat16), (80, torch.bfloat16)])
+def test_drift_triton_vs_float64(D, dtype):
+    """DRIFT pass vs ``drift_reference`` in float64 from the same values, a != 1 (per tensor) and all
+    a == 1 (decay must then be exactly 0); D = 80 also has vector terms (standalone composition).  D = 8 / 80: one / two 64-wide tiles (80: masked); 128: two
+    full tiles; 192: three (six output tiles)."""
+    from conserve.kernels import drift, drift_reference
+
+    from conserve.kernels import triton_impl as T
+
+    p, olds, news = drift_case(D, dtype, seed=D, vec_terms=D == 80, odd_sign=D != 8)
+    folds = {l.fold for b in T.prepare(p, olds, news, drift=True).st.gram for l in b.launches}
+    assert folds == {dtype == torch.float32 or D == 8}  # bf16: both h_new fold paths are covered
+    d64 = lambda ts: [t.double() for t in ts]  # noqa: E731
+    for a in ([0.9, 0.8, 0.95, 1.0, 0.7], 1.0):
+        got = drift(p, olds, news, a, backend="triton")
+        want = drift_reference(p, d64(olds), d64(news), a, fp64=True)
+        check_drift(got, want, RTOL[dtype], f"D={D} {dtype} a={a}")
+        if a == 1.0:
+            assert all((g == 0).all() for g in got[1][1].values())
+        else:
+            assert all(g.abs().max() > 0 for g in got[1][1].values() if g.shape[0]) and got[1][1][D][-1].abs().max() == 0
+
+
+def test_drift_gpu_work_split_and_tables():
+    """GPU-style split (several contracted-dim chunks per output tile, summed by the 4-plane finishing
+    pass), the DRIFT tables (64-wide tiles, one launch per (D, dtype group)), and the cache."""
+    from conserve.kernels import drift_reference
+    from conserve.kernels import triton_impl as T
+
+    p, olds, news = drift_case(128, torch.float32, seed=7)
+    olds[0] = randn(2 * 128, 200, gen=torch.Generator().manual_seed(1))  # longer contracted dim: chunks
+    news[0] = olds[0] + 0.3 * torch.randn(olds[0].shape)
+    p.grams[0] = GramTerm(View(0, (0, 0), 0, 128, 1, 200), 1.0, 0)
+    p.grams[3] = GramTerm(View(0, (128, 0), 0, 128, 1, 200), 1.0, 1)
+    cfg = L.Config(target_items=40)
+    pr = T.Prepared(p, olds, news, False, cfg, drift=True)
+    (b,) = pr.st.gram
+    assert b.BT == 64 and len(b.launches) == 1 and b.launches[0].BK == L.DRIFT_BK
+    assert len(b.launches[0].items) > len(b.groups)  # several items per output tile
+    a = [0.9, 0.85, 1.0, 0.75, 1.0]
+    got = pr.run_drift(olds, news, a)
+    want = drift_reference(p, [t.double() for t in olds], [t.double() for t in news], a, fp64=True)
+    check_drift([(w[0].float(), g) for g, w in zip(got, want)], want, 1e-5, "split")
+    with pytest.raises(ValueError, match="fp32"):
+        T.Prepared(p, olds, news, True, cfg, drift=True)
+
+
+def test_drift_reference_is_the_five_evaluations():
+    """The torch twin is exactly the composition the optimizer used before (fp32: same ops, so equal
+    bit for bit): h(new), h(a old) - h(old), B(a old, new - a old), h(new - a old)."""
+    from conserve.kernels import drift
+
+    p, olds, news = drift_case(16, torch.float32, seed=3, vec_terms=True)
+    a = [0.9, 0.8, 0.95, 1.0, 0.7]
+    a_old = [o * x if x != 1.0 else o for o, x in zip(olds, a)]
+    delta = [n - x for n, x in zip(news, a_old)]
+    h_old, h_a = evaluate_reference(p, olds), evaluate_reference(p, a_old)
+    want = [evaluate_reference(p, news), (h_a[0] - h_old[0], {d: h_a[1][d] - h_old[1][d] for d in h_a[1]}),
+            bilinear_reference(p, a_old, delta), evaluate_reference(p, delta)]
+    got = drift(p, olds, news, a, backend="torch")
+    for name, (gv, gg), (wv, wg) in zip(DRIFT_NAMES, got, want):
+        assert torch.equal(gv, wv), name
+        assert all(torch.equal(gg[d], wg[d]) for d in wg), name
+
+
+def test_drift_bad_input():
+    from conserve.kernels import drift
+
+    p, olds, news = drift_case(8, torch.float32, seed=1)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="one old per new"):
+            drift(p, olds[:-1], news, 1.0, backend=backend)
+        with pytest.raises(ValueError, match="one a per tensor"):
+            drift(p, olds, news, [1.0, 0.9], backend=backend)
+        with pytest.raises(ValueError, match="same tensor before and after"):
+            drift(p, [olds[0][:, :3]] + olds[1:], news, 1.0, backend=backend)
+
+
+def test_drift_through_fused_adamw_fp32():
+    """FusedAdamW tracking a tiny GQA LM in fp32: the Triton path (DRIFT pass for the Gram laws) gives
+    the torch twin's law values and first/second-order terms (same fp32 Delta; accumulation order
+    differs); its decay ``(a^2-1) O O^T`` equals the float64 ``h(a old) - h(old)`` (the torch twin's fp32
+    difference of two Grams cancels ~1e-4 relative here, so it is not the reference for decay)."""
+    from conserve.kernels import drift_reference
+    from conserve.models.lm import DecoderLM, LMConfig
+    from conserve.optim import FusedAdamW
+
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=12)
+    m1 = DecoderLM(cfg)
+    m2 = DecoderLM(cfg)
+    m2.load_state_dict(m1.state_dict())
+    o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, backend="triton")
+    o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, backend="torch")
+    assert o1._fp.rest is not None and o1._fp.rest.grams
+    x = torch.randint(0, 32, (1, 5))
+    for _ in range(2):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+            if o is o1:
+                grads = [q.grad for q in m1.parameters()]
+            else:
+                for q, gq in zip(m2.parameters(), grads):
+                    q.grad = None if gq is None else gq.clone()
+            o.step()
+    for key in ("first", "second"):
+        a, b = o1.tracker.last[key], o2.tracker.last[key]
+        for d in b.grams:
+            scale = b.grams[d].abs().max().item()
+            assert (a.grams[d] - b.grams[d]).abs().max().item() <= 1e-5 * scale, (key, d)
+    ts = o1.tracker.tensors
+    olds = [o1._old.get(i, t).detach().double() for i, t in enumerate(ts)]
+    _, (_, dec64), _, _ = drift_reference(o1._fp.rest, olds, [t.detach().double() for t in ts],
+                                          float(np.float32(1 - 1e-2 * 0.1)), fp64=True)
+    for d, g in dec64.items():
+        got = o1.tracker.last["decay"].grams[d]
+        assert g.abs().max() > 0 and (got - g).abs().max().item() <= 1e-5 * g.abs().max().item(), d
+    for d, g in o2.tracker.h.grams.items():
+        assert (o1.tracker.h.grams[d] - g).abs().max().item() <= 1e-5 * g.abs().max().item(), d
+
+
+def test_float64_inputs_stay_exact_in_fp64_mode():
+    """fp64 mode on float64 tensors (the tracker's fp64 drift terms form Delta in float64): the Triton
+    kernels read them as float64 -- no rounding through fp32 -- so Gram, norm and bilinear results
+    equal the float64 reference to fp64 rounding; with fp32 accumulation they are rounded once."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(16, 40, dtype=torch.float64, generator=g) * (1 + 1e-9)
+    y = torch.randn(16, 40, dtype=torch.float64, generator=g)
+    p = Plan()
+    s = p.new_gram(16)
+    p.grams.append(GramTerm(View(0, (0, 0), 0, 16, 1, 40), -0.7, s))
+    i = p.new_vec(16)
+    p.norms.append(NormTerm(View(0, (0, 0), 0, 16, 1, 40), 1.0, i))
+    for got, want in ((evaluate(p, [x], fp64=True, backend="triton"), evaluate_reference(p, [x], fp64=True)),
+                      (bilinear(p, [x], [y], fp64=True, backend="triton"),
+                       bilinear_reference(p, [x], [y], fp64=True))):
+        assert got[0].dtype == torch.float64
+        for a, b in ((got[0], want[0]), (got[1][16], want[1][16])):
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-14
+    v32, g32 = evaluate(p, [x], fp64=False, backend="triton")
+    rv, rg = evaluate_reference(p, [x], fp64=True)
+    assert v32.dtype == torch.float32 and ((g32[16].double() - rg[16]).abs().max() / rg[16].abs().max()).item() < 1e-5

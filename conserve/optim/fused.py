@@ -19,9 +19,10 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   gain, scale, router-sum, translation laws) comes from per-row / per-column sums of ``new^2``,
   ``a*old*Delta``, ``Delta^2``, ``(a^2-1) old^2`` (``new``, ``Delta``, ``(a-1) old`` for sums) that the
   step kernel accumulates while it writes the row: no extra read of any weight;
-* the D x D Gram laws (and any other term) are evaluated with the standalone kernels: the tensors
-  they read are copied before the step (one copy, e.g. ``v_proj``/``o_proj`` of a RoPE model), and the
-  five evaluations ``h(old), h(a old), B(a old, Delta), h(Delta), h(new)`` run over those tensors only.
+* the D x D Gram laws (and any other term) come from ``conserve.kernels.drift``: the tensors they read
+  are copied before the step (one copy, e.g. ``v_proj``/``o_proj`` of a RoPE model); after it, ONE
+  pass over old and new (Triton: one launch per head size) accumulates ``h(new)``, the decay
+  ``(a^2-1) h(old)``, ``B(a old, Delta)`` and ``h(Delta)`` with ``Delta = new - a old`` formed in registers.
 
 The three drift terms are computed directly (not as residuals), so the tracker's ``residual`` checks
 the identity at run time.  GradScaler: these optimizers do not set ``_step_supports_amp_scaling``,
@@ -290,34 +291,27 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tr.record_step(h1, terms if tr.drift else None)
 
     def _rest_terms(self, a_of, h1: Values, terms: dict) -> None:
-        """Gram laws (and unmapped terms) with the standalone kernels, as ``Tracker.after_step`` does."""
+        """Gram laws (and unmapped terms) with the standalone kernels, as ``Tracker.after_step`` does:
+        ``kernels.drift`` gives ``h(new)`` and the drift pieces in one call (Triton: one pass over the
+        old and new Gram tensors per head size)."""
         tr, fp = self.tracker, self._fp
-        ev = lambda xs: Values(*kernels.evaluate(fp.rest, xs, fp64=tr.fp64, backend=tr.backend))  # noqa: E731
         new = [t.detach() for t in tr.tensors]
-        h_new = ev(new)
+        if not tr.drift:
+            h_new = Values(*kernels.evaluate(fp.rest, new, fp64=tr.fp64, backend=tr.backend))
+        else:
+            old = list(new)
+            for i in fp.rest_tensors:
+                old[i] = self._old[i]
+            a = [a_of.get(i, 1.0) if i in fp.rest_tensors else 1.0 for i in range(len(new))]
+            h_new, decay, b, hd = (Values(*r) for r in kernels.drift(fp.rest, old, new, a, fp64=tr.fp64,
+                                                                       backend=tr.backend))
         h1.vec += h_new.vec
         for d, g in h_new.grams.items():
             h1.grams[d] = h1.grams[d] + g
         if not tr.drift:
             return
-        old = list(new)
-        for i in fp.rest_tensors:
-            old[i] = self._old[i]
-        if tr.fp64:  # Delta = new - a old in float64 too, as the step kernel forms it
-            for i in fp.rest_tensors:
-                new[i], old[i] = new[i].double(), old[i].double()
-        h_old = ev(old)
-        a_old = list(old)
-        for i in fp.rest_tensors:
-            a = a_of.get(i, 1.0)
-            if a != 1.0:
-                a_old[i] = old[i] * a
-        h_a = ev(a_old) if any(a_old[i] is not old[i] for i in fp.rest_tensors) else h_old
-        delta = [n - o if k in fp.rest_tensors else torch.zeros_like(n) for k, (n, o) in enumerate(zip(new, a_old))]
-        b = Values(*kernels.bilinear(fp.rest, a_old, delta, fp64=tr.fp64, backend=tr.backend))
-        hd = ev(delta)
         lin = tr._lin.to(hd.vec.dtype)
-        add = {"decay": h_a.map(torch.sub, h_old),
+        add = {"decay": decay,
                "first": Values(2 * b.vec + lin * hd.vec, {d: 2 * g for d, g in b.grams.items()}),
                "second": Values((1 - lin) * hd.vec, hd.grams)}
         for k, v in add.items():
