@@ -124,15 +124,22 @@ def cases(kernels):
                 out.append(("rowcol", f"{dt} [{cfg.BS},{BF}]{' bilinear' if bil else ''}", norms._rowcol_kernel,
                             types, ce, warps))
     if "gram" in kernels:
+        from conserve.kernels.launch import DRIFT_BK, DRIFT_BT
+        from conserve.kernels.triton_impl import DRIFT_WARPS
+
+        gtypes = {"terms": "*i64", "signs": "*fp32", "items": "*i64", "part": "*fp32", "factors": "*fp32",
+                  "plane": "i64"}
         for dt in ("fp32", "bf16"):
             for D, BT, BK, warps in ((128, 128, cfg.BK_BIG, 8), (64, 64, cfg.BK_SMALL, 4)):
                 for bil in (False, True):
-                    types = {"xb": t[dt], "yb": t[dt], "terms": "*i64", "signs": "*fp32", "items": "*i64",
-                             "part": "*fp32"}
                     ce = dict(D=D, BT=BT, BK=BK, ALIGN=16, SINGLE=D == BT, BILINEAR=bil, FP64=False, UPCAST=False,
-                              FOLD=True)
+                              FOLD=True, DRIFT=False, DECAY=False)
                     out.append(("gram", f"{dt} D={D} BT={BT} BK={BK}{' bilinear' if bil else ''}",
-                                gram._gram_kernel, types, ce, warps))
+                                gram._gram_kernel, dict(gtypes, xb=t[dt], yb=t[dt]), ce, warps))
+            ce = dict(D=128, BT=DRIFT_BT, BK=DRIFT_BK, ALIGN=16, SINGLE=False, BILINEAR=True, FP64=False,
+                      UPCAST=False, FOLD=True, DRIFT=True, DECAY=True)
+            out.append(("gram drift", f"{dt} D=128 BT={DRIFT_BT} BK={DRIFT_BK} a!=1", gram._gram_kernel,
+                        dict(gtypes, xb=t[dt], yb=t[dt]), ce, DRIFT_WARPS))
     if "step" in kernels:
         step, _ = optim_step._kernels()
         for dt, lowp, es in (("fp32", 0, 4), ("bf16", 1, 2)):

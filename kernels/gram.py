@@ -25,7 +25,13 @@ partials of its items in a fixed order and mirrors off-diagonal tiles (no atomic
 Term table row (int64): ``x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs`` in elements relative to
 the launch's base pointers; layout 0: ``x_cs == 1`` (row blocks of nn.Linear weights: tiles
 [BT, BK] loaded along the contiguous k), 1: ``x_rs == 1`` (column blocks, e.g. ``W_o[:, r_i]`` or
-GPT-2 Conv1D: tiles [BK, BT] loaded along the contiguous head dim), 2: general strides.
+GPT-2 Conv1D: tiles [BK, BT] loaded along the contiguous head dim), 2: general strides.  Item row:
+``t0, t1, k0, k1, ti, tj, ta, tb``: a slot's terms are sorted by layout, ``[t0, ta)`` layout 0,
+``[ta, tb)`` 1, ``[tb, t1)`` 2, and each range runs its own term loop with the layout as a constexpr
+(``_slot_terms``); inside a term, full ``BK`` blocks load without a mask along k and the last partial
+block is masked.  Both choices exist for the loads: with a runtime layout branch or a k mask of
+unknown divisibility, ptxas emitted 4-byte copies; now the full blocks of layouts 0 and 1 are
+16-byte ``cp.async`` vectors (``python -m bench.sass --kernels gram``).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import triton
 import triton.language as tl
 
 TERM_COLS = 8
-ITEM_COLS = 6
+ITEM_COLS = 8
 GROUP_COLS = 5
 
 
@@ -53,6 +59,23 @@ def _tile(base, off, i, j, si, sj, mask):
     """``tile[a, b] = base[off + i[a]*si + j[b]*sj]`` (zero where ``mask`` is false); int64 offsets."""
     ptrs = base + off + i[:, None].to(tl.int64) * si + j[None, :].to(tl.int64) * sj
     return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _km(mr, mk, MASK_K: tl.constexpr, KFIRST: tl.constexpr):
+    """Load mask of a tile: output-row mask ``mr`` and, on the masked tail only (MASK_K), the
+    contracted-index mask ``mk``; ``KFIRST``: tiles ``[BK, BT]``.  Without MASK_K the mask is constant
+    along the contiguous axis, so loads vectorise (``tl.load`` broadcasts it)."""
+    if KFIRST:
+        if MASK_K:
+            return mk[:, None] & mr[None, :]
+        else:
+            return mr[None, :]
+    else:
+        if MASK_K:
+            return mr[:, None] & mk[None, :]
+        else:
+            return mr[:, None]
 
 
 @triton.jit
@@ -79,57 +102,58 @@ def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexp
 
 
 @triton.jit
-def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign, acc,
+def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, sign, acc,
           BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, BILINEAR: tl.constexpr,
-          UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr):
-    """One term's contribution over the contracted range [k0, kend), through ``tl.dot``."""
+          UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr, MASK_K: tl.constexpr, LAY: tl.constexpr):
+    """One term's contribution over the contracted range [k0, kend), through ``tl.dot``.  MASK_K: the
+    range is the last partial block (masked); otherwise ``kend - k0`` is a multiple of BK."""
     kr = tl.arange(0, BK)
-    if lay == 0:
+    if LAY == 0:
         # rows of the view are strided, columns contiguous: tiles [BT, BK]
-        rs_a = tl.multiple_of(rs, ALIGN)
-        yrs_a = tl.multiple_of(yrs, ALIGN)
+        rs_a = slow  # hinted by the caller, after its load (a hint on a callee argument is lost)
+        yrs_a = yslow
         for k in range(k0, kend, BK):
             kk = k + kr
             mk = kk < kend
-            a = _tile(xb, xo, ri, kk, rs_a, 1, mi[:, None] & mk[None, :])
+            a = _tile(xb, xo, ri, kk, rs_a, 1, _km(mi, mk, MASK_K, False))
             if BILINEAR:
-                c = _tile(yb, yo, ri, kk, yrs_a, 1, mi[:, None] & mk[None, :])
+                c = _tile(yb, yo, ri, kk, yrs_a, 1, _km(mi, mk, MASK_K, False))
                 if SINGLE:
                     b = a
                     d = c
                 else:
-                    b = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
-                    d = _tile(yb, yo, rj, kk, yrs_a, 1, mj[:, None] & mk[None, :])
+                    b = _tile(xb, xo, rj, kk, rs_a, 1, _km(mj, mk, MASK_K, False))
+                    d = _tile(yb, yo, rj, kk, yrs_a, 1, _km(mj, mk, MASK_K, False))
                 acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
             else:
                 if SINGLE:
                     b = a
                 else:
-                    b = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
+                    b = _tile(xb, xo, rj, kk, rs_a, 1, _km(mj, mk, MASK_K, False))
                 acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
-    elif lay == 1:
+    elif LAY == 1:
         # the head dim is contiguous (column blocks, Conv1D): tiles [BK, BT], contracted over axis 0
-        cs_a = tl.multiple_of(cs, ALIGN)
-        ycs_a = tl.multiple_of(ycs, ALIGN)
+        cs_a = slow
+        ycs_a = yslow
         for k in range(k0, kend, BK):
             kk = k + kr
             mk = kk < kend
-            at = _tile(xb, xo, kk, ri, cs_a, 1, mk[:, None] & mi[None, :])
+            at = _tile(xb, xo, kk, ri, cs_a, 1, _km(mi, mk, MASK_K, True))
             if BILINEAR:
-                ct = _tile(yb, yo, kk, ri, ycs_a, 1, mk[:, None] & mi[None, :])
+                ct = _tile(yb, yo, kk, ri, ycs_a, 1, _km(mi, mk, MASK_K, True))
                 if SINGLE:
                     bt = at
                     dt = ct
                 else:
-                    bt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
-                    dt = _tile(yb, yo, kk, rj, ycs_a, 1, mk[:, None] & mj[None, :])
+                    bt = _tile(xb, xo, kk, rj, cs_a, 1, _km(mj, mk, MASK_K, True))
+                    dt = _tile(yb, yo, kk, rj, ycs_a, 1, _km(mj, mk, MASK_K, True))
                 acc = _pair_dot(tl.trans(at), tl.trans(dt), tl.trans(ct), tl.trans(bt), acc, sign,
                                 BILINEAR, UPCAST, APPLY_SIGN)
             else:
                 if SINGLE:
                     bt = at
                 else:
-                    bt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
+                    bt = _tile(xb, xo, kk, rj, cs_a, 1, _km(mj, mk, MASK_K, True))
                 acc = _pair_dot(tl.trans(at), tl.trans(bt), tl.trans(at), tl.trans(bt), acc, sign,
                                 BILINEAR, UPCAST, APPLY_SIGN)
     else:
@@ -137,11 +161,11 @@ def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign,
         for k in range(k0, kend, BK):
             kk = k + kr
             mk = kk < kend
-            a = _tile(xb, xo, ri, kk, rs, cs, mi[:, None] & mk[None, :])
-            b = _tile(xb, xo, rj, kk, rs, cs, mj[:, None] & mk[None, :])
+            a = _tile(xb, xo, ri, kk, rs, cs, _km(mi, mk, MASK_K, False))
+            b = _tile(xb, xo, rj, kk, rs, cs, _km(mj, mk, MASK_K, False))
             if BILINEAR:
-                c = _tile(yb, yo, ri, kk, yrs, ycs, mi[:, None] & mk[None, :])
-                d = _tile(yb, yo, rj, kk, yrs, ycs, mj[:, None] & mk[None, :])
+                c = _tile(yb, yo, ri, kk, yrs, ycs, _km(mi, mk, MASK_K, False))
+                d = _tile(yb, yo, rj, kk, yrs, ycs, _km(mj, mk, MASK_K, False))
                 acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
             else:
                 acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
@@ -215,41 +239,43 @@ def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
 
 
 @triton.jit
-def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, a, sign, sdec,
+def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, a, sign, sdec,
                 acc_n, acc_d, acc_b, acc_l, BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr,
-                DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr):
-    """One term's DRIFT contribution over [k0, kend): ``xb`` = old weights, ``yb`` = new weights."""
+                DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr, MASK_K: tl.constexpr,
+                LAY: tl.constexpr):
+    """One term's DRIFT contribution over [k0, kend): ``xb`` = old weights, ``yb`` = new weights
+    (MASK_K as in ``_term``)."""
     kr = tl.arange(0, BK)
-    if lay == 0:
-        rs_a = tl.multiple_of(rs, ALIGN)
-        yrs_a = tl.multiple_of(yrs, ALIGN)
+    if LAY == 0:
+        rs_a = slow  # hinted by the caller, after its load (a hint on a callee argument is lost)
+        yrs_a = yslow
         for k in range(k0, kend, BK):
             kk = k + kr
             mk = kk < kend
-            oi = _tile(xb, xo, ri, kk, rs_a, 1, mi[:, None] & mk[None, :])
-            ni = _tile(yb, yo, ri, kk, yrs_a, 1, mi[:, None] & mk[None, :])
+            oi = _tile(xb, xo, ri, kk, rs_a, 1, _km(mi, mk, MASK_K, False))
+            ni = _tile(yb, yo, ri, kk, yrs_a, 1, _km(mi, mk, MASK_K, False))
             if SINGLE:
                 oj = oi
                 nj = ni
             else:
-                oj = _tile(xb, xo, rj, kk, rs_a, 1, mj[:, None] & mk[None, :])
-                nj = _tile(yb, yo, rj, kk, yrs_a, 1, mj[:, None] & mk[None, :])
+                oj = _tile(xb, xo, rj, kk, rs_a, 1, _km(mj, mk, MASK_K, False))
+                nj = _tile(yb, yo, rj, kk, yrs_a, 1, _km(mj, mk, MASK_K, False))
             acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
                                                      SINGLE, DECAY, FOLD, UPCAST)
-    elif lay == 1:
-        cs_a = tl.multiple_of(cs, ALIGN)
-        ycs_a = tl.multiple_of(ycs, ALIGN)
+    elif LAY == 1:
+        cs_a = slow
+        ycs_a = yslow
         for k in range(k0, kend, BK):
             kk = k + kr
             mk = kk < kend
-            oit = _tile(xb, xo, kk, ri, cs_a, 1, mk[:, None] & mi[None, :])
-            nit = _tile(yb, yo, kk, ri, ycs_a, 1, mk[:, None] & mi[None, :])
+            oit = _tile(xb, xo, kk, ri, cs_a, 1, _km(mi, mk, MASK_K, True))
+            nit = _tile(yb, yo, kk, ri, ycs_a, 1, _km(mi, mk, MASK_K, True))
             if SINGLE:
                 ojt = oit
                 njt = nit
             else:
-                ojt = _tile(xb, xo, kk, rj, cs_a, 1, mk[:, None] & mj[None, :])
-                njt = _tile(yb, yo, kk, rj, ycs_a, 1, mk[:, None] & mj[None, :])
+                ojt = _tile(xb, xo, kk, rj, cs_a, 1, _km(mj, mk, MASK_K, True))
+                njt = _tile(yb, yo, kk, rj, ycs_a, 1, _km(mj, mk, MASK_K, True))
             acc_n, acc_d, acc_b, acc_l = _drift_dots(tl.trans(oit), tl.trans(nit), tl.trans(ojt), tl.trans(njt),
                                                      a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
                                                      SINGLE, DECAY, FOLD, UPCAST)
@@ -257,16 +283,86 @@ def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend,
         for k in range(k0, kend, BK):
             kk = k + kr
             mk = kk < kend
-            oi = _tile(xb, xo, ri, kk, rs, cs, mi[:, None] & mk[None, :])
-            ni = _tile(yb, yo, ri, kk, yrs, ycs, mi[:, None] & mk[None, :])
+            oi = _tile(xb, xo, ri, kk, rs, cs, _km(mi, mk, MASK_K, False))
+            ni = _tile(yb, yo, ri, kk, yrs, ycs, _km(mi, mk, MASK_K, False))
             if SINGLE:
                 oj = oi
                 nj = ni
             else:
-                oj = _tile(xb, xo, rj, kk, rs, cs, mj[:, None] & mk[None, :])
-                nj = _tile(yb, yo, rj, kk, yrs, ycs, mj[:, None] & mk[None, :])
+                oj = _tile(xb, xo, rj, kk, rs, cs, _km(mj, mk, MASK_K, False))
+                nj = _tile(yb, yo, rj, kk, yrs, ycs, _km(mj, mk, MASK_K, False))
             acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
                                                      SINGLE, DECAY, FOLD, UPCAST)
+    return acc_n, acc_d, acc_b, acc_l
+
+
+@triton.jit
+def _strides(row, ALIGN: tl.constexpr, LAY: tl.constexpr):
+    """``xo, rs, cs, n, yo, yrs, ycs, slow, yslow`` of a term-table row; ``slow``: the strided axis of
+    layout 0 (rows) / 1 (columns), hinted HERE right after its load -- ptxas then emits 16-byte vector
+    loads (a ``tl.multiple_of`` on a callee's argument is lost; bench/sass.py)."""
+    xo = tl.multiple_of(tl.load(row), ALIGN)
+    rs = tl.load(row + 1)
+    cs = tl.load(row + 2)
+    n = tl.load(row + 3)
+    yo = tl.multiple_of(tl.load(row + 5), ALIGN)
+    yrs = tl.load(row + 6)
+    ycs = tl.load(row + 7)
+    if LAY == 1:
+        slow = tl.multiple_of(tl.load(row + 2), ALIGN)
+        yslow = tl.multiple_of(tl.load(row + 7), ALIGN)
+    else:
+        slow = tl.multiple_of(tl.load(row + 1), ALIGN)
+        yslow = tl.multiple_of(tl.load(row + 6), ALIGN)
+    return xo, rs, cs, n, yo, yrs, ycs, slow, yslow
+
+
+@triton.jit
+def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: tl.constexpr, BK: tl.constexpr,
+                ALIGN: tl.constexpr, SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, LAY: tl.constexpr):
+    """Terms [t0, t1) of one layout (constexpr LAY: one code path per loop): full contracted blocks
+    without a mask along k, then the masked tail."""
+    ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
+    for t in range(t0, t1):
+        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * 8, ALIGN, LAY)
+        sign = tl.load(signs + t)
+        kend = tl.maximum(tl.minimum(k1, n), k0)
+        kfull = k0 + (kend - k0) // BK * BK
+        if FP64:
+            acc = _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR)
+        elif FOLD:
+            acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign, acc,
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, False, LAY)
+            acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign, acc,
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, True, LAY)
+        else:
+            tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign,
+                         tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY)
+            tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign,
+                         tacc, BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, True, LAY)
+            acc += sign * tacc
+    return acc
+
+
+@triton.jit
+def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, acc_n, acc_d, acc_b, acc_l,
+                BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, DECAY: tl.constexpr,
+                FOLD: tl.constexpr, UPCAST: tl.constexpr, LAY: tl.constexpr):
+    """DRIFT twin of ``_slot_terms``: terms [t0, t1) of one layout into the four accumulators."""
+    for t in range(t0, t1):
+        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * 8, ALIGN, LAY)
+        sign = tl.load(signs + t)
+        a = tl.load(factors + 2 * t)
+        sdec = tl.load(factors + 2 * t + 1)
+        kend = tl.maximum(tl.minimum(k1, n), k0)
+        kfull = k0 + (kend - k0) // BK * BK
+        acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0,
+                                                 kfull, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, False, LAY)
+        acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull,
+                                                 kend, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, True, LAY)
     return acc_n, acc_d, acc_b, acc_l
 
 
@@ -285,10 +381,12 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
     ``plane`` elements apart; DECAY=False (every a_t == 1) skips the decay dots (its plane is 0).
     FOLD here only selects the input-dtype fold of h_new (see ``_drift_dots``).  Ignored otherwise."""
     pid = tl.program_id(0).to(tl.int64)
-    it = items + pid * 6
+    it = items + pid * 8
     t0 = tl.load(it)
     t1 = tl.load(it + 1)
-    k0 = tl.load(it + 2)
+    ta = tl.load(it + 6)  # the slot's terms are sorted by layout: [t0, ta) 0, [ta, tb) 1, [tb, t1) 2
+    tb = tl.load(it + 7)
+    k0 = tl.multiple_of(tl.load(it + 2), BK)  # launch.py: chunks are multiples of BK
     k1 = tl.load(it + 3)
     ti = tl.load(it + 4)
     tj = tl.load(it + 5)
@@ -300,27 +398,15 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
     o = tl.arange(0, BT)
     out = part + pid * (BT * BT) + o[:, None] * BT + o[None, :]
     if DRIFT:
-        acc_n = tl.zeros([BT, BT], dtype=tl.float32)
-        acc_d = tl.zeros([BT, BT], dtype=tl.float32)
-        acc_b = tl.zeros([BT, BT], dtype=tl.float32)
-        acc_l = tl.zeros([BT, BT], dtype=tl.float32)
-        for t in range(t0, t1):
-            row = terms + t * 8
-            xo = tl.multiple_of(tl.load(row), ALIGN)
-            rs = tl.load(row + 1)
-            cs = tl.load(row + 2)
-            n = tl.load(row + 3)
-            lay = tl.load(row + 4)
-            yo = tl.multiple_of(tl.load(row + 5), ALIGN)
-            yrs = tl.load(row + 6)
-            ycs = tl.load(row + 7)
-            sign = tl.load(signs + t)
-            a = tl.load(factors + 2 * t)
-            sdec = tl.load(factors + 2 * t + 1)
-            kend = tl.minimum(k1, n)
-            acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0,
-                                                     kend, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                     BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST)
+        z = tl.zeros([BT, BT], dtype=tl.float32)
+        acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, t0, ta, k0, k1, ri, rj, mi, mj,
+                                                 z, z, z, z, BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, 0)
+        acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, ta, tb, k0, k1, ri, rj, mi, mj,
+                                                 acc_n, acc_d, acc_b, acc_l, BK, ALIGN, SINGLE, DECAY, FOLD,
+                                                 UPCAST, 1)
+        acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, tb, t1, k0, k1, ri, rj, mi, mj,
+                                                 acc_n, acc_d, acc_b, acc_l, BK, ALIGN, SINGLE, DECAY, FOLD,
+                                                 UPCAST, 2)
         if SINGLE:  # one dot per step (aO Dl^T), its transpose added once here
             acc_b = acc_b + tl.trans(acc_b)
         pl = plane.to(tl.int64)
@@ -330,27 +416,16 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
         tl.store(out + 3 * pl, acc_l)
     else:
         acc = tl.zeros([BT, BT], dtype=ACC)
-        for t in range(t0, t1):
-            row = terms + t * 8
-            xo = tl.multiple_of(tl.load(row), ALIGN)
-            rs = tl.load(row + 1)
-            cs = tl.load(row + 2)
-            n = tl.load(row + 3)
-            lay = tl.load(row + 4)
-            yo = tl.multiple_of(tl.load(row + 5), ALIGN)
-            yrs = tl.load(row + 6)
-            ycs = tl.load(row + 7)
-            sign = tl.load(signs + t)
-            kend = tl.minimum(k1, n)
-            if FP64:
-                acc = _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR)
-            elif FOLD:
-                acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign, acc,
-                            BK, ALIGN, SINGLE, BILINEAR, UPCAST, True)
-            else:
-                tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, lay, ri, rj, mi, mj, k0, kend, sign,
-                             tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False)
-                acc += sign * tacc
+        if FP64:
+            acc = _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
+                              BILINEAR, FP64, UPCAST, FOLD, 2)
+        else:
+            acc = _slot_terms(xb, yb, terms, signs, t0, ta, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
+                              BILINEAR, FP64, UPCAST, FOLD, 0)
+            acc = _slot_terms(xb, yb, terms, signs, ta, tb, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
+                              BILINEAR, FP64, UPCAST, FOLD, 1)
+            acc = _slot_terms(xb, yb, terms, signs, tb, t1, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
+                              BILINEAR, FP64, UPCAST, FOLD, 2)
         if BILINEAR:
             acc = acc * 0.5
         tl.store(out, acc)

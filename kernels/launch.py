@@ -11,8 +11,9 @@ everything else depends only on the plan and the tensors' dtypes/shapes/strides.
 Tables (all int64, row-major):
 
 * Gram terms ``[x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs]``, sorted by output slot; signs in
-  the accumulation dtype.  Items ``[t0, t1, k0, k1, ti, tj]``: the slot's term range, a chunk of the
-  contracted dim, an upper-triangular output tile.  Finishing groups ``[i0, i1, slot, ti, tj]`` index
+  the accumulation dtype.  Items ``[t0, t1, k0, k1, ti, tj, ta, tb]``: the slot's term range (sorted
+  by layout; ``ta``, ``tb``: its first layout-1 / layout-2 term), a chunk of the contracted dim, an
+  upper-triangular output tile.  Finishing groups ``[i0, i1, slot, ti, tj]`` index
   ``order`` (item ids of one output tile, across dtype groups, in a fixed order).
 * Regions ``[x_off, ss, fs, S, F, layout, func, fast_base, -, y_off, yss, yfs]`` (see
   ``norms.py``), items ``[region, s_start, s_end, f0, fast_off, slow_off]`` (one column tile of one
@@ -20,6 +21,8 @@ Tables (all int64, row-major):
   items' partials into the element buffer, and the CSR gather ``ptr, idx, sgn`` into ``vec``.
 """
 from __future__ import annotations
+
+import os
 
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -82,7 +85,13 @@ class Config:
         # columns (32 lanes x one 16-byte vector), so the row sums of fused regions are warp shuffles
         # (a [16, 256] tile put two warps on a row: a cross-warp reduction per tile).  256 KiB per
         # item keeps the last wave short.
-        return Config(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4)
+        # CONSERVE_GRAM_BT=64: 64 x 64 output tiles for D = 128 (3 of 4 tiles, 168 instead of 255
+        # registers at BK 16) -- an A/B switch for bench/gpu_check.sh until a GPU measures the default.
+        bt = int(os.environ.get("CONSERVE_GRAM_BT", "128"))
+        if bt not in (16, 32, 64, 128):
+            raise ValueError(f"CONSERVE_GRAM_BT={bt}: use 16, 32, 64 or 128")
+        return Config(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
+                      BK_SMALL=16 if bt < 128 else Config.BK_SMALL)
 
     def norm_tile(self, group) -> tuple[int, int]:
         """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""
@@ -249,18 +258,27 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | No
                 # the output tiles of one contracted chunk are neighbours: they read the same rows at
                 # about the same time (L2 reuse when D spans several tiles); each tile's partials are
                 # still summed in k order (``order``), so the results do not depend on this ordering
+                # a slot's terms sorted by layout (stable): the kernel runs one term loop per layout
+                # with the layout as a constexpr (a runtime branch kept the column-block tiles from
+                # 16-byte loads, bench/sass.py); items carry the boundaries ta (first layout-1 term)
+                # and tb (first layout-2 term)
+                lays = [_layout(D, e[0].view.cols, [(e[2], e[3])] + ([(e[5], e[6])] if ys is not None else []))
+                        for e in ents[i:j]]
+                part = sorted(range(j - i), key=lambda q: lays[q])
+                t0 = len(rows)
+                ta = t0 + sum(1 for q in lays if q < 1)
+                tb = t0 + sum(1 for q in lays if q < 2)
                 for k0 in range(0, max_n, chunk):
                     for (ti, tj) in tiles:
                         tile_items[(slot, ti, tj)].append(item_base + len(items))
-                        items.append((len(rows) + 0, len(rows) + (j - i), k0, min(k0 + chunk, max_n), ti, tj))
-                for (t, xo, xrs, xcs, yo, yrs, ycs) in ents[i:j]:
-                    strides = [(xrs, xcs)] + ([(yrs, ycs)] if ys is not None else [])
-                    lay = _layout(D, t.view.cols, strides)
-                    rows.append((xo, xrs, xcs, t.view.cols, lay, yo, yrs, ycs))
+                        items.append((t0, t0 + (j - i), k0, min(k0 + chunk, max_n), ti, tj, ta, tb))
+                for q in part:
+                    (t, xo, xrs, xcs, yo, yrs, ycs) = ents[i + q]
+                    rows.append((xo, xrs, xcs, t.view.cols, lays[q], yo, yrs, ycs))
                     xt.append(t.view.tensor)
                     signs.append(float(t.sign))
                 i = j
-            items_np = np.asarray(items, dtype=np.int64).reshape(-1, 6)
+            items_np = np.asarray(items, dtype=np.int64).reshape(-1, 8)
             # sign folded into a half-precision operand must be exact (|sign| == 1); an fp32 operand
             # takes one rounding of sign*x, far below the fp32 accumulation error
             fold = all(abs(v) == 1.0 for v in signs) or all(d == torch.float32 for d in g)

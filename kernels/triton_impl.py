@@ -133,7 +133,7 @@ class Prepared:
                 terms[:, 5] = L.offsets(l.terms[:, 5], l.y_tensor, yd) if ys is not None else 0
                 hint = list(terms[:, 0]) + list(terms[:, 5])
                 for (xo, rs, cs, n, lay, yo, yrs, ycs) in terms:
-                    hint += [rs, yrs] if lay == 0 else ([cs, ycs] if lay == 1 else [])
+                    hint += [cs, ycs] if lay == 1 else [rs, yrs]  # gram._strides hints the slow stride
                 lb.append((self._dev(terms), self._align(l.group, hint)))
             self.gram_bound.append(lb)
         self.norm_bound = []

@@ -757,3 +757,26 @@ def test_float64_inputs_stay_exact_in_fp64_mode():
     v32, g32 = evaluate(p, [x], fp64=False, backend="triton")
     rv, rg = evaluate_reference(p, [x], fp64=True)
     assert v32.dtype == torch.float32 and ((g32[16].double() - rg[16]).abs().max() / rg[16].abs().max()).item() < 1e-5
+
+
+def test_gram_terms_sorted_by_layout_within_a_slot():
+    """A slot mixing a general-stride view (layout 2), a row block (0) and a column block (1): the
+    term table lists it as 0, 1, 2 and every item carries the boundaries ``ta``/``tb`` the kernel's
+    per-layout loops use; the Triton result equals the float64 reference."""
+    g = torch.Generator().manual_seed(22)
+    w = randn(24, 40, gen=g)
+    big = randn(64, 48, gen=g)
+    p = Plan()
+    s = p.new_gram(8)
+    p.grams.append(GramTerm(View(2, (0, 0), 0, 8, 1, 30), 0.5, s))  # a transposed, strided tensor: layout 2
+    p.grams.append(GramTerm(View(0, (0, 4), 1, 8, 0, 24), -1.0, s))  # columns of w: layout 1
+    p.grams.append(GramTerm(View(1, (0, 0), 0, 8, 1, 20, row_step=3), 1.0, s))  # every 3rd row of big: layout 0
+    ts = [w, big, randn(60, 50, gen=g).t()[::2]]
+    st = L.build(p, ts, None, False, L.Config())
+    (lch,) = st.gram[0].launches
+    assert list(lch.terms[:, 4]) == [0, 1, 2]
+    assert (lch.items[:, 6] == 1).all() and (lch.items[:, 7] == 2).all()
+    vec, grams = evaluate(p, ts, backend="triton")
+    rv, rg = evaluate_reference(p, [t.double() for t in ts], fp64=True)
+    sv, sg = evaluate_reference(_abs_plan(p), [t.double().abs() for t in ts], fp64=True)
+    _close(grams[8], rg[8], sg[8], 1e-5, "gram")
