@@ -6,7 +6,7 @@
 # (d) the fused AdamW benchmark (issue 4) with its per-kernel breakdown, (e) the RoPE fp32 case again
 # with the Gram/norm stream overlap switched off (A/B of that choice).  (b) prints the time per
 # kernel (--profile) so the bound (Gram vs row/column kernel) is visible in one run; (f) A/Bs the
-# Gram output tile (CONSERVE_GRAM_BT=64).
+# Gram output tile (CONSERVE_GRAM_BT=64), (g) the norm-load pipelining (CONSERVE_NORM_STAGES=1).
 # torch.compile of the naive code is skipped by default (it costs ~20-40 s per case on a cold
 # machine; the lead's earlier numbers have it): COMPILE=1 bash bench/gpu_check.sh to include it.
 ln -sfn ../kernels conserve/kernels  # the device copy has no install: make conserve.kernels importable
@@ -44,5 +44,8 @@ CONSERVE_OVERLAP=0 timeout 60 python -m bench.kernels --cases llama --dtypes flo
 echo "== (f) llama/norope fp32 with 64 x 64 Gram tiles (CONSERVE_GRAM_BT=64: fewer registers, 3/4 of the FLOPs)"
 CONSERVE_GRAM_BT=64 timeout 90 python -m bench.kernels --cases norope,llama --dtypes float32 --no-compile --profile \
     --csv "$OUT/results_bt64.csv" 2>&1 | tee "$OUT/bench_bt64.txt"
+echo "== (g) llama fp32/bf16 with unpipelined norm loads (CONSERVE_NORM_STAGES=1, the previous kernel)"
+CONSERVE_NORM_STAGES=1 timeout 90 python -m bench.kernels --cases llama --dtypes float32,bfloat16 --no-compile --profile \
+    --csv "$OUT/results_stages1.csv" 2>&1 | tee "$OUT/bench_stages1.txt"
 echo "done in $(( $(date +%s) - t0 )) s; parity rc=$parity_rc"
 exit "$parity_rc"

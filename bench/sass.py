@@ -120,8 +120,9 @@ def cases(kernels):
             for bil in (False, True):
                 types = {"xb": t[dt], "yb": t[dt], "regions": "*i64", "shifts": "*fp32", "items": "*i64",
                          "part": "*fp32"}
-                ce = dict(BS=cfg.BS, BF=BF, ALIGN=16, BILINEAR=bil, FP64=False)
-                out.append(("rowcol", f"{dt} [{cfg.BS},{BF}]{' bilinear' if bil else ''}", norms._rowcol_kernel,
+                ce = dict(BS=cfg.BS, BF=BF, ALIGN=16, BILINEAR=bil, FP64=False, STAGES=cfg.norm_stages)
+                out.append(("rowcol", f"{dt} [{cfg.BS},{BF}] x{cfg.norm_stages}{' bilinear' if bil else ''}",
+                            norms._rowcol_kernel,
                             types, ce, warps))
     if "gram" in kernels:
         from conserve.kernels.launch import DRIFT_BK, DRIFT_BT

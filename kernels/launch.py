@@ -67,6 +67,7 @@ class Config:
     BS: int = 64
     BF: int = 128
     norm_warps: int = 4
+    norm_stages: int = 1  # software-pipelined (cp.async) row tiles in flight per norm program
     BK_BIG: int = 32  # contracted block for output tiles of 128
     BK_SMALL: int = 64
     BT_MAX: int = 128
@@ -90,8 +91,17 @@ class Config:
         bt = int(os.environ.get("CONSERVE_GRAM_BT", "128"))
         if bt not in (16, 32, 64, 128):
             raise ValueError(f"CONSERVE_GRAM_BT={bt}: use 16, 32, 64 or 128")
+        # Norm loads pipelined through shared memory (tl.range num_stages=3: 16-byte cp.async, no
+        # registers held per byte in flight): on triton 3.6 / sm_90 a program holds 231 registers and
+        # 65 KiB, 2 per SM, 2-3 tiles each = 64-96 KiB in flight per SM, against 32 KiB for the register
+        # loads (194 registers, one 16 KiB tile per program); ~32 KiB is what 4.27 TB/s x ~1 us of
+        # loaded latency needs per SM, so the unpipelined kernel sat at the edge.  CONSERVE_NORM_STAGES=1
+        # restores it (the A/B of bench/gpu_check.sh).
+        stages = int(os.environ.get("CONSERVE_NORM_STAGES", "3"))
+        if not 1 <= stages <= 4:
+            raise ValueError(f"CONSERVE_NORM_STAGES={stages}: use 1 to 4")
         return Config(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
-                      BK_SMALL=16 if bt < 128 else Config.BK_SMALL)
+                      BK_SMALL=16 if bt < 128 else Config.BK_SMALL, norm_stages=stages)
 
     def norm_tile(self, group) -> tuple[int, int]:
         """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""

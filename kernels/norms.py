@@ -40,7 +40,7 @@ FIN_COLS = 4
 @triton.jit
 def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
            BS: tl.constexpr, BF: tl.constexpr, ACC: tl.constexpr, CONTIG: tl.constexpr,
-           MASK_F: tl.constexpr, BILINEAR: tl.constexpr):
+           MASK_F: tl.constexpr, BILINEAR: tl.constexpr, STAGES: tl.constexpr):
     """Stream rows [s_start, s_end) of one column tile ``f``; returns the ``[BS, BF]`` accumulator
     of ``v`` (its column sums are the slow sums).  CONTIG: the column stride is the literal 1 (the
     compiler then vectorises along it); MASK_F: the tile crosses the region's last column (otherwise
@@ -53,7 +53,7 @@ def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift
     else:
         fo = f[None, :].to(tl.int64) * fs
         yfo = f[None, :].to(tl.int64) * yfs
-    for s0 in range(s_start, s_end, BS):
+    for s0 in tl.range(s_start, s_end, BS, num_stages=STAGES):
         s = s0 + sr
         ms = s < s_end
         if MASK_F:
@@ -77,7 +77,7 @@ def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift
 @triton.jit
 def _rowcol_kernel(xb, yb, regions, shifts, items, part,
                    BS: tl.constexpr, BF: tl.constexpr, ALIGN: tl.constexpr,
-                   BILINEAR: tl.constexpr, FP64: tl.constexpr):
+                   BILINEAR: tl.constexpr, FP64: tl.constexpr, STAGES: tl.constexpr = 1):
     pid = tl.program_id(0).to(tl.int64)
     it = items + pid * 6
     r = tl.load(it)
@@ -106,13 +106,13 @@ def _rowcol_kernel(xb, yb, regions, shifts, items, part,
         yssa = tl.multiple_of(yss, ALIGN)
         if f0 + BF <= F:
             acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
-                         BS, BF, ACC, True, False, BILINEAR)
+                         BS, BF, ACC, True, False, BILINEAR, STAGES)
         else:
             acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
-                         BS, BF, ACC, True, True, BILINEAR)
+                         BS, BF, ACC, True, True, BILINEAR, STAGES)
     else:
         acc = _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
-                     BS, BF, ACC, False, True, BILINEAR)
+                     BS, BF, ACC, False, True, BILINEAR, STAGES)
     if slow_off >= 0:
         tl.store(part + slow_off + f, tl.sum(acc, axis=0), mask=mf)
 

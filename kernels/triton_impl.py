@@ -256,7 +256,7 @@ class Prepared:
             xb, yb = self.bases[l.group]
             _rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], self.normpart,
                                             BS=self.cfg.BS, BF=l.BF, ALIGN=align, BILINEAR=bil,
-                                            FP64=fp64, num_warps=l.warps)
+                                            FP64=fp64, STAGES=self.cfg.norm_stages, num_warps=l.warps)
         if len(st.finish_blocks):
             _finish_rows[(len(st.finish_blocks),)](self.normpart, self.finish, self.finish_blocks, elem,
                                                    RB=8, BC=L.FIN_BC, FP64=fp64, num_warps=4)
