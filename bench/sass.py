@@ -163,6 +163,9 @@ def main(argv=None) -> list[Report]:
     ap.add_argument("--kernels", default="norm,gram,step", help="comma list of norm, gram, step")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("bench.sass compiles real kernels: unset TRITON_INTERPRET (the interpreter's functions "
+                         "cannot be compiled)")
     reports = []
     print(f"sm_{args.arch}, triton {triton.__version__}")
     print(f"{'kernel':<11} {'config':<34} {'warps':>5} {'regs':>4} {'spill':>5} {'smem KiB':>8} "

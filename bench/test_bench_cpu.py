@@ -47,3 +47,19 @@ def test_triton_interpreter(benchmark, case):
     vec, grams = benchmark.pedantic(evaluate, args=(plan, ts), kwargs=dict(backend="triton"), rounds=1, iterations=1)
     nv, ng = naive_llama(SHAPE, rope, ts)
     assert torch.allclose(vec, nv, rtol=1e-4, atol=1e-6) and torch.allclose(grams[SHAPE.D], ng[SHAPE.D], atol=1e-6)
+
+
+def test_offline_sm90_compile_of_the_step_kernel():
+    """``python -m bench.sass`` compiles for sm_90 without a GPU (triton's bundled ptxas; in a fresh
+    process: the kernels must not be the interpreter's): the AdamW step kernel at its GPU tiles uses
+    16-byte loads and does not spill."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "bench.sass", "--kernels", "step"], env=env, capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith("adamw step")]
+    assert len(rows) == 6
+    for r in rows:  # ... regs spill smem prog/SM N x128b / M scalar bar shfl
+        assert int(r[-10]) == 0 and int(r[-7]) > 0 and r[-6] == "x128b"
