@@ -6,7 +6,9 @@ the CPU suite checks the same code under TRITON_INTERPRET=1; this checks what th
 Reuses the plan builders and the tolerance check of ``tests/test_kernels.py`` (entrywise bound
 ``rtol * scale``, scale = the same plan on ``|x|`` in float64): a Llama block large enough for the
 GPU work split (several row chunks and column tiles per norm region, D = 128 Gram tiles) in fp32 and
-bf16 (evaluate + bilinear), the fp64 mode, a multi-tile head dim (D = 192) and the Conv1D layout.
+bf16 (evaluate + bilinear), the fp64 mode, a multi-tile head dim (D = 192) and the Conv1D layout;
+and the DRIFT pass of a tracked optimizer step (``kernels.drift`` vs ``drift_reference`` in float64,
+D = 128 / 192, fp32 and bf16, a != 1 and a == 1).
 """
 from __future__ import annotations
 
@@ -80,6 +82,23 @@ def main() -> int:
             status, failed = f"FAIL {e}", failed + 1
         torch.cuda.synchronize()
         print(f"parity {name}: {status} ({time.perf_counter() - t:.1f} s incl. compile)", flush=True)
+    from conserve.kernels import drift, drift_reference
+
+    for D, dtype in ((128, torch.float32), (192, torch.float32), (128, torch.bfloat16)):
+        t = time.perf_counter()
+        p, olds, news = T.drift_case(D, dtype, seed=D)
+        olds, news = [x.to(dev) for x in olds], [x.to(dev) for x in news]
+        try:
+            for a in ([0.9, 0.8, 0.95, 1.0, 0.7], 1.0):
+                got = drift(p, olds, news, a, backend="triton")
+                want = drift_reference(p, [x.double() for x in olds], [x.double() for x in news], a, fp64=True)
+                T.check_drift(got, want, T.RTOL[dtype], f"drift D={D} {dtype} a={a}")
+            status = "ok"
+        except AssertionError as e:
+            status, failed = f"FAIL {e}", failed + 1
+        torch.cuda.synchronize()
+        print(f"parity drift D={D} {str(dtype).split('.')[-1]}: {status} ({time.perf_counter() - t:.1f} s incl. compile)",
+              flush=True)
     print(f"parity total {time.perf_counter() - t_all:.1f} s, {failed} failed")
     return 1 if failed else 0
 
