@@ -197,7 +197,7 @@ def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
                 SINGLE: tl.constexpr, DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr):
     """One contracted block of the four DRIFT accumulators from ``[BT, BK]`` (logical) tiles of the
     old (``oi``, ``oj``) and new (``ni``, ``nj``) weights of output rows i and j (``*j`` ignored if
-    SINGLE: the tile is on the diagonal of a one-tile D).  Factors folded into the left operands:
+    SINGLE: a diagonal output tile, ti == tj; launch.py gives those their own launch).  Factors folded into the left operands:
     ``sign`` (h_new, bil, h_delta), ``sdec = sign*(a^2-1)`` (decay).  Everything but h_new runs in
     fp32 (``aO``, ``Dl`` are fp32 by construction, and ``sdec`` is not +-1); h_new folds ``sign`` in the
     input dtype when FOLD (|sign| == 1 or fp32 inputs: exact / one rounding), so bf16/fp16 tiles go to

@@ -255,7 +255,9 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | No
         tile_items = defaultdict(list)  # (slot, ti, tj) -> item ids
         for g in sorted(per_group, key=str):
             ents = sorted(per_group[g], key=lambda e: e[0].slot)  # stable: plan order inside a slot
-            rows, xt, yt, signs, items = [], [], [], [], []
+            rows, xt, signs = [], [], []
+            items = {True: [], False: []}  # diagonal output tiles (ti == tj) / the others
+            tags = []  # ((slot, ti, tj), diagonal?, index in its list)
             i = 0
             while i < len(ents):
                 slot = ents[i][0].slot
@@ -265,9 +267,6 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | No
                 max_n = max(e[0].view.cols for e in ents[i:j])
                 chunk = max(BK, -(-max_n // nchunk))
                 chunk = -(-chunk // BK) * BK
-                # the output tiles of one contracted chunk are neighbours: they read the same rows at
-                # about the same time (L2 reuse when D spans several tiles); each tile's partials are
-                # still summed in k order (``order``), so the results do not depend on this ordering
                 # a slot's terms sorted by layout (stable): the kernel runs one term loop per layout
                 # with the layout as a constexpr (a runtime branch kept the column-block tiles from
                 # 16-byte loads, bench/sass.py); items carry the boundaries ta (first layout-1 term)
@@ -278,25 +277,39 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | No
                 t0 = len(rows)
                 ta = t0 + sum(1 for q in lays if q < 1)
                 tb = t0 + sum(1 for q in lays if q < 2)
+                # the output tiles of one contracted chunk are neighbours: they read the same rows at
+                # about the same time (L2 reuse when D spans several tiles); each tile's partials are
+                # still summed in k order (``order``), so the results do not depend on this ordering
                 for k0 in range(0, max_n, chunk):
                     for (ti, tj) in tiles:
-                        tile_items[(slot, ti, tj)].append(item_base + len(items))
-                        items.append((t0, t0 + (j - i), k0, min(k0 + chunk, max_n), ti, tj, ta, tb))
+                        d = ti == tj
+                        tags.append(((slot, ti, tj), d, len(items[d])))
+                        items[d].append((t0, t0 + (j - i), k0, min(k0 + chunk, max_n), ti, tj, ta, tb))
                 for q in part:
                     (t, xo, xrs, xcs, yo, yrs, ycs) = ents[i + q]
                     rows.append((xo, xrs, xcs, t.view.cols, lays[q], yo, yrs, ycs))
                     xt.append(t.view.tensor)
                     signs.append(float(t.sign))
                 i = j
-            items_np = np.asarray(items, dtype=np.int64).reshape(-1, 8)
             # sign folded into a half-precision operand must be exact (|sign| == 1); an fp32 operand
             # takes one rounding of sign*x, far below the fp32 accumulation error
             fold = all(abs(v) == 1.0 for v in signs) or all(d == torch.float32 for d in g)
-            launches.append(GramLaunch(D=D, group=g, BT=BT, BK=BK, single=NT == 1,
-                                       terms=np.asarray(rows, dtype=np.int64).reshape(-1, 8),
-                                       x_tensor=np.asarray(xt, dtype=np.int64), y_tensor=np.asarray(xt, dtype=np.int64),
-                                       signs=signs, items=items_np, item_base=item_base, fold=fold))
-            item_base += len(items)
+            terms_np = np.asarray(rows, dtype=np.int64).reshape(-1, 8)
+            xt_np = np.asarray(xt, dtype=np.int64)
+            # diagonal tiles and the others in separate launches: a diagonal tile (the kernel's SINGLE)
+            # loads its row block once and, in DRIFT mode, forms bil with one dot and a transpose
+            base_of = {}
+            for diag in (True, False):
+                if not items[diag]:
+                    continue
+                base_of[diag] = item_base
+                launches.append(GramLaunch(D=D, group=g, BT=BT, BK=BK, single=diag, terms=terms_np, x_tensor=xt_np,
+                                           y_tensor=xt_np, signs=signs,
+                                           items=np.asarray(items[diag], dtype=np.int64).reshape(-1, 8),
+                                           item_base=item_base, fold=fold))
+                item_base += len(items[diag])
+            for key, diag, idx in tags:
+                tile_items[key].append(base_of[diag] + idx)
         order, groups = [], []
         for (slot, ti, tj) in sorted(tile_items):
             ids = tile_items[(slot, ti, tj)]

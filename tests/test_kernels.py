@@ -638,7 +638,8 @@ def test_drift_triton_vs_float64(D, dtype):
 
 def test_drift_gpu_work_split_and_tables():
     """GPU-style split (several contracted-dim chunks per output tile, summed by the 4-plane finishing
-    pass), the DRIFT tables (64-wide tiles, one launch per (D, dtype group)), and the cache."""
+    pass), the DRIFT tables (64-wide tiles, one launch per (D, dtype group) for the diagonal output
+    tiles and one for the others), and the cache."""
     from conserve.kernels import drift_reference
     from conserve.kernels import triton_impl as T
 
@@ -650,8 +651,10 @@ def test_drift_gpu_work_split_and_tables():
     cfg = L.Config(target_items=40)
     pr = T.Prepared(p, olds, news, False, cfg, drift=True)
     (b,) = pr.st.gram
-    assert b.BT == 64 and len(b.launches) == 1 and b.launches[0].BK == L.DRIFT_BK
-    assert len(b.launches[0].items) > len(b.groups)  # several items per output tile
+    assert b.BT == 64 and [l.single for l in b.launches] == [True, False]
+    assert all(l.BK == L.DRIFT_BK for l in b.launches)
+    assert all(((l.items[:, 4] == l.items[:, 5]) == l.single).all() for l in b.launches)  # ti == tj iff diagonal
+    assert sum(len(l.items) for l in b.launches) > len(b.groups)  # several items per output tile
     a = [0.9, 0.85, 1.0, 0.75, 1.0]
     got = pr.run_drift(olds, news, a)
     want = drift_reference(p, [t.double() for t in olds], [t.double() for t in news], a, fp64=True)
