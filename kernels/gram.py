@@ -102,73 +102,44 @@ def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexp
 
 
 @triton.jit
+def _rows(base, off, r, kk, rs, cs, slow, mr, mk, MASK_K: tl.constexpr, LAY: tl.constexpr):
+    """Logical ``[BT, BK]`` tile ``X[r, kk]`` of a term (zero outside ``mr``/``mk``): LAY 0, rows strided
+    by ``slow`` and k contiguous; LAY 1, rows contiguous and k strided by ``slow`` (loaded as ``[BK, BT]``
+    along the head dim, then transposed); LAY 2, general strides ``rs``, ``cs``.  The contiguous stride
+    is the literal 1, so 0/1 tiles load as 16-byte vectors (``slow`` must carry its hint)."""
+    if LAY == 0:
+        return _tile(base, off, r, kk, slow, 1, _km(mr, mk, MASK_K, False))
+    elif LAY == 1:
+        return tl.trans(_tile(base, off, kk, r, slow, 1, _km(mr, mk, MASK_K, True)))
+    else:
+        return _tile(base, off, r, kk, rs, cs, _km(mr, mk, MASK_K, False))
+
+
+@triton.jit
 def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, sign, acc,
           BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, BILINEAR: tl.constexpr,
           UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr, MASK_K: tl.constexpr, LAY: tl.constexpr):
     """One term's contribution over the contracted range [k0, kend), through ``tl.dot``.  MASK_K: the
-    range is the last partial block (masked); otherwise ``kend - k0`` is a multiple of BK."""
+    range is the last partial block (masked); otherwise ``kend - k0`` is a multiple of BK.  SINGLE: a
+    diagonal output tile (rows j = rows i: one load serves both)."""
     kr = tl.arange(0, BK)
-    if LAY == 0:
-        # rows of the view are strided, columns contiguous: tiles [BT, BK]
-        rs_a = slow  # hinted by the caller, after its load (a hint on a callee argument is lost)
-        yrs_a = yslow
-        for k in range(k0, kend, BK):
-            kk = k + kr
-            mk = kk < kend
-            a = _tile(xb, xo, ri, kk, rs_a, 1, _km(mi, mk, MASK_K, False))
-            if BILINEAR:
-                c = _tile(yb, yo, ri, kk, yrs_a, 1, _km(mi, mk, MASK_K, False))
-                if SINGLE:
-                    b = a
-                    d = c
-                else:
-                    b = _tile(xb, xo, rj, kk, rs_a, 1, _km(mj, mk, MASK_K, False))
-                    d = _tile(yb, yo, rj, kk, yrs_a, 1, _km(mj, mk, MASK_K, False))
-                acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
+    for k in range(k0, kend, BK):
+        kk = k + kr
+        mk = kk < kend
+        a = _rows(xb, xo, ri, kk, rs, cs, slow, mi, mk, MASK_K, LAY)
+        if SINGLE:
+            b = a
+        else:
+            b = _rows(xb, xo, rj, kk, rs, cs, slow, mj, mk, MASK_K, LAY)
+        if BILINEAR:
+            c = _rows(yb, yo, ri, kk, yrs, ycs, yslow, mi, mk, MASK_K, LAY)
+            if SINGLE:
+                d = c
             else:
-                if SINGLE:
-                    b = a
-                else:
-                    b = _tile(xb, xo, rj, kk, rs_a, 1, _km(mj, mk, MASK_K, False))
-                acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
-    elif LAY == 1:
-        # the head dim is contiguous (column blocks, Conv1D): tiles [BK, BT], contracted over axis 0
-        cs_a = slow
-        ycs_a = yslow
-        for k in range(k0, kend, BK):
-            kk = k + kr
-            mk = kk < kend
-            at = _tile(xb, xo, kk, ri, cs_a, 1, _km(mi, mk, MASK_K, True))
-            if BILINEAR:
-                ct = _tile(yb, yo, kk, ri, ycs_a, 1, _km(mi, mk, MASK_K, True))
-                if SINGLE:
-                    bt = at
-                    dt = ct
-                else:
-                    bt = _tile(xb, xo, kk, rj, cs_a, 1, _km(mj, mk, MASK_K, True))
-                    dt = _tile(yb, yo, kk, rj, ycs_a, 1, _km(mj, mk, MASK_K, True))
-                acc = _pair_dot(tl.trans(at), tl.trans(dt), tl.trans(ct), tl.trans(bt), acc, sign,
-                                BILINEAR, UPCAST, APPLY_SIGN)
-            else:
-                if SINGLE:
-                    bt = at
-                else:
-                    bt = _tile(xb, xo, kk, rj, cs_a, 1, _km(mj, mk, MASK_K, True))
-                acc = _pair_dot(tl.trans(at), tl.trans(bt), tl.trans(at), tl.trans(bt), acc, sign,
-                                BILINEAR, UPCAST, APPLY_SIGN)
-    else:
-        # general strides (neither dimension contiguous)
-        for k in range(k0, kend, BK):
-            kk = k + kr
-            mk = kk < kend
-            a = _tile(xb, xo, ri, kk, rs, cs, _km(mi, mk, MASK_K, False))
-            b = _tile(xb, xo, rj, kk, rs, cs, _km(mj, mk, MASK_K, False))
-            if BILINEAR:
-                c = _tile(yb, yo, ri, kk, yrs, ycs, _km(mi, mk, MASK_K, False))
-                d = _tile(yb, yo, rj, kk, yrs, ycs, _km(mj, mk, MASK_K, False))
-                acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
-            else:
-                acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
+                d = _rows(yb, yo, rj, kk, yrs, ycs, yslow, mj, mk, MASK_K, LAY)
+            acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
+        else:
+            acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
     return acc
 
 
@@ -244,55 +215,21 @@ def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k
                 DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr, MASK_K: tl.constexpr,
                 LAY: tl.constexpr):
     """One term's DRIFT contribution over [k0, kend): ``xb`` = old weights, ``yb`` = new weights
-    (MASK_K as in ``_term``)."""
+    (MASK_K, SINGLE as in ``_term``)."""
     kr = tl.arange(0, BK)
-    if LAY == 0:
-        rs_a = slow  # hinted by the caller, after its load (a hint on a callee argument is lost)
-        yrs_a = yslow
-        for k in range(k0, kend, BK):
-            kk = k + kr
-            mk = kk < kend
-            oi = _tile(xb, xo, ri, kk, rs_a, 1, _km(mi, mk, MASK_K, False))
-            ni = _tile(yb, yo, ri, kk, yrs_a, 1, _km(mi, mk, MASK_K, False))
-            if SINGLE:
-                oj = oi
-                nj = ni
-            else:
-                oj = _tile(xb, xo, rj, kk, rs_a, 1, _km(mj, mk, MASK_K, False))
-                nj = _tile(yb, yo, rj, kk, yrs_a, 1, _km(mj, mk, MASK_K, False))
-            acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                     SINGLE, DECAY, FOLD, UPCAST)
-    elif LAY == 1:
-        cs_a = slow
-        ycs_a = yslow
-        for k in range(k0, kend, BK):
-            kk = k + kr
-            mk = kk < kend
-            oit = _tile(xb, xo, kk, ri, cs_a, 1, _km(mi, mk, MASK_K, True))
-            nit = _tile(yb, yo, kk, ri, ycs_a, 1, _km(mi, mk, MASK_K, True))
-            if SINGLE:
-                ojt = oit
-                njt = nit
-            else:
-                ojt = _tile(xb, xo, kk, rj, cs_a, 1, _km(mj, mk, MASK_K, True))
-                njt = _tile(yb, yo, kk, rj, ycs_a, 1, _km(mj, mk, MASK_K, True))
-            acc_n, acc_d, acc_b, acc_l = _drift_dots(tl.trans(oit), tl.trans(nit), tl.trans(ojt), tl.trans(njt),
-                                                     a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                     SINGLE, DECAY, FOLD, UPCAST)
-    else:
-        for k in range(k0, kend, BK):
-            kk = k + kr
-            mk = kk < kend
-            oi = _tile(xb, xo, ri, kk, rs, cs, _km(mi, mk, MASK_K, False))
-            ni = _tile(yb, yo, ri, kk, yrs, ycs, _km(mi, mk, MASK_K, False))
-            if SINGLE:
-                oj = oi
-                nj = ni
-            else:
-                oj = _tile(xb, xo, rj, kk, rs, cs, _km(mj, mk, MASK_K, False))
-                nj = _tile(yb, yo, rj, kk, yrs, ycs, _km(mj, mk, MASK_K, False))
-            acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                     SINGLE, DECAY, FOLD, UPCAST)
+    for k in range(k0, kend, BK):
+        kk = k + kr
+        mk = kk < kend
+        oi = _rows(xb, xo, ri, kk, rs, cs, slow, mi, mk, MASK_K, LAY)
+        ni = _rows(yb, yo, ri, kk, yrs, ycs, yslow, mi, mk, MASK_K, LAY)
+        if SINGLE:
+            oj = oi
+            nj = ni
+        else:
+            oj = _rows(xb, xo, rj, kk, rs, cs, slow, mj, mk, MASK_K, LAY)
+            nj = _rows(yb, yo, rj, kk, yrs, ycs, yslow, mj, mk, MASK_K, LAY)
+        acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
+                                                 SINGLE, DECAY, FOLD, UPCAST)
     return acc_n, acc_d, acc_b, acc_l
 
 
