@@ -166,11 +166,14 @@ def main(argv=None) -> list[Report]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("bench.sass compiles real kernels: unset TRITON_INTERPRET (the interpreter's functions "
                          "cannot be compiled)")
+    wanted = {k.strip() for k in args.kernels.split(",") if k.strip()}
+    if not wanted or wanted - {"norm", "gram", "step"}:
+        raise SystemExit(f"--kernels {args.kernels!r}: use a comma list of norm, gram, step")
     reports = []
     print(f"sm_{args.arch}, triton {triton.__version__}")
     print(f"{'kernel':<11} {'config':<34} {'warps':>5} {'regs':>4} {'spill':>5} {'smem KiB':>8} "
           f"{'prog/SM':>7} {'loads':>22} {'bar':>4} {'shfl':>4}")
-    for name, config, fn, types, ce, warps in cases(set(args.kernels.split(","))):
+    for name, config, fn, types, ce, warps in cases(wanted):
         regs, spill, shared, ops, _ = compile_kernel(fn, _sig(fn, types, ce), ce, warps, args.arch)
         r = Report(name, config, warps, regs, spill, shared, ops)
         reports.append(r)

@@ -24,6 +24,14 @@ def _choose(backend: str, tensors: Sequence[torch.Tensor]) -> str:
     return backend
 
 
+def check_triton_device(device: torch.device) -> None:
+    """Raise ``RuntimeError`` naming the fix when Triton cannot run on ``device`` (a CPU tensor without
+    ``TRITON_INTERPRET=1`` set before triton is imported)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError("the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                           "imported for CPU tensors; use backend='torch' (or unset CONSERVE_BACKEND) on CPU")
+
+
 def evaluate(plan: Plan, tensors: Sequence[torch.Tensor], *, fp64: bool = False, backend: str = "auto"):
     """``h(theta)`` for every term of ``plan``: returns ``(vec, {D: grams})`` (see ``plan.evaluate_reference``)."""
     if _choose(backend, tensors) == "triton":

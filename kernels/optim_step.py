@@ -39,6 +39,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .dispatch import check_triton_device
+
 __all__ = ["Hyper", "StatsRequest", "matrix_shape", "step_reference", "step_triton", "stats_reference",
            "finish_reference", "NQ"]
 
@@ -476,11 +478,13 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
     All tensors must pass ``triton_eligible`` and share one dtype and device (the caller groups them).
     ``stats``: ``(NQ, S)`` fp32/fp64 buffer (its dtype sets the accumulation), or None (no stats).
     ``cache``: a dict the caller keeps across steps (shape-only tables are reused).
+    Raises ``RuntimeError`` for CPU tensors unless ``TRITON_INTERPRET=1`` (use the torch twin there).
     """
-    step_kernel, finish_kernel = _kernels()
     if not params:
         return
     dev, dt = params[0].device, params[0].dtype
+    check_triton_device(dev)  # RuntimeError naming the fix, before triton is asked for a driver
+    step_kernel, finish_kernel = _kernels()
     want = stats is not None and any(r.any for r in reqs)
     reqs = list(reqs) if want else [StatsRequest() for _ in params]
     key = layout_key(params, reqs, fresh)

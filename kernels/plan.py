@@ -166,6 +166,10 @@ def bilinear_reference(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torc
 
 
 def _evaluate(plan: Plan, xs, ys, fp64):
+    for t in plan.grams:  # the Triton path says the same (launch._build_gram)
+        D = t.view.rows
+        if D not in plan.gram_slots or not 0 <= t.slot < plan.gram_slots[D]:
+            raise ValueError(f"GramTerm slot {t.slot} of size {D} was not reserved with plan.new_gram({D})")
     dtype = _acc_dtype(fp64)
     device = xs[0].device if len(xs) else torch.device("cpu")
     vec, grams = _empty_out(plan, device, dtype)
@@ -199,7 +203,8 @@ def drift_factors(a, n: int) -> list[float]:
     """Per-tensor decay factors of a step as python floats rounded to fp32 (as ``Hyper.a`` is, so every
     path uses the same ``a`` and ``a^2 - 1`` is exact in double).  ``a``: one float or ``n`` floats.
     Raises ``ValueError`` for a wrong length or a non-finite factor."""
-    if isinstance(a, (int, float)) or (torch.is_tensor(a) and a.dim() == 0):
+    if isinstance(a, (int, float, np.integer, np.floating)) or (torch.is_tensor(a) and a.dim() == 0) \
+            or (isinstance(a, np.ndarray) and a.ndim == 0):
         a = [float(a)] * n
     a = [float(np.float32(float(x))) for x in a]
     if len(a) != n:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import launch as L
+from .dispatch import check_triton_device
 from .plan import Plan, _check_drift_inputs, drift_compose, drift_factors
 
 __all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare", "Prepared", "clear_cache"]
@@ -46,7 +47,8 @@ def _fingerprint(plan: Plan):
 
 
 def _layout_key(ts):
-    return tuple((t.dtype, tuple(t.shape), tuple(t.stride()), t.device) for t in ts)
+    """Dtypes/shapes/strides/devices of ``ts`` (``None`` allowed for a tensor the plan does not read)."""
+    return tuple(None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.device) for t in ts)
 
 
 class Prepared:
@@ -60,12 +62,11 @@ class Prepared:
     def __init__(self, plan: Plan, xs, ys, fp64: bool, cfg: L.Config | None = None, drift: bool = False):
         if len(xs) == 0 and (plan.grams or plan.norms or plan.sums):
             raise ValueError("the plan has terms but no tensors were given")
-        self.device = xs[0].device if len(xs) else torch.device("cpu")
-        if not self.device.type == "cuda" and not _interpreting():
-            raise RuntimeError("the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-                               "triton is imported for CPU tensors; use backend='torch' on CPU")
+        given = [t for t in xs if t is not None]
+        self.device = given[0].device if given else torch.device("cpu")
+        check_triton_device(self.device)
         for i, t in enumerate(list(xs) + list(ys or [])):
-            if t.device != self.device:
+            if t is not None and t.device != self.device:
                 raise ValueError(f"tensor {i % max(1, len(xs))} is on {t.device}, expected {self.device}; "
                                  "move all tensors to one device")
         self.cfg = cfg or L.Config.for_device(self.device)
@@ -110,7 +111,7 @@ class Prepared:
             self.side = torch.cuda.Stream(self.device)
 
     def _bind(self, xs, ys):
-        ptrs = tuple(t.data_ptr() for t in xs) + tuple(t.data_ptr() for t in (ys or ()))
+        ptrs = tuple(0 if t is None else t.data_ptr() for t in list(xs) + list(ys or ()))
         if ptrs == self._ptrs:
             return
         st = self.st

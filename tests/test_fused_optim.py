@@ -535,3 +535,18 @@ def test_user_defined_optimizer_through_track():
             close_values(tr.last[key], exp[key], 1e-6, scale=scale)
         close_values(tr.last["residual"], tr.last["residual"].map(torch.zeros_like), 1e-6, scale=scale)
         assert tr.last["first"].vec.abs().max() > 1e-3 * scale  # sign steps: a real first-order drift
+
+
+def test_forced_triton_on_cpu_without_interpreter_says_how_to_fix():
+    """``backend='triton'`` on CPU tensors without TRITON_INTERPRET: a RuntimeError naming the fix (not
+    triton's driver error), for the untracked step as for the law kernels."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, conserve.optim as O\n"
+            "p = torch.nn.Parameter(torch.randn(4, 8)); p.grad = torch.randn(4, 8)\n"
+            "O.FusedSGD([p], lr=0.1, backend='triton').step()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CONSERVE_BACKEND")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr and "backend='torch'" in r.stderr

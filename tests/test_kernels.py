@@ -783,3 +783,25 @@ def test_gram_terms_sorted_by_layout_within_a_slot():
     rv, rg = evaluate_reference(p, [t.double() for t in ts], fp64=True)
     sv, sg = evaluate_reference(_abs_plan(p), [t.double().abs() for t in ts], fp64=True)
     _close(grams[8], rg[8], sg[8], 1e-5, "gram")
+
+
+def test_drift_inputs_users_pass():
+    """``a`` as a numpy scalar, ``None`` for a tensor the plan does not read (both backends agree), and
+    an unreserved Gram slot named the same way by the torch twin as by the Triton path."""
+    from conserve.kernels import drift, drift_reference
+
+    g = torch.Generator().manual_seed(23)
+    p = Plan()
+    s = p.new_gram(4)
+    p.grams.append(GramTerm(View(0, (0, 0), 0, 4, 1, 8), 1.0, s))
+    o = randn(4, 8, gen=g)
+    n = o + 0.1 * randn(4, 8, gen=g)
+    want = drift_reference(p, [o.double(), None], [n.double(), None], 0.9, fp64=True)
+    for backend in ("torch", "triton"):
+        got = drift(p, [o, None], [n, None], np.float32(0.9), backend=backend)
+        check_drift(got, want, 1e-5, backend)
+    bad = Plan()
+    bad.grams.append(GramTerm(View(0, (0, 0), 0, 4, 1, 8), 1.0, 0))
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=r"not reserved with plan.new_gram\(4\)"):
+            evaluate(bad, [o], backend=backend)
