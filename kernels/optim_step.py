@@ -220,7 +220,7 @@ def _kernels():
                          ALIGN: tl.constexpr):
             """COLS / LIN (constexpr, from the launch's requests): some tensor wants column stats / linear
             stats; without them their accumulators are not allocated.  ALIGN: every offset and column
-            count of the launch's tensors is a multiple of it (``_align``), so loads vectorise."""
+            count of the launch's tensors is a multiple of it (``_launches``), so loads vectorise."""
             pid = tl.program_id(0).to(tl.int64)
             pr = progs + pid * 4
             t = tl.load(pr)
