@@ -1,0 +1,1 @@
+"""conserve.analysis: numerical analysis of laws (discover; later verify, counting, continuity)."""

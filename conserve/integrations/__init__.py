@@ -1,0 +1,1 @@
+"""conserve.integrations: callbacks for training frameworks (HF Trainer, Lightning)."""
