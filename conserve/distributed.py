@@ -38,6 +38,7 @@ from torch import nn
 from . import kernels
 from .errors import UsageError
 from .laws import Law
+from .kernels.plan import drift_factors
 from .tracker import Tracker, Values, _abs_plan, decay_factor
 
 __all__ = ["DistributedTracker", "track", "wants_distributed", "flush_bytes"]
@@ -210,10 +211,10 @@ def flush_bytes(tracker: "DistributedTracker", steps: int | None = None) -> dict
 class _Pending:
     """One step's packed partial values (``drift``: the drift terms are in it), straddling rows, extras."""
 
-    __slots__ = ("pack", "rows", "drift", "extras")
+    __slots__ = ("pack", "rows", "drift", "extras", "a")
 
-    def __init__(self, pack, rows, drift):
-        self.pack, self.rows, self.drift, self.extras = pack, rows, drift, {}
+    def __init__(self, pack, rows, drift, a=None):
+        self.pack, self.rows, self.drift, self.extras, self.a = pack, rows, drift, {}, a
 
 
 class DistributedTracker(Tracker):
@@ -431,6 +432,9 @@ class DistributedTracker(Tracker):
         if optimizer is not None:
             group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
             self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.params]
+            # the kernels' convention (conserve.kernels.plan.drift_factors): a rounded to fp32, as the
+            # single-process tracker's drift assembly uses it
+            self._a = drift_factors(self._a, len(self._a))
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -443,11 +447,13 @@ class DistributedTracker(Tracker):
         cur = [_local(p) for p in self.params]
         self.tensors = cur
         prev = None
+        raw_rows = None  # straddling rows of theta_k before a is applied (exact in their dtype; the owner scales)
+        if self.drift and self._prev is not None and self._straddles and self._comm:
+            raw_rows = self._straddle_rows(self._prev)
         if self.drift and self._prev is not None:
-            for p, a in zip(self._prev, self._a):
-                if not (isinstance(a, float) and a == 1.0):
-                    p.mul_(a)
-            prev = self._prev
+            # a*theta_k formed in the accumulation dtype (fp64: no fp32 rounding of a*theta, as kernels.drift)
+            prev = [p if isinstance(a, float) and a == 1.0 else (p.double() if self.fp64 else p).mul_(a)
+                    for p, a in zip(self._prev, self._a)]
         vals = self._step_values(self._local_plan, cur, prev, self._lin)
         if not self._comm:
             self._replay(vals)
@@ -459,16 +465,19 @@ class DistributedTracker(Tracker):
         if self._straddles:
             rows = self._straddle_rows(cur)
             if self.drift:
-                rows = torch.cat([rows, self._straddle_rows(prev) if prev is not None else torch.zeros_like(rows)])
-        self._pend.append(_Pending(pack, rows, len(vals) == 4))
+                rows = torch.cat([rows, raw_rows if raw_rows is not None else torch.zeros_like(rows)])
+        self._pend.append(_Pending(pack, rows, len(vals) == 4, list(self._a)))
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
             m.update()
 
-    def _replay(self, vals: Sequence[Values], extras: Mapping | None = None) -> None:
+    def _replay(self, vals: Sequence[Values], extras: Mapping | None = None, a=None) -> None:
         terms = None
         if len(vals) == 4:
             h1, h_a, first, second = vals
-            terms = {"decay": h_a.map(torch.sub, self.h), "first": first, "second": second}
+            kernel = h_a.map(torch.sub, self.h)
+            if a is not None:  # (a^2 - 1) h_k from the stored values (conserve.tracking.drift): no cancellation
+                kernel = Values(*self.assembly.decay((self.h.vec, self.h.grams), a, (kernel.vec, kernel.grams)))
+            terms = {"decay": kernel, "first": first, "second": second}
         Tracker.record_step(self, vals[0], terms)
         if extras:
             Tracker.record(self, **extras)
@@ -485,7 +494,11 @@ class DistributedTracker(Tracker):
             full = self._gather_straddles(torch.stack([p.rows for p in pend]), blocks)
             if self._mine:
                 for i, step in enumerate(full):
-                    prev = step[1] if pend[i].drift else None
+                    prev = None
+                    if pend[i].drift:  # a*theta_k of the owned straddle terms, in the accumulation dtype
+                        dt = torch.float64 if self.fp64 else torch.float32
+                        a = pend[i].a or [1.0] * len(self.params)
+                        prev = [x.to(dt) * a[st.term.view.tensor] for x, st in zip(step[1], self._mine)]
                     vals = self._step_values(self._mini, step[0], prev, self._lin)
                     add = torch.cat([self._packer.pack(v, self._pack_dtype) for v in vals])
                     packs[i, : add.numel()] += add
@@ -498,7 +511,7 @@ class DistributedTracker(Tracker):
         try:
             for i, p in enumerate(pend):
                 vals = [self._packer.unpack(packs[i, j * n:(j + 1) * n], dtype) for j in range(4 if p.drift else 1)]
-                self._replay(vals, p.extras)
+                self._replay(vals, p.extras, p.a)
         finally:
             self.monitors = monitors
 

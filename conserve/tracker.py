@@ -32,9 +32,12 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
+from .tracking.drift import Assembly, Mask, Sampler, drift_pieces
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
+DRIFT_EVERY = 1  # default drift cadence (see Tracker)
+SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
 
 
 def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
@@ -87,21 +90,42 @@ class Tracker:
         every: flush period in steps (host sync and sink writes happen only then: when the next step
             finds ``every`` rows pending, and at ``flush()``/``close()``).
         sinks: objects with ``write(step, metrics: dict[str, float])`` and ``close()``.
-        drift: compute the three drift terms (costs one copy of the tracked weights, and 3 extra
-            evaluations per step).
+        drift: compute the three drift terms (False: never; ``eps`` and the law values are still
+            evaluated every step).
+        drift_every: decompose the drift on every ``drift_every``-th step (steps 1, 1 + N, 1 + 2N, ...);
+            the other steps log ``eps`` and NaN drift columns.  1 (default): every step.
+        snapshot_budget: bytes copied right before a drift step, as a fraction of the tracked bytes
+            (default 0.05; ``None``: every law on every drift step, whole tensors copied, 1x the
+            tracked bytes while the step runs).  With a budget, a drift step decomposes one group of
+            laws (round robin, ``conserve.tracking.drift.Sampler``): its ``drift/<family>/*`` columns are
+            norms over the family's decomposed entries only (NaN for a family with none that step), and
+            ``totals()`` sums the terms over the decomposed (entry, step) pairs and says how many.  No
+            weight-sized buffer is held between steps.
         fp64: accumulate in float64.
         backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
 
     Laws that read a frozen parameter are not tracked: they are listed in ``declined`` with the reason.
     Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
+
+    Cost: one evaluation ``h(theta_{k+1})`` per step (``eps``); on a drift step, a copy of the views
+    the decomposed laws read (before the step) and ONE ``conserve.kernels.drift`` pass over them
+    (``B(a theta, Delta)``, ``h(Delta)``; the decay is ``(a^2 - 1) h_k`` from the stored values, see
+    ``conserve.tracking.drift``).  ``before_step``/``after_step``/``record`` run outside
+    ``torch.compile`` graphs (``torch.compiler.disable``), so compiled training steps put no guard on
+    the tracker's Python state.
     """
 
     def __init__(self, model: nn.Module | None = None, laws: Sequence[Law] | None = None, *, every: int = 50,
                  sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
-                 monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None):
+                 monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None,
+                 drift_every: int = DRIFT_EVERY, snapshot_budget: float | None = SNAPSHOT_BUDGET):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
+        if not (isinstance(drift_every, int) and drift_every >= 1):
+            raise ValueError(f"drift_every={drift_every!r} must be an int >= 1 (use drift=False for no drift terms)")
+        if snapshot_budget is not None and not (isinstance(snapshot_budget, (int, float)) and snapshot_budget > 0):
+            raise ValueError(f"snapshot_budget={snapshot_budget!r} must be a fraction > 0 of the tracked bytes, or None")
         named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
         self.declined: list[Declined] = []
         if laws is None:
@@ -129,8 +153,13 @@ class Tracker:
         self.step_count = 0
         self._rows: list[torch.Tensor] = []
         self._extras: list[dict[str, torch.Tensor]] = []
-        self._prev: list[torch.Tensor] | None = None
+        self._prev: list[torch.Tensor] | None = None  # (distributed tracker)
         self._a: list[float | torch.Tensor] = [1.0] * len(self.tensors)
+        self.drift_every, self.snapshot_budget = drift_every, snapshot_budget
+        self._snap = None  # the copies of one drift step: made in before_step, dropped in after_step
+        self._sampler: Sampler | None = None
+        self._assembly: Assembly | None = None
+        self._hit_cache: dict = {}
         self.last: dict[str, Values] = {}
         self.last_record: dict | None = None
         self._setup()
@@ -139,7 +168,8 @@ class Tracker:
         self.h = self.h0.clone()
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
-        self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
+        self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("measured", "decay", "first", "second")}
+        self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
 
     # -------------------------------------------------------------- hooks (see conserve.distributed)
     def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,42 +235,74 @@ class Tracker:
         return Values(*kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend))
 
     # ------------------------------------------------------------------------------------- steps
+    @property
+    def sampler(self) -> Sampler:
+        """Which laws each drift step decomposes (``conserve.tracking.drift.Sampler``)."""
+        if self._sampler is None:
+            self._sampler = Sampler(self.compiled.plan, self.tensors, self.snapshot_budget, self.device)
+        return self._sampler
+
+    @property
+    def assembly(self) -> Assembly:
+        if self._assembly is None:
+            self._assembly = Assembly(self.compiled.plan, self.compiled.linear_mask, self.device)
+        return self._assembly
+
+    def is_drift_step(self) -> bool:
+        """Whether the next step (``step_count + 1``) decomposes the drift."""
+        return self.drift and self.step_count % self.drift_every == 0
+
+    @torch.compiler.disable
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Snapshot ``theta_k`` (for the drift terms) and each parameter's decay factor ``a``."""
-        if not self.drift:
+        """Right before the optimizer step: on a drift step, copy what it reads of ``theta_k`` and take
+        each parameter's decay factor ``a``; on the other steps nothing."""
+        self._snap = None
+        if not self.is_drift_step():
             return
-        if self._prev is None:
-            self._prev = [t.detach().clone() for t in self.tensors]
-        else:
-            for p, t in zip(self._prev, self.tensors):
-                p.copy_(t)
+        self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
+        self._a = [1.0] * len(self.tensors)
         if optimizer is not None:
             group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
             self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.tensors]
 
+    @torch.compiler.disable
     @torch.no_grad()
     def after_step(self) -> None:
-        """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` ran)."""
+        """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``)."""
         h1 = self._eval(self.tensors)
-        terms = None
-        if self.drift and self._prev is not None:
-            for p, a in zip(self._prev, self._a):
-                if not (isinstance(a, float) and a == 1.0):
-                    p.mul_(a)
-            h_a = self._eval(self._prev)
-            delta = [t.detach() - p for t, p in zip(self.tensors, self._prev)]
-            b = Values(*kernels.bilinear(self.compiled.plan, self._prev, delta, fp64=self.fp64, backend=self.backend))
-            hd = self._eval(delta)
-            lin = self._lin.to(hd.vec.dtype)
-            terms = {"decay": h_a.map(torch.sub, self.h),
-                     "first": Values(2 * b.vec + lin * hd.vec, {d: 2 * g for d, g in b.grams.items()}),
-                     "second": Values((1 - lin) * hd.vec, hd.grams)}
-        self.record_step(h1, terms)
+        snap, self._snap = self._snap, None
+        terms = mask = None
+        if snap is not None:
+            terms = self.drift_terms(snap, [float(a) for a in self._a])
+            mask = snap.mask
+            del snap
+        self.record_step(h1, terms, mask)
 
-    def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None) -> None:
+    def drift_terms(self, snap, a: list[float]) -> dict[str, "Values"]:
+        """The identity's ``decay``/``first``/``second`` from one DRIFT pass over ``snap`` (old copies)
+        and the live weights; ``a``: decay factor per tracked tensor."""
+        asm = self.assembly
+        news = self.sampler.news(snap, self.tensors)
+        pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
+                              backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask))
+        return {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask).items()}
+
+    def _family_hit(self, mask: Mask) -> torch.Tensor:
+        """(families,) bool: the family has a decomposed entry under ``mask`` (cached per mask)."""
+        key = id(mask)
+        if key not in self._hit_cache:
+            hit = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
+            hit.index_add_(0, self._vec_fam, mask.vec.long())
+            for d, m in mask.grams.items():
+                hit.index_add_(0, self._gram_fam[d], m.long())
+            self._hit_cache[key] = (mask, hit > 0)
+        return self._hit_cache[key][1]
+
+    def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled: Mask | None = None) -> None:
         """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,
-        ``second``), e.g. computed by a fused optimizer kernel. Appends one metric row (on device)."""
+        ``second``), e.g. computed by a fused optimizer kernel; ``sampled``: the entries they cover
+        (None: all).  Appends one metric row (on device)."""
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             self.flush()
         self.step_count += 1
@@ -253,16 +315,28 @@ class Tracker:
                 parts.append(torch.full((len(TERMS) * len(self.families),), float("nan"), dtype=rel.dtype, device=self.device))
             else:
                 measured = h1.map(torch.sub, self.h)
+                partial = sampled is not None and not sampled.full
+                if partial:
+                    measured = Values(measured.vec * sampled.vec, {d: g * sampled.grams[d].view(-1, 1, 1)
+                                                                    for d, g in measured.grams.items()})
                 resid = measured.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
                 self.last = {"measured": measured, **terms, "residual": resid}
-                for k in ("decay", "first", "second"):
-                    self.cumulative[k] = self.cumulative[k].map(torch.add, terms[k])
-                parts += [self._fam_norm(self.last[t]) for t in TERMS]
+                for k in ("measured", "decay", "first", "second"):
+                    self.cumulative[k] = self.cumulative[k].map(torch.add, self.last[k])
+                norms = torch.cat([self._fam_norm(self.last[t]) for t in TERMS])
+                if partial:
+                    hit = self._family_hit(sampled)
+                    norms = torch.where(hit.repeat(len(TERMS)), norms, float("nan"))
+                    self.sampled_steps += hit
+                else:
+                    self.sampled_steps += 1
+                parts.append(norms)
         self._rows.append(torch.cat(parts).float())
         self.h = h1
         for m in self.monitors:
             m.update()
 
+    @torch.compiler.disable
     def record(self, **scalars) -> None:
         """Attach scalars (tensors stay on the device; floats are fine) to the current step's row."""
         if not self._rows:
@@ -277,17 +351,23 @@ class Tracker:
         return {l.name: v for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
 
     def totals(self) -> dict[str, dict[str, float]]:
-        """Per family, since step 0: ``eps`` now, ``measured`` = ||h_k - h_0||, the cumulative ``decay``,
-        ``first`` and ``second`` terms (norms of their per-entry sums), ``predicted`` = ||decay + first +
-        second|| (equals ``measured`` by the identity) and ``predicted_no_first`` = ||decay + second||
-        (the GD/SGD prediction, where the first-order term vanishes). Host floats (one sync)."""
+        """Per family, since step 0: ``eps`` now, ``measured`` = ||h_k - h_0||, and over the decomposed
+        (entry, step) pairs only (every step and entry with ``drift_every=1, snapshot_budget=None``):
+        ``measured_sampled`` (norm of the summed measured changes), the cumulative ``decay``, ``first``
+        and ``second`` terms (norms of their per-entry sums), ``predicted`` = ||decay + first + second||
+        (equals ``measured_sampled`` by the identity) and ``predicted_no_first`` = ||decay + second||
+        (the GD/SGD prediction, where the first-order term vanishes); ``sampled_steps``: drift steps
+        that decomposed some law of the family, of ``steps``.  Nothing is extrapolated to the
+        steps or laws that were not decomposed.  Host floats (one sync)."""
         c = self.cumulative
         parts = {"measured": self._fam_norm(self.h.map(torch.sub, self.h0)),
+                 "measured_sampled": self._fam_norm(c["measured"]),
                  "decay": self._fam_norm(c["decay"]), "first": self._fam_norm(c["first"]),
                  "second": self._fam_norm(c["second"]),
                  "predicted": self._fam_norm(c["decay"].map(torch.add, c["first"]).map(torch.add, c["second"])),
                  "predicted_no_first": self._fam_norm(c["decay"].map(torch.add, c["second"])),
-                 "scale": self._fam_norm(self.h0)}
+                 "scale": self._fam_norm(self.h0), "sampled_steps": self.sampled_steps,
+                 "steps": torch.full_like(self.sampled_steps, self.step_count)}
         rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
         eps = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
         parts["eps"] = eps / self._fam_count
@@ -350,6 +430,7 @@ class Tracker:
         self.flush()
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
                 "cumulative": {k: v.state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
+                "sampled_steps": self.sampled_steps,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
@@ -363,6 +444,9 @@ class Tracker:
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
         self.denom = state["denom"].to(dev)
         self.cumulative = {k: Values.from_state(v, dev) for k, v in state["cumulative"].items()}
+        self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
+        if state.get("sampled_steps") is not None:
+            self.sampled_steps = state["sampled_steps"].to(dev)
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []
         self._extras = copy.deepcopy(list(state.get("pending_extras", [])))
         for m, s in zip(self.monitors, state.get("monitors", [])):

@@ -18,6 +18,7 @@ CFG = dict(vocab_size=13, hidden_size=16, num_attention_heads=4, num_key_value_h
            num_hidden_layers=2, position="rope", nope_layers=(1,), num_experts=2, top_k=2, moe_layers=(1,),
            attention_bias=True, mlp_bias=True)
 QUADRATIC = ("gain", "qk", "rope_pair", "swiglu", "vo")
+FULL = dict(snapshot_budget=None)  # every law decomposed on every step (as before the snapshot budget)
 
 
 def _model(seed=0, dtype=torch.float64, **kw):
@@ -45,7 +46,7 @@ def _step(m, opt, batch):
 def test_gd_drift_equals_lr2_gMg_and_first_order_vanishes():
     m = _model()
     lr = 1e-2
-    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=lr), m, fp64=True, every=100)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=lr), m, fp64=True, every=100, **FULL)
     tr = opt.tracker
     batch = _batch()
     for _ in range(3):
@@ -82,13 +83,13 @@ def test_gd_drift_equals_lr2_gMg_and_first_order_vanishes():
 def test_sgd_coupled_weight_decay_factor():
     m = _model()
     lr, wd = 1e-2, 0.5
-    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=lr, weight_decay=wd), m, fp64=True)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=lr, weight_decay=wd), m, fp64=True, **FULL)
     tr = opt.tracker
     batch = _batch()
     for _ in range(3):
         h_prev = tr.h.clone()
         _step(m, opt, batch)
-        a = 1 - lr * wd
+        a = float(np.float32(1 - lr * wd))  # the kernels' decay factor (conserve.kernels.plan.drift_factors)
         lin = tr.compiled.linear_mask
         exp = torch.where(lin, (a - 1) * h_prev.vec, (a * a - 1) * h_prev.vec)
         torch.testing.assert_close(tr.last["decay"].vec, exp, rtol=1e-9, atol=1e-12)
@@ -104,7 +105,7 @@ def test_sgd_coupled_weight_decay_factor():
 def test_heavy_ball_momentum_matches_p_recursion():
     m = _model()
     beta = 0.9
-    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2, momentum=beta), m, fp64=True)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2, momentum=beta), m, fp64=True, **FULL)
     tr = opt.tracker
     batch = _batch()
     p_prev = q_prev = None
@@ -126,12 +127,12 @@ def test_heavy_ball_momentum_matches_p_recursion():
 def test_adamw_identity_holds_with_decoupled_decay():
     m = _model()
     lr, wd = 1e-3, 0.1
-    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd), m, fp64=True)
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd), m, fp64=True, **FULL)
     tr = opt.tracker
     for k in range(3):
         h_prev = tr.h.clone()
         _step(m, opt, _batch(k))
-        a = 1 - lr * wd
+        a = float(np.float32(1 - lr * wd))  # the kernels' decay factor (conserve.kernels.plan.drift_factors)
         quad = ~tr.compiled.linear_mask
         torch.testing.assert_close(tr.last["decay"].vec[quad], (a * a - 1) * h_prev.vec[quad], rtol=1e-9, atol=1e-13)
         total = tr.last["decay"].map(torch.add, tr.last["first"]).map(torch.add, tr.last["second"])

@@ -1,0 +1,357 @@
+"""The drift assembly: one optimizer step's law change split into the exact identity's terms.
+
+Spec "Discrete steps: the exact drift identity". With ``theta_{k+1} = a theta_k + Delta`` (``a`` the
+decoupled decay of each tensor) and a quadratic law ``h``::
+
+    h_{k+1} - h_k = (a^2 - 1) h_k  +  2 B(a theta_k, Delta)  +  h(Delta)
+                    decay              first order              second order
+
+(linear laws: ``(a - 1) h_k + c . Delta``, no second order).  The pieces ``(h_new, decay, bil, h_delta)``
+come from ONE call of the DRIFT pass ``conserve.kernels.drift`` (Triton on CUDA, its torch twin on CPU);
+this module turns them into ``decay / first / second`` (``Assembly``), and chooses which law entries
+a drift step decomposes under a snapshot budget (``Sampler``).  Every path uses it: ``conserve.track``
+(``conserve.tracker.Tracker``), the fused optimizers (``conserve.optim.fused``) and, next, the
+distributed tracker.
+
+Decay without cancellation: when every tensor an entry reads has the same ``a`` (the usual case: one
+parameter group per law), ``decay = (a^2 - 1) h_k`` from the stored ``h_k`` (``a^2 - 1`` is exact in
+float64 for the fp32-rounded ``a``), so no decay dot, no ``h(a theta)`` evaluation, and nothing at all
+when ``a == 1``.  Only entries whose tensors have different ``a`` (weight decay on part of a law) or a
+shifted norm term with ``a != 1`` take the kernel's per-term decay ``sum_t s_t (a_t^2 - 1) h_t(old)``.
+The first- and second-order terms are computed directly (``B(a theta, Delta)`` and ``h(Delta)`` with
+``Delta`` formed from the old and new weights), so the tracker's ``residual`` still checks the identity.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .. import kernels
+from ..kernels.plan import GramTerm, NormTerm, Plan, SumTerm, View, drift_factors
+
+__all__ = ["drift_pieces", "Assembly", "Sampler", "Snapshot"]
+
+_DRIFT_HAS_DECAY = "decay" in inspect.signature(kernels.drift).parameters
+
+
+def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
+                 fp64: bool, backend: str, decay: bool):
+    """``conserve.kernels.drift`` asking for the per-term decay only when ``decay`` is True.
+
+    Returns ``(h_new, decay, bil, h_delta)``, each a ``(vec, {D: grams})`` pair, ``decay`` None when not
+    asked for.  Kernels that predate the ``decay`` keyword compute it anyway (one dot more per Gram tile
+    on Triton; on the torch twin two more evaluations when some ``a != 1``); its value is then dropped."""
+    if _DRIFT_HAS_DECAY:
+        return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay)
+    h_new, dec, bil, hd = kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend)
+    return h_new, (dec if decay else None), bil, hd
+
+
+def _entries_of(plan: Plan):
+    """(vec entry, tensor, shifted) and (D, slot, tensor) pairs: which tensors each output reads."""
+    vec, gram = [], []
+    for t in plan.norms:
+        idx = t.index + t.index_stride * np.arange(t.view.rows)
+        vec += [(int(i), t.view.tensor, t.shift != 0.0) for i in idx]
+    for t in plan.sums:
+        vec += [(t.index + c, t.view.tensor, False) for c in range(t.view.cols)]
+    for t in plan.grams:
+        gram.append((t.view.rows, t.slot, t.view.tensor))
+    return vec, gram
+
+
+class Assembly:
+    """Turns the DRIFT pieces of one step into the identity's ``decay``, ``first``, ``second`` terms.
+
+    Args:
+        plan: the full law plan (``Compiled.plan``): which tensors each output entry reads.
+        linear: ``(vec_size,)`` bool, entries of linear laws (``Compiled.linear_mask``).
+        device: where the terms live.
+
+    ``terms(h_old, pieces, a)``: ``h_old`` the stored law values at ``theta_k`` (the tracker's ``h``),
+    ``pieces`` the ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` (``decay`` may be None when
+    ``needs_kernel_decay(a)`` is False), ``a`` the decay factor per tensor of the FULL plan (floats),
+    ``sampled`` the entries the pieces cover (``Mask``; the decay is zeroed elsewhere).
+    Returns ``{"decay", "first", "second"}`` as ``(vec, {D: grams})`` pairs in ``h_old``'s dtype.
+    """
+
+    def __init__(self, plan: Plan, linear: torch.Tensor, device):
+        vec, gram = _entries_of(plan)
+        self.vec_size, self.gram_slots = plan.vec_size, dict(plan.gram_slots)
+        self.device = device
+        self._lin = linear.to(device)
+        self._lin_np = linear.cpu().numpy().astype(bool)
+        self._v_entry = np.asarray([e for e, _, _ in vec], dtype=np.int64)
+        self._v_tensor = np.asarray([t for _, t, _ in vec], dtype=np.int64)
+        self._v_shift = np.asarray([s for _, _, s in vec], dtype=bool)
+        self._g = {d: (np.asarray([s for dd, s, _ in gram if dd == d], dtype=np.int64),
+                       np.asarray([t for dd, _, t in gram if dd == d], dtype=np.int64)) for d in self.gram_slots}
+        self._cache: tuple | None = None
+
+    def _factors(self, a: Sequence[float]):
+        """Per entry: the common ``a`` (or nan if the entry's tensors differ), for vec and each Gram size."""
+        key = tuple(a)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        av = np.asarray(a, dtype=np.float64)
+
+        def common(entries, tensors, n, shifted=None):
+            first = np.full(n, np.nan)
+            if len(entries):
+                first[entries[::-1]] = av[tensors[::-1]]  # any one tensor's a per entry
+                bad = np.zeros(n, dtype=bool)
+                diff = av[tensors] != first[entries]
+                if shifted is not None:
+                    diff |= shifted & (av[tensors] != 1.0)
+                np.logical_or.at(bad, entries, diff)
+                first[bad] = np.nan
+            return first
+
+        fv = common(self._v_entry, self._v_tensor, self.vec_size, self._v_shift)
+        fg = {d: common(s, t, n) for (d, (s, t)), n in zip(self._g.items(), self.gram_slots.values())}
+        self._cache = (key, (fv, fg))
+        return fv, fg
+
+    def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
+        """Whether some (sampled) entry with a nonzero decay reads tensors of different ``a``."""
+        fv, fg = self._factors(drift_factors(a, len(a)))
+        if sampled is None:
+            return bool(np.isnan(fv).any() or any(np.isnan(f).any() for f in fg.values()))
+        return bool(np.isnan(fv[sampled.vec_np]).any()
+                    or any(np.isnan(f[sampled.gram_np[d]]).any() for d, f in fg.items()))
+
+    def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None):
+        """``(a^2 - 1) h_old`` (quadratic entries) / ``(a - 1) h_old`` (linear), ``(vec, {D: grams})``;
+        entries whose tensors have different ``a`` take ``kernel`` (the kernel's per-term decay, same
+        layout; ``RuntimeError`` if it is needed and None); zero outside ``sampled``."""
+        a = drift_factors(a, len(a))
+        hv, hg = h_old
+        dt = hv.dtype
+        fv, fg = self._factors(a)
+
+        def one(h, f, quad_mask, kernel):
+            # factors in float64 on the host (exact for fp32 a), one rounding to dt, one product with h
+            uni = ~np.isnan(f)
+            fac = np.where(uni, np.where(quad_mask, f * f - 1.0, f - 1.0), 0.0)
+            shape = (-1,) + (1,) * (h.dim() - 1)
+            out = torch.from_numpy(fac).to(self.device, dt).view(shape) * h if (fac != 0).any() else torch.zeros_like(h)
+            if not uni.all():
+                if kernel is None:
+                    raise RuntimeError("drift assembly: entries with mixed decay factors need the kernel's decay "
+                                       "(call drift_pieces with decay=needs_kernel_decay(a))")
+                out = torch.where(torch.from_numpy(~uni).to(self.device).view(shape), kernel.to(dt), out)
+            return out
+
+        kv, kg = (None, {}) if kernel is None else kernel
+        dv = one(hv, fv, ~self._lin_np, kv)
+        dg = {d: one(hg[d], fg[d], np.ones(len(fg[d]), dtype=bool), kg.get(d)) for d in hg}
+        if sampled is not None and not sampled.full:  # entries this step did not decompose: no term
+            dv = dv * sampled.vec
+            dg = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in dg.items()}
+        return dv, dg
+
+    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None) -> dict:
+        (_, _), dec, (bv, bg), (dv, dg) = pieces
+        dt = h_old[0].dtype
+        lin = self._lin.to(dt)
+        return {"decay": self.decay(h_old, a, dec, sampled),
+                "first": (2 * bv.to(dt) + lin * dv.to(dt), {d: 2 * g.to(dt) for d, g in bg.items()}),
+                "second": ((1 - lin) * dv.to(dt), {d: g.to(dt) for d, g in dg.items()})}
+
+
+@dataclass
+class Mask:
+    """Which output entries a drift step decomposed: host (numpy) and device boolean masks."""
+
+    vec_np: np.ndarray
+    gram_np: dict
+    vec: torch.Tensor
+    grams: dict
+    full: bool = False
+
+
+@dataclass
+class Snapshot:
+    """What one drift step needs: the (sub-)plan, the old weights it reads (copies made right before the
+    step), the matching new tensors (views of the live weights), the source tensor of each, the mask
+    of decomposed entries.  Dropped after the step (no weight-sized buffer outlives it)."""
+
+    plan: Plan
+    olds: list
+    sources: list  # per plan tensor: index of the tracked tensor it views
+    mask: Mask
+    news: list | None = None
+
+    def bytes(self) -> int:
+        return sum(o.numel() * o.element_size() for o in self.olds if o is not None)
+
+
+class _Unit:
+    __slots__ = ("key", "grams", "norms", "sums", "cost")
+
+    def __init__(self, key):
+        self.key, self.grams, self.norms, self.sums, self.cost = key, [], [], [], 0
+
+
+def _sub_view(v: View, dim: int, start: int, n: int, which: str) -> View:
+    s = list(v.start)
+    if which == "rows":
+        s[v.row_dim] += start * v.row_step
+        return replace(v, start=tuple(s), rows=n)
+    s[v.col_dim] += start
+    return replace(v, start=tuple(s), cols=n)
+
+
+class Sampler:
+    """Which laws each drift step decomposes, under a budget on the bytes copied before the step.
+
+    Args:
+        plan: the law plan; tensors: the tracked tensors (shapes, dtypes, the bytes they hold).
+        budget: ``None``: every drift step decomposes every entry (whole tensors are copied: 1x the
+            tracked bytes while the step runs). A fraction ``0 < budget``: the entries are cut into
+            units (one Gram slot; a run of vector entries, rows of their views) and packed into groups
+            whose copied views sum to at most ``budget`` x the tracked bytes (a unit bigger than that
+            is a group of its own); drift step ``j`` decomposes group ``j mod len(groups)`` (round
+            robin), so each law is decomposed once every ``len(groups)`` drift steps.
+
+    ``snapshot(j, tensors)``: copies the views of group ``j`` (call right before the optimizer step).
+    """
+
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], budget: float | None, device):
+        if budget is not None and not budget > 0:
+            raise ValueError(f"snapshot_budget={budget} must be > 0 (a fraction of the tracked bytes) or None")
+        self.plan, self.budget, self.device = plan, budget, device
+        self.tracked_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._esize = [t.element_size() for t in tensors]
+        used = sorted({t.view.tensor for t in list(plan.grams) + list(plan.norms) + list(plan.sums)})
+        self._used = used
+        if budget is None or budget >= 1.0:
+            self.groups = [None]
+        else:
+            self.groups = self._pack(self._units(int(budget * self.tracked_bytes)), int(budget * self.tracked_bytes))
+        self._masks: dict = {}
+
+    # ------------------------------------------------------------------ units and groups
+    def _units(self, cap: int) -> list[_Unit]:
+        p = self.plan
+        units: dict = {}
+        for t in p.grams:
+            u = units.setdefault(("gram", t.view.rows, t.slot), _Unit(("gram", t.view.rows, t.slot)))
+            u.grams.append(t)
+            u.cost += t.view.rows * t.view.cols * self._esize[t.view.tensor]
+        # vector entries: cost per entry, then runs of entries of at most `cap` bytes
+        cost = np.zeros(p.vec_size, dtype=np.int64)
+        for t in p.norms:
+            np.add.at(cost, t.index + t.index_stride * np.arange(t.view.rows), t.view.cols * self._esize[t.view.tensor])
+        for t in p.sums:
+            cost[t.index: t.index + t.view.cols] += t.view.rows * self._esize[t.view.tensor]
+        bounds, acc, start = [], 0, 0
+        for e in range(p.vec_size):
+            if acc and acc + cost[e] > cap:
+                bounds.append((start, e))
+                start, acc = e, 0
+            acc += cost[e]
+        if p.vec_size:
+            bounds.append((start, p.vec_size))
+        for (o0, o1) in bounds:
+            u = _Unit(("vec", o0, o1))
+            for t in p.norms:
+                r = np.nonzero(((t.index + t.index_stride * np.arange(t.view.rows)) >= o0)
+                               & ((t.index + t.index_stride * np.arange(t.view.rows)) < o1))[0]
+                if len(r) == 0:
+                    continue
+                r0, r1 = int(r.min()), int(r.max()) + 1
+                u.norms.append(replace(t, view=_sub_view(t.view, t.view.row_dim, r0, r1 - r0, "rows"),
+                                       index=t.index + t.index_stride * r0))
+            for t in p.sums:
+                c0, c1 = max(o0, t.index), min(o1, t.index + t.view.cols)
+                if c0 >= c1:
+                    continue
+                u.sums.append(replace(t, view=_sub_view(t.view, t.view.col_dim, c0 - t.index, c1 - c0, "cols")
+                                      if t.view.col_dim is not None else t.view, index=c0))
+            u.cost = int(cost[o0:o1].sum())
+            if u.norms or u.sums:
+                units[u.key] = u
+        return list(units.values())
+
+    @staticmethod
+    def _pack(units: list[_Unit], cap: int) -> list[list[_Unit]]:
+        groups, cur, acc = [], [], 0
+        for u in units:
+            if cur and acc + u.cost > cap:
+                groups.append(cur)
+                cur, acc = [], 0
+            cur.append(u)
+            acc += u.cost
+        if cur:
+            groups.append(cur)
+        return groups
+
+    # ------------------------------------------------------------------ per drift step
+    def mask(self, j: int) -> Mask:
+        g = j % len(self.groups)
+        if g not in self._masks:
+            p = self.plan
+            if self.groups[g] is None:
+                vm = np.ones(p.vec_size, dtype=bool)
+                gm = {d: np.ones(n, dtype=bool) for d, n in p.gram_slots.items()}
+                full = True
+            else:
+                vm = np.zeros(p.vec_size, dtype=bool)
+                gm = {d: np.zeros(n, dtype=bool) for d, n in p.gram_slots.items()}
+                for u in self.groups[g]:
+                    if u.key[0] == "gram":
+                        gm[u.key[1]][u.key[2]] = True
+                    else:
+                        vm[u.key[1]:u.key[2]] = True
+                full = bool(vm.all() and all(m.all() for m in gm.values()))
+            self._masks[g] = Mask(vm, gm, torch.from_numpy(vm).to(self.device),
+                                  {d: torch.from_numpy(m).to(self.device) for d, m in gm.items()}, full)
+        return self._masks[g]
+
+    @torch.no_grad()
+    def snapshot(self, j: int, tensors: Sequence[torch.Tensor]) -> Snapshot:
+        """Copy what drift step ``j`` reads of ``tensors`` (the weights right before the step)."""
+        group = self.groups[j % len(self.groups)]
+        p = self.plan
+        if group is None:  # whole tensors, the plan as it is
+            olds = [None] * len(tensors)
+            for i in self._used:
+                olds[i] = tensors[i].detach().clone()
+            return Snapshot(p, olds, list(range(len(tensors))), self.mask(j))
+        sub = Plan(vec_size=p.vec_size, gram_slots=dict(p.gram_slots))
+        olds, sources, views, index = [], [], [], {}
+
+        def rebase(v: View) -> View:
+            key = (v.tensor, v.start, v.row_dim, v.rows, v.col_dim, v.cols, v.row_step)
+            if key not in index:
+                src = v.of(tensors[v.tensor].detach())
+                buf = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+                buf.copy_(src)
+                index[key] = len(olds)
+                olds.append(buf)
+                sources.append(v.tensor)
+                views.append(v)
+            return View(index[key], (0, 0), 0, v.rows, 1, v.cols)
+
+        for u in group:
+            sub.grams += [GramTerm(rebase(t.view), t.sign, t.slot) for t in u.grams]
+            sub.norms += [NormTerm(rebase(t.view), t.sign, t.index, t.index_stride, t.shift) for t in u.norms]
+            sub.sums += [SumTerm(rebase(t.view), t.sign, t.index) for t in u.sums]
+        snap = Snapshot(sub, olds, sources, self.mask(j))
+        snap.news = views  # resolved against the live tensors after the step (``news``)
+        return snap
+
+    def news(self, snap: Snapshot, tensors: Sequence[torch.Tensor]) -> list:
+        """The new tensors matching ``snap.olds`` (views of the live weights, no copy)."""
+        if snap.news is None:
+            return [t.detach() for t in tensors]
+        return [v.of(tensors[v.tensor].detach()) for v in snap.news]
+
+    def factors(self, snap: Snapshot, a: Sequence[float]) -> list[float]:
+        """Decay factor per tensor of ``snap.plan`` from the factor per tracked tensor."""
+        return [a[s] for s in snap.sources]
