@@ -521,7 +521,7 @@ def test_user_defined_optimizer_through_track():
     """Lion through conserve.track: the drift terms equal the float64 decomposition (a = 1 for an
     unknown optimizer, so the decoupled decay sits in Delta) and sum to the measured change."""
     m = lm()
-    opt = conserve.track(Lion(m.parameters(), lr=1e-3, weight_decay=0.1), m, fp64=True)
+    opt = conserve.track(Lion(m.parameters(), lr=1e-3, weight_decay=0.1), m, fp64=True, snapshot_budget=None)
     tr = opt.tracker
     x = torch.randint(0, 32, (2, 6))
     for _ in range(3):
