@@ -150,23 +150,67 @@ def step_reference(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[tor
             p.add_(g, alpha=-h.lr)
 
 
-def stats_reference(old: torch.Tensor, new: torch.Tensor, a: float, req: StatsRequest, out: torch.Tensor) -> None:
+_CHUNK = 1 << 16  # elements of the transient square in a column sum of squares
+
+
+def _sumsq(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """``(x * x).sum(axis)`` of a ``(B, R, C)`` tensor without a full-size temporary: rows (axis 2) by
+    ``vector_norm`` (one pass), columns (axis 1) over row chunks of at most ``_CHUNK`` elements."""
+    if axis == 2:
+        return torch.linalg.vector_norm(x, dim=2).square()
+    B, R, C = x.shape
+    step = max(1, _CHUNK // max(1, B * C))
+    if step >= R:
+        return x.square().sum(1)
+    acc = x[:, :step].square().sum(1)
+    for r0 in range(step, R, step):
+        acc += x[:, r0:r0 + step].square().sum(1)
+    return acc
+
+
+def stats_reference(old: torch.Tensor | None, new: torch.Tensor, a: float, req: StatsRequest,
+                    out: torch.Tensor, *, consume_old: bool = False) -> None:
     """Torch twin of the statistics: writes the slots of ``req`` into ``out`` (``(NQ, slots)``).
 
-    ``old`` / ``new``: the tensor before / after the step (any dtype; math in ``out.dtype``)."""
+    ``old`` / ``new``: the tensor before / after the step (any dtype; math in ``out.dtype``).
+    ``old=None``: only ``h(new)`` (quantity 0: ``new^2`` / ``new``); the drift quantities 1-3 of those
+    slots are left as they are (the caller zeroes ``out``).  Only the requested slots are computed,
+    with no full-size temporary beyond ``Delta`` (drift statistics only) when ``consume_old`` is True:
+    ``old`` is then overwritten (a copy the caller drops); otherwise it is copied once.  Column sums
+    of squares go over row chunks of bounded size."""
     acc = out.dtype
     B, R, C = matrix_shape(new.shape)
-    if new.numel() == 0:
+    if new.numel() == 0 or not req.any:
         return
     n = new.detach().reshape(B, R, C).to(acc)
-    o = old.detach().reshape(B, R, C).to(acc)
-    d = n - a * o
-    q = torch.stack([n * n, (a * o) * d, d * d, (a * a - 1) * (o * o)])
-    lin = torch.stack([n, d, torch.zeros_like(n), (a - 1) * o])
-    for base, vals, axis in ((req.row_q, q, 3), (req.row_l, lin, 3), (req.col_q, q, 2), (req.col_l, lin, 2)):
-        if base >= 0:
-            s = vals.sum(axis).reshape(NQ, -1)
-            out[:, base: base + s.shape[1]] = s
+    want = [(base, axis, quad) for base, axis, quad in ((req.row_q, 2, True), (req.row_l, 2, False),
+                                                         (req.col_q, 1, True), (req.col_l, 1, False)) if base >= 0]
+
+    def put(base, k, v):
+        v = v.reshape(-1)
+        out[k, base: base + v.numel()] = v
+
+    for base, axis, quad in want:
+        put(base, 0, _sumsq(n, axis) if quad else n.sum(axis))
+    if old is None:
+        return
+    o = old.detach().reshape(B, R, C)
+    o = o.to(acc) if o.dtype != acc else (o if consume_old else o.clone())
+    for base, axis, quad in want:  # decay: (a^2 - 1) old^2 / (a - 1) old, before old is scaled in place
+        put(base, 3, (a * a - 1) * _sumsq(o, axis) if quad else (a - 1) * o.sum(axis))
+    if a != 1.0:
+        o.mul_(a)  # a*old, rounded as the kernel rounds it
+    d = n - o  # Delta
+    for base, axis, quad in want:
+        if quad:
+            put(base, 2, _sumsq(d, axis))
+        else:  # linear slots: quantity 2 stays 0
+            put(base, 1, d.sum(axis))
+    if any(quad for _, _, quad in want):
+        o.mul_(d)  # (a*old) * Delta
+        for base, axis, quad in want:
+            if quad:
+                put(base, 1, o.sum(axis))
 
 
 def finish_reference(stats: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:

@@ -46,10 +46,11 @@ from ..kernels import optim_step as K
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
 from ..tracker import Tracker, Values
+from ..tracking.drift import Mask, Sampler, drift_pieces
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
-_TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors")
+_TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget")
 
 
 # --------------------------------------------------------------------------- term -> stats map
@@ -132,6 +133,12 @@ class _FusedPlan:
         self.idx, self.coef = torch.from_numpy(idx).to(dev), torch.from_numpy(coef).to(dev, acc)
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
+        # vec entries written by a term of ``rest`` (decomposed only when the Sampler's group holds them)
+        self.rest_vec = np.zeros(plan.vec_size, dtype=bool)
+        for t in rest.norms:
+            self.rest_vec[t.index + t.index_stride * np.arange(t.view.rows)] = True
+        for t in rest.sums:
+            self.rest_vec[t.index: t.index + t.view.cols] = True
         self.fused_terms = len(plan.norms) + len(plan.sums) - (len(rest.norms) + len(rest.sums))
 
 
@@ -162,7 +169,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._tracked = {id(t): i for i, t in enumerate(self.tracker.tensors)}
         acc = torch.float64 if self.tracker.fp64 else torch.float32
         self._stats = torch.zeros(K.NQ, max(1, self._fp.n_slots), device=self.tracker.device, dtype=acc)
-        self._old: dict[int, torch.Tensor] = {}
+        rest = self._fp.rest if self._fp.rest is not None else Plan(vec_size=self.tracker.compiled.plan.vec_size,
+                                                                      gram_slots=dict(self.tracker.compiled.plan.gram_slots))
+        self._sampler = Sampler(rest, self.tracker.tensors, self.tracker.snapshot_budget, self.tracker.device)
+        self._masks: dict = {}
 
     # ---- param groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -226,22 +236,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Params with a gradient (each once), their state buffers, steps and fresh-buffer flags."""
         raise NotImplementedError
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step (and, when tracking, one row of law values and drift terms).
+        """One optimizer step (and, when tracking, one row of law values; drift terms on drift steps).
 
-        Raises ``RuntimeError`` for sparse or complex gradients."""
+        Runs eagerly under ``torch.compile`` (``torch.compiler.disable``: a compiled training step
+        breaks the graph here, so the update is exactly the eager one).  Raises ``RuntimeError`` for
+        sparse or complex gradients."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         tr, fp = self.tracker, self._fp
+        drift_step = tr is not None and tr.is_drift_step()
+        snap = None
         if tr is not None:
-            for i in fp.rest_tensors:
-                t = tr.tensors[i]
-                if i not in self._old or self._old[i].shape != t.shape:
-                    self._old[i] = torch.empty_like(t)
-                self._old[i].copy_(t)
+            if drift_step and fp.rest is not None:  # the Gram-law views, copied only before a drift step
+                snap = self._sampler.snapshot(tr.step_count // tr.drift_every, tr.tensors)
             self._stats.zero_()
         a_of: dict[int, float] = {}
         done: set = set()
@@ -262,60 +274,77 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if tri:
                     K.step_triton(h, ps, gs, m1, m2, st, reqs, self._stats if tr is not None else None, fresh=fr,
                                   cache=self._layouts, interpret=dev.type != "cuda")
-                else:
-                    olds = [p.detach().clone() if i >= 0 and reqs[k].any else None for k, (p, i) in enumerate(zip(ps, ids))]
-                    K.step_reference(h, ps, gs, m1, m2, st, first=fr)
-                    for o, p, r in zip(olds, ps, reqs):
-                        if o is not None:
-                            K.stats_reference(o, p, h.a, r, self._stats)
+                else:  # one tensor at a time: its old copy (drift steps only) lives for its own update
+                    for k, p in enumerate(ps):
+                        want = ids[k] >= 0 and reqs[k].any
+                        old = p.detach().clone() if want and drift_step else None
+                        K.step_reference(h, [p], [gs[k]], [m1[k]], [m2[k]], [st[k]], first=[fr[k]] if fr else ())
+                        if want:
+                            K.stats_reference(old, p, h.a, reqs[k], self._stats, consume_old=True)
+                        del old
                 for i in ids:
                     if i >= 0:
                         a_of[i] = h.a
         if tr is not None:
-            self._record(a_of)
+            self._record(a_of, snap)
         return loss
 
-    def _record(self, a_of: dict[int, float]) -> None:
+    def _mask(self, snap) -> Mask:
+        """Entries a drift step decomposes: every entry the step statistics cover, except those that
+        also read a Gram/unmapped term outside the snapshot's group; the group's Gram slots."""
+        key = id(snap.mask) if snap is not None else None
+        if key not in self._masks:
+            fp, dev = self._fp, self.tracker.device
+            if snap is None:
+                vm = np.ones(len(fp.rest_vec), dtype=bool)
+                gm = {d: np.ones(n, dtype=bool) for d, n in self.tracker.compiled.plan.gram_slots.items()}
+            else:
+                vm = snap.mask.vec_np | ~fp.rest_vec
+                gm = snap.mask.gram_np
+            full = bool(vm.all() and all(m.all() for m in gm.values()))
+            self._masks[key] = (snap.mask if snap is not None else None,
+                                Mask(vm, gm, torch.from_numpy(vm).to(dev), {d: torch.from_numpy(m).to(dev)
+                                                                            for d, m in gm.items()}, full))
+        return self._masks[key][1]
+
+    def _record(self, a_of: dict[int, float], snap=None) -> None:
         tr, fp = self.tracker, self._fp
+        drift_step = tr.drift and tr.step_count % tr.drift_every == 0
         for i, t in enumerate(tr.tensors):  # tracked but not stepped (no grad, not in any group): Delta = 0
             if i not in a_of and fp.reqs[i].any:
-                K.stats_reference(t, t, 1.0, fp.reqs[i], self._stats)
+                K.stats_reference(None, t, 1.0, fp.reqs[i], self._stats)
         vals = K.finish_reference(self._stats, fp.idx, fp.coef)
-        h1 = Values(vals[0], {d: torch.zeros(n, d, d, device=tr.device, dtype=vals.dtype)
-                              for d, n in tr.compiled.plan.gram_slots.items()})
-        terms = {"first": Values(vals[1], {}), "second": Values(vals[2], {}), "decay": Values(vals[3], {})}
-        for k in terms:
-            terms[k].grams = {d: torch.zeros_like(g) for d, g in h1.grams.items()}
+        dev, dt = tr.device, vals.dtype
+        h1 = Values(vals[0], {d: torch.zeros(n, d, d, device=dev, dtype=dt) for d, n in tr.compiled.plan.gram_slots.items()})
         if fp.rest is not None:
-            self._rest_terms(a_of, h1, terms)
-        tr.record_step(h1, terms if tr.drift else None)
-
-    def _rest_terms(self, a_of, h1: Values, terms: dict) -> None:
-        """Gram laws (and unmapped terms) with the standalone kernels, as ``Tracker.after_step`` does:
-        ``kernels.drift`` gives ``h(new)`` and the drift pieces in one call (Triton: one pass over the
-        old and new Gram tensors per head size)."""
-        tr, fp = self.tracker, self._fp
-        new = [t.detach() for t in tr.tensors]
-        if not tr.drift:
-            h_new = Values(*kernels.evaluate(fp.rest, new, fp64=tr.fp64, backend=tr.backend))
-        else:
-            old = list(new)
-            for i in fp.rest_tensors:
-                old[i] = self._old[i]
-            a = [a_of.get(i, 1.0) if i in fp.rest_tensors else 1.0 for i in range(len(new))]
-            h_new, decay, b, hd = (Values(*r) for r in kernels.drift(fp.rest, old, new, a, fp64=tr.fp64,
-                                                                       backend=tr.backend))
-        h1.vec += h_new.vec
-        for d, g in h_new.grams.items():
-            h1.grams[d] = h1.grams[d] + g
-        if not tr.drift:
+            h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
+                                              backend=tr.backend))
+            h1 = h1.map(torch.add, h_rest)
+        if not drift_step:
+            tr.record_step(h1, None)
             return
-        lin = tr._lin.to(hd.vec.dtype)
-        add = {"decay": decay,
-               "first": Values(2 * b.vec + lin * hd.vec, {d: 2 * g for d, g in b.grams.items()}),
-               "second": Values((1 - lin) * hd.vec, hd.grams)}
-        for k, v in add.items():
-            terms[k] = terms[k].map(torch.add, v)
+        a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
+        mask = self._mask(snap)
+        zg = lambda: {d: torch.zeros_like(g) for d, g in h1.grams.items()}  # noqa: E731
+        kdec = Values(vals[3].clone(), zg())  # per-term decay of the step statistics
+        first, second = Values(vals[1], zg()), Values(vals[2], zg())
+        if snap is not None:
+            asm = tr.assembly
+            news = self._sampler.news(snap, tr.tensors)
+            pieces = drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
+                                  backend=tr.backend, decay=asm.needs_kernel_decay(a, mask))
+            del snap, news
+            _, dec, b, hd = (None if x is None else Values(*x) for x in pieces)
+            if dec is not None:
+                kdec = kdec.map(torch.add, dec)
+            lin = tr._lin.to(dt)
+            first = first.map(torch.add, Values(2 * b.vec + lin * hd.vec, {d: 2 * g for d, g in b.grams.items()}))
+            second = second.map(torch.add, Values((1 - lin) * hd.vec, hd.grams))
+        decay = Values(*tr.assembly.decay((tr.h.vec, tr.h.grams), a, (kdec.vec, kdec.grams), mask))
+        if not mask.full:
+            first = Values(first.vec * mask.vec, {d: g * mask.grams[d].view(-1, 1, 1) for d, g in first.grams.items()})
+            second = Values(second.vec * mask.vec, {d: g * mask.grams[d].view(-1, 1, 1) for d, g in second.grams.items()})
+        tr.record_step(h1, {"decay": decay, "first": first, "second": second}, mask)
 
 
 def _params_with_grad(group, done: set):

@@ -319,7 +319,7 @@ class Sampler:
         group = self.groups[j % len(self.groups)]
         p = self.plan
         if group is None:  # whole tensors, the plan as it is
-            olds = [None] * len(tensors)
+            olds = [t.detach() for t in tensors]  # unread tensors: the live ones, never copied
             for i in self._used:
                 olds[i] = tensors[i].detach().clone()
             return Snapshot(p, olds, list(range(len(tensors))), self.mask(j))
