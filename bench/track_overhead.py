@@ -1,0 +1,195 @@
+"""CPU cost of tracking, as ratios measured in one run (issue 12's targets; never a timed test).
+
+    OMP_NUM_THREADS=1 python -m bench.track_overhead            # all figures (a few minutes on 2 cores)
+    OMP_NUM_THREADS=1 python -m bench.track_overhead --quick    # fewer repetitions
+
+Prints, with one intra-op thread and the library defaults everywhere:
+
+1. ``conserve.track`` training step / untracked step on ``conserve run``'s default model (SGD, lr 0.1,
+   batch 16 x 64, flush every 10 steps into a JSONL file, as ``conserve run`` does); target <= 1.10;
+2. the same at ``--size base``; target <= 1.05;
+3. ``FusedAdamW(track=model)`` optimizer step / ``torch.optim.AdamW`` step (same hyper-parameters,
+   random gradients) on a ~14M-parameter LM; target <= 1.5;
+4. peak extra memory of the tracked optimizer step over the untracked one, divided by the tracked
+   bytes, over 2 x the drift cycle steps (``conserve.track`` on the default model, and FusedAdamW on
+   it); target <= 0.15.  Measured exactly: a ``TorchDispatchMode`` counts every tensor storage created
+   inside ``optimizer.step()`` until it is freed (the tracker's buffers kept between steps included).
+
+Steps are timed in interleaved blocks (untracked, tracked, untracked, ...) and the medians compared,
+so a slow phase of the shared machine hits both sides.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import conserve
+from conserve.commands.run import add_arguments, build_config
+from conserve.data import Batches, load_tokens
+from conserve.models import DecoderLM, LMConfig
+
+
+def run_model(size: str) -> DecoderLM:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    torch.manual_seed(0)
+    return DecoderLM(build_config(p.parse_args(["--size", size])))
+
+
+def interleaved(fns: dict, blocks: int, per_block: int) -> dict:
+    """Median ms per call of each function, timed in alternating blocks."""
+    times = {k: [] for k in fns}
+    for _ in range(blocks):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            for _ in range(per_block):
+                f()
+            times[k].append((time.perf_counter() - t) / per_block * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def training_step_ratio(size: str, blocks: int, tmp: str) -> tuple[float, float, float]:
+    tokens, _ = load_tokens(None)
+    fns = {}
+    for name in ("untracked", "tracked"):
+        model = run_model(size)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if name == "tracked":  # as conserve run builds it
+            opt = conserve.track(opt, model, every=10, sinks=[conserve.JSONLSink(f"{tmp}/{size}.jsonl")])
+        it = iter(Batches(tokens, 16, 64, seed=0))
+
+        def step(model=model, opt=opt, it=it):
+            x, y = next(it)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        for _ in range(10):
+            step()
+        fns[name] = step
+    t = interleaved(fns, blocks, 10)
+    return t["untracked"], t["tracked"], t["tracked"] / t["untracked"]
+
+
+def lm14m() -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(LMConfig(vocab_size=256, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                              num_key_value_heads=4, intermediate_size=1536))
+
+
+def set_grads(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+
+
+def fused_ratio(blocks: int) -> tuple[int, float, float, float]:
+    fns, n = {}, 0
+    for name in ("torch", "fused"):
+        model = lm14m()
+        n = sum(p.numel() for p in model.parameters())
+        set_grads(model)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if name == "torch"
+               else conserve.optim.FusedAdamW(model.parameters(), lr=1e-3, track=model))
+        for _ in range(3):
+            opt.step()
+        fns[name] = opt.step
+    t = interleaved(fns, blocks, 5)
+    return n, t["torch"], t["fused"], t["fused"] / t["torch"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the CPU tensor storages created under this mode and still alive; ``peak`` its maximum.
+    Outputs that alias an input (in-place ops, views) are not new storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.cur, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.cur -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key and key not in ins and key not in self.live:
+                    self.live[key] = st.nbytes()
+                    self.cur += st.nbytes()
+                    self.peak = max(self.peak, self.cur)
+                    weakref.finalize(st, self._free, key)
+        return out
+
+
+def peak_step_bytes(make, steps: int) -> tuple[int, int]:
+    """(peak live bytes created inside ``opt.step()`` over ``steps`` steps, tracked bytes)."""
+    model = run_model("tiny")
+    opt = make(model)
+    tracker = getattr(opt, "tracker", None)
+    tracked = sum(t.numel() * t.element_size() for t in tracker.tensors) if tracker is not None else 0
+    tokens, _ = load_tokens(None)
+    it = iter(Batches(tokens, 16, 64, seed=0))
+    mode = LiveBytes()
+    for _ in range(steps):
+        x, y = next(it)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        with mode:
+            opt.step()
+    return mode.peak, tracked
+
+
+def memory_ratio(kind: str) -> tuple[float, int, int, int]:
+    if kind == "track":
+        plain = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+        tracked = lambda m: conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=10)  # noqa: E731
+    else:
+        plain = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
+        tracked = lambda m: conserve.optim.FusedAdamW(m.parameters(), lr=1e-3, track=m, every=10)  # noqa: E731
+    probe = tracked(run_model("tiny"))
+    tr = probe.tracker
+    cycle = tr.drift_every * max(len(tr.sampler.groups), len(getattr(probe, "_sampler", tr.sampler).groups))
+    steps = min(2 * cycle, 200)
+    base, _ = peak_step_bytes(plain, steps)
+    peak, nbytes = peak_step_bytes(tracked, steps)
+    return (peak - base) / nbytes, peak - base, nbytes, steps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer timing blocks")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    blocks = 5 if args.quick else 11
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread; defaults: drift_every="
+          f"{conserve.tracker.DRIFT_EVERY}, snapshot_budget={conserve.tracker.SNAPSHOT_BUDGET}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for size, target in (("tiny", 1.10), ("base", 1.05)):
+            u, t, r = training_step_ratio(size, blocks, tmp)
+            print(f"conserve.track step / untracked, conserve run --size {size}: {t:.2f} ms / {u:.2f} ms = {r:.3f} "
+                  f"(target <= {target})")
+    n, u, t, r = fused_ratio(blocks)
+    print(f"FusedAdamW tracked step / torch AdamW step, {n / 1e6:.1f}M parameters: {t:.1f} ms / {u:.1f} ms = {r:.2f} "
+          "(target <= 1.5)")
+    for kind in ("track", "fused"):
+        r, extra, nbytes, steps = memory_ratio(kind)
+        name = "conserve.track (SGD)" if kind == "track" else "FusedAdamW vs AdamW"
+        print(f"peak extra memory / tracked bytes, {name}, default model, {steps} steps: {extra} / {nbytes} B = "
+              f"{r:.3f} (target <= 0.15)")
+
+
+if __name__ == "__main__":
+    main()
