@@ -169,7 +169,7 @@ def _sumsq(x: torch.Tensor, axis: int) -> torch.Tensor:
 
 
 def stats_reference(old: torch.Tensor | None, new: torch.Tensor, a: float, req: StatsRequest,
-                    out: torch.Tensor, *, consume_old: bool = False) -> None:
+                    out: torch.Tensor, *, consume_old: bool = False, scratch: torch.Tensor | None = None) -> None:
     """Torch twin of the statistics: writes the slots of ``req`` into ``out`` (``(NQ, slots)``).
 
     ``old`` / ``new``: the tensor before / after the step (any dtype; math in ``out.dtype``).
@@ -177,7 +177,8 @@ def stats_reference(old: torch.Tensor | None, new: torch.Tensor, a: float, req: 
     slots are left as they are (the caller zeroes ``out``).  Only the requested slots are computed,
     with no full-size temporary beyond ``Delta`` (drift statistics only) when ``consume_old`` is True:
     ``old`` is then overwritten (a copy the caller drops); otherwise it is copied once.  Column sums
-    of squares go over row chunks of bounded size."""
+    of squares go over row chunks of bounded size.  ``scratch``: a buffer of at least ``new.numel()``
+    elements of ``out.dtype`` that receives ``Delta`` (reused across tensors: no allocation per tensor)."""
     acc = out.dtype
     B, R, C = matrix_shape(new.shape)
     if new.numel() == 0 or not req.any:
@@ -200,7 +201,10 @@ def stats_reference(old: torch.Tensor | None, new: torch.Tensor, a: float, req: 
         put(base, 3, (a * a - 1) * _sumsq(o, axis) if quad else (a - 1) * o.sum(axis))
     if a != 1.0:
         o.mul_(a)  # a*old, rounded as the kernel rounds it
-    d = n - o  # Delta
+    if scratch is not None and scratch.dtype == acc and scratch.numel() >= n.numel():
+        d = torch.sub(n, o, out=scratch[: n.numel()].view(B, R, C))  # Delta
+    else:
+        d = n - o  # Delta
     for base, axis, quad in want:
         if quad:
             put(base, 2, _sumsq(d, axis))

@@ -8,7 +8,8 @@ lives in pure functions over tensor lists (``conserve.kernels.optim_step``).  A 
 ways between these classes and their torch twins.
 
 Tracking: pass the model (``track=model``), or explicit ``laws=`` with ``named_params=``, plus any
-``Tracker`` keyword (``every``, ``sinks``, ``fp64``, ``backend``, ``monitors``, ``drift``)::
+``Tracker`` keyword (``every``, ``sinks``, ``fp64``, ``backend``, ``monitors``, ``drift``, ``drift_every``
+(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``)::
 
     opt = conserve.optim.FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, track=model,
                                     sinks=[conserve.JSONLSink("laws.jsonl")], every=50)
@@ -19,10 +20,17 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   gain, scale, router-sum, translation laws) comes from per-row / per-column sums of ``new^2``,
   ``a*old*Delta``, ``Delta^2``, ``(a^2-1) old^2`` (``new``, ``Delta``, ``(a-1) old`` for sums) that the
   step kernel accumulates while it writes the row: no extra read of any weight;
-* the D x D Gram laws (and any other term) come from ``conserve.kernels.drift``: the tensors they read
-  are copied before the step (one copy, e.g. ``v_proj``/``o_proj`` of a RoPE model); after it, ONE
-  pass over old and new (Triton: one launch per head size) accumulates ``h(new)``, the decay
-  ``(a^2-1) h(old)``, ``B(a old, Delta)`` and ``h(Delta)`` with ``Delta = new - a old`` formed in registers.
+* the D x D Gram laws (and any other term) come from ``conserve.kernels.drift``: on a drift step only,
+  the views they read are copied right before the step (one group of them under ``snapshot_budget``,
+  round robin: ``conserve.tracking.drift.Sampler``); after it, ONE pass over old and new (Triton: one
+  launch per head size) gives ``B(a old, Delta)`` and ``h(Delta)`` with ``Delta = new - a old`` formed
+  in registers; ``h(new)`` of these laws is evaluated every step (``eps``);
+* the decay is ``(a^2-1) h(old)`` from the stored values (``conserve.tracking.drift.Assembly``); only
+  entries whose tensors have different ``a`` use the per-term decay of the statistics / kernel;
+* between drift steps the torch twin computes only ``h(new)`` statistics and copies nothing; on a drift
+  step each weight with statistics is copied into one scratch buffer reused across tensors, dropped
+  after the step.  ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
+  it, or a training step that calls it, gives the eager update.
 
 The three drift terms are computed directly (not as residuals), so the tracker's ``residual`` checks
 the identity at run time.  GradScaler: these optimizers do not set ``_step_supports_amp_scaling``,
@@ -51,6 +59,11 @@ from ..tracking.drift import Mask, Sampler, drift_pieces
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget")
+# A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
+# one tensor at a time) besides the sampled Gram-law views; between drift steps the statistics cost one
+# read of the new weights.  Every 10th step keeps a tracked CPU step within ~1.1-1.4x torch AdamW
+# (bench/track_overhead.py); pass drift_every=1 for every step.
+FUSED_DRIFT_EVERY = 10
 
 
 # --------------------------------------------------------------------------- term -> stats map
@@ -164,6 +177,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             raise ValueError("laws=... needs named_params= (a mapping name -> parameter, e.g. "
                              "dict(model.named_parameters())) or track=model")
         params = dict(named_params) if named_params is not None else None
+        tracker_kwargs = {"drift_every": FUSED_DRIFT_EVERY, **tracker_kwargs}
         self.tracker = Tracker(track, laws, params=params, **tracker_kwargs)
         self._fp = _FusedPlan(self.tracker)
         self._tracked = {id(t): i for i, t in enumerate(self.tracker.tensors)}
@@ -257,6 +271,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._stats.zero_()
         a_of: dict[int, float] = {}
         done: set = set()
+        scratch = None
         for group in self.param_groups:
             h = self._hyper(group)
             params, grads, b1, b2, steps, fresh = self._collect(group, done)
@@ -274,13 +289,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 if tri:
                     K.step_triton(h, ps, gs, m1, m2, st, reqs, self._stats if tr is not None else None, fresh=fr,
                                   cache=self._layouts, interpret=dev.type != "cuda")
-                else:  # one tensor at a time: its old copy (drift steps only) lives for its own update
+                else:  # one tensor at a time: its old copy (drift steps only) lives for its own update,
+                    # in two scratch buffers reused across tensors (old, Delta) and dropped after the step
                     for k, p in enumerate(ps):
                         want = ids[k] >= 0 and reqs[k].any
-                        old = p.detach().clone() if want and drift_step else None
+                        old = None
+                        if want and drift_step:
+                            scratch = self._scratch(scratch, p, tr.fp64)
+                            old = scratch[0][: p.numel()].view(p.shape).copy_(p.detach())
                         K.step_reference(h, [p], [gs[k]], [m1[k]], [m2[k]], [st[k]], first=[fr[k]] if fr else ())
                         if want:
-                            K.stats_reference(old, p, h.a, reqs[k], self._stats, consume_old=True)
+                            K.stats_reference(old, p, h.a, reqs[k], self._stats, consume_old=True,
+                                              scratch=scratch[1] if old is not None else None)
                         del old
                 for i in ids:
                     if i >= 0:
@@ -288,6 +308,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if tr is not None:
             self._record(a_of, snap)
         return loss
+
+    def _scratch(self, scratch, p: torch.Tensor, fp64: bool):
+        """Two flat buffers (old weights, Delta) big enough for the tracked tensors of this step."""
+        n = max(t.numel() for t in self.tracker.tensors)
+        acc = torch.float64 if fp64 else torch.float32
+        if scratch is None or scratch[0].dtype != p.dtype or scratch[0].device != p.device:
+            scratch = (torch.empty(n, dtype=p.dtype, device=p.device), torch.empty(n, dtype=acc, device=p.device))
+        return scratch
 
     def _mask(self, snap) -> Mask:
         """Entries a drift step decomposes: every entry the step statistics cover, except those that
