@@ -88,10 +88,17 @@ def plot_eps(records: list[dict], path: Path, title: str = "") -> Path:
     fig, axes = plt.subplots(1, 2 if has_loss else 1, figsize=(12 if has_loss else 8, 4.6), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 2] if has_loss else [1]})
     ax = axes[0, 0]
-    for f in fams:
+    controls = False
+    for i, f in enumerate(fams):
         xs, ys = _series(records, f"eps/{f}")
         if xs:
-            ax.plot(xs, [max(y, 1e-16) for y in ys], label=f, lw=1.5)
+            ax.plot(xs, [max(y, 1e-16) for y in ys], label=f, lw=1.5, color=f"C{i % 10}")
+        cx, cy = _series(records, f"control/{f}")
+        if cx:  # the non-conserved baseline: same terms, every sign + (conserve.tracking.control)
+            ax.plot(cx, [max(y, 1e-16) for y in cy], ls=":", marker=".", ms=3, lw=1, color=f"C{i % 10}")
+            controls = True
+    if controls:
+        ax.plot([], [], "k:", marker=".", ms=3, lw=1, label="dotted: control\n(same terms, all\nsigns +: not\nconserved)")
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step k")
     ax.set_ylabel(r"$\epsilon(k)$ = mean$_i$ |h$_i$(k) - h$_i$(0)| / |h$_i$(0)|")
@@ -195,8 +202,9 @@ def verdict(stats: dict, broken_by: list[str] | None = None) -> tuple[str, str]:
     ``stats``: ``eps_final``; the per-step term norms summed over the recorded steps (``sum_measured``,
     ``sum_decay``, ``sum_first``, ``sum_second``, None when the drift was not decomposed); optionally
     ``guarded`` (fraction of instances with ``h_0 ~ 0``, from ``Tracker.totals``) and
-    ``total_drift_measured``. Keys: ``broken_by``, ``h0_zero``, ``no_data``, ``holds_rounding``,
-    ``weight_decay``, ``first_order``, ``holds``, ``not_decomposed``."""
+    ``total_drift_measured``, ``balance`` and ``control_final`` (eps of the family's all-signs-+ control).
+    Keys: ``broken_by``, ``h0_zero``, ``no_data``, ``holds_rounding``, ``weight_decay``, ``first_order``,
+    ``step_size`` (second-order drift as large as the control's motion), ``holds``, ``not_decomposed``."""
     if broken_by:
         return "broken_by", "broken_by: " + "; ".join(broken_by)
     eps = stats.get("eps_final")
@@ -222,6 +230,13 @@ def verdict(stats: dict, broken_by: list[str] | None = None) -> tuple[str, str]:
     within = abs(sm - ss) / sm if sm > 0 else 0.0
     text = f"holds: drift = discretisation (second order) within {within:.0e}" if within < 0.01 else \
         f"holds: drift = discretisation (second order) within {within:.0%}"
+    ctrl = stats.get("control_final")
+    if ctrl:  # read the law against its non-conserved control (conserve.tracking.control)
+        ratio = eps / ctrl
+        if ratio > 0.5:
+            return "step_size", (f"conserved by the flow, but at this step size the second-order drift moves it "
+                                 f"as much as a non-conserved control (eps {ratio:.0%} of the control's): lower the lr")
+        text += f"; eps {ratio:.0e} x the non-conserved control's"
     bal = stats.get("balance")
     if eps > 0.05 and bal is not None and bal < 0.1:
         text += f"; eps is large because h_0 is small (|h_0| = {bal:.0e} of its magnitude)"
@@ -236,6 +251,8 @@ def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[s
     for f in families(records):
         _, eps = _series(records, f"eps/{f}")
         row = {"eps_final": eps[-1] if eps else None, "eps_max": max(eps) if eps else None}
+        _, ctrl = _series(records, f"control/{f}")
+        row["control_final"] = ctrl[-1] if ctrl else None
         for term in ("measured", "decay", "first", "second"):
             _, ys = _series(records, f"drift/{f}/{term}")
             row[f"sum_{term}"] = math.fsum(ys) if ys else None

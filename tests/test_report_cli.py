@@ -131,3 +131,28 @@ def test_plain_progress_lines_off_a_terminal_and_tensorboard_rerun(tmp_path, cap
     text = capsys.readouterr().out
     assert "step 4/4" in text and "worst eps" in text and "\x1b[" not in text
     assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def test_control_monitor_is_a_real_baseline(tmp_path):
+    """The all-signs-+ control moves under training while the law it shadows does not (float64, small lr)."""
+    from conserve.models import MLP
+    from conserve.tracking.control import ControlMonitor
+
+    torch.manual_seed(0)
+    model = MLP([5, 7, 3]).double()
+    laws = model.conservation_laws()[0]
+    mon = ControlMonitor(laws, dict(model.named_parameters()), fp64=True)
+    sink = conserve.MemorySink()
+    opt = conserve.track(torch.optim.SGD(model.parameters(), lr=1e-3), model, every=5, sinks=[sink], fp64=True,
+                         monitors=[mon])
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    for _ in range(10):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.close()
+    last = sink.records[-1]
+    assert last["control/relu"] > 1e-4  # the weights move at first order
+    assert last["eps/relu"] < 1e-2 * last["control/relu"]  # the law only at second order (lr^2)
+    assert verdict(dict(eps_final=0.1, control_final=0.12, sum_measured=1.0, sum_decay=0.0, sum_first=0.0,
+                        sum_second=1.0))[0] == "step_size"

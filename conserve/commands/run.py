@@ -235,6 +235,9 @@ def _main(args) -> int:
         monitors.append(ContinuityMonitor(model, every=1))
     tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors)
     tracker = tracked.tracker
+    from ..tracking.control import ControlMonitor
+
+    tracker.monitors.append(ControlMonitor(tracker.laws, dict(model.named_parameters()), fp64=args.fp64_laws))
     declined = [asdict(d) for d in tracker.declined]
     print(f"conserve run: {config['parameters']:,} parameters, {len(tracker.laws)} laws in "
           f"{len(tracker.families)} families ({', '.join(tracker.families)}); data: {source}; out: {out}")
