@@ -223,7 +223,8 @@ def test_fused_cadence_matches_full_decomposition(budget):
     equal a full FusedAdamW run on the decomposed entries."""
     xs = _batches(5)
     m_ref, m = _model(), _model()
-    ref = FusedAdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1, track=m_ref, every=100, snapshot_budget=None)
+    ref = FusedAdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1, track=m_ref, every=100, snapshot_budget=None,
+                     drift_every=1)
     opt = FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, every=100, drift_every=2,
                      snapshot_budget=budget)
     rows_ref, rows = _run(m_ref, ref, xs), _run(m, opt, xs)
