@@ -54,7 +54,11 @@ class TrackedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def step(self, closure=None):
-        """Step the inner optimizer, then evaluate the laws (no host sync unless a flush is due)."""
+        """Step the inner optimizer, then evaluate the laws (no host sync unless a flush is due).
+
+        ``before_step`` copies what the next drift step reads (nothing on the other steps) and
+        ``after_step`` books the row; both run outside ``torch.compile`` graphs, so compiling a
+        training step that calls this compiles the inner step alone (no guard on tracker state)."""
         self.tracker.before_step(self.optimizer)
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.tracker.after_step()
@@ -99,8 +103,8 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
         model: the module (HF, timm, torch.nn or a conserve reference model); its laws come from
             ``model.conservation_laws()`` or ``conserve.detect(model)``.
         laws: explicit laws instead of detection.
-        **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``fp64``, ``backend``, ``monitors``
-            (see ``conserve.tracker.Tracker``).
+        **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``drift_every``, ``snapshot_budget``, ``fp64``,
+            ``backend``, ``monitors`` (see ``conserve.tracker.Tracker``).
 
     Returns:
         a ``TrackedOptimizer`` (a ``torch.optim.Optimizer``).
