@@ -159,7 +159,6 @@ class Tracker:
         self._snap = None  # the copies of one drift step: made in before_step, dropped in after_step
         self._sampler: Sampler | None = None
         self._assembly: Assembly | None = None
-        self._hit_cache: dict = {}
         self.last: dict[str, Values] = {}
         self.last_record: dict | None = None
         self._setup()
@@ -290,15 +289,12 @@ class Tracker:
         return {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask).items()}
 
     def _family_hit(self, mask: Mask) -> torch.Tensor:
-        """(families,) bool: the family has a decomposed entry under ``mask`` (cached per mask)."""
-        key = id(mask)
-        if key not in self._hit_cache:
-            hit = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
-            hit.index_add_(0, self._vec_fam, mask.vec.long())
-            for d, m in mask.grams.items():
-                hit.index_add_(0, self._gram_fam[d], m.long())
-            self._hit_cache[key] = (mask, hit > 0)
-        return self._hit_cache[key][1]
+        """(families,) bool: the family has a decomposed entry under ``mask``."""
+        hit = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
+        hit.index_add_(0, self._vec_fam, mask.vec.long())
+        for d, m in mask.grams.items():
+            hit.index_add_(0, self._gram_fam[d], m.long())
+        return hit > 0
 
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled: Mask | None = None) -> None:
         """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,

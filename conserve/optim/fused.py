@@ -54,7 +54,7 @@ from ..kernels import optim_step as K
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
 from ..tracker import Tracker, Values
-from ..tracking.drift import Mask, Sampler, drift_pieces
+from ..tracking.drift import Mask, Sampler, drift_pieces, make_mask
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
@@ -186,7 +186,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rest = self._fp.rest if self._fp.rest is not None else Plan(vec_size=self.tracker.compiled.plan.vec_size,
                                                                       gram_slots=dict(self.tracker.compiled.plan.gram_slots))
         self._sampler = Sampler(rest, self.tracker.tensors, self.tracker.snapshot_budget, self.tracker.device)
-        self._masks: dict = {}
 
     # ---- param groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -320,20 +319,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _mask(self, snap) -> Mask:
         """Entries a drift step decomposes: every entry the step statistics cover, except those that
         also read a Gram/unmapped term outside the snapshot's group; the group's Gram slots."""
-        key = id(snap.mask) if snap is not None else None
-        if key not in self._masks:
-            fp, dev = self._fp, self.tracker.device
-            if snap is None:
-                vm = np.ones(len(fp.rest_vec), dtype=bool)
-                gm = {d: np.ones(n, dtype=bool) for d, n in self.tracker.compiled.plan.gram_slots.items()}
-            else:
-                vm = snap.mask.vec_np | ~fp.rest_vec
-                gm = snap.mask.gram_np
-            full = bool(vm.all() and all(m.all() for m in gm.values()))
-            self._masks[key] = (snap.mask if snap is not None else None,
-                                Mask(vm, gm, torch.from_numpy(vm).to(dev), {d: torch.from_numpy(m).to(dev)
-                                                                            for d, m in gm.items()}, full))
-        return self._masks[key][1]
+        fp = self._fp
+        if snap is None:
+            vm = np.ones(len(fp.rest_vec), dtype=bool)
+            gm = {d: np.ones(n, dtype=bool) for d, n in self.tracker.compiled.plan.gram_slots.items()}
+        else:
+            vm, gm = snap.mask.vec_np | ~fp.rest_vec, snap.mask.gram_np
+        return make_mask(vm, gm, self.tracker.device)
 
     def _record(self, a_of: dict[int, float], snap=None) -> None:
         tr, fp = self.tracker, self._fp

@@ -190,6 +190,12 @@ class Snapshot:
         return sum(o.numel() * o.element_size() for o in self.olds if o is not None)
 
 
+def make_mask(vm: np.ndarray, gm: Mapping[int, np.ndarray], device) -> Mask:
+    full = bool(vm.all() and all(m.all() for m in gm.values()))
+    return Mask(vm, dict(gm), torch.from_numpy(vm).to(device), {d: torch.from_numpy(m).to(device) for d, m in gm.items()},
+                full)
+
+
 class _Unit:
     __slots__ = ("key", "grams", "norms", "sums", "cost")
 
@@ -233,7 +239,6 @@ class Sampler:
             self.groups = [None]
         else:
             self.groups = self._pack(self._units(int(budget * self.tracked_bytes)), int(budget * self.tracked_bytes))
-        self._masks: dict = {}
 
     # ------------------------------------------------------------------ units and groups
     def _units(self, cap: int) -> list[_Unit]:
@@ -293,25 +298,21 @@ class Sampler:
 
     # ------------------------------------------------------------------ per drift step
     def mask(self, j: int) -> Mask:
+        """The entries drift step ``j`` decomposes (built per call: law-sized, not kept between steps)."""
         g = j % len(self.groups)
-        if g not in self._masks:
-            p = self.plan
-            if self.groups[g] is None:
-                vm = np.ones(p.vec_size, dtype=bool)
-                gm = {d: np.ones(n, dtype=bool) for d, n in p.gram_slots.items()}
-                full = True
-            else:
-                vm = np.zeros(p.vec_size, dtype=bool)
-                gm = {d: np.zeros(n, dtype=bool) for d, n in p.gram_slots.items()}
-                for u in self.groups[g]:
-                    if u.key[0] == "gram":
-                        gm[u.key[1]][u.key[2]] = True
-                    else:
-                        vm[u.key[1]:u.key[2]] = True
-                full = bool(vm.all() and all(m.all() for m in gm.values()))
-            self._masks[g] = Mask(vm, gm, torch.from_numpy(vm).to(self.device),
-                                  {d: torch.from_numpy(m).to(self.device) for d, m in gm.items()}, full)
-        return self._masks[g]
+        p = self.plan
+        if self.groups[g] is None:
+            vm = np.ones(p.vec_size, dtype=bool)
+            gm = {d: np.ones(n, dtype=bool) for d, n in p.gram_slots.items()}
+        else:
+            vm = np.zeros(p.vec_size, dtype=bool)
+            gm = {d: np.zeros(n, dtype=bool) for d, n in p.gram_slots.items()}
+            for u in self.groups[g]:
+                if u.key[0] == "gram":
+                    gm[u.key[1]][u.key[2]] = True
+                else:
+                    vm[u.key[1]:u.key[2]] = True
+        return make_mask(vm, gm, self.device)
 
     @torch.no_grad()
     def snapshot(self, j: int, tensors: Sequence[torch.Tensor]) -> Snapshot:
