@@ -93,11 +93,12 @@ class Assembly:
         self._cache: tuple | None = None
 
     def _factors(self, a: Sequence[float]):
-        """Per entry: the common ``a`` (or nan if the entry's tensors differ), for vec and each Gram size."""
+        """Per entry: the common fp32-rounded ``a`` (or nan if the entry's tensors differ), for vec and
+        each Gram size (cached for the last ``a``: it changes only with the lr)."""
         key = tuple(a)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        av = np.asarray(a, dtype=np.float64)
+        av = np.asarray(drift_factors(list(a), len(a)), dtype=np.float64)
 
         def common(entries, tensors, n, shifted=None):
             first = np.full(n, np.nan)
@@ -118,7 +119,7 @@ class Assembly:
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
         """Whether some (sampled) entry with a nonzero decay reads tensors of different ``a``."""
-        fv, fg = self._factors(drift_factors(a, len(a)))
+        fv, fg = self._factors(a)
         if sampled is None:
             return bool(np.isnan(fv).any() or any(np.isnan(f).any() for f in fg.values()))
         return bool(np.isnan(fv[sampled.vec_np]).any()
@@ -128,7 +129,6 @@ class Assembly:
         """``(a^2 - 1) h_old`` (quadratic entries) / ``(a - 1) h_old`` (linear), ``(vec, {D: grams})``;
         entries whose tensors have different ``a`` take ``kernel`` (the kernel's per-term decay, same
         layout; ``RuntimeError`` if it is needed and None); zero outside ``sampled``."""
-        a = drift_factors(a, len(a))
         hv, hg = h_old
         dt = hv.dtype
         fv, fg = self._factors(a)
@@ -239,6 +239,7 @@ class Sampler:
             self.groups = [None]
         else:
             self.groups = self._pack(self._units(int(budget * self.tracked_bytes)), int(budget * self.tracked_bytes))
+        self._subs: dict = {}  # group -> (sub-plan, views): plan-sized, built on first use
 
     # ------------------------------------------------------------------ units and groups
     def _units(self, cap: int) -> list[_Unit]:
@@ -324,34 +325,49 @@ class Sampler:
             for i in self._used:
                 olds[i] = tensors[i].detach().clone()
             return Snapshot(p, olds, list(range(len(tensors))), self.mask(j))
-        sub = Plan(vec_size=p.vec_size, gram_slots=dict(p.gram_slots))
-        olds, sources, views, index = [], [], [], {}
-
-        def rebase(v: View) -> View:
-            key = (v.tensor, v.start, v.row_dim, v.rows, v.col_dim, v.cols, v.row_step)
-            if key not in index:
-                src = v.of(tensors[v.tensor].detach())
-                buf = torch.empty(src.shape, dtype=src.dtype, device=src.device)
-                buf.copy_(src)
-                index[key] = len(olds)
-                olds.append(buf)
-                sources.append(v.tensor)
-                views.append(v)
-            return View(index[key], (0, 0), 0, v.rows, 1, v.cols)
-
-        for u in group:
-            sub.grams += [GramTerm(rebase(t.view), t.sign, t.slot) for t in u.grams]
-            sub.norms += [NormTerm(rebase(t.view), t.sign, t.index, t.index_stride, t.shift) for t in u.norms]
-            sub.sums += [SumTerm(rebase(t.view), t.sign, t.index) for t in u.sums]
-        snap = Snapshot(sub, olds, sources, self.mask(j))
+        sub, views = self._sub_plan(j % len(self.groups), tensors)
+        olds = []
+        for (i, shape, stride, off) in views:
+            src = tensors[i].detach()
+            buf = torch.empty(shape, dtype=src.dtype, device=src.device)
+            buf.copy_(src.as_strided(shape, stride, src.storage_offset() + off))
+            olds.append(buf)
+        snap = Snapshot(sub, olds, [v[0] for v in views], self.mask(j))
         snap.news = views  # resolved against the live tensors after the step (``news``)
         return snap
+
+    def _sub_plan(self, g: int, tensors):
+        """Group ``g``'s terms over compact copies of their views (one per distinct view), and per copy
+        ``(tensor, shape, stride, offset)`` of the view it copies (cached: plan-sized, no tensor)."""
+        if g not in self._subs:
+            p = self.plan
+            sub = Plan(vec_size=p.vec_size, gram_slots=dict(p.gram_slots))
+            views, index = [], {}
+
+            def rebase(v: View) -> View:
+                key = (v.tensor, v.start, v.row_dim, v.rows, v.col_dim, v.cols, v.row_step)
+                if key not in index:
+                    off, rs, cs = v.resolve(tensors[v.tensor])
+                    index[key] = len(views)
+                    views.append((v.tensor, (v.rows, v.cols), (rs, cs), off))
+                return View(index[key], (0, 0), 0, v.rows, 1, v.cols)
+
+            for u in self.groups[g]:
+                sub.grams += [GramTerm(rebase(t.view), t.sign, t.slot) for t in u.grams]
+                sub.norms += [NormTerm(rebase(t.view), t.sign, t.index, t.index_stride, t.shift) for t in u.norms]
+                sub.sums += [SumTerm(rebase(t.view), t.sign, t.index) for t in u.sums]
+            self._subs[g] = (sub, views)
+        return self._subs[g]
 
     def news(self, snap: Snapshot, tensors: Sequence[torch.Tensor]) -> list:
         """The new tensors matching ``snap.olds`` (views of the live weights, no copy)."""
         if snap.news is None:
             return [t.detach() for t in tensors]
-        return [v.of(tensors[v.tensor].detach()) for v in snap.news]
+        out = []
+        for (i, shape, stride, off) in snap.news:
+            t = tensors[i].detach()
+            out.append(t.as_strided(shape, stride, t.storage_offset() + off))
+        return out
 
     def factors(self, snap: Snapshot, a: Sequence[float]) -> list[float]:
         """Decay factor per tensor of ``snap.plan`` from the factor per tracked tensor."""
