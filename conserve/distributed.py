@@ -38,8 +38,8 @@ from torch import nn
 from . import kernels
 from .errors import UsageError
 from .laws import Law
-from .kernels.plan import drift_factors
 from .tracker import Tracker, Values, _abs_plan, decay_factor
+from .tracking.drift import drift_factors
 
 __all__ = ["DistributedTracker", "track", "wants_distributed", "flush_bytes"]
 

@@ -31,9 +31,14 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..kernels.plan import GramTerm, NormTerm, Plan, SumTerm, View, drift_factors
+from ..kernels.plan import GramTerm, NormTerm, Plan, SumTerm, View
 
-__all__ = ["drift_pieces", "Assembly", "Sampler", "Snapshot"]
+try:  # the kernels' reference module (after the vectorised twin); before it, plan.py
+    from ..kernels.reference import drift_factors
+except ImportError:  # pragma: no cover - depends on the kernels version
+    from ..kernels.plan import drift_factors
+
+__all__ = ["drift_pieces", "drift_factors", "Assembly", "Sampler", "Snapshot", "Mask", "make_mask"]
 
 _DRIFT_HAS_DECAY = "decay" in inspect.signature(kernels.drift).parameters
 
