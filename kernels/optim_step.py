@@ -42,7 +42,7 @@ import torch
 from .dispatch import check_triton_device
 
 __all__ = ["Hyper", "StatsRequest", "matrix_shape", "step_reference", "step_triton", "stats_reference",
-           "finish_reference", "NQ"]
+           "finish_reference", "compact_terms", "finish_compact", "NQ"]
 
 NQ = 4  # quantities per stats slot
 T_COLS = 16  # columns of the tensor table
@@ -220,10 +220,28 @@ def stats_reference(old: torch.Tensor | None, new: torch.Tensor, a: float, req: 
 def finish_reference(stats: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """Plan entries from the stats: ``vals[k, o] = sum_j coef[k, o, j] * stats[k, idx[o, j]]`` (fixed order).
 
-    ``stats``: ``(NQ, S)``; ``idx``: ``(V, J)`` int64; ``coef``: ``(NQ, V, J)``. Returns ``(NQ, V)``."""
+    ``stats``: ``(NQ, S)``; ``idx``: ``(V, J)`` int64; ``coef``: ``(NQ, V, J)``. Returns ``(NQ, V)``.
+    Deterministic on every device (a gather and a sum; ``NQ x V x J`` temporaries: ``finish_compact``
+    is the low-memory CPU form)."""
     if idx.numel() == 0:
         return torch.zeros(NQ, idx.shape[0], dtype=stats.dtype, device=stats.device)
     return (coef * stats[:, idx]).sum(-1)
+
+
+def compact_terms(idx: torch.Tensor, coef: torch.Tensor):
+    """``(entry, slot, coef)`` of the used pairs of a padded ``(idx, coef)`` table, in ``(o, j)`` order:
+    ``(P,)`` int64, ``(P,)`` int64, ``(NQ, P)``.  Compute once per plan."""
+    used = (coef != 0).any(0)
+    o, j = used.nonzero(as_tuple=True)
+    return o, idx[o, j], coef[:, o, j]
+
+
+def finish_compact(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, coef: torch.Tensor, n: int):
+    """``vals[k, o] = sum over pairs p with entry[p] == o of coef[k, p] * stats[k, slot[p]]``: ``(NQ, n)``,
+    temporaries of the size of the used pairs.  ``index_add_``: sequential (deterministic) on CPU,
+    atomics on CUDA -- use ``finish_reference`` there."""
+    out = torch.zeros(stats.shape[0], n, dtype=stats.dtype, device=stats.device)
+    return out.index_add_(1, entry, coef * stats[:, slot])
 
 
 # ------------------------------------------------------------------------------------ triton

@@ -550,3 +550,12 @@ def test_forced_triton_on_cpu_without_interpreter_says_how_to_fix():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CONSERVE_BACKEND")}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr and "backend='torch'" in r.stderr
+
+
+def test_finish_compact_equals_padded_finish():
+    g = torch.Generator().manual_seed(0)
+    stats = torch.randn(K.NQ, 50, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, 50, (20, 4), generator=g)
+    coef = torch.randn(K.NQ, 20, 4, generator=g, dtype=torch.float64) * (torch.rand(1, 20, 4, generator=g) > 0.4)
+    want = K.finish_reference(stats, idx, coef)
+    torch.testing.assert_close(K.finish_compact(stats, *K.compact_terms(idx, coef), 20), want, rtol=1e-12, atol=1e-12)

@@ -144,6 +144,7 @@ class _FusedPlan:
                 idx[o, j] = s
                 coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
         self.idx, self.coef = torch.from_numpy(idx).to(dev), torch.from_numpy(coef).to(dev, acc)
+        self.compact = K.compact_terms(self.idx, self.coef)  # the used (entry, slot) pairs
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
         # vec entries written by a term of ``rest`` (decomposed only when the Sampler's group holds them)
@@ -333,7 +334,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for i, t in enumerate(tr.tensors):  # tracked but not stepped (no grad, not in any group): Delta = 0
             if i not in a_of and fp.reqs[i].any:
                 K.stats_reference(None, t, 1.0, fp.reqs[i], self._stats)
-        vals = K.finish_reference(self._stats, fp.idx, fp.coef)
+        vals = (K.finish_reference(self._stats, fp.idx, fp.coef) if self._stats.is_cuda  # deterministic
+                else K.finish_compact(self._stats, *fp.compact, fp.idx.shape[0]))
         dev, dt = tr.device, vals.dtype
         h1 = Values(vals[0], {d: torch.zeros(n, d, d, device=dev, dtype=dt) for d, n in tr.compiled.plan.gram_slots.items()})
         if fp.rest is not None:
