@@ -133,8 +133,9 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def peak_step_bytes(make, steps: int) -> tuple[int, int]:
-    """(peak live bytes created inside ``opt.step()`` over ``steps`` steps, tracked bytes)."""
+def peak_step_bytes(make, steps: int) -> tuple[int, int, int]:
+    """(peak live bytes created inside ``opt.step()`` over ``steps`` steps, tracked bytes, bytes still
+    held after the last step)."""
     model = run_model("tiny")
     opt = make(model)
     tracker = getattr(opt, "tracker", None)
@@ -149,7 +150,7 @@ def peak_step_bytes(make, steps: int) -> tuple[int, int]:
         loss.backward()
         with mode:
             opt.step()
-    return mode.peak, tracked
+    return mode.peak, tracked, mode.cur
 
 
 def memory_ratio(kind: str) -> tuple[float, int, int, int]:
@@ -163,32 +164,35 @@ def memory_ratio(kind: str) -> tuple[float, int, int, int]:
     tr = probe.tracker
     cycle = tr.drift_every * max(len(tr.sampler.groups), len(getattr(probe, "_sampler", tr.sampler).groups))
     steps = min(2 * cycle, 200)
-    base, _ = peak_step_bytes(plain, steps)
-    peak, nbytes = peak_step_bytes(tracked, steps)
-    return (peak - base) / nbytes, peak - base, nbytes, steps
+    base, _, held_base = peak_step_bytes(plain, steps)
+    peak, nbytes, held = peak_step_bytes(tracked, steps)
+    return (peak - base) / nbytes, peak - base, nbytes, steps, (held - held_base) / nbytes
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer timing blocks")
+    ap.add_argument("--parts", default="step,fused,memory", help="comma-separated subset of step,fused,memory")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     torch.set_num_threads(1)
     blocks = 5 if args.quick else 11
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread; defaults: drift_every="
           f"{conserve.tracker.DRIFT_EVERY}, snapshot_budget={conserve.tracker.SNAPSHOT_BUDGET}")
     with tempfile.TemporaryDirectory() as tmp:
-        for size, target in (("tiny", 1.10), ("base", 1.05)):
+        for size, target in (("tiny", 1.10), ("base", 1.05)) if "step" in parts else ():
             u, t, r = training_step_ratio(size, blocks, tmp)
             print(f"conserve.track step / untracked, conserve run --size {size}: {t:.2f} ms / {u:.2f} ms = {r:.3f} "
                   f"(target <= {target})")
-    n, u, t, r = fused_ratio(blocks)
-    print(f"FusedAdamW tracked step / torch AdamW step, {n / 1e6:.1f}M parameters: {t:.1f} ms / {u:.1f} ms = {r:.2f} "
-          "(target <= 1.5)")
-    for kind in ("track", "fused"):
-        r, extra, nbytes, steps = memory_ratio(kind)
+    if "fused" in parts:
+        n, u, t, r = fused_ratio(blocks)
+        print(f"FusedAdamW tracked step / torch AdamW step, {n / 1e6:.1f}M parameters: {t:.1f} ms / {u:.1f} ms = {r:.2f} "
+              "(target <= 1.5)")
+    for kind in ("track", "fused") if "memory" in parts else ():
+        r, extra, nbytes, steps, held = memory_ratio(kind)
         name = "conserve.track (SGD)" if kind == "track" else "FusedAdamW vs AdamW"
         print(f"peak extra memory / tracked bytes, {name}, default model, {steps} steps: {extra} / {nbytes} B = "
-              f"{r:.3f} (target <= 0.15)")
+              f"{r:.3f} (target <= 0.15); of it held between steps (law values, totals, rows): {held:.3f}")
 
 
 if __name__ == "__main__":
