@@ -79,7 +79,18 @@ def _km(mr, mk, MASK_K: tl.constexpr, KFIRST: tl.constexpr):
 
 
 @triton.jit
-def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr):
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """``acc + a b^T``: fp32 operands at ``PREC`` (``"ieee"`` FMA or ``"tf32x3"`` tensor cores,
+    ``config.Config.input_precision``); bf16/fp16 operands go to the tensor cores as they are."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    else:
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+
+
+@triton.jit
+def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr,
+              PREC: tl.constexpr):
     """``acc + s a b^T`` (evaluate) or ``acc + s (a b^T + c d^T)`` (bilinear); ``s = sign`` if
     APPLY_SIGN (folded into the left operands: exact for |sign| == 1, one fp32 rounding for fp32
     inputs -- launch.py decides) else 1.
@@ -95,9 +106,9 @@ def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexp
     if APPLY_SIGN:
         a = (a * sign).to(a.dtype)
         c = (c * sign).to(c.dtype)
-    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    acc = _dot(a, b, acc, PREC)
     if BILINEAR:
-        acc = tl.dot(c, tl.trans(d), acc, input_precision="ieee")
+        acc = _dot(c, d, acc, PREC)
     return acc
 
 
@@ -118,7 +129,8 @@ def _rows(base, off, r, kk, rs, cs, slow, mr, mk, MASK_K: tl.constexpr, LAY: tl.
 @triton.jit
 def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, sign, acc,
           BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, BILINEAR: tl.constexpr,
-          UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr, MASK_K: tl.constexpr, LAY: tl.constexpr):
+          UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr, MASK_K: tl.constexpr, LAY: tl.constexpr,
+          PREC: tl.constexpr):
     """One term's contribution over the contracted range [k0, kend), through ``tl.dot``.  MASK_K: the
     range is the last partial block (masked); otherwise ``kend - k0`` is a multiple of BK.  SINGLE: a
     diagonal output tile (rows j = rows i: one load serves both)."""
@@ -137,9 +149,9 @@ def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, ken
                 d = c
             else:
                 d = _rows(yb, yo, rj, kk, yrs, ycs, yslow, mj, mk, MASK_K, LAY)
-            acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
+            acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN, PREC)
         else:
-            acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
+            acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN, PREC)
     return acc
 
 
@@ -165,7 +177,8 @@ def _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign,
 
 @triton.jit
 def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                SINGLE: tl.constexpr, DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr):
+                SINGLE: tl.constexpr, DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr,
+                PREC: tl.constexpr):
     """One contracted block of the four DRIFT accumulators from ``[BT, BK]`` (logical) tiles of the
     old (``oi``, ``oj``) and new (``ni``, ``nj``) weights of output rows i and j (``*j`` ignored if
     SINGLE: a diagonal output tile, ti == tj; launch.py gives those their own launch).  Factors folded into the left operands:
@@ -198,14 +211,14 @@ def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
     else:
         nl = ni32 * sign
         nr = nj32
-    acc_n = tl.dot(nl, tl.trans(nr), acc_n, input_precision="ieee")
-    if DECAY:
-        acc_d = tl.dot(oi32 * sdec, tl.trans(oj32), acc_d, input_precision="ieee")
+    acc_n = _dot(nl, nr, acc_n, PREC)
+    if DECAY:  # compiled out when decay is not requested or every a_t == 1 (launch.launch_factors)
+        acc_d = _dot(oi32 * sdec, oj32, acc_d, PREC)
     dls = dli * sign
-    acc_b = tl.dot(aoi * sign, tl.trans(dlj), acc_b, input_precision="ieee")
+    acc_b = _dot(aoi * sign, dlj, acc_b, PREC)
     if not SINGLE:
-        acc_b = tl.dot(dls, tl.trans(aoj), acc_b, input_precision="ieee")
-    acc_l = tl.dot(dls, tl.trans(dlj), acc_l, input_precision="ieee")
+        acc_b = _dot(dls, aoj, acc_b, PREC)
+    acc_l = _dot(dls, dlj, acc_l, PREC)
     return acc_n, acc_d, acc_b, acc_l
 
 
@@ -213,7 +226,7 @@ def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
 def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, a, sign, sdec,
                 acc_n, acc_d, acc_b, acc_l, BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr,
                 DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr, MASK_K: tl.constexpr,
-                LAY: tl.constexpr):
+                LAY: tl.constexpr, PREC: tl.constexpr):
     """One term's DRIFT contribution over [k0, kend): ``xb`` = old weights, ``yb`` = new weights
     (MASK_K, SINGLE as in ``_term``)."""
     kr = tl.arange(0, BK)
@@ -229,7 +242,7 @@ def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k
             oj = _rows(xb, xo, rj, kk, rs, cs, slow, mj, mk, MASK_K, LAY)
             nj = _rows(yb, yo, rj, kk, yrs, ycs, yslow, mj, mk, MASK_K, LAY)
         acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                 SINGLE, DECAY, FOLD, UPCAST)
+                                                 SINGLE, DECAY, FOLD, UPCAST, PREC)
     return acc_n, acc_d, acc_b, acc_l
 
 
@@ -257,7 +270,7 @@ def _strides(row, ALIGN: tl.constexpr, LAY: tl.constexpr):
 @triton.jit
 def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: tl.constexpr, BK: tl.constexpr,
                 ALIGN: tl.constexpr, SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
-                UPCAST: tl.constexpr, FOLD: tl.constexpr, LAY: tl.constexpr):
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, LAY: tl.constexpr, PREC: tl.constexpr):
     """Terms [t0, t1) of one layout (constexpr LAY: one code path per loop): full contracted blocks
     without a mask along k, then the masked tail."""
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
@@ -270,14 +283,15 @@ def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: t
             acc = _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR)
         elif FOLD:
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign, acc,
-                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, False, LAY)
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, False, LAY, PREC)
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign, acc,
-                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, True, LAY)
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, True, LAY, PREC)
         else:
             tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign,
-                         tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY)
+                         tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY,
+                         PREC)
             tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign,
-                         tacc, BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, True, LAY)
+                         tacc, BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, True, LAY, PREC)
             acc += sign * tacc
     return acc
 
@@ -285,7 +299,7 @@ def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: t
 @triton.jit
 def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, acc_n, acc_d, acc_b, acc_l,
                 BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, DECAY: tl.constexpr,
-                FOLD: tl.constexpr, UPCAST: tl.constexpr, LAY: tl.constexpr):
+                FOLD: tl.constexpr, UPCAST: tl.constexpr, LAY: tl.constexpr, PREC: tl.constexpr):
     """DRIFT twin of ``_slot_terms``: terms [t0, t1) of one layout into the four accumulators."""
     for t in range(t0, t1):
         xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * 8, ALIGN, LAY)
@@ -296,10 +310,10 @@ def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, a
         kfull = k0 + (kend - k0) // BK * BK
         acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0,
                                                  kfull, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, False, LAY)
+                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, False, LAY, PREC)
         acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull,
                                                  kend, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, True, LAY)
+                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, True, LAY, PREC)
     return acc_n, acc_d, acc_b, acc_l
 
 
@@ -307,15 +321,17 @@ def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, a
 def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
                  D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr,
                  SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
-                 UPCAST: tl.constexpr, FOLD: tl.constexpr, DRIFT: tl.constexpr = False,
-                 DECAY: tl.constexpr = False):
+                 UPCAST: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr = "ieee",
+                 DRIFT: tl.constexpr = False, DECAY: tl.constexpr = False):
     """FOLD (launch.py: every sign is +-1, or fp32 inputs): the sign is applied to the left operands
     and every term accumulates into ONE register tile; otherwise each term gets its own tile that is
     scaled and added (twice the accumulator registers).
 
     DRIFT (fp32 accumulation only; ``xb`` old, ``yb`` new weights): ``factors`` holds per term
     ``[a_t, sign_t*(a_t^2-1)]`` in fp32, four accumulators (h_new, decay, bil, h_delta) are written
-    ``plane`` elements apart; DECAY=False (every a_t == 1) skips the decay dots (its plane is 0).
+    ``plane`` elements apart; DECAY=False (decay not requested, or every a_t == 1) compiles the decay
+    dots and the decay store out (the caller zeroes or skips that plane).  PREC: ``tl.dot`` precision
+    of fp32 operands (``_dot``).
     FOLD here only selects the input-dtype fold of h_new (see ``_drift_dots``).  Ignored otherwise."""
     pid = tl.program_id(0).to(tl.int64)
     it = items + pid * 8
@@ -337,32 +353,33 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
     if DRIFT:
         z = tl.zeros([BT, BT], dtype=tl.float32)
         acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, t0, ta, k0, k1, ri, rj, mi, mj,
-                                                 z, z, z, z, BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, 0)
+                                                 z, z, z, z, BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, 0, PREC)
         acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, ta, tb, k0, k1, ri, rj, mi, mj,
                                                  acc_n, acc_d, acc_b, acc_l, BK, ALIGN, SINGLE, DECAY, FOLD,
-                                                 UPCAST, 1)
+                                                 UPCAST, 1, PREC)
         acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, tb, t1, k0, k1, ri, rj, mi, mj,
                                                  acc_n, acc_d, acc_b, acc_l, BK, ALIGN, SINGLE, DECAY, FOLD,
-                                                 UPCAST, 2)
+                                                 UPCAST, 2, PREC)
         if SINGLE:  # one dot per step (aO Dl^T), its transpose added once here
             acc_b = acc_b + tl.trans(acc_b)
         pl = plane.to(tl.int64)
         tl.store(out, acc_n)
-        tl.store(out + pl, acc_d)
+        if DECAY:
+            tl.store(out + pl, acc_d)
         tl.store(out + 2 * pl, acc_b * 0.5)
         tl.store(out + 3 * pl, acc_l)
     else:
         acc = tl.zeros([BT, BT], dtype=ACC)
         if FP64:
             acc = _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 2)
+                              BILINEAR, FP64, UPCAST, FOLD, 2, PREC)
         else:
             acc = _slot_terms(xb, yb, terms, signs, t0, ta, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 0)
+                              BILINEAR, FP64, UPCAST, FOLD, 0, PREC)
             acc = _slot_terms(xb, yb, terms, signs, ta, tb, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 1)
+                              BILINEAR, FP64, UPCAST, FOLD, 1, PREC)
             acc = _slot_terms(xb, yb, terms, signs, tb, t1, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 2)
+                              BILINEAR, FP64, UPCAST, FOLD, 2, PREC)
         if BILINEAR:
             acc = acc * 0.5
         tl.store(out, acc)
@@ -370,11 +387,14 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
 
 @triton.jit
 def _gram_finish(part, order, groups, out, pplane, oplane, D: tl.constexpr, BT: tl.constexpr,
-                 FP64: tl.constexpr):
+                 FP64: tl.constexpr, SKIP1: tl.constexpr = False):
     """Per output tile: sum its items' partial tiles in table order; write the tile and its mirror.
-    Program axis 1 selects a plane (DRIFT: 4 outputs): ``part``/``out`` advance by ``pplane``/``oplane``."""
+    Program axis 1 selects a plane (DRIFT: 4 outputs): ``part``/``out`` advance by ``pplane``/``oplane``.
+    SKIP1 (DRIFT without decay): a grid of 3 planes maps to planes 0, 2, 3 (the decay plane is not read)."""
     pid = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
+    if SKIP1:
+        p = p + (p > 0).to(tl.int64)
     part += p * pplane
     out += p * oplane
     g = groups + pid * 5

@@ -22,8 +22,6 @@ Tables (all int64, row-major):
 """
 from __future__ import annotations
 
-import os
-
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .config import Config
 from .plan import Plan, View
 
 MAX_ALIGN = 16
@@ -52,14 +51,15 @@ def pow2_divisor(values, cap: int = MAX_ALIGN) -> int:
 
 
 @dataclass
-class Config:
-    """Block sizes (constexpr) and work split.
+class Tiles:
+    """Block sizes (constexpr), work split and dot precision of one prepared plan.
 
     ``target_items``: aim for at least this many Gram programs (GPU: 4 per SM).  Norm items: one
     column tile of ``BF`` columns (doubled for 2-byte dtypes, so a row segment is always ``4*BF``
     bytes) times ``slow_rows`` rows if > 0, else enough rows to stream ``item_bytes`` if > 0, else
     the whole region.  ``BS``: rows per loaded tile; ``norm_warps``: warps of a norm program for
-    4-byte inputs (doubled with ``BF``)."""
+    4-byte inputs (doubled with ``BF``).  ``precision``, ``overlap``: ``config.Config``'s
+    ``input_precision`` and ``overlap``."""
 
     target_items: int = 1
     slow_rows: int = 0
@@ -71,37 +71,31 @@ class Config:
     BK_BIG: int = 32  # contracted block for output tiles of 128
     BK_SMALL: int = 64
     BT_MAX: int = 128
+    precision: str = "ieee"  # tl.dot input_precision of fp32 Gram dots
+    overlap: bool = True
 
     @staticmethod
-    def for_device(device: torch.device) -> "Config":
+    def for_device(device: torch.device, config: Config | None = None) -> "Tiles":
+        """The tiles of ``device`` for the choices of ``config`` (default ``Config()``)."""
+        config = config or Config()
         if device.type == "cuda":
-            return Config.gpu(torch.cuda.get_device_properties(device).multi_processor_count)
-        return Config()
+            return Tiles.gpu(torch.cuda.get_device_properties(device).multi_processor_count, config)
+        return Tiles(BT_MAX=config.gram_bt, BK_SMALL=16 if config.gram_bt < 128 else Tiles.BK_SMALL,
+                     precision=config.input_precision, overlap=config.overlap)
 
     @staticmethod
-    def gpu(sms: int = 132) -> "Config":
-        """The GPU configuration for a device with ``sms`` multiprocessors (H100/H200: 132)."""
-        # norm tiles [32, 128] fp32 = 16 KiB per load step, 32 values per thread (4 warps), so several
-        # programs fit per SM (107 registers on sm_90, bench/sass.py); one warp spans a row's 128
-        # columns (32 lanes x one 16-byte vector), so the row sums of fused regions are warp shuffles
-        # (a [16, 256] tile put two warps on a row: a cross-warp reduction per tile).  256 KiB per
-        # item keeps the last wave short.
-        # CONSERVE_GRAM_BT=64: 64 x 64 output tiles for D = 128 (3 of 4 tiles, 168 instead of 255
-        # registers at BK 16) -- an A/B switch for bench/gpu_check.sh until a GPU measures the default.
-        bt = int(os.environ.get("CONSERVE_GRAM_BT", "128"))
-        if bt not in (16, 32, 64, 128):
-            raise ValueError(f"CONSERVE_GRAM_BT={bt}: use 16, 32, 64 or 128")
-        # Norm loads pipelined through shared memory (tl.range num_stages=3: 16-byte cp.async, no
-        # registers held per byte in flight): on triton 3.6 / sm_90 a program holds 231 registers and
-        # 65 KiB, 2 per SM, 2-3 tiles each = 64-96 KiB in flight per SM, against 32 KiB for the register
-        # loads (194 registers, one 16 KiB tile per program); ~32 KiB is what 4.27 TB/s x ~1 us of
-        # loaded latency needs per SM, so the unpipelined kernel sat at the edge.  CONSERVE_NORM_STAGES=1
-        # restores it (the A/B of bench/gpu_check.sh).
-        stages = int(os.environ.get("CONSERVE_NORM_STAGES", "3"))
-        if not 1 <= stages <= 4:
-            raise ValueError(f"CONSERVE_NORM_STAGES={stages}: use 1 to 4")
-        return Config(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
-                      BK_SMALL=16 if bt < 128 else Config.BK_SMALL, norm_stages=stages)
+    def gpu(sms: int = 132, config: Config | None = None) -> "Tiles":
+        """The GPU tiles for a device with ``sms`` multiprocessors (H100/H200: 132)."""
+        config = config or Config()
+        # norm tiles [32, 128] fp32 = 16 KiB per load step, one warp per row (32 lanes x one 16-byte
+        # vector: the row sums of fused regions are warp shuffles); 256 KiB per item keeps the last
+        # wave short.  Norm loads pipelined through shared memory (config.norm_stages, default 3:
+        # 16-byte cp.async, several tiles in flight per SM); gram_bt 64 gives D = 128 three 64 x 64
+        # tiles (fewer registers, 3/4 of the FLOPs) -- both A/B switches of bench/gpu_check.sh.
+        bt = config.gram_bt
+        return Tiles(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
+                     BK_SMALL=16 if bt < 128 else Tiles.BK_SMALL, norm_stages=config.norm_stages,
+                     precision=config.input_precision, overlap=config.overlap)
 
     def norm_tile(self, group) -> tuple[int, int]:
         """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""
@@ -176,7 +170,7 @@ class Structure:
 
     bilinear: bool
     fp64: bool
-    cfg: Config
+    cfg: Tiles
     vec_size: int
     gram_slots: dict
     gram: list = field(default_factory=list)  # GramBucket
@@ -216,7 +210,7 @@ def _group(xs, ys, i: int):
 
 
 def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None, fp64: bool,
-          cfg: Config) -> Structure:
+          cfg: Tiles) -> Structure:
     """Canonicalise ``plan`` over tensors of these dtypes/shapes/strides (addresses are bound later)."""
     bil = ys is not None
     if bil and len(ys) != len(xs):
@@ -227,7 +221,7 @@ def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | N
     return st
 
 
-def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | None = None, bk: int | None = None):
+def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | None = None, bk: int | None = None):
     """Gram launches of ``plan`` into ``st.gram``; ``bt_max``/``bk`` override the output tile cap and the
     contracted block (the DRIFT mode's four accumulators need ``BT <= 64``, see ``build_drift``)."""
     by_d = defaultdict(list)
@@ -324,7 +318,7 @@ DRIFT_BT = 64  # DRIFT output tile: 4 fp32 accumulators of 64 x 64 (4 x 128 x 12
 DRIFT_BK = 16  # DRIFT contracted block: 4-8 operand tiles of [64, BK] live beside the accumulators
 
 
-def build_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], cfg: Config) -> Structure:
+def build_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], cfg: Tiles) -> Structure:
     """Gram tables of ``plan`` for the DRIFT mode of ``gram._gram_kernel`` (x = ``olds``, y = ``news``):
     ``BT <= DRIFT_BT``, ``BK = DRIFT_BK``, no norm tables (the vector terms go through the standalone
     composition, see ``triton_impl.drift_triton``).  Raises ``ValueError`` for mismatched lists/shapes."""
@@ -349,7 +343,7 @@ def launch_factors(launch: GramLaunch, a: Sequence[float]) -> tuple[np.ndarray, 
     return f, bool((at != 1.0).any())
 
 
-def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
+def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
     bil = ys is not None
     terms = [("norm", t) for t in plan.norms] + ([] if bil else [("sum", t) for t in plan.sums])
     regions = {}  # key -> dict(fast=, slow=)

@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .dispatch import check_triton_device
+from .config import check_triton_device
 
 __all__ = ["Hyper", "StatsRequest", "matrix_shape", "step_reference", "step_triton", "stats_reference",
            "finish_reference", "NQ"]
