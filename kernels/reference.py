@@ -92,18 +92,39 @@ def _extend(blocks: list, tensor, off, rows, length, rs, ls, y):
     blocks.append(_Block(tensor, off, 0, 1, rows, length, rs, ls, None if y is None else (y[0], 0, y[2], y[3])))
 
 
-def _stack(blocks, ts, dtype, y: bool = False) -> torch.Tensor:
-    """A Gram group's views as one ``(sum count, D, length)`` tensor in ``dtype``."""
-    parts = [b.take(ts[b.tensor], y) for b in blocks]
-    x = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return x.to(dtype)
+def _cat(parts):
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _stack_rows(blocks, ts, dtype, y: bool = False) -> torch.Tensor:
-    """A row group's rows (blocks of any row count) as one ``(rows, length)`` tensor in ``dtype``."""
-    parts = [b.take(ts[b.tensor], y).flatten(0, 1) for b in blocks]
-    x = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return x.to(dtype)
+def _grams(blocks, xs, ys, dtype) -> torch.Tensor:
+    """``(views, D, D)`` Grams ``X X^T`` (``ys``: ``(X Y^T + Y X^T)/2``) of a group: one ``bmm`` per block,
+    straight on the strided views (no stacking copy: BLAS takes either stride order)."""
+    parts = []
+    for b in blocks:
+        x = b.take(xs[b.tensor]).to(dtype)
+        y = x if ys is None else b.take(ys[b.tensor], True).to(dtype)
+        parts.append(torch.bmm(x, y.transpose(1, 2)))
+    G = _cat(parts)
+    return G if ys is None else (G + G.transpose(1, 2)) / 2
+
+
+def _row_sums(blocks, xs, ys, dtype, square: bool, shift=None) -> torch.Tensor:
+    """Per stacked row of a group: ``sum (x + shift)^2`` (``square``), ``sum x`` (not), ``sum x*y``
+    (``ys``), reduced on each block's strided view (no stacking copy)."""
+    parts, r = [], 0
+    for b in blocks:
+        x = b.take(xs[b.tensor]).to(dtype)
+        if ys is not None:
+            v = (x * b.take(ys[b.tensor], True).to(dtype)).sum(-1)
+        elif square:
+            if shift is not None:
+                x = x + shift[r:r + b.count * b.rows].view(b.count, b.rows, 1)
+            v = (x * x).sum(-1)
+        else:
+            v = x.sum(-1)
+        parts.append(v.reshape(-1))
+        r += b.count * b.rows
+    return _cat(parts)
 
 
 @dataclass
@@ -284,35 +305,19 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
         coef = g.sign if gram_coef is None else gram_coef(g)
         if coef is None:  # every coefficient is 0
             continue
-        x = _stack(g.blocks, xs, acc)
-        if ys is None:
-            G = torch.bmm(x, x.transpose(1, 2))
-        else:
-            G = torch.bmm(x, _stack(g.blocks, ys, acc, y=True).transpose(1, 2))
-            G = (G + G.transpose(1, 2)) / 2
-        grams[g.D].index_add_(0, g.slot, G * coef[:, None, None])
+        grams[g.D].index_add_(0, g.slot, _grams(g.blocks, xs, ys, acc) * coef[:, None, None])
     for g in s.rows:
-        if row_coef is not None:
+        if row_coef is not None:  # decay: c2 * sum x^2 + c1 * sum x per row
             coefs = row_coef(g)
             if coefs is None:
                 continue
-            x = _stack_rows(g.blocks, xs, acc)
             c2, c1 = coefs
-            v = c2 * (x * x).sum(1) if g.square else 0.0
+            v = c2 * _row_sums(g.blocks, xs, None, acc, True) if g.square else 0.0
             if c1 is not None:
-                v = v + c1 * x.sum(1)
+                v = v + c1 * _row_sums(g.blocks, xs, None, acc, False)
             vec.index_add_(0, g.out, v)
-            continue
-        x = _stack_rows(g.blocks, xs, acc)
-        if ys is not None:
-            v = (x * _stack_rows(g.blocks, ys, acc, y=True)).sum(1)
-        elif g.square:
-            if g.shift is not None:
-                x = x + g.shift[:, None]
-            v = (x * x).sum(1)
         else:
-            v = x.sum(1)
-        vec.index_add_(0, g.out, g.sign * v)
+            vec.index_add_(0, g.out, g.sign * _row_sums(g.blocks, xs, ys, acc, g.square, g.shift))
     return vec, grams
 
 
