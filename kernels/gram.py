@@ -22,7 +22,7 @@ and the item writes them to four planes of the partial buffer (``plane`` element
 The item writes its BT x BT tile to a partial buffer; ``_gram_finish`` sums, per output tile, the
 partials of its items in a fixed order and mirrors off-diagonal tiles (no atomics: deterministic).
 
-Term table row (int64): ``x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs`` in elements relative to
+Term table row (int64, ``tables.GRAM_TERM``): ``x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs`` in elements relative to
 the launch's base pointers; layout 0: ``x_cs == 1`` (row blocks of nn.Linear weights: tiles
 [BT, BK] loaded along the contiguous k), 1: ``x_rs == 1`` (column blocks, e.g. ``W_o[:, r_i]`` or
 GPT-2 Conv1D: tiles [BK, BT] loaded along the contiguous head dim), 2: general strides.  Item row:
@@ -38,9 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-TERM_COLS = 8
-ITEM_COLS = 8
-GROUP_COLS = 5
+from . import tables
+
 
 
 @triton.jit
@@ -251,19 +250,19 @@ def _strides(row, ALIGN: tl.constexpr, LAY: tl.constexpr):
     """``xo, rs, cs, n, yo, yrs, ycs, slow, yslow`` of a term-table row; ``slow``: the strided axis of
     layout 0 (rows) / 1 (columns), hinted HERE right after its load -- ptxas then emits 16-byte vector
     loads (a ``tl.multiple_of`` on a callee's argument is lost; bench/sass.py)."""
-    xo = tl.multiple_of(tl.load(row), ALIGN)
-    rs = tl.load(row + 1)
-    cs = tl.load(row + 2)
-    n = tl.load(row + 3)
-    yo = tl.multiple_of(tl.load(row + 5), ALIGN)
-    yrs = tl.load(row + 6)
-    ycs = tl.load(row + 7)
+    xo = tl.multiple_of(tl.load(row + tables.GRAM_TERM.X_OFF), ALIGN)
+    rs = tl.load(row + tables.GRAM_TERM.X_RS)
+    cs = tl.load(row + tables.GRAM_TERM.X_CS)
+    n = tl.load(row + tables.GRAM_TERM.N)
+    yo = tl.multiple_of(tl.load(row + tables.GRAM_TERM.Y_OFF), ALIGN)
+    yrs = tl.load(row + tables.GRAM_TERM.Y_RS)
+    ycs = tl.load(row + tables.GRAM_TERM.Y_CS)
     if LAY == 1:
-        slow = tl.multiple_of(tl.load(row + 2), ALIGN)
-        yslow = tl.multiple_of(tl.load(row + 7), ALIGN)
+        slow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.X_CS), ALIGN)
+        yslow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.Y_CS), ALIGN)
     else:
-        slow = tl.multiple_of(tl.load(row + 1), ALIGN)
-        yslow = tl.multiple_of(tl.load(row + 6), ALIGN)
+        slow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.X_RS), ALIGN)
+        yslow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.Y_RS), ALIGN)
     return xo, rs, cs, n, yo, yrs, ycs, slow, yslow
 
 
@@ -275,7 +274,7 @@ def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: t
     without a mask along k, then the masked tail."""
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
     for t in range(t0, t1):
-        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * 8, ALIGN, LAY)
+        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * tables.GRAM_TERM.COLS, ALIGN, LAY)
         sign = tl.load(signs + t)
         kend = tl.maximum(tl.minimum(k1, n), k0)
         kfull = k0 + (kend - k0) // BK * BK
@@ -302,10 +301,10 @@ def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, a
                 FOLD: tl.constexpr, UPCAST: tl.constexpr, LAY: tl.constexpr, PREC: tl.constexpr):
     """DRIFT twin of ``_slot_terms``: terms [t0, t1) of one layout into the four accumulators."""
     for t in range(t0, t1):
-        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * 8, ALIGN, LAY)
+        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * tables.GRAM_TERM.COLS, ALIGN, LAY)
         sign = tl.load(signs + t)
-        a = tl.load(factors + 2 * t)
-        sdec = tl.load(factors + 2 * t + 1)
+        a = tl.load(factors + t * tables.FACTOR.COLS + tables.FACTOR.A)
+        sdec = tl.load(factors + t * tables.FACTOR.COLS + tables.FACTOR.SDEC)
         kend = tl.maximum(tl.minimum(k1, n), k0)
         kfull = k0 + (kend - k0) // BK * BK
         acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0,
@@ -334,15 +333,15 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
     of fp32 operands (``_dot``).
     FOLD here only selects the input-dtype fold of h_new (see ``_drift_dots``).  Ignored otherwise."""
     pid = tl.program_id(0).to(tl.int64)
-    it = items + pid * 8
-    t0 = tl.load(it)
-    t1 = tl.load(it + 1)
-    ta = tl.load(it + 6)  # the slot's terms are sorted by layout: [t0, ta) 0, [ta, tb) 1, [tb, t1) 2
-    tb = tl.load(it + 7)
-    k0 = tl.multiple_of(tl.load(it + 2), BK)  # launch.py: chunks are multiples of BK
-    k1 = tl.load(it + 3)
-    ti = tl.load(it + 4)
-    tj = tl.load(it + 5)
+    it = items + pid * tables.GRAM_ITEM.COLS
+    t0 = tl.load(it + tables.GRAM_ITEM.T0)
+    t1 = tl.load(it + tables.GRAM_ITEM.T1)
+    ta = tl.load(it + tables.GRAM_ITEM.TA)  # the slot's terms are sorted by layout: [t0, ta) 0, [ta, tb) 1, [tb, t1) 2
+    tb = tl.load(it + tables.GRAM_ITEM.TB)
+    k0 = tl.multiple_of(tl.load(it + tables.GRAM_ITEM.K0), BK)  # launch.py: chunks are multiples of BK
+    k1 = tl.load(it + tables.GRAM_ITEM.K1)
+    ti = tl.load(it + tables.GRAM_ITEM.TI)
+    tj = tl.load(it + tables.GRAM_ITEM.TJ)
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
     ri = ti * BT + tl.arange(0, BT)
     rj = tj * BT + tl.arange(0, BT)
@@ -397,12 +396,12 @@ def _gram_finish(part, order, groups, out, pplane, oplane, D: tl.constexpr, BT: 
         p = p + (p > 0).to(tl.int64)
     part += p * pplane
     out += p * oplane
-    g = groups + pid * 5
-    i0 = tl.load(g)
-    i1 = tl.load(g + 1)
-    slot = tl.load(g + 2)
-    ti = tl.load(g + 3)
-    tj = tl.load(g + 4)
+    g = groups + pid * tables.GRAM_GROUP.COLS
+    i0 = tl.load(g + tables.GRAM_GROUP.I0)
+    i1 = tl.load(g + tables.GRAM_GROUP.I1)
+    slot = tl.load(g + tables.GRAM_GROUP.SLOT)
+    ti = tl.load(g + tables.GRAM_GROUP.TI)
+    tj = tl.load(g + tables.GRAM_GROUP.TJ)
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
     o = tl.arange(0, BT)
     acc = tl.zeros([BT, BT], dtype=ACC)

@@ -28,6 +28,8 @@ import torch
 from . import launch as L
 from .config import Config, check_triton_device, interpreting
 from .plan import Plan
+from .tables import GRAM_TERM as GT
+from .tables import REGION as RG
 from .reference import check_drift_inputs, drift_compose, drift_factors
 
 __all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare", "Prepared", "clear_cache"]
@@ -128,23 +130,23 @@ class Prepared:
             for l in b.launches:
                 xd, yd = deltas[l.group]
                 terms = l.terms.copy()
-                terms[:, 0] = L.offsets(l.terms[:, 0], l.x_tensor, xd)
-                terms[:, 5] = L.offsets(l.terms[:, 5], l.y_tensor, yd) if ys is not None else 0
-                hint = list(terms[:, 0]) + list(terms[:, 5])
-                for (xo, rs, cs, n, lay, yo, yrs, ycs) in terms:
-                    hint += [cs, ycs] if lay == 1 else [rs, yrs]  # gram._strides hints the slow stride
+                terms[:, GT.X_OFF] = L.offsets(l.terms[:, GT.X_OFF], l.x_tensor, xd)
+                terms[:, GT.Y_OFF] = L.offsets(l.terms[:, GT.Y_OFF], l.y_tensor, yd) if ys is not None else 0
+                hint = list(terms[:, GT.X_OFF]) + list(terms[:, GT.Y_OFF])
+                for row in terms:  # gram._strides hints the slow stride
+                    hint += [row[GT.X_CS], row[GT.Y_CS]] if row[GT.LAYOUT] == 1 else [row[GT.X_RS], row[GT.Y_RS]]
                 lb.append((self._dev(terms), self._align(l.group, hint)))
             self.gram_bound.append(lb)
         self.norm_bound = []
         for l in st.norm:
             xd, yd = deltas[l.group]
             regs = l.regions.copy()
-            regs[:, 0] = L.offsets(l.regions[:, 0], l.x_tensor, xd)
-            regs[:, 9] = L.offsets(l.regions[:, 9], l.y_tensor, yd) if ys is not None else 0
-            hint = list(regs[:, 0]) + list(regs[:, 9])
+            regs[:, RG.X_OFF] = L.offsets(l.regions[:, RG.X_OFF], l.x_tensor, xd)
+            regs[:, RG.Y_OFF] = L.offsets(l.regions[:, RG.Y_OFF], l.y_tensor, yd) if ys is not None else 0
+            hint = list(regs[:, RG.X_OFF]) + list(regs[:, RG.Y_OFF])
             for row in regs:
-                if row[5] == 0:
-                    hint += [row[1], row[10]]
+                if row[RG.LAYOUT] == 0:
+                    hint += [row[RG.SS], row[RG.YSS]]
             self.norm_bound.append((self._dev(regs), self._align(l.group, hint)))
         self._ptrs = ptrs
 
