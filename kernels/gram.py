@@ -13,7 +13,7 @@ with ``X_t`` read through its logical strides (seed paper's head Gram law; spec 
 DRIFT mode (spec "Discrete steps: the exact drift identity"): ``X_t`` = old weights ``O``, ``Y_t`` =
 new weights ``N`` of one optimizer step, ``a_t`` its decay factor.  Each tile of ``O`` and ``N`` is
 read once and four register tiles are accumulated (``Dl = N - a_t*O`` formed in fp32 registers,
-``a_t*O`` rounded to fp32 first, exactly as ``plan.drift_reference`` rounds it)::
+``a_t*O`` rounded to fp32 first, exactly as ``reference.drift_reference`` rounds it)::
 
     h_new   = sum_t s_t N N^T                               decay = sum_t s_t (a_t^2 - 1) O O^T
     bil     = sum_t s_t (aO Dl^T + Dl aO^T) / 2             h_delta = sum_t s_t Dl Dl^T

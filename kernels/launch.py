@@ -322,7 +322,7 @@ DRIFT_BK = 16  # DRIFT contracted block: 4-8 operand tiles of [64, BK] live besi
 def build_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], cfg: Tiles) -> Structure:
     """Gram tables of ``plan`` for the DRIFT mode of ``gram._gram_kernel`` (x = ``olds``, y = ``news``):
     ``BT <= DRIFT_BT``, ``BK = DRIFT_BK``, no norm tables (the vector terms go through the standalone
-    composition, see ``triton_impl.drift_triton``).  Raises ``ValueError`` for mismatched lists/shapes."""
+    composition, see ``runner.drift_triton``).  Raises ``ValueError`` for mismatched lists/shapes."""
     if len(olds) != len(news):
         raise ValueError(f"drift: got {len(olds)} old tensors but {len(news)} new ones; pass one old per new")
     st = Structure(bilinear=True, fp64=False, cfg=cfg, vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
