@@ -932,3 +932,24 @@ def test_drift_inputs_users_pass():
     for backend in ("torch", "triton"):
         with pytest.raises(ValueError, match=r"not reserved with plan.new_gram\(4\)"):
             evaluate(bad, [o], backend=backend)
+
+
+def test_work_tables_have_the_named_columns():
+    """Every table the builders emit has the width ``tables.py`` names (the kernels index it by those
+    names), and a row built by name must name every column."""
+    from conserve.kernels import tables as TB
+
+    p, ts = llama_block(seed=13)
+    st = L.build(p, ts, None, False, L.Tiles())
+    for b in st.gram:
+        assert b.groups.shape[1] == TB.GRAM_GROUP.COLS
+        for l in b.launches:
+            assert l.terms.shape[1] == TB.GRAM_TERM.COLS and l.items.shape[1] == TB.GRAM_ITEM.COLS
+            assert (l.terms[:, TB.GRAM_TERM.N] > 0).all()
+    for l in st.norm:
+        assert l.regions.shape[1] == TB.REGION.COLS and l.items.shape[1] == TB.NORM_ITEM.COLS
+    assert st.finish.shape[1] == TB.FINISH_ROW.COLS and st.finish_blocks.shape[1] == TB.FINISH_BLOCK.COLS
+    f, _ = L.launch_factors(st.gram[0].launches[0], [0.9] * len(ts))
+    assert f.shape[1] == TB.FACTOR.COLS and np.allclose(f[:, TB.FACTOR.A], 0.9)
+    with pytest.raises(KeyError, match="columns are"):
+        TB.FACTOR.row(a=1.0)
