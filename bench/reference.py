@@ -1,6 +1,6 @@
 """CPU cost of the torch twin: the grouped (vectorised) form vs the term-by-term loop (not a timed test).
 
-    python -m bench.reference                       # conserve run's default model, --size base, --hidden 256
+    python -m bench.reference                       # conserve run's default model, --size base, --hidden 256, MoE
     python -m bench.reference --threads 2 --repeat 20
 
 For each model (built as ``conserve run`` builds it: ``commands.run.build_config`` with the CLI
@@ -17,7 +17,8 @@ import time
 
 import torch
 
-CASES = {"default": [], "base": ["--size", "base"], "hidden256": ["--hidden", "256"]}
+CASES = {"default": [], "base": ["--size", "base"], "hidden256": ["--hidden", "256"],
+         "base256-moe": ["--size", "base", "--hidden", "256", "--experts", "8"]}
 
 
 def build(extra):
