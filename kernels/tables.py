@@ -1,13 +1,15 @@
 """Named columns of every work table of the Triton path: the one place that says what column ``j`` of
-a row means, for the host builders (``launch.py``), the binder (``runner.py``) and the kernels
-(``gram.py``, ``norms.py``, which read e.g. ``tables.GRAM_TERM.X_OFF``: a module attribute that
-Triton folds to a constant).  Every table is int64, row-major, ``COLS`` columns (``FACTOR``: fp32).
+a row means, for the host builders (``launch.py``, ``optim_step.py``), the binder (``runner.py``) and
+the kernels (``gram.py``, ``norms.py``, ``optim_step.py``, which read e.g. ``tables.GRAM_TERM.X_OFF``: a
+module attribute that Triton folds to a constant).  Every table is int64, row-major, ``COLS`` columns
+(``FACTOR``, ``STEP_SCALAR``: fp32).
 
 Offsets are in elements relative to the launch's base pointer of its dtype group; strides in elements.
 """
 from __future__ import annotations
 
-__all__ = ["GRAM_TERM", "GRAM_ITEM", "GRAM_GROUP", "FACTOR", "REGION", "NORM_ITEM", "FINISH_ROW", "FINISH_BLOCK"]
+__all__ = ["GRAM_TERM", "GRAM_ITEM", "GRAM_GROUP", "FACTOR", "REGION", "NORM_ITEM", "FINISH_ROW", "FINISH_BLOCK",
+           "STEP_TENSOR", "STEP_PROG", "STEP_SCALAR", "STEP_FINISH"]
 
 
 class _Table:
@@ -73,3 +75,26 @@ class FINISH_ROW(_Table):
 class FINISH_BLOCK(_Table):
     """Finishing blocks: one program per (finishing row, first of its ``FIN_BC`` columns)."""
     ROW, C0 = range(2)
+
+
+class STEP_TENSOR(_Table):
+    """Tensors of a fused optimizer step (``optim_step._step_kernel``; 16 columns, 3 spare): element
+    offsets of param, grad, first and second state buffer (0 when absent); matrix view ``R x C`` of
+    ``B`` batches (``br = B*R``), row blocks ``nrb``; partial-buffer offsets of the row / column
+    quadratic and linear statistics (-1: not requested); ``fresh``: SGD momentum not yet initialised."""
+    P_OFF, G_OFF, M_OFF, V_OFF, R, C, BR, NRB, ROW_Q, ROW_L, COL_Q, COL_L, FRESH, SPARE0, SPARE1, SPARE2 = range(16)
+
+
+class STEP_PROG(_Table):
+    """Programs of the step kernel: tensor, batch, row block, column block."""
+    TENSOR, BATCH, ROW_BLOCK, COL_BLOCK = range(4)
+
+
+class STEP_SCALAR(_Table):
+    """Per-tensor fp32 scalars of the step (Adam: step size and bias-correction factor)."""
+    STEP_SIZE, BC2S = range(2)
+
+
+class STEP_FINISH(_Table):
+    """Finishing rows of the step statistics: ``stats[q, out + f] = sum_i part[q, off + i*F + f]``, i < nrows."""
+    OFF, NROWS, F, OUT = range(4)
