@@ -8,7 +8,7 @@ strided axis (gain law: columns of q/k/v/gate/up; unit law: columns of down) nee
 ONCE for both the SwiGLU unit law (its rows) and the gain law (its columns).
 
 ``_rowcol_kernel``: one program per item = (region, rows [s_start, s_end), ONE column tile
-[f0, f0 + BF)).  Items are sized by bytes (``launch.Config.item_bytes``, ~256 KiB on a GPU) so that
+[f0, f0 + BF)).  Items are sized by bytes (``launch.Tiles.item_bytes``, ~256 KiB on a GPU) so that
 every program streams the same amount of memory.  The inner loop over row tiles ``[BS, BF]`` is a
 pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v = (x + shift)^2``
 (func 0), ``x`` (func 1, SumTerm) or ``x*y`` (bilinear), and an elementwise add into a

@@ -9,11 +9,13 @@ Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)
 
 On CUDA the Gram launches (1, 3a) run on a side stream concurrently with the norm launches (2, 3b).
 ``drift_triton`` (DRIFT mode): one ``_gram_kernel`` pass over old AND new weights per D for the four
-Gram pieces of the drift identity + one 4-plane ``_gram_finish`` per D (README "DRIFT mode").
+Gram pieces of the drift identity + one ``_gram_finish`` per D over 4 planes (3 with ``decay=False``:
+the decay dots are compiled out; README "DRIFT mode").  ``config.Config`` selects the fp32 dot
+precision (``"ieee"`` / ``"tf32x3"``), the Gram tile cap, the norm pipelining and the stream overlap.
 
 No host synchronisation, no atomics (bitwise deterministic for fixed tensors).  The work tables are
 built once per (plan, dtypes/shapes/strides) and re-bound only when ``data_ptr``s change
-(``prepare``); see ``launch.py`` for the table layout and ``README.md`` for what is fused.
+(``prepare``); see ``launch.py`` / ``tables.py`` for the table layout and ``README.md`` for what is fused.
 """
 from __future__ import annotations
 
