@@ -32,6 +32,7 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
+from .tracking.breakers import check_optimizer, decay_factor  # noqa: F401  (decay_factor: re-exported)
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
@@ -41,17 +42,6 @@ def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
     return kernels.Plan([replace(t, sign=abs(t.sign)) for t in plan.grams],
                         [replace(t, sign=abs(t.sign)) for t in plan.norms],
                         [replace(t, sign=abs(t.sign)) for t in plan.sums], plan.vec_size, dict(plan.gram_slots))
-
-
-def decay_factor(optimizer: torch.optim.Optimizer, group: Mapping) -> float | torch.Tensor:
-    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for a parameter group (1 when unknown)."""
-    wd = group.get("weight_decay", 0.0) or 0.0
-    lr = group.get("lr", 0.0)
-    name = type(optimizer).__name__
-    decoupled = name == "AdamW" or (name == "Adam" and group.get("decoupled_weight_decay", False))
-    if decoupled or (name == "SGD" and not group.get("momentum", 0.0)):
-        return 1.0 - lr * wd
-    return 1.0
 
 
 class Values:
@@ -133,6 +123,7 @@ class Tracker:
         self._a: list[float | torch.Tensor] = [1.0] * len(self.tensors)
         self.last: dict[str, Values] = {}
         self.last_record: dict | None = None
+        self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
         self._setup()
         with torch.no_grad():
             self.h0, mag = self._initial_values()
@@ -140,6 +131,11 @@ class Tracker:
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
+
+    def check_optimizer(self, optimizer) -> dict[str, str]:
+        """Compare every law's parameters with ``optimizer.param_groups`` (lr, weight_decay, membership);
+        sets and returns ``broken_by`` ({law name: reason}); see ``conserve.tracking.breakers``."""
+        return check_optimizer(self, optimizer)
 
     # -------------------------------------------------------------- hooks (see conserve.distributed)
     def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
