@@ -2,8 +2,12 @@
 
 PATH is a local HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards with
 ``model.safetensors.index.json``) or one ``.safetensors`` file. The model is built on the meta device
-from the config (no weights allocated) and handed to ``conserve.detection.hf.detect_from_config``; the
-detected parameter names are matched to the checkpoint's tensor names (``conserve.checkpoint.match_names``).
+from the config (no weights allocated, ``conserve.detection.hf.meta_model``) and handed to ``conserve.detect``;
+the detected parameters are mapped onto the checkpoint's tensors (``conserve.checkpoint.resolve``: names
+that differ by one prefix, and the per-expert or transposed on-disk layouts of MoE experts).
+
+Integer, bool and 8-bit-float (quantised) tensors are refused before evaluation (one line naming the
+tensor and the fix); NaN/Inf weights are named with their counts after the values are printed (exit 2).
 
 Prints a table per layer (family, laws, instances, parameters read), the declined blocks with their
 reasons and every module with no law detected. ``--values`` evaluates the invariants from the
@@ -28,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import Checkpoint, match_names, open_checkpoint
-from ..errors import UsageError
+from ..checkpoint import Checkpoint, check_float, describe_nonfinite, nonfinite, open_checkpoint, resolve
+from ..errors import NonFiniteError, UsageError
 from ..laws import Law, Ref, evaluate_laws
 
 GUARD = 1e-4  # same guard as conserve.tracker.GUARD
@@ -125,7 +129,8 @@ def config_from_names(shapes: dict[str, tuple[int, ...]], args) -> tuple[dict, b
 def detect_checkpoint(ck: Checkpoint, args):
     """``(Detection, {param name: checkpoint key})`` for a checkpoint. Raises UsageError."""
     try:
-        from ..detection.hf import detect_from_config
+        from ..detection import detect
+        from ..detection.hf import meta_model
     except ImportError as e:  # transformers missing
         raise UsageError(f"inspecting an HF checkpoint needs transformers ({e}); pip install transformers") from None
     options = dict(loss=args.loss)
@@ -153,9 +158,11 @@ def detect_checkpoint(ck: Checkpoint, args):
         cfg = transformers.AutoConfig.for_model(**config)
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{ck.path}: transformers cannot read this config ({e})") from None
-    found = detect_from_config(cfg, **options)
-    params = [p for law in found.laws for p in law.params]
-    names = match_names(dict.fromkeys(params), ck.shapes)
+    model = meta_model(cfg)
+    found = detect(model, cfg, **options)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    found.shapes = {p: shapes[p] for law in found.laws for p in law.params}  # for resolve() of a second checkpoint
+    names = resolve(ck, found.shapes)
     _check_fits(found.laws, names, ck)
     return found, names
 
@@ -191,16 +198,20 @@ def _abs(law: Law) -> Law:
 
 
 def evaluate_checkpoint(ck: Checkpoint, laws: list[Law], names: dict[str, str], device="cpu", *,
-                        magnitude: bool = False, fp64: bool = True, backend: str = "auto") -> dict[str, torch.Tensor]:
+                        magnitude: bool = False, fp64: bool = True, backend: str = "auto",
+                        bad: dict | None = None) -> dict[str, torch.Tensor]:
     """``{law.name: h}`` from the checkpoint's tensors (float64 accumulation unless ``fp64=False``), one layer
     at a time so only that layer's tensors are in memory. ``magnitude=True`` evaluates every term with a
     + sign instead (the scale used to guard ``eps``). ``backend``: see ``conserve.kernels.evaluate``.
-    Values are returned on the CPU as float64."""
+    Values are returned on the CPU as float64. NaN/Inf tensors are counted into ``bad`` ({checkpoint key:
+    (NaN count, Inf count)}) when given (their laws then evaluate to NaN/Inf)."""
     out = {}
     for _, group in sorted(_groups(laws).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         need = list(dict.fromkeys(p for law in group for p in law.params))
         loaded = ck.tensors([names[p] for p in need], device)
         tensors = {p: loaded[names[p]] for p in need}
+        if bad is not None:
+            bad.update(nonfinite(loaded))
         vals = evaluate_laws([_abs(l) for l in group] if magnitude else group, tensors, fp64=fp64, backend=backend)
         out.update({k: v.detach().to("cpu", torch.float64) for k, v in vals.items()})
         del loaded, tensors
@@ -350,19 +361,35 @@ def main(args) -> int:
         raise UsageError(f"{paths[0]}: no law detected, nothing to evaluate")
     dev = _device(args.device)
     kw = dict(fp64=not args.fp32, backend=args.backend)
-    vals = evaluate_checkpoint(ck, det.laws, names, dev, **kw)
+    check_float(ck, names.values())
+    bad: dict = {}
+    vals = evaluate_checkpoint(ck, det.laws, names, dev, bad=bad, **kw)
     mag = evaluate_checkpoint(ck, det.laws, names, dev, magnitude=True, **kw)
     if args.values:
         print_values(con, det.laws, vals, mag)
+    if bad:
+        _nonfinite(con, paths[0], bad, ck)
     if other is not None:
         try:
-            names_b = match_names(names, other.shapes)
+            names_b = resolve(other, det.shapes)
         except UsageError as e:
             raise UsageError(f"{paths[1]} does not hold the same model: {e}") from None
         bad = [p for p, k in names_b.items() if other.shapes[k] != ck.shapes[names[p]]]
         if bad:
             raise UsageError(f"{paths[1]} does not hold the same model: {bad[0]!r} has shape "
                              f"{other.shapes[names_b[bad[0]]]} there, {ck.shapes[names[bad[0]]]} in {paths[0]}")
-        vals_b = evaluate_checkpoint(other, det.laws, names_b, dev, **kw)
+        check_float(other, names_b.values())
+        bad_b: dict = {}
+        vals_b = evaluate_checkpoint(other, det.laws, names_b, dev, bad=bad_b, **kw)
         print_compare(con, paths[0], paths[1], compare(det.laws, vals, vals_b, mag))
+        if bad_b:
+            _nonfinite(con, paths[1], bad_b, other)
     return 0
+
+
+def _nonfinite(con, path, bad: dict, ck: Checkpoint) -> None:
+    """Name the NaN/Inf tensors in the output, then fail (exit 2) after what was computed is printed."""
+    text = describe_nonfinite(bad, ck.shapes)
+    con.print(f"non-finite weights in {path}: {text}", overflow="fold")
+    raise NonFiniteError(f"{path}: {len(bad)} weight tensor(s) hold NaN/Inf ({text}); the laws that read them are "
+                         "NaN: the training diverged or the file is corrupt, inspect an earlier checkpoint")

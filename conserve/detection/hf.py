@@ -860,9 +860,15 @@ def detect_from_config(config, **options) -> Detection:
 
     if isinstance(config, dict):
         config = transformers.AutoConfig.for_model(**config)
-    cls = _model_class(config)
-    with torch.device("meta"):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+    model = meta_model(config)
     from .core import detect
 
     return detect(model, config, **options)
+
+
+def meta_model(config):
+    """The HF model a ``transformers.PretrainedConfig`` describes, built on the meta device (shapes only).
+    Raises UsageError when transformers has no model class for it."""
+    cls = _model_class(config)
+    with torch.device("meta"):
+        return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
