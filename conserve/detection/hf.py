@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..laws import (Declined, GainBalance, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit,
+from ..laws import (Declined, GainBalance, NormScaleLaw, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit,
                     Term, Translation, VOGram, cols, rows, vector)
 from .core import Detection, finish, register
 
@@ -134,6 +134,26 @@ def probe_rope(fn, head_dim: int, rotary_dim: int) -> str | None:
         out = fn(eye, eye.clone(), cos, sin)[0].reshape(d, d)
     except Exception:
         return None
+    return _pairing(out, d, r)
+
+
+def _probe_gptj(fn, head_dim: int, rotary_dim: int) -> str | None:
+    """``probe_rope`` for GPT-J's ``apply_rotary_pos_emb(x, sin, cos)`` (x: (B, T, heads, R); sin/cos:
+    (B, T, R/2), repeated to pairs inside), which GPT-J applies to the first ``rotary_dim`` dims only."""
+    r = rotary_dim
+    eye = torch.eye(r, dtype=torch.float64, device="cpu").view(r, 1, 1, r)
+    try:
+        out = fn(eye, torch.ones(1, 1, r // 2, dtype=torch.float64), torch.zeros(1, 1, r // 2, dtype=torch.float64))
+        out = out.reshape(r, r)
+    except Exception:
+        return None
+    full = torch.eye(head_dim, dtype=torch.float64)
+    full[:r, :r] = out  # dims [r, head_dim) pass through (GPT-J's k_pass / q_pass)
+    return _pairing(full, head_dim, r)
+
+
+def _pairing(out: torch.Tensor, d: int, r: int) -> str | None:
+    """'half' / 'interleaved' from the images ``out[t]`` of the basis vectors under a quarter turn."""
     partner = []
     for t in range(d):
         nz = (out[t].abs() > 0.5).nonzero().flatten().tolist()
@@ -167,7 +187,7 @@ def _rotary_dim(config, head_dim: int, rotary_emb) -> int:
     return r
 
 
-def _rope_layout(ctx: "_Ctx", attn: nn.Module, head_dim: int, r: int) -> str:
+def _rope_layout(ctx: "_Ctx", attn: nn.Module, head_dim: int, r: int, probe=None) -> str:
     opt = ctx.options.get("rope_layout")
     if opt is not None:
         if opt not in LAYOUTS:
@@ -180,7 +200,7 @@ def _rope_layout(ctx: "_Ctx", attn: nn.Module, head_dim: int, r: int) -> str:
     key = type(attn)
     if key not in ctx.rope_cache:
         fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
-        ctx.rope_cache[key] = probe_rope(fn, head_dim, r) if fn is not None else None
+        ctx.rope_cache[key] = (probe or probe_rope)(fn, head_dim, r) if fn is not None else None
     lay = ctx.rope_cache[key]
     if lay is None:
         raise UsageError(f"cannot tell the RoPE pairing of {type(attn).__name__} from its code: pass "
@@ -225,7 +245,7 @@ class _Attn:
     k_starts: list
     v_starts: list
     rope: tuple | None = None  # (rotary_dim, layout)
-    qk_norm: tuple | None = None  # ('head'|'all', q_norm path, k_norm path, eps)
+    qk_norm: tuple | None = None  # ('head'|'all', q_norm path, k_norm path, eps, gain shift)
 
     @property
     def rep(self) -> int:
@@ -273,7 +293,7 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
     """QK-norm (spec breakers): the QK Gram / RoPE-pair laws of q_proj/k_proj are replaced by scale laws
     (``||Q_i||^2``, ``||K_j||^2`` per head for a per-head norm; ``||W_q||^2``, ``||W_k||^2`` for a norm over
     all heads) and the norm gains carry a RoPE-pair law ``sum_{t in p} g_q[t]^2 - g_k[t]^2``."""
-    kind, qn, kn, eps = a.qk_norm
+    kind, qn, kn, eps, shift = a.qk_norm
     d, rep, laws = a.d, a.rep, []
     ctx.decline(f"{a.path}.q_proj", "QK-norm: QK Gram / RoPE-pair laws of q_proj, k_proj",
                 f"{qn} and {kn} normalise q and k ({'per head' if kind == 'head' else 'over all heads at once'}), so "
@@ -317,13 +337,13 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
         for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0)):
             for s in starts:
                 for off, step in members:
-                    terms.append(Term("norm", vector(vec, s + off, half, step=step), sign))
+                    terms.append(Term("norm", vector(vec, s + off, half, step=step), sign, shift=shift))
         if a.rope is None:  # no RoPE: every dim is its own "pair"; members overlap -> use one member of size d
-            terms = [Term("norm", vector(vec, s, d), sign) for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0))
-                     for s in starts]
+            terms = [Term("norm", vector(vec, s, d), sign, shift=shift)
+                     for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0)) for s in starts]
         laws.append(QKNormGain(f"{a.path}/qk_norm_gain/group{g}", a.layer, terms, half if a.rope else d,
                               note=f"{qn}/{kn} gains, {'shared by all heads' if kind == 'head' else 'per kv group'}"
-                                   f"; layout {layout!r}"))
+                                   f"; layout {layout!r}" + ("; gains stored as (1 + w)" if shift else "")))
     return laws
 
 
@@ -365,9 +385,10 @@ def _qkvo_attn(ctx, path, attn, layer, config, nh, nkv, d, rope_emb, *, rope=Tru
         else:
             return None
         eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", None))
-        if _norm_kind(qn) != ("rms", 0.0) or eps is None:
+        nk = _norm_kind(qn)
+        if nk is None or nk[0] != "rms" or _norm_kind(kn) != nk or eps is None:
             return None
-        a.qk_norm = (kind, f"{path}.q_norm", f"{path}.k_norm", float(eps))
+        a.qk_norm = (kind, f"{path}.q_norm", f"{path}.k_norm", float(eps), nk[1])
     return a
 
 
@@ -619,9 +640,69 @@ def _head_dim(config):
     return d if d else config.hidden_size // config.num_attention_heads
 
 
+def _norm_roles(layer: nn.Module) -> dict[str, str] | None:
+    """Role of each norm of a decoder layer, read from the order of calls in its ``forward``:
+    ``pre_attn`` (called before ``self.self_attn(``), ``post_attn`` (after it, before the residual add),
+    ``pre_mlp`` (after that add, before ``self.mlp(``), ``post_mlp`` (after ``self.mlp(``, before its add).
+    Llama: input_layernorm = pre_attn, post_attention_layernorm = pre_mlp; Gemma2/3 add the post norms;
+    OLMo2 has only post norms. None when the source does not show this order."""
+    src = _fwd(layer)
+    a, m = src.find("self.self_attn("), src.find("self.mlp(")
+    if a < 0 or m < a:
+        return None
+    adds = [x.start() for x in re.finditer(r"residual\+", src)]
+    roles: dict[str, str] = {}
+    for name, mod in layer.named_children():
+        if name in ("self_attn", "mlp") or _norm_kind(mod) is None:
+            continue
+        calls = [x.start() for x in re.finditer(re.escape(f"self.{name}("), src)]
+        if len(calls) != 1:
+            return None
+        p = calls[0]
+        if p < a:
+            role = "pre_attn"
+        elif p < m:
+            role = "pre_mlp" if any(a < x < p for x in adds) else "post_attn"
+        elif any(m < x < p for x in adds):
+            return None
+        else:
+            role = "post_mlp"
+        if role in roles:
+            return None
+        roles[role] = name
+    return roles
+
+
+def _post_norm(ctx: _Ctx, path: str, norm, out, layer, what: str):
+    """A norm on a block's output (before the residual add): no gain law (its output goes to the residual
+    stream); the Linear ``out`` that feeds it is scale invariant: ``NormScaleLaw`` (eps = 0, or
+    ``approximate``), else declined with the reason."""
+    ctx.decline(path, "post-norm on the block output",
+                "no gain law: its output is added to the residual stream, read by every later layer and not only "
+                "by linear maps (spec breakers: post-LN)")
+    kind = _norm_kind(norm)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if out is None or kind is None or eps is None or norm.weight.shape[0] != out.n_out:
+        ctx.decline(f"{path}/norm_scale", "post-norm scale law", f"the map feeding {path} is not recognised: no law")
+        return
+    n = out.n_out
+    if float(eps) == 0 or ctx.options.get("approximate"):
+        ctx.laws.append(NormScaleLaw.build(f"{path}/norm_scale", layer, blocks=[out.out_rows(0, n), out.b(0, n)],
+                                           note=f"{what} output normalised by {path}"
+                                                + ("" if float(eps) == 0 else f" (approximate: eps={eps})")))
+    else:
+        ctx.decline(f"{path}/norm_scale", "post-norm scale law",
+                    f"the norm has eps={eps}: {what} is scale invariant only up to O(eps / mean(y^2)), so its "
+                    "||W||^2 drifts by that much; pass approximate=True to track it anyway")
+
+
 def _llama_like(ctx: _Ctx):
-    """Pre-norm decoders with ``model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp}``:
-    Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3."""
+    """Decoders with ``model.layers[i].{self_attn, mlp}`` and norms whose roles come from the layer's
+    forward (``_norm_roles``): pre-norm (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE, DeepSeek-V3), sandwich (Gemma2, Gemma3: pre and post norms) and post-norm only
+    (OLMo2). Gemma2's attention-logit softcapping ``cap * tanh(s / cap)`` acts on the scores q.k, which the
+    QK/RoPE symmetries leave unchanged, so those laws hold; its final-logit softcapping breaks the
+    translation law (``_embed_and_head``)."""
     model, config = ctx.model, ctx.config
     base_path = model.base_model_prefix if hasattr(model, model.base_model_prefix or "") else ""
     base = getattr(model, base_path) if base_path else model
@@ -633,6 +714,13 @@ def _llama_like(ctx: _Ctx):
         lp = f"{pre}layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         ap, mp = f"{lp}.self_attn", f"{lp}.mlp"
+        roles = _norm_roles(layer)
+        if roles is None:
+            ctx.decline(lp, f"{type(layer).__name__}", "the order of its norms, attention and MLP could not be read "
+                        "from its forward: no law detected for this layer")
+            continue
+        norm = {r: (f"{lp}.{n}", getattr(layer, n)) for r, n in roles.items()}
+        a = None
         if hasattr(attn, "kv_a_proj_with_mqa"):  # DeepSeek MLA
             ctx.decline(ap, "multi-head latent attention (MLA)",
                         "q and k are built from low-rank latents through RMSNorms (q_a_layernorm, kv_a_layernorm), "
@@ -640,24 +728,66 @@ def _llama_like(ctx: _Ctx):
                         "per-head QK/VO rows do not apply as written (spec breakers: MLA, decline with a reason)")
             a_readers = [_w(f"{ap}.{n}", getattr(attn, n)).in_cols() for n in ("q_a_proj", "kv_a_proj_with_mqa")
                          if _linear_like(getattr(attn, n, None))] if hasattr(attn, "q_a_proj") else None
-            if a_readers is not None and len(a_readers) == 2:
-                _gain(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, a_readers, "q_a_proj, kv_a_proj_with_mqa")
-            else:
-                ctx.decline(f"{lp}.input_layernorm", "norm before MLA", "readers not recognised: no gain law")
+            if "pre_attn" in norm:
+                if a_readers is not None and len(a_readers) == 2:
+                    _gain(ctx, *norm["pre_attn"], i, a_readers, "q_a_proj, kv_a_proj_with_mqa")
+                else:
+                    ctx.decline(norm["pre_attn"][0], "norm before MLA", "readers not recognised: no gain law")
         else:
             a = _qkvo_attn(ctx, ap, attn, i, config, nh, nkv, d, rope_emb)
             if a is None:
-                ctx.decline(f"{lp}.input_layernorm", "norm before an unrecognised attention", "no gain law")
+                ctx.decline(ap, type(attn).__name__, "attention layout not recognised: no law detected")
+                if "pre_attn" in norm:
+                    ctx.decline(norm["pre_attn"][0], "norm before an unrecognised attention", "no gain law")
             else:
                 ctx.laws.extend(_attn_laws(ctx, a))
-                _gain(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, _attn_readers(a), "q, k, v")
+                if "pre_attn" in norm:
+                    _gain(ctx, *norm["pre_attn"], i, _attn_readers(a), "q, k, v")
+                else:
+                    ctx.know(*(ref.param for ref in _attn_readers(a)))
+        if "post_attn" in norm:
+            _post_norm(ctx, *norm["post_attn"], a.o if a is not None else None, i, "o_proj")
         m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else _gated_mlp(ctx, mp, mlp, i)
         if m is None:
-            ctx.decline(f"{lp}.post_attention_layernorm", "norm before an unrecognised MLP", "no gain law")
+            ctx.decline(mp, type(mlp).__name__, "MLP layout not recognised: no law detected")
+            if "pre_mlp" in norm:
+                ctx.decline(norm["pre_mlp"][0], "norm before an unrecognised MLP", "no gain law")
         else:
             ctx.laws.extend(m.laws)
-            _gain(ctx, f"{lp}.post_attention_layernorm", layer.post_attention_layernorm, i, m.readers, m.what)
+            if "pre_mlp" in norm:
+                _gain(ctx, *norm["pre_mlp"], i, m.readers, m.what)
+            else:  # no norm before it (OLMo2): the gate reads the residual stream and is in no law
+                ctx.know(*(ref.param for ref in m.readers))
+        if "post_mlp" in norm:
+            down = getattr(mlp, "down_proj", None) if m is not None and not hasattr(mlp, "experts") else None
+            _post_norm(ctx, *norm["post_mlp"], _w(f"{mp}.down_proj", down) if _linear_like(down) else None, i,
+                       "down_proj")
     _embed_and_head(ctx, [f"{pre}embed_tokens"], f"{pre}norm")
+
+
+def _gptj(ctx: _Ctx):
+    """GPT-J: separate ``q/k/v_proj`` and ``out_proj`` (no biases); rotary on the first ``rotary_dim``
+    dims of each head, pairs ``{2p, 2p+1}`` (``rotate_every_two``; probed from the model's code), the
+    other dims pass through (their own Gram law); parallel block: ``ln_1`` feeds the attention and the
+    MLP ``fc_in -> gelu -> fc_out`` (no law of its own), so its gain law is read by q, k, v and fc_in."""
+    model, config = ctx.model, ctx.config
+    tr = model.transformer
+    nh, h = config.num_attention_heads, config.hidden_size
+    d = h // nh
+    r = config.rotary_dim or d
+    for i, blk in enumerate(tr.h):
+        lp = f"transformer.h.{i}"
+        at = blk.attn
+        q, k, v = (_w(f"{lp}.attn.{n}", getattr(at, n)) for n in ("q_proj", "k_proj", "v_proj"))
+        o = _w(f"{lp}.attn.out_proj", at.out_proj)
+        starts = [x * d for x in range(nh)]
+        a = _Attn(f"{lp}.attn", i, q, k, v, o, d, nh, nh, starts, starts, starts)
+        a.rope = (r, _rope_layout(ctx, at, d, r, probe=_probe_gptj))
+        ctx.laws.extend(_attn_laws(ctx, a))
+        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "fc_in", "fc_out", blk.mlp.act)
+        ctx.laws.extend(m.laws)
+        _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, _attn_readers(a) + m.readers, "q, k, v and fc_in (parallel block)")
+    _embed_and_head(ctx, ["transformer.wte"], "transformer.ln_f")
 
 
 def _gpt2(ctx: _Ctx):
@@ -808,7 +938,8 @@ def _bert(ctx: _Ctx):
 _FAMILIES = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "qwen3": _llama_like, "gemma": _llama_like,
     "phi3": _llama_like, "mixtral": _llama_like, "qwen2_moe": _llama_like, "olmoe": _llama_like,
-    "deepseek_v3": _llama_like, "gpt2": _gpt2, "gpt_neox": _neox, "falcon": _falcon, "bert": _bert,
+    "deepseek_v3": _llama_like, "qwen3_moe": _llama_like, "gemma2": _llama_like, "gemma3_text": _llama_like,
+    "olmo2": _llama_like, "gptj": _gptj, "gpt2": _gpt2, "gpt_neox": _neox, "falcon": _falcon, "bert": _bert,
 }
 
 
