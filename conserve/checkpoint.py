@@ -14,7 +14,9 @@ for the Qwen2-MoE family, OLMoE, Qwen3-MoE), while the model in memory holds fus
 ``resolve(ck, param_shapes)`` maps model parameters onto the checkpoint: a name found as is (or with one
 leading prefix added/removed) is read directly; a fused expert tensor is assembled from the per-expert
 tensors (a ``Fused`` recipe: stacked, concatenated, transposed to the model's shape), or read from a fused
-on-disk tensor stored in the other orientation (transposed on read).
+on-disk tensor stored in the other orientation (transposed on read); keys that transformers renames on load
+(its conversion mapping, passed as ``rename``, e.g. GPT-NeoX ``embed_out`` -> ``lm_head``) are read under
+the original name.
 
 Only the safetensors headers are read on open (names, shapes, dtypes); tensors are read one at a time
 with ``safetensors.safe_open`` when asked for. Every problem a user can fix (missing path, no weights,
@@ -165,12 +167,20 @@ def _fused_recipe(name: str, shape: tuple[int, ...], ck: "Checkpoint") -> tuple[
     return None
 
 
-def resolve(ck: "Checkpoint", params: Mapping[str, Sequence[int]]) -> dict[str, str]:
+def resolve(ck: "Checkpoint", params: Mapping[str, Sequence[int]], rename=None) -> dict[str, str]:
     """``{model parameter: checkpoint key}`` for ``params`` (name -> shape of the model's parameter).
 
     Names are matched as in ``match_names``; a fused expert tensor of the model that the checkpoint stores
     per expert (or fused in the other orientation) gets a ``Fused`` recipe in ``ck.fused`` under the
-    model's own name. Raises UsageError naming the parameters that have no tensor."""
+    model's own name. ``rename(key) -> key``: the on-load renaming of checkpoint keys (transformers'
+    conversion mapping, e.g. GPT-NeoX ``embed_out`` -> ``lm_head``); a parameter found under a renamed key
+    reads the original one. Raises UsageError naming the parameters that have no tensor."""
+    renamed: dict[str, str] = {}
+    if rename is not None:
+        for k in list(ck.shapes):
+            r = rename(k)
+            if r != k and r not in ck.shapes:
+                renamed[r] = k
     for n, shape in params.items():
         shape = tuple(shape)
         if n in ck.shapes:
@@ -179,6 +189,11 @@ def resolve(ck: "Checkpoint", params: Mapping[str, Sequence[int]]) -> dict[str, 
                     and have == shape[:1] + shape[1:][::-1]):
                 ck.fused[n] = Fused(((n,),), transpose=True, stack=False)  # fused on disk, other orientation
                 ck.shapes[n] = shape
+            continue
+        alias = next((renamed[x] for x in (n, *(k for k in renamed if _strip_eq(n, k))) if x in renamed), None)
+        if alias is not None and ck.shapes[alias] == shape:
+            ck.fused[n] = Fused(((alias,),), stack=False)
+            ck.shapes[n], ck.dtypes[n], ck.files[n] = shape, ck.dtypes[alias], ck.files[alias]
             continue
         if any(_strip_eq(n, k) for k in ck.shapes):
             continue  # match_names reads it directly

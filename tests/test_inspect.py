@@ -367,3 +367,21 @@ def test_continuity_names_nan_weight(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     line = [x for x in err.splitlines() if "error:" in x]
     assert len(line) == 1 and "model.layers.1.self_attn.q_proj.weight: 1 NaN, 0 Inf (of 64)" in line[0], err
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt_neox", "falcon",
+                                  "gpt2", "bert", "gptj", "olmo2", "deepseek_v3"])
+def test_every_hf_family_round_trips_through_save_pretrained(tmp_path, name):
+    """What ``save_pretrained`` writes for each family of tests/test_detect_hf.py is read back onto the detected
+    laws, with the values of the in-memory model (the on-disk names and layouts are transformers')."""
+    from test_detect_hf import build
+
+    m = build(name)
+    m.save_pretrained(tmp_path / name)
+    ck = open_checkpoint(tmp_path / name)
+    det, names = ins.detect_checkpoint(ck, ARGS)
+    assert det.laws
+    vals = ins.evaluate_checkpoint(ck, det.laws, names)
+    ref = _reference(m, det.laws)
+    for law in det.laws:
+        torch.testing.assert_close(vals[law.name], ref[law.name].to(torch.float64), rtol=1e-5, atol=1e-5)

@@ -162,9 +162,31 @@ def detect_checkpoint(ck: Checkpoint, args):
     found = detect(model, cfg, **options)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     found.shapes = {p: shapes[p] for law in found.laws for p in law.params}  # for resolve() of a second checkpoint
-    names = resolve(ck, found.shapes)
+    found.rename = _hf_rename(model)
+    names = resolve(ck, found.shapes, found.rename)
     _check_fits(found.laws, names, ck)
     return found, names
+
+
+def _hf_rename(model):
+    """``key -> key`` applying the renamings transformers itself applies on load to this model's checkpoint
+    keys (``conversion_mapping``: e.g. GPT-NeoX ``embed_out.`` -> ``lm_head.``, Mixtral ``block_sparse_moe``
+    -> ``mlp``); the identity when this transformers has no such mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        maps = [t for t in get_model_conversion_mapping(model)
+                if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
+    except Exception:  # noqa: BLE001 - older transformers, or a model it cannot map: names are used as written
+        return None
+
+    def rename(key: str) -> str:
+        for t in maps:
+            key = t.rename_source_key(key)[0]
+        return key
+
+    return rename if maps else None
 
 
 def _check_fits(laws, names, ck) -> None:
@@ -371,7 +393,7 @@ def main(args) -> int:
         _nonfinite(con, paths[0], bad, ck)
     if other is not None:
         try:
-            names_b = resolve(other, det.shapes)
+            names_b = resolve(other, det.shapes, det.rename)
         except UsageError as e:
             raise UsageError(f"{paths[1]} does not hold the same model: {e}") from None
         bad = [p for p, k in names_b.items() if other.shapes[k] != ck.shapes[names[p]]]
