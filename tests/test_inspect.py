@@ -370,7 +370,8 @@ def test_continuity_names_nan_weight(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt_neox", "falcon",
-                                  "gpt2", "bert", "gptj", "olmo2", "deepseek_v3"])
+                                  "gpt2", "bert", "gptj", "olmo2", "deepseek_v3", "granite", "olmo3", "exaone4",
+                                  "seed_oss", "glm", "smollm3"])
 def test_every_hf_family_round_trips_through_save_pretrained(tmp_path, name):
     """What ``save_pretrained`` writes for each family of tests/test_detect_hf.py is read back onto the detected
     laws, with the values of the in-memory model (the on-disk names and layouts are transformers')."""

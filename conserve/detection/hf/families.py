@@ -7,7 +7,7 @@ from torch import nn
 
 from ...errors import UsageError
 from ...laws import ReLUUnit
-from .parts import (_Attn, _Ctx, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
+from .parts import (_Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
                     _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _w, NO_EMBED)
 from .rope import _probe_gptj, _rope_layout, _rotary_dim
 
@@ -50,7 +50,9 @@ def _llama_like(ctx: _Ctx):
                 else:
                     ctx.decline(norm["pre_attn"][0], "norm before MLA", "readers not recognised: no gain law")
         else:
-            a = _qkvo_attn(ctx, ap, attn, i, config, nh, nkv, d, rope_emb)
+            # SmolLM3-style NoPE layers skip the rotation (``if self.use_rope:`` in the attention's forward)
+            nope = "ifself.use_rope:" in _fwd(attn) and not attn.use_rope
+            a = _qkvo_attn(ctx, ap, attn, i, config, nh, nkv, d, rope_emb, rope=not nope)
             if a is None:
                 ctx.decline(ap, type(attn).__name__, "attention layout not recognised: no law detected")
                 if "pre_attn" in norm:
@@ -255,6 +257,7 @@ FAMILIES = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "qwen3": _llama_like, "gemma": _llama_like,
     "phi3": _llama_like, "mixtral": _llama_like, "qwen2_moe": _llama_like, "olmoe": _llama_like,
     "deepseek_v3": _llama_like, "qwen3_moe": _llama_like, "gemma2": _llama_like, "gemma3_text": _llama_like,
-    "olmo2": _llama_like, "gptj": _gptj, "gpt2": _gpt2, "gpt_neox": _neox, "falcon": _falcon, "bert": _bert,
+    "olmo2": _llama_like, "olmo3": _llama_like, "exaone4": _llama_like, "granite": _llama_like,
+    "seed_oss": _llama_like, "arcee": _llama_like, "glm": _llama_like, "smollm3": _llama_like, "gptj": _gptj, "gpt2": _gpt2, "gpt_neox": _neox, "falcon": _falcon, "bert": _bert,
 }
 
