@@ -84,6 +84,9 @@ class Tracker:
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
 
     Laws that read a frozen parameter are not tracked: they are listed in ``declined`` with the reason.
+    ``broken_by`` ({law name: reason}) lists the laws the optimizer's ``param_groups`` break (different lr or
+    weight decay inside one law, a parameter the optimizer does not hold); they are tracked, warned once
+    and counted in the ``broken/<family>`` metric (``check_optimizer``, ``conserve.tracking.breakers``).
     Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
     """
 

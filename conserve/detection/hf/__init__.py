@@ -17,7 +17,16 @@ Layouts handled (verified against transformers 5.x modeling code):
   decoder architecture's per kv group ``[q.. (rep heads) | k_j | v_j]``;
 * GPT-2 ``Conv1D`` (weights stored ``(in, out)``), fused ``c_attn`` columns ``[Q | K | V]``;
 * fused 3-D experts ``gate_up_proj (E, 2I, H)`` / ``down_proj (E, H, I)`` (``is_transposed`` swaps the
-  last two dims), and ``nn.ModuleList`` experts of gated MLPs (transformers < 5 layout).
+  last two dims), and ``nn.ModuleList`` experts of gated MLPs (transformers < 5 layout);
+* GPT-J: interleaved rotary pairs ``{2p, 2p+1}`` on the first ``rotary_dim`` dims of each head (probed
+  from its ``apply_rotary_pos_emb(x, sin, cos)``), parallel block (``ln_1`` read by q, k, v and fc_in);
+* the role of each norm of a decoder layer (pre-attention, post-attention, pre-MLP, post-MLP) from the
+  order of calls in the layer's ``forward`` (``parts._norm_roles``): pre-norms give gain laws; post-norms
+  (Gemma2/3 sandwich norms, OLMo2/3 and EXAONE-4 post-norms) give none, and make the Linear they normalise
+  scale invariant (``NormScaleLaw``, family ``norm_scale``, kept for eps = 0 or ``approximate``);
+* QK-norm per head (Qwen3, Qwen3-MoE, Gemma3 with ``(1 + w)`` gains, EXAONE-4) or over all heads (OLMoE,
+  OLMo2/3); Gemma2's attention-logit softcapping keeps the QK/RoPE laws, a final-logit softcap declines the
+  translation law; SmolLM3's NoPE layers (``use_rope`` False) get QK Gram laws.
 
 Options (``conserve.detect(model, **options)``):
     rope_layout: 'half' | 'interleaved' overrides what the model's code says.
