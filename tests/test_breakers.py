@@ -196,3 +196,13 @@ def test_law_breakers_is_pure():
     out = law_breakers(laws, dict(m.named_parameters()), opt)
     assert list(out) == [LAW]
     assert F is not None
+
+
+def test_momentum_and_maximize_differences():
+    m = _model()
+    opt = torch.optim.SGD([{"params": m[0].parameters(), "momentum": 0.9},
+                           {"params": m[2].parameters(), "momentum": 0.0, "maximize": True}], lr=0.1)
+    t, w = _track(opt, m)
+    r = t.tracker.broken_by[LAW]
+    assert "different momentum in one law: 0.weight 0.9, 0.bias 0.9, 2.weight 0" in r
+    assert "maximize on only part of one law" in r and "different lr" not in r and len(w) == 1

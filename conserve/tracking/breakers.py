@@ -9,7 +9,8 @@ optimizer's ``param_groups`` and marks the law ``broken_by`` (it is still tracke
 * weight decay differs inside the law ("weight decay on only part of one law: ..."): the decay
   term of the drift identity is then not a common rescaling of the law;
 * some of its parameters are not held by the optimizer ("not held by the optimizer: ..."): they do
-  not move, the others do.
+  not move, the others do;
+* ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``) or ``maximize`` differ.
 
 ``decay_factor(optimizer, group)`` is ``a`` in ``theta_{k+1} = a theta_k + Delta`` (spec "Discrete
 steps"), read from the group's hyper-parameters and the update rule of the optimizer's class found by
@@ -100,6 +101,12 @@ def _describe(names: list[str], vals: list[float]) -> str:
     return ", ".join(f"{lab} {v:g}" for lab, v in zip(_labels(names), vals))
 
 
+# group keys that must agree inside a law: the step size, the decay, the momentum (heavy ball scales the
+# effective step by 1 / (1 - momentum)) and the sign of the step (``maximize``)
+_COMPARED = (("lr", "different lr in one law"), ("weight_decay", "weight decay on only part of one law"),
+             ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"))
+
+
 def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str, str]:
     """``{law name: reason}`` for every law that ``optimizer``'s ``param_groups`` break (module docstring).
 
@@ -119,7 +126,9 @@ def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str
                              "(they do not move while the rest of the law does)")
             continue
         reasons = []
-        for key, what in (("lr", "different lr in one law"), ("weight_decay", "weight decay on only part of one law")):
+        for key, what in _COMPARED:
+            if not any(key in g for g in groups):
+                continue
             vals = [_num(g.get(key, 0.0) or 0.0) for g in groups]
             if len(set(vals)) > 1:
                 reasons.append(f"{what}: {_describe(ps, vals)}")
