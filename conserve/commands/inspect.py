@@ -127,7 +127,9 @@ def config_from_names(shapes: dict[str, tuple[int, ...]], args) -> tuple[dict, b
 
 
 def detect_checkpoint(ck: Checkpoint, args):
-    """``(Detection, {param name: checkpoint key})`` for a checkpoint. Raises UsageError."""
+    """``(Detection, {param name: checkpoint key})`` for a checkpoint. The Detection also carries ``shapes``
+    (the model's shape of every parameter a law reads) and ``rename`` (transformers' on-load key renaming),
+    which ``resolve`` needs to map a second checkpoint. Raises UsageError."""
     try:
         from ..detection import detect
         from ..detection.hf import meta_model
