@@ -344,6 +344,8 @@ def test_nan_weight_named_with_count(ckpts, tmp_path, capsys):
     assert code == 2 and "Traceback" not in err and err.count("\n") == 1
     assert f"{KEY}: 3 NaN, 1 Inf (of 384)" in err
     assert f"{KEY}: 3 NaN, 1 Inf" in out and "invariant values" in out  # the values were printed first
+    code, out, err = run(capsys, p, "--compare", root / "llama")  # NaN in A: the drift table is still printed
+    assert code == 2 and KEY in err and "drift per law family" in out and err.count("\n") == 1
     code, out, err = run(capsys, root / "llama", "--compare", p)
     assert code == 2 and KEY in err and "drift per law family" in out
 

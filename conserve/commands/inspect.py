@@ -391,29 +391,34 @@ def main(args) -> int:
     mag = evaluate_checkpoint(ck, det.laws, names, dev, magnitude=True, **kw)
     if args.values:
         print_values(con, det.laws, vals, mag)
-    if bad:
-        _nonfinite(con, paths[0], bad, ck)
+    nonfinite_in = [(paths[0], bad, ck)] if bad else []
     if other is not None:
         try:
             names_b = resolve(other, det.shapes, det.rename)
         except UsageError as e:
             raise UsageError(f"{paths[1]} does not hold the same model: {e}") from None
-        bad = [p for p, k in names_b.items() if other.shapes[k] != ck.shapes[names[p]]]
-        if bad:
-            raise UsageError(f"{paths[1]} does not hold the same model: {bad[0]!r} has shape "
-                             f"{other.shapes[names_b[bad[0]]]} there, {ck.shapes[names[bad[0]]]} in {paths[0]}")
+        diff = [p for p, k in names_b.items() if other.shapes[k] != ck.shapes[names[p]]]
+        if diff:
+            raise UsageError(f"{paths[1]} does not hold the same model: {diff[0]!r} has shape "
+                             f"{other.shapes[names_b[diff[0]]]} there, {ck.shapes[names[diff[0]]]} in {paths[0]}")
         check_float(other, names_b.values())
         bad_b: dict = {}
         vals_b = evaluate_checkpoint(other, det.laws, names_b, dev, bad=bad_b, **kw)
         print_compare(con, paths[0], paths[1], compare(det.laws, vals, vals_b, mag))
         if bad_b:
-            _nonfinite(con, paths[1], bad_b, other)
+            nonfinite_in.append((paths[1], bad_b, other))
+    if nonfinite_in:
+        _nonfinite(con, nonfinite_in)
     return 0
 
 
-def _nonfinite(con, path, bad: dict, ck: Checkpoint) -> None:
-    """Name the NaN/Inf tensors in the output, then fail (exit 2) after what was computed is printed."""
-    text = describe_nonfinite(bad, ck.shapes)
-    con.print(f"non-finite weights in {path}: {text}", overflow="fold")
-    raise NonFiniteError(f"{path}: {len(bad)} weight tensor(s) hold NaN/Inf ({text}); the laws that read them are "
-                         "NaN: the training diverged or the file is corrupt, inspect an earlier checkpoint")
+def _nonfinite(con, found: list) -> None:
+    """Name the NaN/Inf tensors of each checkpoint in the output, then fail (exit 2), after everything that
+    was computed has been printed. ``found``: ``[(path, {key: (nan, inf)}, Checkpoint)]``."""
+    texts = []
+    for path, bad, ck in found:
+        text = describe_nonfinite(bad, ck.shapes)
+        con.print(f"non-finite weights in {path}: {text}", overflow="fold")
+        texts.append(f"{path}: {len(bad)} weight tensor(s) hold NaN/Inf ({text})")
+    raise NonFiniteError("; ".join(texts) + "; the laws that read them are NaN: the training diverged or the file "
+                         "is corrupt, inspect an earlier checkpoint")
