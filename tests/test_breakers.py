@@ -206,3 +206,43 @@ def test_momentum_and_maximize_differences():
     r = t.tracker.broken_by[LAW]
     assert "different momentum in one law: 0.weight 0.9, 0.bias 0.9, 2.weight 0" in r
     assert "maximize on only part of one law" in r and "different lr" not in r and len(w) == 1
+
+
+def test_scheduler_that_splits_the_groups_is_caught_at_the_next_step():
+    m = _model()
+    opt = torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.1)
+    t, w = _track(opt, m)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda e: 1.0, lambda e: 0.5 ** e])
+    assert t.tracker.broken_by == {} and w == []
+    with warnings.catch_warnings(record=True) as w2:
+        warnings.simplefilter("always")
+        _step(m, t)
+        sched.step()  # the groups' lrs now differ: 0.1 and 0.05
+        _step(m, t)
+        sched.step()
+        _step(m, t)  # still different: no second warning
+    assert t.tracker.broken_by[LAW] == "different lr in one law: 0.weight 0.1, 0.bias 0.1, 2.weight 0.05"
+    assert len([x for x in w2 if issubclass(x.category, BrokenLawWarning)]) == 1
+    m2 = _model()  # the same through a fused optimizer's own step
+    fused = FusedSGD([{"params": m2[0].parameters()}, {"params": m2[2].parameters()}], lr=0.1, track=m2, fp64=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(fused, [lambda e: 1.0, lambda e: 0.5 ** e])
+    _step(m2, fused)
+    sched.step()
+    with pytest.warns(BrokenLawWarning, match="different lr"):
+        _step(m2, fused)
+    assert "different lr" in fused.tracker.broken_by[LAW]
+
+
+def test_uniform_scheduler_never_rechecks(monkeypatch):
+    import conserve.tracking.breakers as B
+
+    m = _model()
+    opt = torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.1)
+    t, _ = _track(opt, m)
+    calls = []
+    monkeypatch.setattr(B, "law_breakers", lambda *a: calls.append(1) or {})
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        _step(m, t)
+        sched.step()
+    assert calls == []  # every group scaled alike: the agreement pattern did not change

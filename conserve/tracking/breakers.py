@@ -154,10 +154,45 @@ class BrokenMonitor:
         return out
 
 
-def check_optimizer(tracker, optimizer) -> dict[str, str]:
-    """Set ``tracker.broken_by`` from ``optimizer`` (at construction and after ``add_param_group``); warn
-    once per (law, reason) (``BrokenLawWarning``, one warning per call listing the new ones); add the
-    ``broken/<family>`` metrics (``BrokenMonitor``) the first time a law is broken. Returns the dict."""
+def _signature(opt) -> tuple:
+    """Which groups agree on each compared key, and their sizes: a law's breakers can only change when this
+    does (a scheduler scaling every group alike leaves it unchanged). Tensor values (capturable lr) count by
+    identity, so reading them never syncs the device."""
+    out = []
+    for key, _ in _COMPARED:
+        vals = [g.get(key, 0.0) for g in opt.param_groups]
+        vals = [id(v) if torch.is_tensor(v) else float(v or 0.0) for v in vals]
+        first = {}
+        out.append(tuple(first.setdefault(v, len(first)) for v in vals))
+    out.append(tuple(len(g["params"]) for g in opt.param_groups))
+    return tuple(out)
+
+
+def _watch(tracker, optimizer) -> None:
+    """Re-check before every step of the innermost optimizer when its groups stop agreeing the way they
+    did (e.g. a LambdaLR with one lambda per group), via ``register_step_pre_hook``: O(groups) per step."""
+    opt = unwrap_optimizer(optimizer)
+    if tracker.__dict__.get("_broken_watch") is opt or not hasattr(opt, "register_step_pre_hook"):
+        return
+    state = {"sig": _signature(opt)}
+
+    def hook(o, args, kwargs):
+        sig = _signature(o)
+        if sig != state["sig"]:
+            state["sig"] = sig
+            check_optimizer(tracker, o, _watching=True)
+
+    tracker._broken_watch = opt
+    tracker._broken_hook = opt.register_step_pre_hook(hook)
+
+
+def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str, str]:
+    """Set ``tracker.broken_by`` from ``optimizer`` (at construction and after ``add_param_group``, and
+    before any step at which the groups' lr / weight_decay / momentum / maximize stop agreeing as they
+    did); warn once per (law, reason) (``BrokenLawWarning``, one warning per call listing the new ones); add
+    the ``broken/<family>`` metrics (``BrokenMonitor``) the first time a law is broken. Returns the dict."""
+    if not _watching:
+        _watch(tracker, optimizer)
     named = dict(zip(tracker.compiled.names, tracker.params))
     found = law_breakers(tracker.laws, named, optimizer)
     warned = tracker.__dict__.setdefault("_broken_warned", set())
