@@ -141,6 +141,14 @@ class Tracker:
         sets and returns ``broken_by`` ({law name: reason}); see ``conserve.tracking.breakers``."""
         return check_optimizer(self, optimizer)
 
+    def broken_by_family(self) -> dict[str, list[str]]:
+        """``broken_by`` grouped by law family: ``{family: ["<law>: <reason>", ...]}`` (for summaries)."""
+        fam = {l.name: l.family for l in self.laws}
+        out: dict[str, list[str]] = {}
+        for name, why in self.broken_by.items():
+            out.setdefault(fam[name], []).append(f"{name}: {why}")
+        return out
+
     # -------------------------------------------------------------- hooks (see conserve.distributed)
     def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors the kernels read (the parameters themselves; local shards when distributed)."""

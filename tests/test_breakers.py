@@ -53,6 +53,7 @@ def test_different_lr_in_one_law():
         _step(m, t)  # no further warning: tracked anyway
     rec = t.flush()[-1]
     assert rec["broken/relu"] == 1.0 and "eps/relu" in rec
+    assert t.tracker.broken_by_family() == {"relu": [f"{LAW}: {t.tracker.broken_by[LAW]}"]}
     # and it is really broken: the first-order drift term no longer vanishes under plain SGD
     assert t.tracker.totals()["relu"]["first"] > 1e-6
 
