@@ -262,6 +262,7 @@ def test_moe_checkpoint_per_expert_layout(moe_ckpts, capsys, name):
     code, out, err = run(capsys, path, "--values")
     assert code == 0, err
     assert "router_sum" in out and "swiglu" in out.split("invariant values")[1]
+    assert "read through the checkpoint's layout" in out and "experts.gate_up_proj = stack of (" in out
 
 
 def test_moe_checkpoint_fused_and_transposed_on_disk(moe_ckpts, tmp_path, capsys):

@@ -377,7 +377,12 @@ def main(args) -> int:
     det, names = detect_checkpoint(ck, args)
     con = _console()
     src = "raw safetensors (architecture from tensor names)" if ck.raw else f"config model_type={ck.config.get('model_type')!r}"
-    con.print(f"{paths[0]}: {len(ck.shapes)} tensors, {src}")
+    n_disk = sum(1 for k in ck.shapes if k not in ck.fused or ck.fused[k].keys() == [k])
+    con.print(f"{paths[0]}: {n_disk} tensors, {src}")
+    if ck.fused:
+        con.print(f"read through the checkpoint's layout ({len(ck.fused)} model tensors): "
+                  + "; ".join(_describe_fused(n, f) for n, f in list(ck.fused.items())[:3])
+                  + ("; ..." if len(ck.fused) > 3 else ""), overflow="fold")
     print_detection(con, str(paths[0]), det, names, args.laws)
     if not (args.values or other is not None):
         return 0
@@ -410,6 +415,14 @@ def main(args) -> int:
     if nonfinite_in:
         _nonfinite(con, nonfinite_in)
     return 0
+
+
+def _describe_fused(name: str, f) -> str:
+    """``model.layers.0.mlp.experts.gate_up_proj = stack of (experts.0.w1.weight, experts.0.w3.weight) x 3``."""
+    if not f.stack:
+        return f"{name} = {f.parts[0][0]}" + (" transposed" if f.transpose else "")
+    first = ", ".join(f.parts[0])
+    return f"{name} = stack of ({first}) x {len(f.parts)}" + (" transposed" if f.transpose else "")
 
 
 def _nonfinite(con, found: list) -> None:
