@@ -32,6 +32,7 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
+from .tracking.breakers import check_optimizer, decay_factor  # noqa: F401  (decay_factor: re-exported)
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
@@ -41,17 +42,6 @@ def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
     return kernels.Plan([replace(t, sign=abs(t.sign)) for t in plan.grams],
                         [replace(t, sign=abs(t.sign)) for t in plan.norms],
                         [replace(t, sign=abs(t.sign)) for t in plan.sums], plan.vec_size, dict(plan.gram_slots))
-
-
-def decay_factor(optimizer: torch.optim.Optimizer, group: Mapping) -> float | torch.Tensor:
-    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for a parameter group (1 when unknown)."""
-    wd = group.get("weight_decay", 0.0) or 0.0
-    lr = group.get("lr", 0.0)
-    name = type(optimizer).__name__
-    decoupled = name == "AdamW" or (name == "Adam" and group.get("decoupled_weight_decay", False))
-    if decoupled or (name == "SGD" and not group.get("momentum", 0.0)):
-        return 1.0 - lr * wd
-    return 1.0
 
 
 class Values:
@@ -94,6 +84,9 @@ class Tracker:
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
 
     Laws that read a frozen parameter are not tracked: they are listed in ``declined`` with the reason.
+    ``broken_by`` ({law name: reason}) lists the laws the optimizer's ``param_groups`` break (different lr or
+    weight decay inside one law, a parameter the optimizer does not hold); they are tracked, warned once
+    and counted in the ``broken/<family>`` metric (``check_optimizer``, ``conserve.tracking.breakers``).
     Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
     """
 
@@ -133,6 +126,7 @@ class Tracker:
         self._a: list[float | torch.Tensor] = [1.0] * len(self.tensors)
         self.last: dict[str, Values] = {}
         self.last_record: dict | None = None
+        self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
         self._setup()
         with torch.no_grad():
             self.h0, mag = self._initial_values()
@@ -141,6 +135,19 @@ class Tracker:
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
         self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
+
+    def check_optimizer(self, optimizer) -> dict[str, str]:
+        """Compare every law's parameters with ``optimizer.param_groups`` (lr, weight_decay, membership);
+        sets and returns ``broken_by`` ({law name: reason}); see ``conserve.tracking.breakers``."""
+        return check_optimizer(self, optimizer)
+
+    def broken_by_family(self) -> dict[str, list[str]]:
+        """``broken_by`` grouped by law family: ``{family: ["<law>: <reason>", ...]}`` (for summaries)."""
+        fam = {l.name: l.family for l in self.laws}
+        out: dict[str, list[str]] = {}
+        for name, why in self.broken_by.items():
+            out.setdefault(fam[name], []).append(f"{name}: {why}")
+        return out
 
     # -------------------------------------------------------------- hooks (see conserve.distributed)
     def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:

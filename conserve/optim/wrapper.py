@@ -22,6 +22,7 @@ class TrackedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, TrackedOptimizer):
             raise ValueError("this optimizer is already tracked; pass the inner optimizer (`opt.optimizer`)")
         self.optimizer, self.tracker = optimizer, tracker
+        tracker.check_optimizer(optimizer)  # laws whose parameters the param_groups treat differently
         # the hook tables torch.optim.Optimizer.__init__ would create (we do not copy param_groups)
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
@@ -65,6 +66,7 @@ class TrackedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         self.optimizer.add_param_group(param_group)
+        self.tracker.check_optimizer(self.optimizer)
 
     def state_dict(self) -> dict:
         return {**self.optimizer.state_dict(), "conserve": self.tracker.state_dict()}
