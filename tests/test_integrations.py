@@ -133,9 +133,9 @@ def _lit_module(L):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
-        def train_dataloader(self):
+        def train_dataloader(self):  # 5 batches an epoch: the step-5 checkpoint is at an epoch boundary
             g = torch.Generator().manual_seed(0)
-            ds = torch.utils.data.TensorDataset(torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g))
+            ds = torch.utils.data.TensorDataset(torch.randn(20, 4, generator=g), torch.randint(0, 3, (20,), generator=g))
             return torch.utils.data.DataLoader(ds, batch_size=4)
 
     return Tiny()

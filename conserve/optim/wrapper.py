@@ -269,10 +269,11 @@ def unwrap_optimizer(optimizer):
 
 
 class _Attached:
-    """The step hooks ``attach`` registered; ``remove()`` takes them off."""
+    """The step hooks ``attach`` registered (``steps``: how many steps they booked); ``remove()``
+    takes them off."""
 
-    def __init__(self, optimizer, tracker, handles):
-        self.optimizer, self.tracker, self._handles = optimizer, tracker, handles
+    def __init__(self, optimizer, tracker):
+        self.optimizer, self.tracker, self.steps, self._handles = optimizer, tracker, 0, []
 
     def remove(self) -> None:
         for h in self._handles:
@@ -292,6 +293,8 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
 
+    handle = _Attached(optimizer, tracker)
+
     def pre(opt, args, kwargs):
         if not _in_dcp_state_init():
             tracker.before_step(opt)
@@ -299,9 +302,10 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     def post(opt, args, kwargs):
         if not _in_dcp_state_init():
             tracker.after_step()
+            handle.steps += 1
 
-    return _Attached(optimizer, tracker, [optimizer.register_step_pre_hook(pre),
-                                          optimizer.register_step_post_hook(post)])
+    handle._handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    return handle
 
 
 def make_tracker(model=None, laws=None, **tracker_kwargs) -> Tracker:
