@@ -21,8 +21,11 @@ def _hf():
     try:
         import transformers
         from transformers import Trainer, TrainingArguments  # noqa: F401
+        from transformers.utils import is_accelerate_available
     except Exception as e:  # noqa: BLE001 - absent, or broken by its own dependencies
         pytest.skip(f"transformers Trainer unavailable: {e}")
+    if not is_accelerate_available():
+        pytest.skip("the Trainer needs accelerate (pip install 'torch-conserve[hf]')")
     return transformers
 
 
@@ -142,11 +145,9 @@ def _lit_module(L):
 
 
 def _lit_trainer(L, root, cb, max_steps, ckpt=None):
-    from lightning.pytorch.loggers import CSVLogger
-
     callbacks = [cb] + ([ckpt] if ckpt is not None else [])
     return L.Trainer(default_root_dir=str(root), max_steps=max_steps, log_every_n_steps=2, accelerator="cpu",
-                     devices=1, logger=CSVLogger(str(root), name="csv", version=0), callbacks=callbacks,
+                     devices=1, logger=L.loggers.CSVLogger(str(root), name="csv", version=0), callbacks=callbacks,
                      enable_progress_bar=False, enable_model_summary=False,
                      enable_checkpointing=ckpt is not None)
 
