@@ -112,12 +112,13 @@ def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
 
 # ------------------------------------------------------------------------------------ Lightning
 def _lightning():
+    errors = []
     for name in ("lightning.pytorch", "pytorch_lightning"):
         try:
             return __import__(name, fromlist=["Trainer"])
-        except Exception:  # noqa: BLE001 - absent, or broken by its own dependencies
-            continue
-    pytest.skip("lightning is not installed (pip install 'torch-conserve[lightning]')")
+        except Exception as e:  # noqa: BLE001 - absent, or broken by its own dependencies
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    pytest.skip(f"lightning unavailable (pip install 'torch-conserve[lightning]'): {errors[0][:200]}")
 
 
 def _lit_module(L):

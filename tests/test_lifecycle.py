@@ -15,11 +15,12 @@ import torch.nn.functional as F
 
 import conserve
 from conserve.errors import NonFiniteError
+from conserve.models import MLP
 
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    return MLP([4, 8, 3])
 
 
 def _step(m, opt, seed=0, scaler=None):
@@ -100,7 +101,7 @@ def test_garbage_collected_tracker_is_flushed(tmp_path):
 
 def _poison(m):
     with torch.no_grad():
-        m[0].weight[0, 0] = float("nan")
+        m.layers[0].weight[0, 0] = float("nan")
 
 
 @pytest.mark.parametrize("policy", ["raise", "warn", "skip"])
@@ -229,7 +230,7 @@ def test_dcp_state_dict_does_not_book_the_zero_lr_init_step():
     osd = get_optimizer_state_dict(m, opt)  # empty state: torch runs a zero-lr step to create it
     assert opt.tracker.step_count == 0 and opt.flush() == []
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
-    assert "0.weight" in osd["state"]
+    assert "layers.0.weight" in osd["state"]
     opt.close()
 
 
@@ -284,13 +285,28 @@ def test_attach_drives_a_tracker_from_the_optimizer_hooks():
         conserve.optim.attach(ref, tracker)
 
 
-def test_unwrap_optimizer_strips_accelerate_wrapper():
+def test_accelerate_prepare_after_track_keeps_the_decay_term():
     accelerate = pytest.importorskip("accelerate")
     from accelerate.optimizer import AcceleratedOptimizer
 
-    m = _model()
-    inner = torch.optim.SGD(m.parameters(), lr=0.1)
-    accelerate.Accelerator(cpu=True)
-    wrapped = AcceleratedOptimizer(inner, device_placement=False)
-    assert conserve.optim.unwrap_optimizer(wrapped) is inner
-    assert conserve.optim.unwrap_optimizer(inner) is inner
+    acc = accelerate.Accelerator(cpu=True)
+    m, ref_m = _model(), _model()
+    ref = conserve.track(torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.1), ref_m, every=50)
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=50)
+    m, opt = acc.prepare(m, opt)
+    assert isinstance(opt, AcceleratedOptimizer) and conserve.optim.unwrap_optimizer(opt) is opt.optimizer
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+        opt.zero_grad()
+        acc.backward(F.cross_entropy(m(x), y))
+        opt.step()
+        _step(ref_m, ref, i)
+    a, b = opt.optimizer.flush(), ref.flush()
+    assert [r["step"] for r in a] == [1, 2, 3]
+    for ra, rb in zip(a, b):
+        assert ra["drift/relu/decay"] > 0
+        assert ra["drift/relu/decay"] == pytest.approx(rb["drift/relu/decay"], rel=1e-6)
+    with pytest.raises(ValueError, match="track the optimizer before wrapping it"):
+        conserve.track(AcceleratedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), device_placement=False),
+                       _model())

@@ -22,7 +22,11 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+
+try:
+    from transformers import TrainerCallback
+except ImportError:
+    raise ImportError("conserve.integrations.hf needs transformers: pip install 'torch-conserve[hf]'") from None
 
 from ..tracking.sinks import JSONLSink
 from ._run import CHECKPOINT_FILE, TrackedRun

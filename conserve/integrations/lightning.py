@@ -24,7 +24,11 @@ import torch
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone package
-    from pytorch_lightning import Callback
+    try:
+        from pytorch_lightning import Callback
+    except ImportError:
+        raise ImportError("conserve.integrations.lightning needs Lightning: pip install 'torch-conserve[lightning]'") \
+            from None
 
 from ..errors import UsageError
 from ..tracking.sinks import JSONLSink

@@ -68,6 +68,10 @@ class TrackedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"conserve.track needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                             "pass the optimizer itself (for a framework wrapper, its `.optimizer`)")
+        if unwrap_optimizer(optimizer) is not optimizer:  # the decay factor would be read off the wrapper
+            raise ValueError(f"conserve.track got {type(optimizer).__name__}, a framework's wrapper: track the optimizer "
+                             "before wrapping it (opt = conserve.track(opt, model); then accelerator.prepare(model, opt)),"
+                             " or use conserve.integrations.hf / .lightning ConserveCallback")
         self.__dict__.update(optimizer=optimizer, tracker=tracker, _building=True)
         try:  # Optimizer's own setup (hook tables, the hooked step); the shared attributes stay the inner's
             torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
