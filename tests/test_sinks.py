@@ -56,12 +56,12 @@ def _lines(path: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------ W&B
-def _wandb_history(run_dir: Path) -> list[dict]:
-    """History rows of an offline W&B run (the .wandb file: a LevelDB-style log of protobuf Records)."""
+def _wandb_records(path: Path) -> list:
+    """The protobuf Records of an offline W&B run file (a LevelDB-style log: 7-byte header, 32 KiB blocks)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = next(run_dir.glob("run-*.wandb")).read_bytes()
-    out, pos, buf, block = [], 7, b"", 32768  # 7-byte header, then 32 KiB blocks of records
+    data = path.read_bytes()
+    out, pos, buf, block = [], 7, b"", 32768
     while pos + 7 <= len(data):
         if block - pos % block < 7:
             pos += block - pos % block
@@ -75,9 +75,23 @@ def _wandb_history(run_dir: Path) -> list[dict]:
             rec = pb.Record()
             rec.ParseFromString(buf)
             buf = b""
-            if rec.WhichOneof("record_type") == "history":
-                out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+            out.append(rec)
     return out
+
+
+def _wandb_history(run_dir: Path, timeout: float = 60.0) -> list[dict]:
+    """History rows of a finished offline W&B run (wandb-core may still be writing after finish():
+    wait for its exit record)."""
+    import time
+
+    path, t0 = next(run_dir.glob("run-*.wandb")), time.time()
+    while True:
+        recs = _wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in recs) or time.time() - t0 > timeout:
+            break
+        time.sleep(0.2)
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in recs if r.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_keeps_every_row_when_the_user_logs_too(tmp_path, monkeypatch):
