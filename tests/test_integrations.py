@@ -75,6 +75,8 @@ def test_hf_trainer_logs_checkpoints_and_resumes(tmp_path):
     jsonl = tmp_path / "conserve" / "metrics.jsonl"
     full = _rows(jsonl)
     assert [r["step"] for r in full] == list(range(1, 11))
+    assert [r["step"] for r in full if "loss" in r] == [2, 4, 6, 8, 10]  # the Trainer's logged loss
+    assert full[1]["loss"] == pytest.approx(trainer.state.log_history[0]["loss"])
     assert (tmp_path / "checkpoint-5" / "conserve_tracker.pt").is_file()
     assert cb.tracker._closed
 

@@ -47,6 +47,12 @@ class TrackedRun:
             return self.layers
         return True
 
+    def record(self, **scalars) -> None:
+        """Attach scalars to the latest step's row if it is not written yet (else nothing: a row
+        already in the sinks is never rewritten)."""
+        if self.tracker._rows or getattr(self.tracker, "_pend", None):
+            self.tracker.record(**scalars)
+
     def scalars(self) -> dict[str, float]:
         """Flush (one host sync) and return the latest row as log entries, or ``{}`` when no step was
         booked since the last call. NaN values stay NaN (the framework logs what conserve measured)."""

@@ -10,7 +10,7 @@ booked). At each logging step (``on_log``) the latest row goes into the ``logs``
 ``drift/<family>/<term>``, any ``record`` scalars, ``conserve/step`` = the tracker's step), so every
 ``report_to`` integration (TensorBoard, W&B, MLflow...) logs them. Every row also goes to the
 callback's sinks: by default ``<output_dir>/conserve/metrics.jsonl`` (main process), which
-``conserve report`` reads. ``on_save`` writes the tracker state to ``conserve_tracker.pt`` in the
+``conserve report`` reads; the Trainer's logged ``loss`` is attached to the row of its logging step. ``on_save`` writes the tracker state to ``conserve_tracker.pt`` in the
 checkpoint folder; ``train(resume_from_checkpoint=...)`` restores it (the series continues, the
 JSONL file drops the rows after the checkpoint). ``on_train_end`` flushes and closes the sinks.
 """
@@ -134,6 +134,8 @@ class ConserveCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.run is None or logs is None:
             return
+        if isinstance(logs.get("loss"), (int, float)):  # the Trainer's loss, averaged since the last log
+            self.run.record(loss=float(logs["loss"]))
         scalars = self.run.scalars()
         if not scalars:
             return

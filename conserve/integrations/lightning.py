@@ -98,7 +98,7 @@ class ConserveCallback(Callback):
         if stepped and self.record_loss:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if torch.is_tensor(loss) and loss.numel() == 1:
-                self.run.tracker.record(loss=loss.detach())
+                self.run.record(loss=loss.detach())
         conn = getattr(trainer, "_logger_connector", None)
         due = conn.should_update_logs if hasattr(conn, "should_update_logs") else \
             trainer.global_step % max(1, trainer.log_every_n_steps) == 0
