@@ -56,22 +56,29 @@ def _books_training_steps(step):
     return wrapper
 
 
+def _check_trackable(optimizer) -> None:
+    """Refuse what ``TrackedOptimizer`` cannot wrap correctly, before a tracker (and its sinks) is built."""
+    if isinstance(optimizer, TrackedOptimizer):
+        raise ValueError("this optimizer is already tracked; pass the inner optimizer (`opt.optimizer`)")
+    if unwrap_optimizer(optimizer) is not optimizer:  # the decay factor would be read off the wrapper
+        raise ValueError(f"conserve.track got {type(optimizer).__name__}, a framework's wrapper: track the optimizer "
+                         "before wrapping it (opt = conserve.track(opt, model); then accelerator.prepare(model, opt)),"
+                         " or use conserve.integrations.hf / .lightning ConserveCallback")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"conserve.track needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                        "pass the torch optimizer itself")
+
+
 class TrackedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer``; ``tracker`` (a ``Tracker``) sees every step. See ``conserve.track``.
 
     A context manager: ``with conserve.track(opt, model) as opt:`` closes the tracker at the end
-    (flushing its rows). Raises ``TypeError`` if ``optimizer`` is not a ``torch.optim.Optimizer``."""
+    (flushing its rows). Raises ``ValueError`` for a framework's wrapper (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: track the optimizer inside it) and
+    ``TypeError`` if ``optimizer`` is not a ``torch.optim.Optimizer``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, tracker: Tracker):
-        if isinstance(optimizer, TrackedOptimizer):
-            raise ValueError("this optimizer is already tracked; pass the inner optimizer (`opt.optimizer`)")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"conserve.track needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                            "pass the optimizer itself (for a framework wrapper, its `.optimizer`)")
-        if unwrap_optimizer(optimizer) is not optimizer:  # the decay factor would be read off the wrapper
-            raise ValueError(f"conserve.track got {type(optimizer).__name__}, a framework's wrapper: track the optimizer "
-                             "before wrapping it (opt = conserve.track(opt, model); then accelerator.prepare(model, opt)),"
-                             " or use conserve.integrations.hf / .lightning ConserveCallback")
+        _check_trackable(optimizer)
         self.__dict__.update(optimizer=optimizer, tracker=tracker, _building=True)
         try:  # Optimizer's own setup (hook tables, the hooked step); the shared attributes stay the inner's
             torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
@@ -351,4 +358,5 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
 
     if isinstance(optimizer, _FusedOptimizer) and getattr(optimizer, "tracker", None) is not None:
         return optimizer  # it measures inside its own step
+    _check_trackable(optimizer)
     return TrackedOptimizer(optimizer, make_tracker(model, laws, **tracker_kwargs))
