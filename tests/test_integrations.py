@@ -112,6 +112,18 @@ def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
     opt.close()
 
 
+def test_hf_gradient_accumulation_books_one_row_per_optimizer_step(tmp_path):
+    from conserve.integrations.hf import ConserveCallback
+
+    cb = ConserveCallback(sinks=[], layers=True)
+    trainer = _hf_trainer(tmp_path, [cb], max_steps=4, gradient_accumulation_steps=2)
+    trainer.train()
+    assert cb.tracker.step_count == 4
+    logged = [h for h in trainer.state.log_history if "conserve/step" in h]
+    assert [h["conserve/step"] for h in logged] == [2, 4]
+    assert "conserve/eps/vo/layer1" in logged[0]
+
+
 # ------------------------------------------------------------------------------------ Lightning
 def _lightning():
     errors = []
@@ -124,7 +136,7 @@ def _lightning():
 
 
 def _lit_module(L):
-    class Tiny(L.LightningModule):
+    class Tiny(L.LightningModule):  # a 4 -> 8 -> 3 ReLU MLP
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
@@ -184,3 +196,20 @@ def test_lightning_logs_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in again] == list(range(1, 11))
     for a, b in zip(full[5:], again[5:]):
         assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-4, abs=1e-7)
+
+
+def test_lightning_standalone_package_name(tmp_path):
+    try:
+        import pytorch_lightning as PL
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"pytorch_lightning unavailable: {e}")
+    from conserve.integrations.lightning import ConserveCallback
+
+    cb = ConserveCallback(sinks=[])
+    trainer = PL.Trainer(default_root_dir=str(tmp_path), max_steps=4, log_every_n_steps=2, accelerator="cpu",
+                         logger=PL.loggers.CSVLogger(str(tmp_path), name="csv", version=0), callbacks=[cb],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_lit_module(PL))
+    assert cb.tracker.step_count == 4
+    text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    assert "conserve/eps/relu" in text.splitlines()[0]
