@@ -98,7 +98,12 @@ def test_wandb_keeps_every_row_when_the_user_logs_too(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run = wandb.init(project="conserve-test", dir=str(tmp_path))
+    quiet = dict(console="off", x_disable_stats=True, x_disable_meta=True, disable_git=True, disable_code=True)
+    try:
+        settings = wandb.Settings(**quiet)
+    except Exception:  # noqa: BLE001 - an older wandb without some of these settings
+        settings = None
+    run = wandb.init(project="conserve-test", dir=str(tmp_path), settings=settings)
     try:
         torch.manual_seed(0)
         m = MLP([4, 8, 3])
