@@ -310,3 +310,19 @@ def test_accelerate_prepare_after_track_keeps_the_decay_term():
     with pytest.raises(ValueError, match="track the optimizer before wrapping it"):
         conserve.track(AcceleratedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), device_placement=False),
                        _model())
+
+
+def test_param_groups_with_different_weight_decay_are_tracked():
+    # what HF Trainer and most recipes do: decay the weights, not the biases/norms (one law reads both)
+    m = _model()
+    groups = [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+              {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    opt = conserve.track(torch.optim.AdamW(groups, lr=1e-2), m, every=50)
+    for i in range(3):
+        _step(m, opt, i)
+    rows = opt.flush()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["drift/relu/decay"] > 0
+        assert abs(r["drift/relu/residual"]) <= 1e-4 * r["drift/relu/measured"] + 1e-9
+    opt.close()
