@@ -175,9 +175,10 @@ class TensorBoardSink:
                 w.add_scalar(f"conserve/{k}", v, step)
 
     def close(self) -> None:
-        if self._w is not None:
-            self._w.flush()
-            self._w.close()
+        w, self._w = self._w, None
+        if w is not None:
+            w.flush()
+            w.close()
 
 
 class WandbSink:
