@@ -432,9 +432,7 @@ class DistributedTracker(Tracker):
         if optimizer is not None:
             group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
             self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.params]
-            # the kernels' convention (conserve.kernels.plan.drift_factors): a rounded to fp32, as the
-            # single-process tracker's drift assembly uses it
-            self._a = drift_factors(self._a, len(self._a))
+            self._a = [float(a) for a in self._a]  # the true factors (kept for the drift assembly)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -452,11 +450,12 @@ class DistributedTracker(Tracker):
             raw_rows = self._straddle_rows(self._prev)
         if self.drift and self._prev is not None:
             # a*theta_k formed in the accumulation dtype (fp64: no fp32 rounding of a*theta, as kernels.drift)
+            # a rounded to fp32 as the kernels do (the assembly turns the terms into the true a's)
             prev = [p if isinstance(a, float) and a == 1.0 else (p.double() if self.fp64 else p).mul_(a)
-                    for p, a in zip(self._prev, self._a)]
+                    for p, a in zip(self._prev, drift_factors(self._a, len(self._a)))]
         vals = self._step_values(self._local_plan, cur, prev, self._lin)
         if not self._comm:
-            self._replay(vals)
+            self._replay(vals, None, list(self._a))
             return
         pack = torch.cat([self._packer.pack(v, self._pack_dtype) for v in vals])
         if pack.numel() < self._step_elems:  # no drift terms this step: keep the packed layout fixed
@@ -476,7 +475,10 @@ class DistributedTracker(Tracker):
             h1, h_a, first, second = vals
             kernel = h_a.map(torch.sub, self.h)
             if a is not None:  # (a^2 - 1) h_k from the stored values (conserve.tracking.drift): no cancellation
-                kernel = Values(*self.assembly.decay((self.h.vec, self.h.grams), a, (kernel.vec, kernel.grams)))
+                h = (self.h.vec, self.h.grams)
+                kernel = Values(*self.assembly.decay(h, a, (kernel.vec, kernel.grams)))
+                f, s = self.assembly.correct(h, (first.vec, first.grams), (second.vec, second.grams), a)
+                first, second = Values(*f), Values(*s)
             terms = {"decay": kernel, "first": first, "second": second}
         Tracker.record_step(self, vals[0], terms)
         if extras:
@@ -498,7 +500,8 @@ class DistributedTracker(Tracker):
                     if pend[i].drift:  # a*theta_k of the owned straddle terms, in the accumulation dtype
                         dt = torch.float64 if self.fp64 else torch.float32
                         a = pend[i].a or [1.0] * len(self.params)
-                        prev = [x.to(dt) * a[st.term.view.tensor] for x, st in zip(step[1], self._mine)]
+                        af = drift_factors(a, len(a))
+                        prev = [x.to(dt) * af[st.term.view.tensor] for x, st in zip(step[1], self._mine)]
                     vals = self._step_values(self._mini, step[0], prev, self._lin)
                     add = torch.cat([self._packer.pack(v, self._pack_dtype) for v in vals])
                     packs[i, : add.numel()] += add

@@ -131,7 +131,7 @@ def test_decay_has_no_cancellation_at_a_near_one():
     m = _model()
     opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.01, weight_decay=0.1), m, snapshot_budget=None)
     tr = opt.tracker
-    a = float(np.float32(1 - 0.01 * 0.1))
+    a = 1 - 0.01 * 0.1
     plan = tr.compiled.plan
     for x in _batches(3):
         theta = [t.detach().clone() for t in tr.tensors]

@@ -98,14 +98,16 @@ class Assembly:
         self._cache: tuple | None = None
 
     def _factors(self, a: Sequence[float]):
-        """Per entry: the common fp32-rounded ``a`` (or nan if the entry's tensors differ), for vec and
-        each Gram size (cached for the last ``a``: it changes only with the lr)."""
-        key = tuple(a)
+        """Per entry the common ``a`` of its tensors (nan if they differ): ``(true, rounded)`` pairs of
+        ``(vec, {D: slots})`` arrays, ``rounded`` = the fp32 value the kernels use
+        (``drift_factors``).  Cached for the last ``a`` (it changes only with the lr)."""
+        key = tuple(float(x) for x in a)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        av = np.asarray(drift_factors(list(a), len(a)), dtype=np.float64)
+        at = np.asarray(key, dtype=np.float64)
+        af = np.asarray(drift_factors(list(key), len(key)), dtype=np.float64)
 
-        def common(entries, tensors, n, shifted=None):
+        def common(av, entries, tensors, n, shifted=None):
             first = np.full(n, np.nan)
             if len(entries):
                 first[entries[::-1]] = av[tensors[::-1]]  # any one tensor's a per entry
@@ -117,14 +119,17 @@ class Assembly:
                 first[bad] = np.nan
             return first
 
-        fv = common(self._v_entry, self._v_tensor, self.vec_size, self._v_shift)
-        fg = {d: common(s, t, n) for (d, (s, t)), n in zip(self._g.items(), self.gram_slots.values())}
-        self._cache = (key, (fv, fg))
-        return fv, fg
+        out = []
+        for av in (at, af):
+            fv = common(av, self._v_entry, self._v_tensor, self.vec_size, self._v_shift)
+            fg = {d: common(av, s, t, n) for (d, (s, t)), n in zip(self._g.items(), self.gram_slots.values())}
+            out.append((fv, fg))
+        self._cache = (key, tuple(out))
+        return self._cache[1]
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
         """Whether some (sampled) entry with a nonzero decay reads tensors of different ``a``."""
-        fv, fg = self._factors(a)
+        fv, fg = self._factors(a)[1]
         if sampled is None:
             return bool(np.isnan(fv).any() or any(np.isnan(f).any() for f in fg.values()))
         return bool(np.isnan(fv[sampled.vec_np]).any()
@@ -136,7 +141,7 @@ class Assembly:
         layout; ``RuntimeError`` if it is needed and None); zero outside ``sampled``."""
         hv, hg = h_old
         dt = hv.dtype
-        fv, fg = self._factors(a)
+        fv, fg = self._factors(a)[0]
 
         def one(h, f, quad_mask, kernel):
             # factors in float64 on the host (exact for fp32 a), one rounding to dt, one product with h
@@ -159,13 +164,58 @@ class Assembly:
             dg = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in dg.items()}
         return dv, dg
 
+    def correct(self, h_old, first, second, a: Sequence[float]):
+        """``first``/``second`` (``(vec, {D: grams})``) computed with the fp32-rounded ``a`` (the kernels'
+        ``Delta_f``) turned into those of the true ``a`` (see ``terms``); unchanged where they agree."""
+        hv, hg = h_old
+        dt = hv.dtype
+        (tv, tg), (rv, rg) = self._factors(a)
+
+        def fix(first, second, h, t, r, lin_mask):
+            uni = ~np.isnan(t) & ~np.isnan(r)
+            d = np.where(uni, t - r, 0.0)
+            if not d.any():
+                return first, second
+            shape = (-1,) + (1,) * (h.dim() - 1)
+            dd = torch.from_numpy(d).to(self.device, dt).view(shape)
+            ratio = torch.from_numpy(np.where(uni, t / np.where(uni, r, 1.0), 1.0)).to(self.device, dt).view(shape)
+            tt = torch.from_numpy(np.where(uni, t, 1.0)).to(self.device, dt).view(shape)
+            rr = torch.from_numpy(np.where(uni, r, 1.0)).to(self.device, dt).view(shape)
+            f_quad = ratio * (first - 2 * dd * rr * h)
+            s_quad = second - (dd / tt) * f_quad - dd * dd * h
+            if lin_mask is None:
+                return f_quad, s_quad
+            lm = lin_mask.view(shape)
+            return torch.where(lm, first - dd * h, f_quad), torch.where(lm, second, s_quad)
+
+        fv, sv = fix(first[0], second[0], hv, tv, rv, self._lin)
+        fg, sg = {}, {}
+        for d in first[1]:
+            fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], tg[d], rg[d], None)
+        return (fv, fg), (sv, sg)
+
     def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None) -> dict:
+        """The identity's terms for the true ``a`` (python floats per tensor).  The kernels form
+        ``Delta_f = new - a_f old`` with ``a_f`` = ``a`` rounded to fp32; with ``d = a - a_f`` per entry
+        (``old`` = theta_k, ``Delta = new - a old = Delta_f - d old``), exactly::
+
+            first  = (a / a_f) (2 B(a_f old, Delta_f) - 2 d a_f h_k)        (linear: c.Delta_f - d h_k)
+            second = h(Delta_f) - (d / a) first - d^2 h_k
+
+        so a decay factor that is not an fp32 number (``1 - lr*wd`` in double) keeps the first-order
+        term at its true value (Noether: it vanishes for SGD with weight decay) in float64."""
         (_, _), dec, (bv, bg), (dv, dg) = pieces
         dt = h_old[0].dtype
         lin = self._lin.to(dt)
-        return {"decay": self.decay(h_old, a, dec, sampled),
-                "first": (2 * bv.to(dt) + lin * dv.to(dt), {d: 2 * g.to(dt) for d, g in bg.items()}),
-                "second": ((1 - lin) * dv.to(dt), {d: g.to(dt) for d, g in dg.items()})}
+        first = (2 * bv.to(dt) + lin * dv.to(dt), {d: 2 * g.to(dt) for d, g in bg.items()})
+        second = ((1 - lin) * dv.to(dt), {d: g.to(dt) for d, g in dg.items()})
+        (first_v, first_g), (second_v, second_g) = self.correct(h_old, first, second, a)
+        if sampled is not None and not sampled.full:  # the corrections touch every entry: mask again
+            first_v, second_v = first_v * sampled.vec, second_v * sampled.vec
+            first_g = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in first_g.items()}
+            second_g = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in second_g.items()}
+        return {"decay": self.decay(h_old, a, dec, sampled), "first": (first_v, first_g),
+                "second": (second_v, second_g)}
 
 
 @dataclass
