@@ -10,9 +10,10 @@ from .tracker import Tracker
 from .verify import verify
 from .detection import detect
 from .counting import count_laws as count
+from .analysis.discover import discover
 
 __version__ = "0.1.0"
 
 __all__ = ["track", "Tracker", "TrackedOptimizer", "Law", "Declined", "compile_laws", "evaluate_laws", "verify",
-           "JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "detect", "count"]
+           "JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "detect", "count", "discover"]
 

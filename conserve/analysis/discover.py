@@ -1,0 +1,1206 @@
+"""Discover the conservation laws of a block numerically (float64): ``conserve.discover``.
+
+Math (spec ``shared/spec/laws.md``, "The numerical checks", check 1; Marcotte, Gribonval, Peyre 2023):
+``h(theta) = theta^T M theta`` is conserved by gradient flow for every dataset and every loss iff
+``(M theta)^T grad_theta f_o(theta, x) = 0`` for all ``theta``, ``x`` and outputs ``o``; a linear law
+``c^T theta`` iff ``c^T grad_theta f_o = 0``. Both conditions are LINEAR in the unknown (``M`` or ``c``):
+stacking them for random ``theta``, ``x`` and random output combinations ``r . f`` (a sketch of the
+constraints: one vector-Jacobian product per row) gives a matrix whose numerical null space is the space
+of conserved quadratics (linear laws). The rank is read at the largest gap of the log singular values
+(``conserve.counting`` rule; the gap and the singular values around it are reported).
+
+Ansatz (the unknowns):
+
+- ``structured`` (default): every tensor is read as ``lead + (out, in)`` (a vector as ``(n, 1)``, a 0-dim
+  scalar as ``(1, 1)``); its *fibers* are its rows (length ``in``) and its columns (length ``out``).
+  Quadratic unknowns are the coefficients ``C_ab`` of ``<U_a, U_b>`` for every pair of fibers of equal
+  length, of one tensor or of two (``M = sum_L C_L (x) I_L``: sums of row and column Grams of each tensor
+  and of tensor pairs; every catalogue law has this form). Features that are linear combinations of
+  others (``tr W W^T = tr W^T W``) are removed by an in-order QR of their values at random points.
+  Linear unknowns: ``alpha`` over the fibers of one length, the law being the vector
+  ``sum_a alpha_a U_a`` (router sum: ``alpha = 1`` on the router's rows).
+- ``dense``: every monomial ``theta_i theta_j`` (``P (P + 1) / 2`` unknowns) and every ``c in R^P``; only
+  for tiny blocks. ``auto`` runs the structured ansatz and, when it fits, the dense one as a check that
+  the structured ansatz missed no quadratic law (laws found only by the dense ansatz are reported as
+  "outside the structured ansatz").
+
+Readable answers: the null space is put in reduced row echelon form over the features (pivot columns
+in parameter order), which splits laws with disjoint supports exactly; each connected group of laws is
+then recognised as a Gram law ``sum_c s_c X_c X_c^T`` over blocks of ``D`` fibers (head Gram, deep linear),
+or kept as per-fiber balance laws ``sum_a s_a ||U_a||^2``, and named in catalogue terms when it matches
+(unit balance, rotary pair, gain, head Gram, router sum / translation, frozen parameter); otherwise it is
+"new" with the tensors, index sets and coefficients it couples. Quadratic laws that are products of linear
+laws (``||sum_e W_router[e,:]||^2``, ``b_k b_k^T``) are counted but not listed. Every law gets a float64
+first-order check (its ``conserve.Law`` evaluated by the kernels' torch twin, autograd gradients).
+
+Completeness: where ``conserve.count`` applies (``count_limit`` parameters), the number of functionally
+independent laws found (rank of their gradients at a random point) is compared with the full count.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.func import vjp, vmap
+
+from ..counting import LawCount, _as_tuple, _flat_out, _setup, _to64, count_laws, gap_rank
+from ..laws import Law, Ref, Term
+from ..laws.base import compile_laws
+
+__all__ = ["discover", "Discovery", "DiscoveredLaw", "Solve", "BlockTooLarge", "MAX_UNKNOWNS"]
+
+MAX_UNKNOWNS = 6000  # unknowns of one ansatz: the SVD holds ~2 * 1.1 * N^2 float64 (~650 MB at 6000)
+DENSE_AUTO = 1200  # "auto" runs the dense cross-check up to this many quadratic unknowns
+COUNT_LIMIT = 400  # conserve.count is run up to this many parameters
+TOL = 1e-9  # first-order check tolerance (relative), spec check 1 uses 1e-10 on exact laws
+
+
+class BlockTooLarge(ValueError):
+    """The ansatz of a block has more unknowns than the limit; the message names the fix."""
+
+
+# --------------------------------------------------------------------------------------------- fibers
+@dataclass(frozen=True)
+class Fiber:
+    """A row, a column or an entry of a parameter, as a vector of flat indices into ``theta``.
+
+    ``kind``: ``row`` (``W[lead, a, :]``), ``col`` (``W[lead, :, a]``), ``entry`` (``b[a]`` of a vector,
+    or one scalar in the dense ansatz: ``lead`` is then its full multi-index), ``vector`` (a whole 1-D
+    parameter) or ``scalar`` (a 0-dim parameter)."""
+
+    param: str
+    kind: str
+    lead: tuple[int, ...]
+    index: int
+    length: int
+
+    def label(self) -> str:
+        lead = "".join(f"[{i}]" for i in self.lead)
+        if self.kind == "row":
+            return f"{self.param}{lead}[{self.index},:]"
+        if self.kind == "col":
+            return f"{self.param}{lead}[:,{self.index}]"
+        if self.kind == "entry":
+            return f"{self.param}[{','.join(map(str, self.lead))}]" if self.lead else f"{self.param}[{self.index}]"
+        return self.param
+
+
+def _structured_fibers(names, shapes, offsets, include) -> tuple[list[Fiber], list[torch.Tensor]]:
+    fibers, idxs = [], []
+    for name, shape, off in zip(names, shapes, offsets):
+        if name not in include:
+            continue
+        n = math.prod(shape)
+        flat = off + torch.arange(n)
+        if len(shape) == 0:
+            fibers.append(Fiber(name, "scalar", (), 0, 1))
+            idxs.append(flat)
+            continue
+        if len(shape) == 1:
+            for a in range(shape[0]):
+                fibers.append(Fiber(name, "entry", (), a, 1))
+                idxs.append(flat[a : a + 1])
+            if shape[0] > 1:
+                fibers.append(Fiber(name, "vector", (), 0, shape[0]))
+                idxs.append(flat)
+            continue
+        grid = flat.reshape(shape)
+        lead_shape, (out, inn) = tuple(shape[:-2]), tuple(shape[-2:])
+        leads = list(_multi_indices(lead_shape))
+        for lead in leads:
+            for a in range(out):
+                fibers.append(Fiber(name, "row", lead, a, inn))
+                idxs.append(grid[lead][a, :])
+        if not (out == 1 and inn == 1):
+            for lead in leads:
+                for c in range(inn):
+                    fibers.append(Fiber(name, "col", lead, c, out))
+                    idxs.append(grid[lead][:, c])
+    return fibers, idxs
+
+
+def _dense_fibers(names, shapes, offsets, include) -> tuple[list[Fiber], list[torch.Tensor]]:
+    fibers, idxs = [], []
+    for name, shape, off in zip(names, shapes, offsets):
+        if name not in include:
+            continue
+        for k, mi in enumerate(_multi_indices(tuple(shape))):
+            fibers.append(Fiber(name, "entry" if shape else "scalar", tuple(mi) if len(shape) != 1 else (), mi[0] if len(shape) == 1 else k, 1))
+            idxs.append(torch.tensor([off + k]))
+    return fibers, idxs
+
+
+def _multi_indices(shape: tuple[int, ...]):
+    if not shape:
+        yield ()
+        return
+    for flat in range(math.prod(shape)):
+        out = []
+        for s in reversed(shape):
+            out.append(flat % s)
+            flat //= s
+        yield tuple(reversed(out))
+
+
+@dataclass
+class _Family:
+    length: int
+    fibers: list[int]  # global fiber ids, in fiber order
+    idx: torch.Tensor  # (n, L) flat indices into theta
+
+
+def _families(fibers: list[Fiber], idxs: list[torch.Tensor]) -> list[_Family]:
+    by_len: dict[int, list[int]] = {}
+    for i, f in enumerate(fibers):
+        by_len.setdefault(f.length, []).append(i)
+    return [_Family(L, ids, torch.stack([idxs[i] for i in ids])) for L, ids in sorted(by_len.items())]
+
+
+# ----------------------------------------------------------------------------------------- results
+@dataclass
+class Solve:
+    """One null-space solve: ``unknowns`` columns, ``constraints`` sketched rows, ``null_dim`` = unknowns -
+    rank at the largest gap ``gap`` (``s[rank-1] / s[rank]``; ``next_gap``: the largest other ratio),
+    ``around``: the singular values around the gap; ``seconds``, ``megabytes`` (constraint matrix)."""
+
+    ansatz: str
+    degree: int
+    unknowns: int
+    constraints: int
+    null_dim: int
+    gap: float
+    next_gap: float
+    around: list[float]
+    seconds: float
+    megabytes: float
+    removed: int = 0  # structured: dependent features removed
+
+    def summary(self) -> str:
+        ar = ", ".join(f"{v:.1e}" for v in self.around)
+        return (f"{self.ansatz} degree {self.degree}: {self.unknowns} unknowns, {self.constraints} constraints, "
+                f"null space {self.null_dim}, gap {self.gap:.1e} (next {self.next_gap:.1e}), s around gap [{ar}], "
+                f"{self.seconds:.2f} s")
+
+
+@dataclass
+class DiscoveredLaw:
+    """One discovered law (a basis element of the law space, or a Gram law grouping ``size(size+1)/2`` of them).
+
+    Attributes:
+        name: unique name (``discover/<tag>/<n>``).
+        kind: ``linear`` | ``balance`` (``sum_a s_a ||U_a||^2``) | ``gram`` (``sum_c s_c X_c X_c^T``, D x D)
+            | ``quadratic`` (any other quadratic form, listed by its features).
+        match: the catalogue family it matches (``unit balance``, ``rotary pair``, ``gain balance``,
+            ``layer-scale balance``, ``head Gram``, ``deep linear / VO Gram``, ``row sum (router sum /
+            translation)``, ``frozen``) or ``new``.
+        terms: ``[(coefficient, what)]``, ``what`` naming the fibers (``q_proj.weight[0:2,:]`` ...).
+        law: the ``conserve.Law`` (``None`` when the kernels' term language cannot express it: then
+            ``why_no_law`` says why; the value function is still checked).
+        first_order: worst relative ``|<grad h, grad (r . f)>| / (||.|| ||.||)``, float64 (spec check 1).
+        independent: number of scalar laws it stands for.
+    """
+
+    name: str
+    kind: str
+    match: str
+    terms: list[tuple[float, str]]
+    law: Law | None
+    first_order: float = float("nan")
+    independent: int = 1
+    why_no_law: str = ""
+    value: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.first_order <= TOL
+
+    def formula(self) -> str:
+        if self.kind == "linear":
+            return " + ".join(f"{c:+.4g} {w}" for c, w in self.terms)
+        if self.kind == "gram":
+            return " ".join(f"{c:+.4g} G({w})" for c, w in self.terms)
+        return " ".join(f"{c:+.4g} {w}" for c, w in self.terms)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "match": self.match, "size": self.independent,
+                "terms": [[c, w] for c, w in self.terms], "first_order": self.first_order,
+                "trackable": self.law is not None, "why_no_law": self.why_no_law}
+
+
+@dataclass
+class Discovery:
+    """The result of :func:`discover`.
+
+    Attributes:
+        laws: the discovered laws (linear first, then quadratic), each checked.
+        solves: one :class:`Solve` per null-space computation (structured / dense, degree 1 / 2).
+        num_params: scalar parameters of the block (all trainable ones).
+        null_dim: dimension of the structured quadratic law space (``solves``) and linear law space.
+        products: quadratic laws that are products of linear laws (not listed).
+        outside_ansatz: laws found only by the dense ansatz (already in ``laws``, ``match='new'``).
+        independent: functionally independent laws found (rank of their gradients at a random point).
+        count: the ``conserve.count`` result (``None`` above ``count_limit`` parameters or when skipped).
+        complete: ``independent == count.count`` (``None`` without a count).
+    """
+
+    laws: list[DiscoveredLaw]
+    solves: list[Solve]
+    num_params: int
+    linear_dim: int
+    quadratic_dim: int
+    products: int
+    outside_ansatz: int
+    independent: int
+    count: LawCount | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool | None:
+        return None if self.count is None else self.independent == self.count.count
+
+    @property
+    def gap(self) -> float:
+        """Smallest gap ratio over the solves that found a null space (the least clear rank decision)."""
+        gaps = [s.gap for s in self.solves]
+        return min(gaps) if gaps else float("nan")
+
+    def tracked_laws(self) -> list[Law]:
+        """The ``conserve.Law`` objects (for ``conserve.track(opt, model, laws=...)``)."""
+        return [d.law for d in self.laws if d.law is not None]
+
+    def completeness(self) -> str:
+        if self.count is None:
+            return "not counted (block above count_limit parameters or count=False)"
+        c = self.count.count
+        if self.independent == c:
+            return f"complete: the {self.independent} independent polynomial laws found are all {c} laws of the block"
+        if self.independent < c:
+            return (f"incomplete: {c - self.independent} of the block's {c} laws are not linear/quadratic in the ansatz "
+                    "(non-polynomial, higher degree, or outside the structured ansatz: try ansatz='dense')")
+        return (f"inconsistent: {self.independent} independent laws found but conserve.count says {c} "
+                f"(count gap {self.count.gap_ratio:.1e}): check the gaps")
+
+    def markdown(self) -> str:
+        lines = ["| # | law | kind | match | size | first-order | trackable |", "|---|---|---|---|---|---|---|"]
+        for i, d in enumerate(self.laws):
+            lines.append(f"| {i} | `{d.formula()}` | {d.kind} | {d.match} | {d.independent} | {d.first_order:.1e} | "
+                         f"{'yes' if d.law is not None else 'no: ' + d.why_no_law} |")
+        lines.append("")
+        lines += [f"- {s.summary()}" for s in self.solves]
+        lines.append(f"- parameters {self.num_params}; linear laws {self.linear_dim}, quadratic {self.quadratic_dim} "
+                     f"({self.products} products of linear laws not listed); independent {self.independent}")
+        lines.append(f"- {self.completeness()}")
+        lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict:
+        return {"num_params": self.num_params, "linear_dim": self.linear_dim, "quadratic_dim": self.quadratic_dim,
+                "products": self.products, "outside_ansatz": self.outside_ansatz, "independent": self.independent,
+                "count": None if self.count is None else self.count.count, "complete": self.complete,
+                "completeness": self.completeness(), "solves": [vars(s) for s in self.solves],
+                "laws": [d.to_json() for d in self.laws], "notes": self.notes}
+
+    def __str__(self) -> str:  # pragma: no cover - formatting only
+        return self.markdown()
+
+
+# ------------------------------------------------------------------------------------- the problem
+class _Problem:
+    """The block as ``f(theta_flat) -> outputs`` plus samplers of generic points and inputs."""
+
+    def __init__(self, block, example_inputs, params, resample: bool, seed: int):
+        call, theta = _setup(block, None if isinstance(block, nn.Module) else params)
+        if not theta:
+            raise ValueError("discover: the block has no trainable parameter")
+        self.call, self.theta0 = call, theta
+        self.names = list(theta)
+        self.shapes = [tuple(theta[n].shape) for n in self.names]
+        self.sizes = [theta[n].numel() for n in self.names]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.P = sum(self.sizes)
+        if isinstance(block, nn.Module) and params is not None:
+            params = list(params)
+            bad = [p for p in params if p not in theta]
+            if bad:
+                raise ValueError(f"discover: {bad} are not trainable parameters of the block; choose from {self.names}")
+            self.include = set(params)
+        else:
+            self.include = set(self.names)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.scale = {n: (float(t.pow(2).mean().sqrt()) or 1.0) if t.numel() else 1.0 for n, t in theta.items()}
+        if callable(example_inputs) and not isinstance(example_inputs, (torch.Tensor, tuple, list)):
+            self._inputs = lambda g: tuple(_to64(x) for x in _as_tuple(example_inputs(g)))
+            self.example = self._inputs(torch.Generator().manual_seed(seed))
+        else:
+            self.example = tuple(_to64(x) for x in _as_tuple(example_inputs))
+            if resample:
+                def draw(g):
+                    return tuple(_redraw(x, g) for x in self.example)
+                self._inputs = draw
+            else:
+                self._inputs = lambda g: self.example
+        with torch.no_grad():
+            out = self.f(self.flat(theta), self.example)
+        self.m = out.numel()
+        if not torch.isfinite(out).all():
+            raise ValueError("discover: the block's output at its parameters is not finite; check the inputs")
+
+    def count_inputs(self, draws: int = 3):
+        """The example batch and ``draws - 1`` redrawn ones, concatenated along dim 0 (for ``conserve.count``,
+        which needs a generic batch); the example alone when inputs are not redrawn."""
+        if self._inputs(self.gen) is self.example:
+            return self.example
+        g = torch.Generator().manual_seed(4321)
+        batches = [self.example] + [self._inputs(g) for _ in range(draws - 1)]
+        try:
+            return tuple(torch.cat(parts) if isinstance(parts[0], torch.Tensor) and parts[0].dim() else parts[0]
+                         for parts in zip(*batches))
+        except RuntimeError:
+            return self.example
+
+    def flat(self, d: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([d[n].reshape(-1) for n in self.names])
+
+    def unflat(self, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: t.reshape(s) for n, t, s in zip(self.names, torch.split(theta, self.sizes), self.shapes)}
+
+    def f(self, theta: torch.Tensor, inputs) -> torch.Tensor:
+        return _flat_out(self.call(self.unflat(theta), inputs))
+
+    def sample_theta(self) -> torch.Tensor:
+        parts = []
+        for n in self.names:
+            t = self.theta0[n]
+            parts.append((t + self.scale[n] * torch.randn(t.shape, generator=self.gen, dtype=torch.float64)).reshape(-1))
+        return torch.cat(parts)
+
+    def gradients(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A generic point ``theta`` (P,) and ``k`` gradients ``grad_theta <r, f(theta, x)>`` (k, P)."""
+        theta = self.sample_theta()
+        x = self._inputs(self.gen)
+        out, pull = vjp(lambda t: self.f(t, x), theta)
+        r = torch.randn(k, out.numel(), generator=self.gen, dtype=torch.float64)
+        g = vmap(lambda v: pull(v)[0])(r)
+        if not torch.isfinite(g).all():
+            raise ValueError("discover: non-finite gradients at a random point; the block must be differentiable "
+                             "(float64) around its parameters")
+        return theta, g
+
+
+def _redraw(x, g):
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1:
+        std = float(x.std()) or 1.0
+        return float(x.mean()) + std * torch.randn(x.shape, generator=g, dtype=torch.float64)
+    return x
+
+
+# ------------------------------------------------------------------------------------------ solving
+def _nullspace(A: torch.Tensor) -> tuple[torch.Tensor, int, float, float, list[float]]:
+    """Null space of ``A`` (rows normalised, columns equilibrated) at the largest singular-value gap."""
+    rn = A.norm(dim=1, keepdim=True)
+    A = A / torch.where(rn > 0, rn, torch.ones_like(rn))
+    cn = A.norm(dim=0)
+    cn = torch.where(cn > 0, cn, torch.ones_like(cn))
+    A = A / cn
+    n = A.shape[1]
+    if A.abs().max() == 0:
+        return torch.eye(n, dtype=A.dtype), 0, math.inf, 1.0, []
+    if A.shape[0] < n:  # pragma: no cover - the callers always ask for more rows than unknowns
+        raise RuntimeError("discover: fewer constraints than unknowns")
+    _, s, vh = torch.linalg.svd(A, full_matrices=False)
+    rank, gap, second = gap_rank(s, A.shape)
+    around = [float(v) for v in s[max(0, rank - 3) : rank + 3]]
+    null = vh[rank:].T / cn[:, None]  # back to the unscaled unknowns
+    return null, rank, gap, second, around
+
+
+def _rref(B: torch.Tensor, tol: float = 1e-7) -> torch.Tensor:
+    """Reduced row echelon form of the rows of ``B`` (k, N) (partial pivoting, columns in order); tiny
+    entries (< 1e-9 of the pivot) are set to zero. Laws with disjoint supports come out separated."""
+    B = B.clone()
+    k, n = B.shape
+    if k == 0:
+        return B
+    B = B / B.abs().amax(dim=1, keepdim=True)
+    r = 0
+    for col in range(n):
+        if r == k:
+            break
+        sub = B[r:, col].abs()
+        i = int(torch.argmax(sub))
+        if float(sub[i]) <= tol:
+            continue
+        if i:
+            B[[r, r + i]] = B[[r + i, r]]
+        B[r] = B[r] / B[r, col]
+        others = torch.ones(k, dtype=torch.bool)
+        others[r] = False
+        B[others] -= B[others, col : col + 1] * B[r]
+        r += 1
+    B[B.abs() < 1e-9] = 0.0
+    return B[:r]
+
+
+class _Quadratic:
+    """Quadratic features ``<U_a, U_b>`` over families of equal-length fibers.
+
+    All features (sorted by first, then second fiber) are kept for evaluation; ``kept`` indexes the
+    independent ones that are the unknowns; ``trivial`` holds the combinations of features that vanish
+    identically (e.g. ``sum_a ||W[a,:]||^2 - sum_c ||W[:,c]||^2``), used to pick sparse representatives."""
+
+    def __init__(self, fibers, idxs, independent_check: bool, problem: _Problem):
+        self.fibers = fibers
+        self.fams = _families(fibers, idxs)
+        fa, fb, fam, pa, pb = [], [], [], [], []
+        for k, F in enumerate(self.fams):
+            n = len(F.fibers)
+            iu = torch.triu_indices(n, n)
+            ids = torch.tensor(F.fibers)
+            fa.append(ids[iu[0]]), fb.append(ids[iu[1]])
+            fam.append(torch.full((iu.shape[1],), k)), pa.append(iu[0]), pb.append(iu[1])
+        fa, fb = torch.cat(fa), torch.cat(fb)
+        order = torch.argsort(fa * (len(fibers) + 1) + fb)
+        self.fa, self.fb = fa[order], fb[order]
+        self.fam, self.pa, self.pb = torch.cat(fam)[order], torch.cat(pa)[order], torch.cat(pb)[order]
+        self.kept = torch.arange(self.n_all)
+        self.trivial: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.index = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(self.fa.tolist(), self.fb.tolist()))}
+        if independent_check:
+            self._drop_dependent(problem)
+
+    @property
+    def n_all(self) -> int:
+        return int(self.fa.numel())
+
+    @property
+    def n(self) -> int:
+        return int(self.kept.numel())
+
+    @property
+    def removed(self) -> int:
+        return self.n_all - self.n
+
+    def values(self, theta: torch.Tensor, sel: torch.Tensor | None = None) -> torch.Tensor:
+        """Feature values ``<U_a, U_b>`` at points ``theta`` (S, P) -> (S, N_all) (or the features ``sel``)."""
+        ids = torch.arange(self.n_all) if sel is None else sel
+        out = torch.empty(theta.shape[0], ids.numel(), dtype=theta.dtype)
+        fam = self.fam[ids]
+        for k, F in enumerate(self.fams):
+            m = fam == k
+            if not m.any():
+                continue
+            U = theta[:, F.idx]  # (S, n, L)
+            G = U @ U.transpose(1, 2)
+            out[:, m] = G[:, self.pa[ids][m], self.pb[ids][m]]
+        return out
+
+    def rows(self, theta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Constraint rows ``d<U_a,U_b> . g`` (kept features) for gradients g (k, P) at theta (P,) -> (k, N)."""
+        ids = self.kept
+        out = torch.empty(g.shape[0], ids.numel(), dtype=g.dtype)
+        fam = self.fam[ids]
+        for k, F in enumerate(self.fams):
+            m = fam == k
+            if not m.any():
+                continue
+            U = theta[F.idx]  # (n, L)
+            G = g[:, F.idx]  # (k, n, L)
+            S = G @ U.T
+            out[:, m] = (S + S.transpose(1, 2))[:, self.pa[ids][m], self.pb[ids][m]]
+        return out
+
+    def _drop_dependent(self, problem: _Problem) -> None:
+        """Remove features that are linear combinations of earlier ones: in-order QR of their values at
+        random points, per pair of tensors (features of different tensor pairs share no monomial)."""
+        pf = [f.param for f in self.fibers]
+        pidx = {p: i for i, p in enumerate(dict.fromkeys(pf))}
+        pa = torch.tensor([pidx[pf[i]] for i in self.fa.tolist()], dtype=torch.long)
+        pb = torch.tensor([pidx[pf[i]] for i in self.fb.tolist()], dtype=torch.long)
+        key = pa * len(pidx) + pb
+        keep = torch.ones(self.n_all, dtype=torch.bool)
+        g = torch.Generator().manual_seed(12345)
+        for kv in torch.unique(key).tolist():
+            cols = (key == kv).nonzero().flatten()
+            if cols.numel() < 2:
+                continue
+            theta = torch.randn(cols.numel() + 8, problem.P, generator=g, dtype=torch.float64)
+            V = self.values(theta, cols)
+            nrm = V.norm(dim=0).clamp_min(1e-300)
+            V = V / nrm
+            R = torch.linalg.qr(V, mode="r")[1]
+            dep = R.diagonal().abs() < 1e-8
+            if not dep.any():
+                continue
+            keep[cols[dep]] = False
+            _, sv, vh = torch.linalg.svd(V, full_matrices=False)
+            nd = int(dep.sum())
+            for t in _rref(vh[-nd:]):
+                nz = t.nonzero().flatten()
+                tf = t[nz] / nrm[nz]
+                self.trivial.append((cols[nz], tf / tf.abs().max()))
+        self.kept = keep.nonzero().flatten()
+
+    def inflate(self, row: torch.Tensor) -> torch.Tensor:
+        """A law on the kept features -> all features, made sparse modulo the trivial combinations."""
+        full = torch.zeros(self.n_all, dtype=row.dtype)
+        full[self.kept] = row
+        for idx, t in self.trivial:
+            x = full[idx]
+            if not (x != 0).any():
+                continue
+            cands = [0.0] + [float(-x[i] / t[i]) for i in range(len(idx)) if t[i] != 0]
+            best = min(cands, key=lambda lam: (float((x + lam * t).abs().gt(1e-9).sum()), float((x + lam * t).abs().sum())))
+            full[idx] = x + best * t
+        full[full.abs() < 1e-9] = 0.0
+        return full
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm ships with the test extras
+        return None
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+
+
+def _estimate(n: int, m: int) -> tuple[float, float]:
+    """(megabytes of the constraint matrix and its SVD, flop of the SVD)."""
+    return 8 * (m * n + n * n + m * m) / 2**20, 4.0 * m * n * n + 8.0 * n**3
+
+
+def _check_size(n: int, what: str, limit: int, P: int) -> None:
+    if n > limit:
+        mb, _ = _estimate(n, n + max(32, n // 5))
+        raise BlockTooLarge(
+            f"discover: the {what} has {n} unknowns ({P} parameters), above the limit max_unknowns={limit} "
+            f"(the SVD would need ~{mb / 1024:.1f} GiB). Fix: build the same block with a smaller width "
+            "(hidden size, heads, head_dim, intermediate size: the laws' structure does not depend on the width), "
+            "or pass params=[...] to search a subset of its tensors, or raise max_unknowns")
+
+
+# ------------------------------------------------------------------------------------------- discover
+def discover(
+    block: nn.Module | Callable,
+    example_inputs: Any,
+    *,
+    degree: int = 2,
+    ansatz: str = "auto",
+    params: Iterable[str] | Mapping[str, torch.Tensor] | None = None,
+    max_unknowns: int = MAX_UNKNOWNS,
+    margin: int | None = None,
+    resample_inputs: bool = True,
+    count: bool | None = None,
+    count_limit: int = COUNT_LIMIT,
+    seed: int = 0,
+    progress: bool | None = None,
+) -> Discovery:
+    """Find the linear and quadratic conservation laws of ``block`` numerically, in float64.
+
+    Spec: ``shared/spec/laws.md`` (checks 1 and 4); the module docstring gives the method.
+
+    Args:
+        block: an ``nn.Module`` called as ``block(*inputs)`` (all parameters that require grad are
+            trained; the laws are sought over ``params`` of them, default all), or a callable
+            ``block(params, *inputs)`` with ``params={name: tensor}``. Outputs: a tensor or a tuple of
+            tensors; batch rows must be independent (no batch norm).
+        example_inputs: a tensor or tuple of tensors (a batch), or a function ``inputs(generator)``
+            returning a fresh batch. With ``resample_inputs`` (default) floating inputs are redrawn per
+            random point as Gaussians with the example's mean and std; integer/bool inputs are kept.
+        degree: 1 (linear laws) or 2 (linear and quadratic).
+        ansatz: ``"structured"``, ``"dense"`` (tiny blocks) or ``"auto"`` (structured, plus the dense
+            cross-check when it has at most ``1200`` quadratic unknowns).
+        params: parameter names the laws may read (module) / the parameter dict (callable).
+        max_unknowns: size limit of one solve (raises :class:`BlockTooLarge` above it).
+        margin: extra constraint rows beyond the unknowns (default ``max(32, unknowns // 5)``).
+        count: compare with ``conserve.count`` (default: when the block has <= ``count_limit`` parameters).
+        seed: seeds every random draw (private generators; the global RNG is untouched).
+        progress: show a progress bar and the work estimate on stderr (default: when stderr is a tty).
+
+    Returns:
+        a :class:`Discovery`: the laws (``conserve.Law`` objects in ``.law``, ``tracked_laws()``), the
+        solves (null-space dimensions, gaps), products of linear laws, completeness vs ``conserve.count``.
+
+    Raises:
+        BlockTooLarge: an ansatz exceeds ``max_unknowns`` (the message names the fix: a smaller width).
+        ValueError / TypeError: bad degree / ansatz / block / params / inputs (one line naming the fix).
+    """
+    if degree not in (1, 2):
+        raise ValueError(f"discover: degree must be 1 or 2, got {degree}")
+    if ansatz not in ("auto", "structured", "dense"):
+        raise ValueError(f"discover: ansatz must be 'auto', 'structured' or 'dense', got {ansatz!r}")
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    pb = _Problem(block, example_inputs, params, resample_inputs, seed)
+    P = pb.P
+    notes: list[str] = []
+    extra = (lambda n: margin) if margin is not None else (lambda n: max(32, n // 5))
+    setups = []  # (name, fibers, families, quadratic features or None)
+    for name, make in (("structured", _structured_fibers), ("dense", _dense_fibers)):
+        if ansatz not in (name, "auto"):
+            continue
+        fibers, idxs = make(pb.names, pb.shapes, pb.offsets, pb.include)
+        fams = _families(fibers, idxs)
+        nq = sum(len(F.fibers) * (len(F.fibers) + 1) // 2 for F in fams) if degree == 2 else 0
+        nl = max(len(F.fibers) for F in fams)
+        limit = min(max_unknowns, DENSE_AUTO) if (ansatz == "auto" and name == "dense") else max_unknowns
+        if max(nq, nl) > limit:
+            if ansatz == "auto" and name == "dense":
+                notes.append(f"dense cross-check skipped: {nq} quadratic unknowns > {limit}")
+                continue
+            _check_size(max(nq, nl), f"{name} ansatz ({'quadratic' if nq >= nl else 'linear'})", limit, P)
+        quad = _Quadratic(fibers, idxs, name == "structured", pb) if degree == 2 else None
+        setups.append((name, fibers, fams, quad))
+    # rows each consumer needs (quadratic: one per gradient; linear family of length L: L per gradient)
+    need_q = {name: q.n + extra(q.n) for name, _, _, q in setups if q is not None}
+    need_l = {(name, k): len(F.fibers) + extra(len(F.fibers)) for name, _, fams, _ in setups for k, F in enumerate(fams)}
+    length = {(name, k): F.length for name, _, fams, _ in setups for k, F in enumerate(fams)}
+    n_grad = max([*need_q.values(), *(math.ceil(v / length[key]) for key, v in need_l.items())])
+    k_per = max(1, min(pb.m, 4))  # few gradients per random point: the points carry the diversity
+    if show:
+        for name, _, _, q in setups:
+            if q is not None:
+                mb, fl = _estimate(q.n, need_q[name])
+                print(f"discover: {name} quadratic ansatz: {q.n} unknowns ({q.removed} dependent removed), "
+                      f"{need_q[name]} constraints; SVD ~{mb:.0f} MB, ~{fl:.1e} flop", file=sys.stderr)
+        print(f"discover: {P} parameters, {n_grad} gradients at {math.ceil(n_grad / k_per)} random points",
+              file=sys.stderr)
+    t0 = time.perf_counter()
+    Aq = {name: torch.empty(need_q[name], q.n, dtype=torch.float64) for name, _, _, q in setups if q is not None}
+    fill_q = dict.fromkeys(Aq, 0)
+    Al: dict[tuple, list[torch.Tensor]] = {key: [] for key in need_l}
+    got_l = dict.fromkeys(need_l, 0)
+    bar = _progress(n_grad, "discover: constraints", show)
+    done = 0
+    while done < n_grad:
+        k = min(k_per, n_grad - done)
+        theta, g = pb.gradients(k)
+        for name, _, fams, q in setups:
+            if q is not None and fill_q[name] < need_q[name]:
+                take = min(k, need_q[name] - fill_q[name])
+                Aq[name][fill_q[name] : fill_q[name] + take] = q.rows(theta, g[:take])
+                fill_q[name] += take
+            for kf, F in enumerate(fams):
+                key = (name, kf)
+                if got_l[key] < need_l[key]:
+                    G = g[:, F.idx].permute(0, 2, 1).reshape(-1, len(F.fibers))
+                    Al[key].append(G)
+                    got_l[key] += G.shape[0]
+        done += k
+        if bar is not None:
+            bar.update(k)
+    if bar is not None:
+        bar.close()
+    t_rows = time.perf_counter() - t0
+    solves: list[Solve] = []
+    results = {}
+    for name, fibers, fams, q in setups:
+        t1 = time.perf_counter()
+        lin_laws = []  # (family id, alpha over its fibers)
+        unk = nrows = null_tot = 0
+        gap_min, nxt, around_min, mb = math.inf, 1.0, [], 0.0
+        for kf, F in enumerate(fams):
+            A = torch.cat(Al[(name, kf)])
+            mb += 8 * A.numel() / 2**20
+            null, rank, gap, second, around = _nullspace(A)
+            unk, nrows = unk + A.shape[1], nrows + A.shape[0]
+            if null.shape[1]:
+                null_tot += null.shape[1]
+                if gap < gap_min:
+                    gap_min, nxt, around_min = gap, second, around
+                lin_laws += [(kf, row) for row in _rref(null.T)]
+        solves.append(Solve(name, 1, unk, nrows, null_tot, gap_min, nxt, around_min,
+                            time.perf_counter() - t1, mb))
+        quad_rows = None
+        if q is not None:
+            t1 = time.perf_counter()
+            null, rank, gap, second, around = _nullspace(Aq[name])
+            quad_rows = [q.inflate(r) for r in _rref(null.T)]
+            solves.append(Solve(name, 2, q.n, need_q[name], null.shape[1], gap, second, around,
+                                time.perf_counter() - t1 + t_rows, _estimate(q.n, need_q[name])[0], q.removed))
+        results[name] = (fibers, fams, lin_laws, q, quad_rows)
+    return _assemble(pb, results, solves, notes, degree, count, count_limit, seed)
+
+
+# ------------------------------------------------------------------------------------ interpretation
+def _fiber_ref(pb: _Problem, f: Fiber, n: int = 1, step: int = 1) -> Ref | None:
+    """A kernel ``Ref`` reading ``n`` fibers ``f.index, f.index + step, ...`` of one kind, one row each."""
+    shape = pb.shapes[pb.names.index(f.param)]
+    nd = len(shape)
+    if f.kind == "scalar" or nd == 0:
+        return None
+    if f.kind == "row":
+        lead = f.lead
+        return Ref(f.param, lead + (f.index, 0), len(lead), n, len(lead) + 1, shape[-1], step)
+    if f.kind == "col":
+        lead = f.lead
+        return Ref(f.param, lead + (0, f.index), len(lead) + 1, n, len(lead), shape[-2], step)
+    if f.kind == "vector":
+        return Ref(f.param, (0,), 0, 1, 0, shape[0]) if n == 1 else None
+    if f.kind == "entry":
+        if nd == 1:
+            return Ref(f.param, (f.index,), 0, n, None, 1, step)
+        if n != 1:
+            return None
+        return Ref(f.param, tuple(f.lead), 0, 1, None, 1)
+    return None
+
+
+def _law_class(kind: str, tag: str) -> type:
+    key = (kind, tag)
+    if key not in _CLASSES:
+        attrs = {"family": f"discovered_{tag}", "source": "conserve.discover (numerical, float64)"}
+        if kind == "gram":
+            attrs.update(kind="gram", per="law")
+        if kind == "linear":
+            attrs.update(linear=True, per="law")
+        _CLASSES[key] = type(f"Discovered_{kind}_{tag}", (Law,), attrs)
+    return _CLASSES[key]
+
+
+_CLASSES: dict[tuple[str, str], type] = {}
+_TAGS = {"unit balance": "unit", "rotary pair": "rope_pair", "gain balance": "gain", "layer-scale balance": "layer_scale",
+         "head Gram": "head_gram", "deep linear / VO Gram": "vo_gram", "row sum (router sum / translation)": "row_sum",
+         "frozen": "frozen", "new": "new"}
+
+
+def _classify_balance(fibs: list[Fiber], coefs: list[float]) -> str:
+    if not all(abs(abs(c) - 1) < 1e-8 for c in coefs):
+        return "new"
+    plus = [f for f, c in zip(fibs, coefs) if c > 0]
+    minus = [f for f, c in zip(fibs, coefs) if c < 0]
+    for P_, M_ in ((plus, minus), (minus, plus)):
+        rows_p = [f for f in P_ if f.kind == "row"]
+        ents_p = [f for f in P_ if f.kind == "entry"]
+        cols_m = [f for f in M_ if f.kind == "col"]
+        rows_m = [f for f in M_ if f.kind == "row"]
+        ents_m = [f for f in M_ if f.kind == "entry"]
+        if (len(rows_p) == 1 and len(P_) == len(rows_p) + len(ents_p) and len(ents_p) <= 1 and cols_m
+                and len(cols_m) == len(M_) and len({f.index for f in rows_p + ents_p + cols_m}) == 1):
+            return "unit balance"
+        if (len(ents_p) == 1 and len(P_) == 1 and M_ and all(f.kind == "col" for f in M_)
+                and len({f.index for f in ents_p + M_}) == 1):
+            return "gain balance"
+        if (len(ents_p) == 1 and len(P_) == 1 and rows_m and len(rows_m) + len(ents_m) == len(M_)
+                and len({f.index for f in ents_p + rows_m + ents_m}) == 1):
+            return "layer-scale balance"
+        if (P_ and M_ and all(f.kind in ("row", "entry") for f in P_ + M_) and len({f.param for f in rows_p}) == 1
+                and len({f.param for f in rows_m}) == 1 and rows_p and rows_m and rows_p[0].param != rows_m[0].param
+                and len(rows_p) % 2 == 0 and len(rows_m) == 2):
+            return "rotary pair"
+    return "new"
+
+
+def _assemble(pb: _Problem, results, solves, notes, degree, count, count_limit, seed) -> Discovery:
+    laws: list[DiscoveredLaw] = []
+    # ---- linear laws: structured vector laws first, then dense scalar laws where they add rank
+    span = torch.zeros(pb.P, 0, dtype=torch.float64)
+    lin_vectors = []  # (family, alpha): for the products of linear laws
+    outside = 0
+    for name in ("structured", "dense"):
+        if name not in results:
+            continue
+        fibers, fams, lin_laws, _, _ = results[name]
+        for kf, alpha in lin_laws:
+            F = fams[kf]
+            nz = alpha.nonzero().flatten().tolist()
+            expanded = torch.zeros(pb.P, F.length, dtype=torch.float64)
+            for a in nz:
+                expanded[F.idx[a], torch.arange(F.length)] += alpha[a]
+            new_span = torch.cat([span, expanded], dim=1)
+            gain = _rank(new_span) - _rank(span)
+            if gain <= 0:
+                continue
+            span = new_span
+            lin_vectors.append((F, alpha))
+            laws.append(_linear_law(pb, fibers, F, alpha, nz, gain, name))
+            if name == "dense":
+                outside += gain
+    n_linear = _rank(span)
+    # ---- quadratic laws, minus the products of linear laws (functional dependence read from values)
+    products = quad_dim = 0
+    if degree == 2:
+        items = []
+        for name in ("structured", "dense"):
+            if name in results and results[name][3] is not None:
+                q, rows_ = results[name][3], results[name][4]
+                items += [(name, q, r) for r in rows_]
+                if name == "structured":
+                    quad_dim = len(rows_)
+        S = len(lin_vectors) * (len(lin_vectors) + 1) // 2 + len(items) + 16
+        g = torch.Generator().manual_seed(seed + 99)
+        pts = torch.randn(S, pb.P, generator=g, dtype=torch.float64)
+        lv = [_linear_values_at(F, alpha, pts) for F, alpha in lin_vectors]  # (S, L) each
+        prods = [(lv[i] * lv[j]).sum(1) for i in range(len(lv)) for j in range(i, len(lv))
+                 if lv[i].shape[1] == lv[j].shape[1]]
+        basis = torch.stack(prods, 1) if prods else torch.zeros(S, 0, dtype=torch.float64)
+        brank = _rank(basis)
+        kept: dict[str, list] = {"structured": [], "dense": []}
+        for name, q, row in items:
+            trial = torch.cat([basis, (q.values(pts) @ row)[:, None]], 1)
+            r = _rank(trial)
+            if r > brank:
+                basis, brank = trial, r
+                kept[name].append(row)
+            elif name == "structured":
+                products += 1
+        for name in ("structured", "dense"):
+            if kept[name]:
+                q = results[name][3]
+                if name == "dense":
+                    outside += len(kept[name])
+                laws += _quadratic_laws(pb, q, torch.stack(kept[name]), name)
+    counts: dict[str, int] = {}
+    for d in laws:
+        tag = _TAGS.get(d.match, "new")
+        d.name = f"discover/{tag}/{counts.get(tag, 0)}"
+        counts[tag] = counts.get(tag, 0) + 1
+        if d.law is not None:
+            d.law.name = d.name
+        d.first_order = _first_order(pb, d, seed)
+    indep = _independent(pb, laws)
+    want = (pb.P <= count_limit) if count is None else count
+    lc = count_laws(_count_block(pb), pb.count_inputs(), params=dict(pb.theta0), seed=seed) if want else None
+    bad = [d.name for d in laws if not d.ok]
+    if bad:
+        notes.append(f"first-order check above {TOL:g} for {bad}: the rank decision may be wrong (see the gaps)")
+    return Discovery(laws, solves, pb.P, n_linear, quad_dim, products, outside, indep, lc, notes)
+
+
+def _linear_law(pb: _Problem, fibers, F: _Family, alpha, nz, gain: int, name: str) -> DiscoveredLaw:
+    fibs = [fibers[F.fibers[a]] for a in nz]
+    co = [float(alpha[a]) for a in nz]
+    if co[0] < 0:
+        co, alpha = [-c for c in co], -alpha
+    match = "new"
+    shape0 = pb.shapes[pb.names.index(fibs[0].param)]
+    if len(fibs) == 1 and fibs[0].kind in ("entry", "vector", "scalar"):
+        match = "frozen"
+    elif (len({f.param for f in fibs}) == 1 and all(f.kind == "row" for f in fibs) and len(shape0) == 2
+          and len(fibs) == shape0[0] and all(abs(c - co[0]) < 1e-8 for c in co)):
+        match = "row sum (router sum / translation)"
+    refs = [_fiber_ref(pb, f) for f in fibs]
+    law, why = None, ""
+    if all(r is not None for r in refs):
+        cls = _law_class("linear", _TAGS[match])
+        law = cls("", None, [Term("sum", r, c) for r, c in zip(refs, co)], F.length, "found by conserve.discover")
+    else:
+        why = "reads a 0-dim parameter (store it as shape (1,) to track it)"
+    return DiscoveredLaw("", "linear", match, [(c, f.label()) for c, f in zip(co, fibs)], law, independent=gain,
+                         why_no_law=why, value=_linear_value(pb, F, alpha))
+
+
+def _count_block(pb: _Problem):
+    def block(params, *inputs):
+        return pb.call(params, inputs)
+    return block
+
+
+def _rank(mat: torch.Tensor) -> int:
+    if mat.numel() == 0 or mat.shape[1] == 0:
+        return 0
+    s = torch.linalg.svdvals(mat / mat.norm(dim=0).clamp_min(1e-300))
+    return int((s > s[0] * 1e-9).sum())
+
+
+def _linear_values_at(F: _Family, alpha: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("n,snl->sl", alpha, pts[:, F.idx])
+
+
+def _linear_value(pb: _Problem, F: _Family, alpha: torch.Tensor):
+    def h(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        theta = torch.cat([params[n].reshape(-1) for n in pb.names])
+        return torch.einsum("n,nl->l", alpha, theta[F.idx])
+    return h
+
+
+def _quadratic_value(pb: _Problem, q: _Quadratic, row: torch.Tensor):
+    def h(params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        theta = torch.cat([params[n].reshape(-1) for n in pb.names])
+        return q.values(theta[None])[0] @ row
+    return h
+
+
+def _quadratic_laws(pb: _Problem, q: _Quadratic, rows_: torch.Tensor, name: str) -> list[DiscoveredLaw]:
+    """Group the echelon-form laws by connected fibers; recognise Gram blocks; else balance / new."""
+    fibers = q.fibers
+    k = rows_.shape[0]
+    # union-find over fibers
+    parent = list(range(len(fibers)))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    law_fibers = []
+    for i in range(k):
+        nz = rows_[i].nonzero().flatten()
+        fs = set(q.fa[nz].tolist()) | set(q.fb[nz].tolist())
+        law_fibers.append(fs)
+        fl = sorted(fs)
+        for a in fl[1:]:
+            parent[find(a)] = find(fl[0])
+    groups: dict[int, list[int]] = {}
+    for i, fs in enumerate(law_fibers):
+        groups.setdefault(find(min(fs)), []).append(i)
+    out = []
+    for root, members in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        R = rows_[members]
+        diag = bool((q.fa[R.abs().sum(0) > 0] == q.fb[R.abs().sum(0) > 0]).all())
+        gram = None if diag else _gram(pb, q, R, set().union(*(law_fibers[i] for i in members)))
+        if gram is not None:
+            out.append(gram)
+            continue
+        for i in members:
+            out.append(_single(pb, q, rows_[i], name))
+    return out
+
+
+def _single(pb: _Problem, q: _Quadratic, row: torch.Tensor, name: str) -> DiscoveredLaw:
+    nz = row.nonzero().flatten()
+    if float(row[nz[0]]) < 0:  # sign convention: the first feature (parameter order) enters with +
+        row = -row
+    fa, fb = q.fa[nz].tolist(), q.fb[nz].tolist()
+    co = [float(row[i]) for i in nz]
+    fib = q.fibers
+    if all(a == b for a, b in zip(fa, fb)):
+        fibs = [fib[a] for a in fa]
+        match = _classify_balance(fibs, co) if name == "structured" else "new"
+        refs = [_fiber_ref(pb, f) for f in fibs]
+        terms = [(c, f"||{f.label()}||^2") for c, f in zip(co, fibs)]
+        law, why = None, ""
+        if all(r is not None for r in refs):
+            cls = _law_class("balance", _TAGS[match])
+            law = cls("", None, [Term("norm", r, c) for r, c in zip(refs, co)], 1, "found by conserve.discover")
+        else:
+            why = "reads a 0-dim parameter (store it as shape (1,) to track it)"
+        return DiscoveredLaw("", "balance", match, terms, law, why_no_law=why, value=_quadratic_value(pb, q, row))
+    terms = [(c, f"<{fib[a].label()}, {fib[b].label()}>") for c, a, b in zip(co, fa, fb)]
+    return DiscoveredLaw("", "quadratic", "new", terms, None,
+                         why_no_law="a cross term <U_a, U_b> that is not part of a whole Gram block (the kernels' "
+                                    "terms are squared norms and Gram blocks of strided views)",
+                         value=_quadratic_value(pb, q, row))
+
+
+def _gram(pb: _Problem, q: _Quadratic, R: torch.Tensor, fset: set[int]) -> DiscoveredLaw | None:
+    """Try to write the span of the laws ``R`` as the entries of ``sum_c s_c X_c X_c^T`` over chunks of D fibers."""
+    fib = q.fibers
+    by: dict[tuple, list[int]] = {}
+    for a in sorted(fset):
+        f = fib[a]
+        by.setdefault((f.param, f.kind, f.lead), []).append(a)
+    sizes = [len(v) for v in by.values()]
+    D = min(sizes)
+    k = R.shape[0]
+    if D < 2 or D * (D + 1) // 2 != k or any(s % D for s in sizes):
+        return None
+    chunks = []
+    for key, ids in by.items():
+        ids = sorted(ids, key=lambda a: fib[a].index)
+        for c in range(len(ids) // D):
+            chunks.append(ids[c * D : (c + 1) * D])
+    feat = q.index
+    # e_{tt'}(s) = sum_c s_c e[feature(chunk_c[t], chunk_c[t'])] must lie in span(R) (modulo the feature
+    # combinations that vanish identically) for all t <= t'
+    touched = set(R.abs().sum(0).nonzero().flatten().tolist())
+    for ch in chunks:
+        for t in range(D):
+            for u in range(t, D):
+                i = feat.get(tuple(sorted((ch[t], ch[u]))))
+                if i is None:
+                    return None
+                touched.add(i)
+    span = [R]
+    for idx, t in q.trivial:
+        if not touched.intersection(idx.tolist()):
+            continue
+        v = torch.zeros(q.n_all, dtype=torch.float64)
+        v[idx] = t
+        span.append(v[None])
+    Q, Rq = torch.linalg.qr(torch.cat(span).T)
+    Q = Q[:, Rq.diagonal().abs() > 1e-10]
+    blocks = []
+    for t in range(D):
+        for u in range(t, D):
+            cols = []
+            for ch in chunks:
+                a, b = sorted((ch[t], ch[u]))
+                i = feat.get((a, b))
+                if i is None:
+                    return None
+                e = torch.zeros(q.n_all, dtype=torch.float64)
+                e[i] = 1.0
+                cols.append(e - Q @ (Q.T @ e))
+            blocks.append(torch.stack(cols, 1))
+    Mx = torch.cat(blocks, 0)  # (T*N, chunks): Mx s = 0, s_0 = 1
+    s = torch.zeros(len(chunks), dtype=torch.float64)
+    s[0] = 1.0
+    if len(chunks) > 1:
+        sol = torch.linalg.lstsq(Mx[:, 1:], -Mx[:, 0:1]).solution.flatten()
+        s[1:] = sol
+    if float((Mx @ s).norm()) > 1e-8 * math.sqrt(len(chunks)) or (s.abs() < 1e-8).any():
+        return None
+    s = torch.where((s - s.round()).abs() < 1e-9, s.round(), s)
+    refs, terms = [], []
+    for ch, c in zip(chunks, s.tolist()):
+        f0 = fib[ch[0]]
+        steps = {fib[b].index - fib[a].index for a, b in zip(ch, ch[1:])}
+        step = steps.pop() if len(steps) == 1 else None
+        ref = _fiber_ref(pb, f0, D, step) if step is not None and step > 0 else None
+        refs.append(ref)
+        lo, hi = fib[ch[0]].index, fib[ch[-1]].index
+        what = fib[ch[0]].label().replace(f"[{lo},:]", f"[{lo}:{hi + 1}:{step},:]" if step != 1 else f"[{lo}:{hi + 1},:]")
+        what = what.replace(f"[:,{lo}]", f"[:,{lo}:{hi + 1}]" if step == 1 else f"[:,{lo}:{hi + 1}:{step}]")
+        if fib[ch[0]].kind == "entry":
+            what = f"{f0.param}[{lo}:{hi + 1}]"
+        terms.append((c, what))
+    kinds = {fib[ch[0]].kind for ch in chunks}
+    plus = [fib[ch[0]] for ch, c in zip(chunks, s.tolist()) if c > 0]
+    minus = [fib[ch[0]] for ch, c in zip(chunks, s.tolist()) if c < 0]
+    signs_unit = all(abs(abs(c) - 1) < 1e-9 for c in s.tolist())
+    if not signs_unit or kinds - {"row", "col", "entry"}:
+        match = "new"
+    elif any(f.kind == "col" for f in plus + minus) and not all(f.kind in ("row", "entry") for f in plus) and \
+            not all(f.kind in ("row", "entry") for f in minus):
+        match = "new"
+    elif any(f.kind == "col" for f in plus + minus):
+        match = "deep linear / VO Gram"
+    elif {f.param for f in plus} & {f.param for f in minus}:
+        match = "new"
+    else:
+        match = "head Gram"
+    law, why = None, ""
+    if all(r is not None for r in refs):
+        cls = _law_class("gram", _TAGS[match])
+        law = cls("", None, [Term("gram", r, c) for r, c in zip(refs, s.tolist())], D, "found by conserve.discover")
+    else:
+        why = "a block whose fibers are not evenly spaced (no strided view)"
+    value = _gram_value(pb, q, chunks, s, feat)
+    return DiscoveredLaw("", "gram", match, terms, law, independent=k, why_no_law=why, value=value)
+
+
+def _gram_value(pb, q, chunks, s, feat):
+    D = len(chunks[0])
+
+    def h(params):
+        theta = torch.cat([params[n].reshape(-1) for n in pb.names])
+        vals = q.values(theta[None])[0]
+        out = []
+        for t in range(D):
+            for u in range(D):
+                a_b = [tuple(sorted((ch[t], ch[u]))) for ch in chunks]
+                out.append(sum(c * vals[feat[ab]] for c, ab in zip(s.tolist(), a_b)))
+        return torch.stack(out).reshape(D, D)
+    return h
+
+
+def _law_fn(pb: _Problem, d: DiscoveredLaw):
+    if d.law is not None:
+        from ..kernels import evaluate_reference
+        law = d.law
+
+        def h(params):
+            c = compile_laws([law], {k: tuple(v.shape) for k, v in params.items()})
+            vec, grams = evaluate_reference(c.plan, [params[n] for n in c.names], fp64=True)
+            return c.split(vec, grams)[0].reshape(-1)
+        return h
+    return lambda params: d.value(params).reshape(-1)
+
+
+def _first_order(pb: _Problem, d: DiscoveredLaw, seed: int, trials: int = 3) -> float:
+    """Worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` over random points, inputs, ``s`` and ``r``."""
+    g = torch.Generator().manual_seed(seed + 7)
+    h = _law_fn(pb, d)
+    worst = 0.0
+    for _ in range(trials):
+        theta = pb.sample_theta().requires_grad_(True)
+        params = pb.unflat(theta)
+        hv = h(params)
+        s = torch.randn(hv.shape, generator=g, dtype=torch.float64)
+        (a,) = torch.autograd.grad((s * hv).sum(), theta)
+        x = pb._inputs(g)
+        out = pb.f(theta, x)
+        r = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        (b,) = torch.autograd.grad((r * out).sum(), theta)
+        den = float(a.norm() * b.norm())
+        worst = max(worst, 0.0 if den == 0 else float((a @ b).abs()) / den)
+    return worst
+
+
+def _independent(pb: _Problem, laws: list[DiscoveredLaw]) -> int:
+    """Functionally independent laws: rank of the gradients of all law components at a random point."""
+    if not laws:
+        return 0
+    theta = pb.sample_theta().requires_grad_(True)
+    params = pb.unflat(theta)
+    grads = []
+    for d in laws:
+        hv = _law_fn(pb, d)(params)
+        for i in range(hv.numel()):
+            (gi,) = torch.autograd.grad(hv[i], theta, retain_graph=True, allow_unused=True)
+            if gi is not None:
+                grads.append(gi)
+    if not grads:
+        return 0
+    G = torch.stack(grads, 1)
+    from ..counting import numerical_rank
+    return numerical_rank(G)[0]
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def add_arguments(p) -> None:
+    p.add_argument("factory", metavar="MODULE:FACTORY",
+                   help="a Python path to a function returning (block, example_inputs), e.g. mypkg.blocks:tiny_gated_attention")
+    p.add_argument("--degree", type=int, default=2, choices=(1, 2))
+    p.add_argument("--ansatz", default="auto", choices=("auto", "structured", "dense"))
+    p.add_argument("--max-unknowns", type=int, default=MAX_UNKNOWNS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-count", action="store_true", help="skip the comparison with conserve.count")
+    p.add_argument("--out", default="discover", help="output prefix: writes OUT.md and OUT.json (default: discover)")
+
+
+def main(args) -> int:
+    import importlib
+    from pathlib import Path
+
+    from ..errors import UsageError
+
+    spec = args.factory
+    if ":" not in spec:
+        raise UsageError(f"{spec!r} is not MODULE:FACTORY; write e.g. mypkg.blocks:make_block")
+    mod_name, fn_name = spec.split(":", 1)
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {mod_name!r} ({e}); run from the directory that holds it or install it") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"{mod_name} has no function {fn_name!r}; it must return (block, example_inputs)")
+    made = fn()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise UsageError(f"{spec} must return a tuple (block, example_inputs), got {type(made).__name__}")
+    block, inputs = made
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").touch()
+    except OSError as e:
+        raise UsageError(f"cannot write {out}.md ({e}); pass --out to a writable place") from None
+    try:
+        res = discover(block, inputs, degree=args.degree, ansatz=args.ansatz, max_unknowns=args.max_unknowns,
+                       seed=args.seed, count=False if args.no_count else None, progress=True)
+    except (BlockTooLarge, TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    md = f"# conserve discover {spec}\n\n" + res.markdown()
+    Path(str(out) + ".md").write_text(md)
+    Path(str(out) + ".json").write_text(json.dumps(res.to_json(), indent=1, default=float))
+    print(md)
+    print(f"wrote {out}.md and {out}.json")
+    return 0
