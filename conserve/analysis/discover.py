@@ -406,7 +406,8 @@ def _nullspace(A: torch.Tensor) -> tuple[torch.Tensor, int, float, float, list[f
     rn = A.norm(dim=1, keepdim=True)
     A = A / torch.where(rn > 0, rn, torch.ones_like(rn))
     cn = A.norm(dim=0)
-    cn = torch.where(cn > 0, cn, torch.ones_like(cn))
+    # equilibrate columns, but never blow up a column that is rounding noise (a zero gradient)
+    cn = cn.clamp_min(1e-6 * float(cn.max()) if float(cn.max()) > 0 else 1.0)
     A = A / cn
     n = A.shape[1]
     if A.abs().max() == 0:
