@@ -927,10 +927,15 @@ def _quadratic_value(pb: _Problem, q: _Quadratic, row: torch.Tensor):
 
 
 def _quadratic_laws(pb: _Problem, q: _Quadratic, rows_: torch.Tensor, name: str) -> list[DiscoveredLaw]:
-    """Group the echelon-form laws by connected fibers; recognise Gram blocks; else balance / new."""
+    """Interpret the echelon-form laws ``rows_`` (k, N_all).
+
+    1. Gram blocks: fibers linked by the off-diagonal features ``<U_a, U_b>`` (a != b) of the laws form
+       candidate groups; a group whose Gram law ``sum_c s_c X_c X_c^T`` (chunks of D fibers) lies entirely in
+       the law space (modulo identically vanishing combinations) becomes one Gram law of D(D+1)/2 laws.
+    2. The rest of the space: the echelon laws not spanned by the Gram laws found, each a balance law
+       (squared norms only) or a general quadratic form ("new")."""
     fibers = q.fibers
     k = rows_.shape[0]
-    # union-find over fibers
     parent = list(range(len(fibers)))
 
     def find(x):
@@ -939,28 +944,71 @@ def _quadratic_laws(pb: _Problem, q: _Quadratic, rows_: torch.Tensor, name: str)
             x = parent[x]
         return x
 
-    law_fibers = []
+    # link the fibers of the off-diagonal features of each law (diagonal-only laws link nothing: a
+    # balance law such as tau^2 - sum ||K rows||^2 must not merge the heads' Gram blocks)
+    offd = q.fa != q.fb
+    linked: set[int] = set()
     for i in range(k):
-        nz = rows_[i].nonzero().flatten()
-        fs = set(q.fa[nz].tolist()) | set(q.fb[nz].tolist())
-        law_fibers.append(fs)
-        fl = sorted(fs)
-        for a in fl[1:]:
-            parent[find(a)] = find(fl[0])
-    groups: dict[int, list[int]] = {}
-    for i, fs in enumerate(law_fibers):
-        groups.setdefault(find(min(fs)), []).append(i)
-    out = []
-    for root, members in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        R = rows_[members]
-        diag = bool((q.fa[R.abs().sum(0) > 0] == q.fb[R.abs().sum(0) > 0]).all())
-        gram = None if diag else _gram(pb, q, R, set().union(*(law_fibers[i] for i in members)))
-        if gram is not None:
-            out.append(gram)
+        m = (rows_[i] != 0) & offd
+        fs = sorted(set(q.fa[m].tolist()) | set(q.fb[m].tolist()))
+        linked.update(fs)
+        for a_ in fs[1:]:
+            parent[find(a_)] = find(fs[0])
+    groups: dict[int, set[int]] = {}
+    for a_ in linked:
+        groups.setdefault(find(a_), set()).add(a_)
+    span = [rows_]
+    for idx, t in q.trivial:
+        v = torch.zeros(q.n_all, dtype=torch.float64)
+        v[idx] = t
+        span.append(v[None])
+    Sm = torch.cat(span)
+    Sm = Sm / Sm.norm(dim=1, keepdim=True)
+    Uw, sw, _ = torch.linalg.svd(Sm.T, full_matrices=False)
+    Qw = Uw[:, sw > 1e-9 * float(sw[0])]
+    out: list[DiscoveredLaw] = []
+    basis = _Basis(q.n_all)
+    for idx, t in q.trivial:
+        v = torch.zeros(q.n_all, dtype=torch.float64)
+        v[idx] = t
+        basis.add(v)
+    for root in sorted(groups, key=lambda r: min(groups[r])):
+        found = _gram(pb, q, Qw, groups[root])
+        if found is None:
             continue
-        for i in members:
+        law, entries = found
+        before = basis.rank
+        for e in entries:
+            basis.add(e)
+        if basis.rank - before == law.independent:
+            out.append(law)
+    for i in range(k):
+        if basis.add(rows_[i]):
             out.append(_single(pb, q, rows_[i], name))
     return out
+
+
+class _Basis:
+    """Incremental orthonormal basis (Gram-Schmidt, twice) of feature vectors."""
+
+    def __init__(self, n: int):
+        self.Q = torch.zeros(n, 0, dtype=torch.float64)
+
+    @property
+    def rank(self) -> int:
+        return self.Q.shape[1]
+
+    def add(self, v: torch.Tensor) -> bool:
+        nv = float(v.norm())
+        if nv == 0:
+            return False
+        r = v / nv
+        for _ in range(2):
+            r = r - self.Q @ (self.Q.T @ r)
+        if float(r.norm()) < 1e-8:
+            return False
+        self.Q = torch.cat([self.Q, (r / r.norm())[:, None]], 1)
+        return True
 
 
 def _single(pb: _Problem, q: _Quadratic, row: torch.Tensor, name: str) -> DiscoveredLaw:
@@ -989,7 +1037,7 @@ def _single(pb: _Problem, q: _Quadratic, row: torch.Tensor, name: str) -> Discov
                          value=_quadratic_value(pb, q, row))
 
 
-def _gram(pb: _Problem, q: _Quadratic, R: torch.Tensor, fset: set[int]) -> DiscoveredLaw | None:
+def _gram(pb: _Problem, q: _Quadratic, Q: torch.Tensor, fset: set[int]):
     """Try to write the span of the laws ``R`` as the entries of ``sum_c s_c X_c X_c^T`` over chunks of D fibers."""
     fib = q.fibers
     by: dict[tuple, list[int]] = {}
@@ -998,8 +1046,8 @@ def _gram(pb: _Problem, q: _Quadratic, R: torch.Tensor, fset: set[int]) -> Disco
         by.setdefault((f.param, f.kind, f.lead), []).append(a)
     sizes = [len(v) for v in by.values()]
     D = min(sizes)
-    k = R.shape[0]
-    if D < 2 or D * (D + 1) // 2 != k or any(s % D for s in sizes):
+    k = D * (D + 1) // 2
+    if D < 2 or any(s % D for s in sizes):
         return None
     chunks = []
     for key, ids in by.items():
@@ -1009,23 +1057,6 @@ def _gram(pb: _Problem, q: _Quadratic, R: torch.Tensor, fset: set[int]) -> Disco
     feat = q.index
     # e_{tt'}(s) = sum_c s_c e[feature(chunk_c[t], chunk_c[t'])] must lie in span(R) (modulo the feature
     # combinations that vanish identically) for all t <= t'
-    touched = set(R.abs().sum(0).nonzero().flatten().tolist())
-    for ch in chunks:
-        for t in range(D):
-            for u in range(t, D):
-                i = feat.get(tuple(sorted((ch[t], ch[u]))))
-                if i is None:
-                    return None
-                touched.add(i)
-    span = [R]
-    for idx, t in q.trivial:
-        if not touched.intersection(idx.tolist()):
-            continue
-        v = torch.zeros(q.n_all, dtype=torch.float64)
-        v[idx] = t
-        span.append(v[None])
-    Q, Rq = torch.linalg.qr(torch.cat(span).T)
-    Q = Q[:, Rq.diagonal().abs() > 1e-10]
     blocks = []
     for t in range(D):
         for u in range(t, D):
@@ -1083,7 +1114,14 @@ def _gram(pb: _Problem, q: _Quadratic, R: torch.Tensor, fset: set[int]) -> Disco
     else:
         why = "a block whose fibers are not evenly spaced (no strided view)"
     value = _gram_value(pb, q, chunks, s, feat)
-    return DiscoveredLaw("", "gram", match, terms, law, independent=k, why_no_law=why, value=value)
+    entries = []
+    for t in range(D):
+        for u in range(t, D):
+            e = torch.zeros(q.n_all, dtype=torch.float64)
+            for ch, c in zip(chunks, s.tolist()):
+                e[feat[tuple(sorted((ch[t], ch[u])))]] += c
+            entries.append(e)
+    return DiscoveredLaw("", "gram", match, terms, law, independent=k, why_no_law=why, value=value), entries
 
 
 def _gram_value(pb, q, chunks, s, feat):
