@@ -548,18 +548,55 @@ class _Quadratic:
         self.kept = keep.nonzero().flatten()
 
     def inflate(self, row: torch.Tensor) -> torch.Tensor:
-        """A law on the kept features -> all features, made sparse modulo the trivial combinations."""
+        """A law on the kept features -> all features, made sparse modulo the trivial combinations
+        (least L1 norm over the combinations that touch it: a small linear program)."""
         full = torch.zeros(self.n_all, dtype=row.dtype)
         full[self.kept] = row
-        for idx, t in self.trivial:
-            x = full[idx]
-            if not (x != 0).any():
-                continue
-            cands = [0.0] + [float(-x[i] / t[i]) for i in range(len(idx)) if t[i] != 0]
-            best = min(cands, key=lambda lam: (float((x + lam * t).abs().gt(1e-9).sum()), float((x + lam * t).abs().sum())))
-            full[idx] = x + best * t
+        support = set(full.nonzero().flatten().tolist())
+        chosen: list[int] = []
+        for _ in range(3):  # combinations touching the support, then those touching them
+            more = [i for i, (idx, _) in enumerate(self.trivial) if i not in chosen and support.intersection(idx.tolist())]
+            if not more:
+                break
+            chosen += more
+            for i in more:
+                support.update(self.trivial[i][0].tolist())
+        if chosen:
+            cols = sorted(support)
+            pos = {c: j for j, c in enumerate(cols)}
+            T = torch.zeros(len(cols), len(chosen), dtype=torch.float64)
+            for j, i in enumerate(chosen):
+                idx, t = self.trivial[i]
+                for c, v in zip(idx.tolist(), t.tolist()):
+                    T[pos[c], j] = v
+            x = full[cols]
+            lam = _l1_fit(x, T)
+            if lam is not None:
+                full[cols] = x + T @ lam
         full[full.abs() < 1e-9] = 0.0
         return full
+
+
+def _l1_fit(x: torch.Tensor, T: torch.Tensor) -> torch.Tensor | None:
+    """``argmin_lam ||x + T lam||_1`` (scipy's HiGHS linear program); ``None`` if it does not improve."""
+    try:
+        from scipy.optimize import linprog
+    except ImportError:  # pragma: no cover - scipy ships with torch's usual stacks
+        return None
+    n, m = T.shape
+    # variables [lam (m, free), u (n, >= 0)]; minimise sum u with -u <= x + T lam <= u
+    c = torch.cat([torch.zeros(m), torch.ones(n)]).numpy()
+    eye = torch.eye(n, dtype=torch.float64)
+    A = torch.cat([torch.cat([T, -eye], 1), torch.cat([-T, -eye], 1)]).numpy()
+    bnd = torch.cat([-x, x]).numpy()
+    res = linprog(c, A_ub=A, b_ub=bnd, bounds=[(None, None)] * m + [(0, None)] * n, method="highs")
+    if not res.success:
+        return None
+    lam = torch.tensor(res.x[:m], dtype=torch.float64)
+    lam = torch.where((lam - lam.round()).abs() < 1e-9, lam.round(), lam)
+    if float((x + T @ lam).abs().sum()) >= float(x.abs().sum()) - 1e-12:
+        return None
+    return lam
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -661,7 +698,8 @@ def discover(
     need_l = {(name, k): len(F.fibers) + extra(len(F.fibers)) for name, _, fams, _ in setups for k, F in enumerate(fams)}
     length = {(name, k): F.length for name, _, fams, _ in setups for k, F in enumerate(fams)}
     n_grad = max([*need_q.values(), *(math.ceil(v / length[key]) for key, v in need_l.items())])
-    k_per = max(1, min(pb.m, 4))  # few gradients per random point: the points carry the diversity
+    # gradients per random point: a point gives at most ~P independent rows, so a few per P/8 parameters
+    k_per = max(1, min(pb.m, 16, max(2, P // 8)))
     if show:
         for name, _, _, q in setups:
             if q is not None:
