@@ -1231,6 +1231,17 @@ def _independent(pb: _Problem, laws: list[DiscoveredLaw]) -> int:
 
 
 # ------------------------------------------------------------------------------------------- CLI
+def _finite(x):
+    """JSON-safe copy: non-finite floats become the strings "inf" / "-inf" / "nan" (strict JSON has none)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def add_arguments(p) -> None:
     p.add_argument("factory", metavar="MODULE:FACTORY",
                    help="a Python path to a function returning (block, example_inputs), e.g. mypkg.blocks:tiny_gated_attention")
@@ -1277,7 +1288,7 @@ def main(args) -> int:
         raise UsageError(str(e)) from None
     md = f"# conserve discover {spec}\n\n" + res.markdown()
     Path(str(out) + ".md").write_text(md)
-    Path(str(out) + ".json").write_text(json.dumps(res.to_json(), indent=1, default=float))
+    Path(str(out) + ".json").write_text(json.dumps(_finite(res.to_json()), indent=1))
     print(md)
     print(f"wrote {out}.md and {out}.json")
     return 0
