@@ -857,7 +857,7 @@ def _assemble(pb: _Problem, results, solves, notes, degree, count, count_limit, 
             span = new_span
             lin_vectors.append((F, alpha))
             laws.append(_linear_law(pb, fibers, F, alpha, nz, gain, name))
-            if name == "dense":
+            if name == "dense" and "structured" in results:
                 outside += gain
     n_linear = _rank(span)
     # ---- quadratic laws, minus the products of linear laws (functional dependence read from values)
@@ -868,7 +868,7 @@ def _assemble(pb: _Problem, results, solves, notes, degree, count, count_limit, 
             if name in results and results[name][3] is not None:
                 q, rows_ = results[name][3], results[name][4]
                 items += [(name, q, r) for r in rows_]
-                if name == "structured":
+                if name == "structured" or "structured" not in results:
                     quad_dim = len(rows_)
         S = len(lin_vectors) * (len(lin_vectors) + 1) // 2 + len(items) + 16
         g = torch.Generator().manual_seed(seed + 99)
@@ -885,12 +885,12 @@ def _assemble(pb: _Problem, results, solves, notes, degree, count, count_limit, 
             if r > brank:
                 basis, brank = trial, r
                 kept[name].append(row)
-            elif name == "structured":
+            elif name == "structured" or "structured" not in results:
                 products += 1
         for name in ("structured", "dense"):
             if kept[name]:
                 q = results[name][3]
-                if name == "dense":
+                if name == "dense" and "structured" in results:
                     outside += len(kept[name])
                 laws += _quadratic_laws(pb, q, torch.stack(kept[name]), name)
     counts: dict[str, int] = {}
