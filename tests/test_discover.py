@@ -359,7 +359,7 @@ def test_dense_ansatz_and_callable_block():
     assert res.quadratic_dim == 3 and res.complete
     for d in res.laws:
         assert d.first_order <= 1e-10
-        assert len(d.terms) == 2 + 3  # ||a[u,:]||^2 (2 monomials) - ||b[:,u]||^2 (3 monomials)
+        assert len(d.terms) == 2 + 2  # ||a[u,:]||^2 (2 monomials) - ||b[:,u]||^2 (2 monomials)
 
 
 def test_too_large_block_names_the_limit_and_the_fix():
