@@ -384,3 +384,29 @@ def test_cli_writes_markdown_and_json(tmp_path, monkeypatch, capsys):
     assert main(["discover", "myblocks_discover"]) == 2
     assert main(["discover", "no_such_module_xyz:f"]) == 2
     assert "MODULE:FACTORY" in capsys.readouterr().err
+
+
+class _Classifier(nn.Module):
+    """A linear classifier ending in log_softmax (so that laws valid only for softmax cross-entropy hold
+    for every loss of its output)."""
+
+    def __init__(self, d_in=3, classes=4):
+        super().__init__()
+        self.lm_head = nn.Linear(d_in, classes, bias=True)
+
+    def forward(self, x):
+        return torch.log_softmax(self.lm_head(x), -1)
+
+
+def test_translation_law_of_a_softmax_output_layer_and_degree_1():
+    """Adding one vector c to every row of W_U (and a constant to every bias) shifts every logit of a sample
+    by the same amount, which log_softmax removes: ``sum_v W_U[v,:]`` and ``sum_v b_U[v]`` are conserved
+    (spec: untied softmax output layer). The bias sum is a separate 1-vector law on the bias column."""
+    res = conserve.discover(_make(_Classifier), _x(20, 3), degree=1)
+    _all_checked(res)
+    m = _by_match(res)
+    bias, rows = m["row sum (router sum / translation)"]
+    assert _terms(rows) == {(1.0, f"lm_head.weight[{v},:]") for v in range(4)}
+    assert _terms(bias) == {(1.0, f"lm_head.bias[{v}]") for v in range(4)}
+    assert res.linear_dim == 3 + 1 and res.quadratic_dim == 0
+    assert [s.degree for s in res.solves] == [1, 1]  # structured + dense, linear only

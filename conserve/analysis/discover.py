@@ -879,8 +879,9 @@ def _assemble(pb: _Problem, results, solves, notes, degree, count, count_limit, 
         basis = torch.stack(prods, 1) if prods else torch.zeros(S, 0, dtype=torch.float64)
         brank = _rank(basis)
         kept: dict[str, list] = {"structured": [], "dense": []}
+        vals = {name: results[name][3].values(pts) for name in results if results[name][3] is not None}
         for name, q, row in items:
-            trial = torch.cat([basis, (q.values(pts) @ row)[:, None]], 1)
+            trial = torch.cat([basis, (vals[name] @ row)[:, None]], 1)
             r = _rank(trial)
             if r > brank:
                 basis, brank = trial, r
@@ -919,9 +920,10 @@ def _linear_law(pb: _Problem, fibers, F: _Family, alpha, nz, gain: int, name: st
     shape0 = pb.shapes[pb.names.index(fibs[0].param)]
     if len(fibs) == 1 and fibs[0].kind in ("entry", "vector", "scalar"):
         match = "frozen"
-    elif (len({f.param for f in fibs}) == 1 and all(f.kind == "row" for f in fibs) and len(shape0) == 2
-          and len(fibs) == shape0[0] and all(abs(c - co[0]) < 1e-8 for c in co)):
-        match = "row sum (router sum / translation)"
+    elif (len({f.param for f in fibs}) == 1 and all(abs(c - co[0]) < 1e-8 for c in co)
+          and ((all(f.kind == "row" for f in fibs) and len(shape0) == 2 and len(fibs) == shape0[0])
+               or (all(f.kind == "entry" for f in fibs) and len(shape0) == 1 and len(fibs) == shape0[0]))):
+        match = "row sum (router sum / translation)"  # sum of all rows of a weight / all entries of its bias
     refs = [_fiber_ref(pb, f) for f in fibs]
     law, why = None, ""
     if all(r is not None for r in refs):
