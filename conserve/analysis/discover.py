@@ -38,12 +38,11 @@ independent laws found (rank of their gradients at a random point) is compared w
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -1232,65 +1231,13 @@ def _independent(pb: _Problem, laws: list[DiscoveredLaw]) -> int:
     return numerical_rank(G)[0]
 
 
-# ------------------------------------------------------------------------------------------- CLI
-def _finite(x):
+# ------------------------------------------------------------------------------------------- JSON
+def finite_json(x):
     """JSON-safe copy: non-finite floats become the strings "inf" / "-inf" / "nan" (strict JSON has none)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: finite_json(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [finite_json(v) for v in x]
     return x
-
-
-def add_arguments(p) -> None:
-    p.add_argument("factory", metavar="MODULE:FACTORY",
-                   help="a Python path to a function returning (block, example_inputs), e.g. mypkg.blocks:tiny_gated_attention")
-    p.add_argument("--degree", type=int, default=2, choices=(1, 2))
-    p.add_argument("--ansatz", default="auto", choices=("auto", "structured", "dense"))
-    p.add_argument("--max-unknowns", type=int, default=MAX_UNKNOWNS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-count", action="store_true", help="skip the comparison with conserve.count")
-    p.add_argument("--out", default="discover", help="output prefix: writes OUT.md and OUT.json (default: discover)")
-
-
-def main(args) -> int:
-    import importlib
-    from pathlib import Path
-
-    from ..errors import UsageError
-
-    spec = args.factory
-    if ":" not in spec:
-        raise UsageError(f"{spec!r} is not MODULE:FACTORY; write e.g. mypkg.blocks:make_block")
-    mod_name, fn_name = spec.split(":", 1)
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UsageError(f"cannot import {mod_name!r} ({e}); run from the directory that holds it or install it") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise UsageError(f"{mod_name} has no function {fn_name!r}; it must return (block, example_inputs)")
-    made = fn()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise UsageError(f"{spec} must return a tuple (block, example_inputs), got {type(made).__name__}")
-    block, inputs = made
-    out = Path(args.out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".md").touch()
-    except OSError as e:
-        raise UsageError(f"cannot write {out}.md ({e}); pass --out to a writable place") from None
-    try:
-        res = discover(block, inputs, degree=args.degree, ansatz=args.ansatz, max_unknowns=args.max_unknowns,
-                       seed=args.seed, count=False if args.no_count else None, progress=True)
-    except (BlockTooLarge, TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    md = f"# conserve discover {spec}\n\n" + res.markdown()
-    Path(str(out) + ".md").write_text(md)
-    Path(str(out) + ".json").write_text(json.dumps(_finite(res.to_json()), indent=1))
-    print(md)
-    print(f"wrote {out}.md and {out}.json")
-    return 0
