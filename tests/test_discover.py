@@ -410,3 +410,28 @@ def test_translation_law_of_a_softmax_output_layer_and_degree_1():
     assert _terms(bias) == {(1.0, f"lm_head.bias[{v}]") for v in range(4)}
     assert res.linear_dim == 3 + 1 and res.quadratic_dim == 0
     assert [s.degree for s in res.solves] == [1, 1]  # structured + dense, linear only
+
+
+def test_gelu_ffn_has_no_law_and_pre_norm_gain_balance():
+    """GELU FFN: no law (spec: none beyond constants). Pre-norm LayerNorm read by two maps: per feature c,
+    ``g_c^2 + beta_c^2 - ||W_q[:,c]||^2 - ||W_k[:,c]||^2`` (spec: pre-norm gain row)."""
+    res = conserve.discover(_make(FFN, 3, 4, 2, F.gelu), _x(30, 3))
+    assert res.laws == [] and res.linear_dim == 0 and res.quadratic_dim == 0 and res.complete
+
+    class PreNorm(nn.Module):
+        def __init__(self, hidden=3):
+            super().__init__()
+            self.norm = nn.LayerNorm(hidden)
+            self.q_proj = nn.Linear(hidden, 2, bias=False)
+            self.k_proj = nn.Linear(hidden, 2, bias=False)
+
+        def forward(self, x):
+            h = self.norm(x)
+            return torch.tanh(self.q_proj(h)) * self.k_proj(h)
+
+    res = conserve.discover(_make(PreNorm), _x(30, 3))
+    _all_checked(res)
+    assert [(d.match, _terms(d)) for d in res.laws] == [
+        ("gain balance", {(1.0, f"||norm.weight[{c}]||^2"), (1.0, f"||norm.bias[{c}]||^2"),
+                          (-1.0, f"||q_proj.weight[:,{c}]||^2"), (-1.0, f"||k_proj.weight[:,{c}]||^2")}) for c in range(3)]
+    assert res.complete

@@ -339,8 +339,8 @@ class _Problem:
         else:
             self.example = tuple(_to64(x) for x in _as_tuple(example_inputs))
             if resample:
-                def draw(g):
-                    return tuple(_redraw(x, g) for x in self.example)
+                def draw(g):  # only the first input is data; the others (masks, rotary tables, ...) are kept
+                    return (_redraw(self.example[0], g),) + self.example[1:]
                 self._inputs = draw
             else:
                 self._inputs = lambda g: self.example
@@ -393,7 +393,7 @@ class _Problem:
 
 
 def _redraw(x, g):
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1 and bool(torch.isfinite(x).all()):
         std = float(x.std()) or 1.0
         return float(x.mean()) + std * torch.randn(x.shape, generator=g, dtype=torch.float64)
     return x
@@ -647,8 +647,9 @@ def discover(
             ``block(params, *inputs)`` with ``params={name: tensor}``. Outputs: a tensor or a tuple of
             tensors; batch rows must be independent (no batch norm).
         example_inputs: a tensor or tuple of tensors (a batch), or a function ``inputs(generator)``
-            returning a fresh batch. With ``resample_inputs`` (default) floating inputs are redrawn per
-            random point as Gaussians with the example's mean and std; integer/bool inputs are kept.
+            returning a fresh batch. With ``resample_inputs`` (default) the FIRST input, when floating and
+            finite, is redrawn per random point as a Gaussian with the example's shape, mean and std (the
+            data); the other inputs (masks, rotary tables, token ids) are passed as given.
         degree: 1 (linear laws) or 2 (linear and quadratic).
         ansatz: ``"structured"``, ``"dense"`` (tiny blocks) or ``"auto"`` (structured, plus the dense
             cross-check when it has at most ``1200`` quadratic unknowns).
@@ -820,9 +821,9 @@ def _classify_balance(fibs: list[Fiber], coefs: list[float]) -> str:
         if (len(rows_p) == 1 and len(P_) == len(rows_p) + len(ents_p) and len(ents_p) <= 1 and cols_m
                 and len(cols_m) == len(M_) and len({f.index for f in rows_p + ents_p + cols_m}) == 1):
             return "unit balance"
-        if (len(ents_p) == 1 and len(P_) == 1 and M_ and all(f.kind == "col" for f in M_)
-                and len({f.index for f in ents_p + M_}) == 1):
-            return "gain balance"
+        if (ents_p and len(ents_p) == len(P_) and len({f.param for f in ents_p}) == len(ents_p) <= 2 and M_
+                and all(f.kind == "col" for f in M_) and len({f.index for f in ents_p + M_}) == 1):
+            return "gain balance"  # g_c^2 (+ beta_c^2) - sum_readers ||W[:,c]||^2
         if (len(ents_p) == 1 and len(P_) == 1 and rows_m and len(rows_m) + len(ents_m) == len(M_)
                 and len({f.index for f in ents_p + rows_m + ents_m}) == 1):
             return "layer-scale balance"
