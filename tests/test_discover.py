@@ -364,7 +364,9 @@ def test_dense_ansatz_and_callable_block():
 
 def test_too_large_block_names_the_limit_and_the_fix():
     with pytest.raises(BlockTooLarge, match=r"max_unknowns=50.*smaller width"):
-        conserve.discover(_make(SwiGLU, 3, 2), _x(20, 3), ansatz="structured", max_unknowns=50)
+        conserve.discover(_make(SwiGLU, 3, 2), _x(20, 3), ansatz="structured", pairs="all", max_unknowns=50)
+    with pytest.raises(BlockTooLarge, match=r"single-tensor pairs.*max_unknowns=10.*smaller width"):
+        conserve.discover(_make(SwiGLU, 3, 2), _x(20, 3), ansatz="structured", max_unknowns=10)
     with pytest.raises(ValueError, match="degree must be 1 or 2"):
         conserve.discover(_make(SwiGLU, 3, 2), _x(20, 3), degree=3)
 
@@ -435,3 +437,16 @@ def test_gelu_ffn_has_no_law_and_pre_norm_gain_balance():
         ("gain balance", {(1.0, f"||norm.weight[{c}]||^2"), (1.0, f"||norm.bias[{c}]||^2"),
                           (-1.0, f"||q_proj.weight[:,{c}]||^2"), (-1.0, f"||k_proj.weight[:,{c}]||^2")}) for c in range(3)]
     assert res.complete
+
+
+def test_single_tensor_pairs_find_the_same_laws_with_fewer_unknowns():
+    block, x = _make(Attention, 4, 4, 2, num_key_value_heads=2), _x(4, 3, 4)
+    full = conserve.discover(block, x, ansatz="structured", pairs="all", count=False)
+    within = conserve.discover(block, x, ansatz="structured", pairs="within", count=False)
+    nq = lambda r: [s for s in r.solves if s.degree == 2][0].unknowns  # noqa: E731
+    assert nq(within) < nq(full) / 2
+    assert [(d.match, _terms(d)) for d in within.laws] == [(d.match, _terms(d)) for d in full.laws]
+    # auto: all pairs do not fit, single-tensor pairs do -> used, and said
+    auto = conserve.discover(block, x, ansatz="structured", max_unknowns=nq(within) + 10, count=False)
+    assert nq(auto) == nq(within) and any("cross-tensor pairs left out" in n for n in auto.notes)
+    assert len(auto.laws) == len(full.laws)
