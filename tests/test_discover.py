@@ -330,8 +330,10 @@ def test_discovered_laws_are_tracked_and_verified():
     model, x = _make(_TemperatureAttention), _x(3, 4, 4)
     res = conserve.discover(model, x, ansatz="structured", count=False)
     laws = res.tracked_laws()
-    for law in laws:
-        assert verify_first_order(model, law, _x(3, 4, 4, seed=9)) <= 1e-10
+    from conserve.verify import verify
+
+    checks = verify(model, laws, _x(3, 4, 4, seed=9))  # spec checks 1 (first order) and 2 (symmetry action)
+    assert len(checks) == len(laws) == 5 and all(c.ok for c in checks), checks
     sink = conserve.MemorySink()
     opt = conserve.track(torch.optim.SGD(model.parameters(), lr=1e-3), model, laws=laws, sinks=[sink], every=1,
                          fp64=True)

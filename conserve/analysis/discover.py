@@ -709,6 +709,8 @@ def discover(
         if ansatz not in (name, "auto"):
             continue
         fibers, idxs = make(pb.names, pb.shapes, pb.offsets, pb.include)
+        if not fibers:
+            raise ValueError("discover: params selects no parameter; pass names from the block's named_parameters()")
         fams = _families(fibers, idxs)
         within = name == "structured" and pairs == "within"
         nq = _count_quadratic(fams, fibers, within) if degree == 2 else 0
