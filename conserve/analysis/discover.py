@@ -33,6 +33,13 @@ or kept as per-fiber balance laws ``sum_a s_a ||U_a||^2``, and named in catalogu
 laws (``||sum_e W_router[e,:]||^2``, ``b_k b_k^T``) are counted but not listed. Every law gets a float64
 first-order check (its ``conserve.Law`` evaluated by the kernels' torch twin, autograd gradients).
 
+Scope: laws that hold for EVERY loss of the block's output (end the block with ``log_softmax`` to find
+the laws that need softmax cross-entropy, e.g. the translation law of an output layer). Tensors of
+``ndim >= 3`` are read as ``lead + (out, in)`` (fused experts ``(E, I, H)``: the fibers of each expert);
+a convolution kernel ``(out, in, kh, kw)`` is therefore read per kernel position, not per channel.
+Size: the SVD of one solve holds ~(1.2 N)^2 float64 for N unknowns and costs ~N^3 (``max_unknowns``,
+default 6,000); above it :class:`BlockTooLarge` says so and names the fix (a smaller width).
+
 Completeness: where ``conserve.count`` applies (``count_limit`` parameters), the number of functionally
 independent laws found (rank of their gradients at a random point) is compared with the full count.
 """
