@@ -452,3 +452,30 @@ def test_single_tensor_pairs_find_the_same_laws_with_fewer_unknowns():
     auto = conserve.discover(block, x, ansatz="structured", max_unknowns=nq(within) + 10, count=False)
     assert nq(auto) == nq(within) and any("cross-tensor pairs left out" in n for n in auto.notes)
     assert len(auto.laws) == len(full.laws)
+
+
+class _FusedExperts(nn.Module):
+    """Experts stored as 3-D tensors (``gate_up`` (E, 2I, H), ``down`` (E, H, I)), dense mixture, dict output."""
+
+    def __init__(self, experts=2, hidden=3, inter=2):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * inter, hidden, generator=g))
+        self.down = nn.Parameter(torch.randn(experts, hidden, inter, generator=g))
+        self.inter = inter
+
+    def forward(self, x):
+        h = torch.einsum("eoh,nh->neo", self.gate_up, x)
+        y = F.silu(h[..., : self.inter]) * h[..., self.inter:]
+        return {"out": torch.einsum("ehi,nei->nh", self.down, y)}
+
+
+def test_fused_3d_expert_tensors_and_dict_output():
+    """Per expert e and unit u: ||gate_up[e, I + u, :]||^2 - ||down[e, :, u]||^2 (the up half of the fused
+    weight; the gate half is not involved), as Laws on 3-D views (``lead=(e,)``)."""
+    res = conserve.discover(_make(_FusedExperts), _x(30, 3))
+    _all_checked(res)
+    assert [(d.match, _terms(d)) for d in res.laws] == [
+        ("unit balance", {(1.0, f"||gate_up[{e}][{2 + u},:]||^2"), (-1.0, f"||down[{e}][:,{u}]||^2")})
+        for e in range(2) for u in range(2)]
+    assert res.complete

@@ -377,7 +377,14 @@ class _Problem:
         return {n: t.reshape(s) for n, t, s in zip(self.names, torch.split(theta, self.sizes), self.shapes)}
 
     def f(self, theta: torch.Tensor, inputs) -> torch.Tensor:
-        return _flat_out(self.call(self.unflat(theta), inputs))
+        out = self.call(self.unflat(theta), inputs)
+        if isinstance(out, Mapping):  # dict / HF ModelOutput: every floating tensor value is an output
+            out = tuple(v for v in out.values() if isinstance(v, torch.Tensor))
+        try:
+            return _flat_out(out)
+        except TypeError:
+            raise TypeError(f"discover: the block returned {type(out).__name__}; return a tensor, a tuple of "
+                            "tensors or a dict of tensors") from None
 
     def sample_theta(self) -> torch.Tensor:
         parts = []
@@ -862,8 +869,9 @@ def _classify_balance(fibs: list[Fiber], coefs: list[float]) -> str:
         rows_m = [f for f in M_ if f.kind == "row"]
         ents_m = [f for f in M_ if f.kind == "entry"]
         if (len(rows_p) == 1 and len(P_) == len(rows_p) + len(ents_p) and len(ents_p) <= 1 and cols_m
-                and len(cols_m) == len(M_) and len({f.index for f in rows_p + ents_p + cols_m}) == 1):
-            return "unit balance"
+                and len(cols_m) == len(M_) and len({f.index for f in rows_p + ents_p}) == 1
+                and len({f.index for f in cols_m}) == 1):
+            return "unit balance"  # row u of the map in (+ its bias), column u' of the map out (fused: u' != u)
         if (ents_p and len(ents_p) == len(P_) and len({f.param for f in ents_p}) == len(ents_p) <= 2 and M_
                 and all(f.kind == "col" for f in M_) and len({f.index for f in ents_p + M_}) == 1):
             return "gain balance"  # g_c^2 (+ beta_c^2) - sum_readers ||W[:,c]||^2
@@ -980,7 +988,7 @@ def _linear_law(pb: _Problem, fibers, F: _Family, alpha, nz, gain: int, name: st
 
 def _count_block(pb: _Problem):
     def block(params, *inputs):
-        return pb.call(params, inputs)
+        return pb.f(pb.flat(params), inputs)
     return block
 
 
