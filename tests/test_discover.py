@@ -479,3 +479,32 @@ def test_fused_3d_expert_tensors_and_dict_output():
         ("unit balance", {(1.0, f"||gate_up[{e}][{2 + u},:]||^2"), (-1.0, f"||down[{e}][:,{u}]||^2")})
         for e in range(2) for u in range(2)]
     assert res.complete
+
+
+class _TinyLM(nn.Module):
+    """Token ids -> embedding -> ReLU MLP -> logits."""
+
+    def __init__(self, vocab=5, hidden=2, inter=3):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.fc_in = nn.Linear(hidden, inter, bias=False)
+        self.fc_out = nn.Linear(inter, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.fc_out(F.relu(self.fc_in(self.embed_tokens(ids))))
+
+
+def test_token_inputs_are_redrawn_over_the_vocabulary():
+    """The example batch uses only ids 0 and 4; redrawn ids cover 0..4, so no embedding row looks frozen
+    (a row never looked up would get zero gradient: a linear "law" of that data only). Laws: the embedding
+    feeds fc_in linearly, ``fc_in(E[id])``, so ``E -> E A^T, W_in -> W_in A^-1`` (GL(hidden)) gives the
+    deep-linear Gram ``E^T E - W_in^T W_in`` over columns (E is stored (vocab, hidden)), 3 laws for
+    hidden 2; plus one ReLU unit balance per unit (3)."""
+    ids = torch.tensor([[0, 4, 0, 4]] * 3)
+    res = conserve.discover(_make(_TinyLM), ids)
+    _all_checked(res)
+    assert res.linear_dim == 0
+    assert [(d.match, _terms(d) if d.kind == "gram" else len(d.terms)) for d in res.laws] == [
+        ("deep linear / VO Gram", {(1.0, "embed_tokens.weight[:,0:2]"), (-1.0, "fc_in.weight[:,0:2]")})] + [
+        ("unit balance", 2)] * 3
+    assert res.complete

@@ -18,7 +18,7 @@ import torch
 from ..counting import gap_rank
 
 __all__ = ["Fiber", "Family", "families", "structured_fibers", "dense_fibers", "QuadraticFeatures",
-           "count_quadratic", "nullspace", "rref", "Basis"]
+           "count_quadratic", "nullspace", "rref", "Basis", "l1_fit", "reduce_l1"]
 
 
 @dataclass(frozen=True)
@@ -307,14 +307,14 @@ class QuadraticFeatures:
                 for c, v in zip(idx.tolist(), t.tolist()):
                     T[pos[c], j] = v
             x = full[cols]
-            lam = _l1_fit(x, T)
+            lam = l1_fit(x, T)
             if lam is not None:
                 full[cols] = x + T @ lam
         full[full.abs() < 1e-9] = 0.0
         return full
 
 
-def _l1_fit(x: torch.Tensor, T: torch.Tensor) -> torch.Tensor | None:
+def l1_fit(x: torch.Tensor, T: torch.Tensor) -> torch.Tensor | None:
     """``argmin_lam ||x + T lam||_1`` (scipy's HiGHS linear program); ``None`` if it does not improve."""
     try:
         from scipy.optimize import linprog
@@ -359,3 +359,28 @@ class Basis:
         return True
 
 
+
+
+def reduce_l1(row: torch.Tensor, combos: list[torch.Tensor]) -> torch.Tensor:
+    """``row + sum_j lam_j combos[j]`` of least L1 norm over the combinations that touch ``row``'s support
+    (one level of closure): a sparse representative of ``row`` modulo their span."""
+    support = set(row.nonzero().flatten().tolist())
+    chosen: list[int] = []
+    for _ in range(2):
+        more = [j for j, c in enumerate(combos) if j not in chosen and support.intersection(c.nonzero().flatten().tolist())]
+        if not more:
+            break
+        chosen += more
+        for j in more:
+            support.update(combos[j].nonzero().flatten().tolist())
+    if not chosen:
+        return row
+    cols = torch.tensor(sorted(support))
+    T = torch.stack([combos[j][cols] for j in chosen], 1)
+    lam = l1_fit(row[cols], T)
+    if lam is None:
+        return row
+    out = row.clone()
+    out[cols] = row[cols] + T @ lam
+    out[out.abs() < 1e-9] = 0.0
+    return out

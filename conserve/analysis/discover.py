@@ -66,6 +66,7 @@ from .ansatz import count_quadratic as _count_quadratic
 from .ansatz import dense_fibers as _dense_fibers
 from .ansatz import families as _families
 from .ansatz import nullspace as _nullspace
+from .ansatz import reduce_l1 as _reduce_l1
 from .ansatz import rref as _rref
 from .ansatz import structured_fibers as _structured_fibers
 
@@ -323,6 +324,9 @@ def _redraw(x, g):
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 1 and bool(torch.isfinite(x).all()):
         std = float(x.std()) or 1.0
         return float(x.mean()) + std * torch.randn(x.shape, generator=g, dtype=torch.float64)
+    if isinstance(x, torch.Tensor) and x.dtype in (torch.int32, torch.int64) and x.numel() > 1:
+        # token ids: uniform over the range the example spans (give ids that cover the vocabulary)
+        return torch.randint(int(x.min()), int(x.max()) + 1, x.shape, generator=g, dtype=x.dtype)
     return x
 
 
@@ -377,9 +381,11 @@ def discover(
             ``block(params, *inputs)`` with ``params={name: tensor}``. Outputs: a tensor or a tuple of
             tensors; batch rows must be independent (no batch norm).
         example_inputs: a tensor or tuple of tensors (a batch), or a function ``inputs(generator)``
-            returning a fresh batch. With ``resample_inputs`` (default) the FIRST input, when floating and
-            finite, is redrawn per random point as a Gaussian with the example's shape, mean and std (the
-            data); the other inputs (masks, rotary tables, token ids) are passed as given.
+            returning a fresh batch. With ``resample_inputs`` (default) the FIRST input (the data) is
+            redrawn per random point: floating and finite -> a Gaussian with the example's shape, mean
+            and std; integer token ids -> uniform over the range the example spans (so give ids that
+            cover the vocabulary: an id never seen has a frozen embedding row, a "law" of that data
+            only). The other inputs (masks, rotary tables, ...) are passed as given.
         degree: 1 (linear laws) or 2 (linear and quadratic).
         ansatz: ``"structured"``, ``"dense"`` (tiny blocks) or ``"auto"`` (structured, plus the dense
             cross-check when it has at most ``1200`` quadratic unknowns).
@@ -757,6 +763,11 @@ def _quadratic_laws(pb: _Problem, q: _Quadratic, rows_: torch.Tensor, name: str)
         v = torch.zeros(q.n_all, dtype=torch.float64)
         v[idx] = t
         basis.add(v)
+    combos: list[torch.Tensor] = []  # Gram entries found and the vanishing combinations
+    for idx, t in q.trivial:
+        v = torch.zeros(q.n_all, dtype=torch.float64)
+        v[idx] = t
+        combos.append(v)
     for root in sorted(groups, key=lambda r: min(groups[r])):
         found = _gram(pb, q, Qw, groups[root])
         if found is None:
@@ -767,9 +778,24 @@ def _quadratic_laws(pb: _Problem, q: _Quadratic, rows_: torch.Tensor, name: str)
             basis.add(e)
         if basis.rank - before == law.independent:
             out.append(law)
-    for i in range(k):
-        if basis.add(rows_[i]):
-            out.append(_single(pb, q, rows_[i], name))
+            combos += entries
+    if len(combos) > len(q.trivial):  # Gram laws found: echelon form again with their features last, so the
+        gram_feats = torch.zeros(q.n_all, dtype=torch.bool)  # remaining laws pivot outside the Gram blocks
+        for e in combos[len(q.trivial):]:
+            gram_feats |= e != 0
+        order = torch.cat([(~gram_feats).nonzero().flatten(), gram_feats.nonzero().flatten()])
+        R2 = _rref(rows_[:, order])
+        rows_ = torch.zeros_like(R2)
+        rows_[:, order] = R2
+        k = rows_.shape[0]
+    rest = [rows_[i] for i in range(k) if basis.add(rows_[i])]
+    if combos and rest:
+        # the rest of the space modulo the Gram laws found: each law replaced by its least-L1 representative
+        # modulo the Gram entries, the vanishing combinations and the other laws (sparsest first, twice)
+        for _ in range(2):
+            for i in sorted(range(len(rest)), key=lambda i: int((rest[i] != 0).sum())):
+                rest[i] = _reduce_l1(rest[i], combos + rest[:i] + rest[i + 1:])
+    out += [_single(pb, q, r, name) for r in rest]
     return out
 
 
@@ -860,11 +886,8 @@ def _gram(pb: _Problem, q: _Quadratic, Q: torch.Tensor, fset: set[int]):
     signs_unit = all(abs(abs(c) - 1) < 1e-9 for c in s.tolist())
     if not signs_unit or kinds - {"row", "col", "entry"}:
         match = "new"
-    elif any(f.kind == "col" for f in plus + minus) and not all(f.kind in ("row", "entry") for f in plus) and \
-            not all(f.kind in ("row", "entry") for f in minus):
-        match = "new"
     elif any(f.kind == "col" for f in plus + minus):
-        match = "deep linear / VO Gram"
+        match = "deep linear / VO Gram"  # rows vs columns; columns vs columns: a weight stored transposed (embedding)
     elif {f.param for f in plus} & {f.param for f in minus}:
         match = "new"
     else:
