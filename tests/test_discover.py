@@ -508,3 +508,15 @@ def test_token_inputs_are_redrawn_over_the_vocabulary():
         ("deep linear / VO Gram", {(1.0, "embed_tokens.weight[:,0:2]"), (-1.0, "fc_in.weight[:,0:2]")})] + [
         ("unit balance", 2)] * 3
     assert res.complete
+
+
+def test_sparse_forms_without_scipy(monkeypatch):
+    """The least-L1 representatives also come out of the torch-only fallback (IRLS) when scipy is missing."""
+    import conserve.analysis.ansatz as ansatz
+
+    monkeypatch.setattr(ansatz, "_l1_linprog", lambda x, T: None)
+    res = conserve.discover(_make(_Bilinear), _x(30, 3), ansatz="structured")
+    got = sorted(tuple(sorted(_terms(d))) for d in res.laws)
+    want = sorted(tuple(sorted({(1.0, f"||{w}.weight[{u},:]||^2"), (-1.0, f"||w3.weight[:,{u}]||^2")}))
+                  for w in ("w1", "w2") for u in range(2))
+    assert got == want

@@ -315,10 +315,21 @@ class QuadraticFeatures:
 
 
 def l1_fit(x: torch.Tensor, T: torch.Tensor) -> torch.Tensor | None:
-    """``argmin_lam ||x + T lam||_1`` (scipy's HiGHS linear program); ``None`` if it does not improve."""
+    """``argmin_lam ||x + T lam||_1`` (scipy's HiGHS linear program when scipy is installed, else iteratively
+    reweighted least squares); near-integer ``lam`` snapped; ``None`` if it does not lower the L1 norm."""
+    lam = _l1_linprog(x, T)
+    if lam is None:
+        lam = _l1_irls(x, T)
+    lam = torch.where((lam - lam.round()).abs() < 1e-6, lam.round(), lam)
+    if float((x + T @ lam).abs().sum()) >= float(x.abs().sum()) - 1e-12:
+        return None
+    return lam
+
+
+def _l1_linprog(x: torch.Tensor, T: torch.Tensor) -> torch.Tensor | None:
     try:
         from scipy.optimize import linprog
-    except ImportError:  # pragma: no cover - scipy ships with torch's usual stacks
+    except ImportError:
         return None
     n, m = T.shape
     # variables [lam (m, free), u (n, >= 0)]; minimise sum u with -u <= x + T lam <= u
@@ -327,12 +338,19 @@ def l1_fit(x: torch.Tensor, T: torch.Tensor) -> torch.Tensor | None:
     A = torch.cat([torch.cat([T, -eye], 1), torch.cat([-T, -eye], 1)]).numpy()
     bnd = torch.cat([-x, x]).numpy()
     res = linprog(c, A_ub=A, b_ub=bnd, bounds=[(None, None)] * m + [(0, None)] * n, method="highs")
-    if not res.success:
-        return None
-    lam = torch.tensor(res.x[:m], dtype=torch.float64)
-    lam = torch.where((lam - lam.round()).abs() < 1e-9, lam.round(), lam)
-    if float((x + T @ lam).abs().sum()) >= float(x.abs().sum()) - 1e-12:
-        return None
+    return torch.tensor(res.x[:m], dtype=torch.float64) if res.success else None
+
+
+def _l1_irls(x: torch.Tensor, T: torch.Tensor, iters: int = 200) -> torch.Tensor:
+    """L1 regression by iteratively reweighted least squares (weights 1 / max(|r|, delta), delta -> 0)."""
+    lam = torch.linalg.lstsq(T, -x[:, None]).solution.flatten()
+    delta = 1.0
+    for _ in range(iters):
+        r = x + T @ lam
+        w = 1.0 / r.abs().clamp_min(delta)
+        sw = w.sqrt()[:, None]
+        lam = torch.linalg.lstsq(sw * T, -(sw.flatten() * x)[:, None]).solution.flatten()
+        delta = max(delta * 0.7, 1e-12)
     return lam
 
 

@@ -330,12 +330,32 @@ def _redraw(x, g):
     return x
 
 
+class _Bar:
+    """A rich progress bar on stderr (rich is a dependency of conserve); ``update(k)``, ``close()``."""
+
+    def __init__(self, total: int, desc: str):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn(desc), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                          console=Console(stderr=True), transient=True)
+        self.p.start()
+        self.task = self.p.add_task(desc, total=total)
+
+    def update(self, k: int) -> None:
+        self.p.advance(self.task, k)
+
+    def close(self) -> None:
+        self.p.stop()
+
+
 def _progress(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm ships with the test extras
+    if not enabled:
         return None
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+    try:
+        return _Bar(total, desc)
+    except ImportError:  # pragma: no cover - rich is a declared dependency
+        return None
 
 
 def _estimate(n: int, m: int) -> tuple[float, float]:
