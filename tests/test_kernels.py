@@ -836,8 +836,9 @@ def test_drift_through_fused_adamw_fp32():
     m1 = DecoderLM(cfg)
     m2 = DecoderLM(cfg)
     m2.load_state_dict(m1.state_dict())
-    o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, backend="triton")
-    o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, backend="torch")
+    full = dict(drift_every=1, snapshot_budget=None)  # every law on every step
+    o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, backend="triton", **full)
+    o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, backend="torch", **full)
     assert o1._fp.rest is not None and o1._fp.rest.grams
     x = torch.randint(0, 32, (1, 5))
     for _ in range(2):
@@ -846,6 +847,7 @@ def test_drift_through_fused_adamw_fp32():
             torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
             if o is o1:
                 grads = [q.grad for q in m1.parameters()]
+                olds1 = [t.detach().clone() for t in o1.tracker.tensors]  # theta_k of the last step
             else:
                 for q, gq in zip(m2.parameters(), grads):
                     q.grad = None if gq is None else gq.clone()
@@ -856,7 +858,7 @@ def test_drift_through_fused_adamw_fp32():
             scale = b.grams[d].abs().max().item()
             assert (a.grams[d] - b.grams[d]).abs().max().item() <= 1e-5 * scale, (key, d)
     ts = o1.tracker.tensors
-    olds = [o1._old.get(i, t).detach().double() for i, t in enumerate(ts)]
+    olds = [t.double() for t in olds1]
     _, (_, dec64), _, _ = drift_reference(o1._fp.rest, olds, [t.detach().double() for t in ts],
                                           float(np.float32(1 - 1e-2 * 0.1)), fp64=True)
     for d, g in dec64.items():

@@ -129,7 +129,7 @@ class Assembly:
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
         """Whether some (sampled) entry with a nonzero decay reads tensors of different ``a``."""
-        fv, fg = self._factors(a)[1]
+        fv, fg = self._factors(a)[0]  # true factors: entries mixed there are decayed by the kernel
         if sampled is None:
             return bool(np.isnan(fv).any() or any(np.isnan(f).any() for f in fg.values()))
         return bool(np.isnan(fv[sampled.vec_np]).any()
