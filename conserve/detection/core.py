@@ -94,40 +94,106 @@ def detect(model: nn.Module, config=None, **options) -> Detection:
                                 "(conserve.laws) to track it, or open an issue with the model's config")
 
 
-def finish(model: nn.Module, laws: list[Law], declined: list[Declined], understood=(), detector: str = "") -> Detection:
-    """Shared last step of a detector (added for the HF detector; usable by every detector).
+class Collector:
+    """The one accumulator every detector uses: laws, declined blocks, what is accounted for, and the
+    single frozen / tied / undetected filter (``finish``).
 
-    * Laws that read a frozen parameter (``requires_grad=False``) move to ``declined`` with the reason:
-      frozen parameters do not follow the gradient flow, so the law's Noether identity fails.
-    * Every parameterised module with a parameter that no law reads, that is not under a declined
-      module path and that is not in ``understood`` (parameter names known to carry no law, e.g. an
-      output bias) is listed in ``undetected`` ("no law detected"), in ``named_parameters`` order.
-    * All refs are checked against the parameter shapes (``compile_laws``), so a wrong row/column
-      range fails loudly here, never silently later.
+    Args:
+        model: the unwrapped model (parameter names are ``model.named_parameters()`` names).
+        options: the detector options given to ``detect`` (e.g. ``loss``, ``rope_layout``).
+        config: the model config (HF), or None.
+
+    ``seen`` holds module (or parameter) paths accounted for (a law or a decline covers everything under
+    them); ``understood`` holds parameter names known to carry no law of their own (e.g. an output bias);
+    ``rope_cache`` is scratch space for detectors (RoPE layouts probed per attention class).
     """
-    from ..laws import compile_laws
 
-    params = dict(model.named_parameters())
-    compile_laws(laws, {k: tuple(v.shape) for k, v in params.items()})
-    kept, declined = [], list(declined)
-    for law in laws:
-        frozen = [p for p in law.params if not params[p].requires_grad]
-        if frozen:
-            declined.append(Declined(law.name, f"{law.family} law",
-                                     f"reads frozen parameters {frozen} (requires_grad=False): they do not move with "
-                                     "the gradient flow, so the law is not conserved; unfreeze them or track the "
-                                     "trainable part with explicit laws"))
-        else:
-            kept.append(law)
-    covered = set(understood)
-    for law in laws:
-        covered.update(law.params)
-    paths = [d.module for d in declined]
-    undetected: list[str] = []
-    for name in params:
-        if name in covered or any(name.startswith(p + ".") for p in paths):
-            continue
-        mod = name.rsplit(".", 1)[0] if "." in name else ""
-        if mod not in undetected:
-            undetected.append(mod)
-    return Detection(kept, declined, undetected, detector)
+    def __init__(self, model: nn.Module, options: dict | None = None, *, config=None):
+        self.model = model
+        self.config = config
+        self.options = dict(options or {})
+        self.laws: list[Law] = []
+        self.declined: list[Declined] = []
+        self.seen: set[str] = set()
+        self.understood: set[str] = set()
+        self.rope_cache: dict = {}
+
+    def covered(self, path: str) -> bool:
+        """True when ``path`` (a module or parameter path) is under a path already accounted for."""
+        if path in self.understood:
+            return True
+        parts = path.split(".") if path else []
+        return "" in self.seen or any(".".join(parts[:k]) in self.seen for k in range(1, len(parts) + 1))
+
+    def mark(self, *paths: str) -> None:
+        self.seen.update(paths)
+
+    def know(self, *names) -> None:
+        """Parameters understood to carry no law of their own (e.g. an output bias); None is ignored."""
+        self.understood.update(n for n in names if n)
+
+    def decline(self, module: str, block: str, reason: str) -> None:
+        """Record a block with no law and why; everything under ``module`` counts as accounted for."""
+        self.declined.append(Declined(module, block, reason))
+        self.seen.add(module)
+
+    def add(self, *laws: Law) -> None:
+        self.laws.extend(laws)
+
+    def finish(self, detector: str = "") -> Detection:
+        """The shared last step of every detector.
+
+        * every law's refs are checked against the parameter shapes (``compile_laws``; ValueError naming
+          the law otherwise), so a wrong row/column range fails here, never silently later;
+        * laws reading a frozen (``requires_grad=False``) parameter move to ``declined``: frozen parameters
+          do not follow the gradient flow, so the law is not conserved;
+        * laws reading a parameter shared with another module (tied) move to ``declined``: the other use
+          breaks the law's symmetry;
+        * every parameter no law reads, that is not ``understood`` and not under a declined or marked
+          path, is listed (its module path) in ``undetected``, in ``named_parameters`` order.
+        """
+        from ..laws import compile_laws
+
+        every = dict(self.model.named_parameters(remove_duplicate=False))  # tied parameters under every name
+        compile_laws(self.laws, {k: tuple(v.shape) for k, v in every.items()})
+        params = every
+        aliases: dict[int, list[str]] = {}
+        for name, p in every.items():
+            aliases.setdefault(id(p), []).append(name)
+        kept = []
+        for law in self.laws:
+            frozen = [p for p in law.params if p in params and not params[p].requires_grad]
+            tied = {p: [a for a in aliases[id(params[p])] if a != p] for p in law.params if p in params}
+            tied = {p: a for p, a in tied.items() if a}
+            if frozen:
+                self.declined.append(Declined(law.name, f"{law.family} law", f"reads frozen parameter(s) {frozen} "
+                                              "(requires_grad=False): they do not move with the gradient flow, so the "
+                                              "law is not conserved; unfreeze them or track the trainable part with "
+                                              "explicit laws"))
+            elif tied:
+                p, a = next(iter(tied.items()))
+                self.declined.append(Declined(law.name, f"{law.family} law", f"{p!r} is shared with {a} (tied): the "
+                                              "other use breaks the law's symmetry"))
+            else:
+                kept.append(law)
+        covered = set(self.understood)
+        for law in self.laws:
+            covered.update(law.params)
+        undetected: list[str] = []
+        for name, _ in self.model.named_parameters():
+            if name in covered or self.covered(name):
+                continue
+            owner = name.rsplit(".", 1)[0] if "." in name else name
+            if owner not in undetected:
+                undetected.append(owner)
+        return Detection(kept, self.declined, undetected, detector)
+
+
+def finish(model: nn.Module, laws: list[Law], declined: list[Declined], understood=(), detector: str = "") -> Detection:
+    """``Collector.finish`` for detectors that gathered ``laws`` / ``declined`` themselves (the HF detector):
+    declined module paths count as accounted for, ``understood`` parameters carry no law of their own."""
+    c = Collector(model)
+    c.laws, c.declined = list(laws), list(declined)
+    c.know(*understood)
+    c.mark(*(d.module for d in declined if d.module))
+    return c.finish(detector)

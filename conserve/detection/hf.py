@@ -815,11 +815,8 @@ _FAMILIES = {
 @register("hf")
 def detect_hf(model, config, **options):
     """Laws of an HF ``PreTrainedModel`` (see the module docstring); None for other models."""
-    try:
-        import transformers
-    except ImportError:  # pragma: no cover - transformers is an optional dependency
-        return None
-    if not isinstance(model, transformers.PreTrainedModel):
+    transformers = sys.modules.get("transformers")  # an HF model's class comes from it: already imported
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
     config = config if config is not None else model.config
     ctx = _Ctx(model, config, dict(options))
