@@ -10,7 +10,8 @@ from torch import nn
 from ..laws import Declined, Law
 
 # detector modules, imported lazily in this order (each calls @register at import)
-_MODULES = ("conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models", "conserve.detection.torchnn")
+_MODULES = ("conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models",
+            "conserve.detection.torchnn", "conserve.detection.graph")
 _DETECTORS: list[tuple[str, Callable]] = []
 _loaded = False
 
@@ -67,31 +68,61 @@ def unwrap(model: nn.Module) -> nn.Module:
     return _unwrap(model)
 
 
-def detect(model: nn.Module, config=None, **options) -> Detection:
+def detect(model: nn.Module, config=None, *, structural: bool = False, **options) -> Detection:
     """Every law of ``model`` with the rows/columns it reads, the declined blocks and the unrecognised ones.
 
+    The name/type-based detectors (reference models, HF transformers, timm, torch.nn modules) are the fast
+    path; any model (or part of one) they do not explain goes to structural detection
+    (``conserve.detection.graph.detect_graph``: the laws found from what the traced graph computes, each
+    passing the spec's first-order check in float64, every other block declined with the reason).
+
     Args:
-        model: an ``nn.Module`` (HF transformers, timm, torch.nn, conserve reference models); wrappers
-            from torch.compile and DDP are removed; meta-device models work (shapes only).
+        model: an ``nn.Module`` (HF transformers, timm, torch.nn, plain torch code, conserve reference
+            models); wrappers from torch.compile and DDP are removed; meta-device models work for the
+            name-based detectors (shapes only).
         config: the model config if it is not ``model.config`` (HF).
+        structural: True skips the name-based detectors and runs structural detection only.
         **options: detector options, e.g. ``rope_layout='half'|'interleaved'`` where the layout cannot be
-            known from the model, ``loss='ce'`` (the translation law needs softmax cross-entropy).
+            known from the model, ``loss='ce'`` (the translation law needs softmax cross-entropy),
+            ``example_inputs=`` (structural detection: what ``forward`` takes, when it cannot be synthesised).
 
     Raises:
-        conserve.errors.UnsupportedModelError: no detector recognises the model at all.
+        conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
     """
     _load()
     model = unwrap(model)
     config = config if config is not None else getattr(model, "config", None)
+    from ..errors import UnsupportedModelError
+
+    if structural:
+        from .graph import detect_graph
+
+        return detect_graph(model, **options)
     for name, fn in _DETECTORS:
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
+            if name == "torch.nn" and found.undetected:
+                found = _with_structural(model, found, options)
             return found
-    from ..errors import UnsupportedModelError
+    last = getattr(dict(_DETECTORS).get("graph"), "last", None)
+    why = "; ".join(f"{d.module}: {d.reason}" for d in (last.declined if last else [])[:3])
+    raise UnsupportedModelError(f"no detector recognises {type(model).__name__}"
+                                + (f" (structural detection: {why})" if why else "")
+                                + "; pass explicit laws (conserve.laws) to track it, or example_inputs= if forward "
+                                "needs a particular input")
 
-    raise UnsupportedModelError(f"no detector recognises {type(model).__name__}; pass explicit laws "
-                                "(conserve.laws) to track it, or open an issue with the model's config")
+
+def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:
+    """Structural detection for the modules a type-based detector left undetected, merged into ``found``."""
+    from .graph import detect_graph
+
+    left = set(found.undetected)
+    skip = [k for k, _ in model.named_parameters() if (k.rsplit(".", 1)[0] if "." in k else k) not in left]
+    g = detect_graph(model, skip_params=skip, **options)
+    laws = found.laws + [law for law in g.laws if not set(law.params) & set(skip)]
+    declined = found.declined + g.declined
+    return Detection(laws, declined, [m for m in g.undetected if m in left], f"{found.detector}+graph")
 
 
 class Collector:
