@@ -52,7 +52,7 @@ Options: ``example_inputs`` (a tensor or tuple for ``forward``), ``loss`` ('ce' 
 from __future__ import annotations
 
 import copy
-import operator
+import inspect
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -134,8 +134,8 @@ def _like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 class Graph:
     """A traced probe: the GraphModule, its recorded values and the graph queries the detectors need."""
 
-    def __init__(self, gm: fx.GraphModule, inputs: tuple, params: dict):
-        self.gm, self.inputs, self.params = gm, inputs, params
+    def __init__(self, gm: fx.GraphModule, inputs: tuple, params: dict, kwargs: dict | None = None):
+        self.gm, self.inputs, self.params, self.kwargs = gm, inputs, params, dict(kwargs or {})
         self.nodes = list(gm.graph.nodes)
         self.pos = {n: i for i, n in enumerate(self.nodes)}
         self.env: dict = {}
@@ -259,6 +259,11 @@ class Graph:
             b = self.param_of(args[2]) if len(n.args) > 2 else self.param_of(n.kwargs.get("bias"))
             if w is not None and self.params[w].dim() == 2:
                 return Lin(n, n.args[0], w, b, tuple(self.params[w].shape))
+        if o == "matmul" and len(n.args) == 2 and isinstance(n.args[1], fx.Node) \
+                and self.op(n.args[1]) in ("t", "numpy_T", "transpose", "T"):
+            w = self.param_of(n.args[1].args[0]) if n.args[1].args else None
+            if w is not None and self.params[w].dim() == 2:
+                return Lin(n, n.args[0], w, None, tuple(self.params[w].shape))
         if o == "addmm" and len(n.args) >= 3:
             w, b = self.param_of(n.args[2]), self.param_of(n.args[0])
             if w is not None and self.params[w].dim() == 2:
@@ -390,7 +395,7 @@ def make_probe(model: nn.Module, max_params: float) -> nn.Module:
     return probe.eval()
 
 
-def example_inputs(model: nn.Module, given=None) -> tuple:
+def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tuple:
     """The probe's positional inputs: ``given`` (floats cast to float64), else synthesised from the first
     parameterised module (see the module docstring). Raises ValueError naming the fix."""
     if given is not None:
@@ -421,7 +426,7 @@ def example_inputs(model: nn.Module, given=None) -> tuple:
     for x in cands:
         try:
             with torch.no_grad():
-                model(*x)
+                model(*x, **(kwargs or {}))
             return x
         except Exception:  # noqa: BLE001 - try the next shape
             continue
@@ -465,12 +470,14 @@ def _swap(a):
     return a
 
 
-def trace(probe: nn.Module, inputs: tuple) -> tuple[fx.GraphModule, str]:
-    """fx symbolic trace, else torch.export on ``inputs``; checked to reproduce the probe's output."""
+def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[fx.GraphModule, str]:
+    """fx symbolic trace, else torch.export on ``inputs``; checked to reproduce the probe's output.
+    ``kwargs``: constant keyword arguments of ``forward`` (e.g. ``use_cache=False``), baked into the graph."""
     errors = []
     gm = None
+    kwargs = dict(kwargs or {})
     try:
-        graph = _Tracer().trace(probe)
+        graph = _Tracer().trace(probe, concrete_args=kwargs or None)
         gm = fx.GraphModule(probe, graph)
         how = "torch.fx"
     except Exception as e:  # noqa: BLE001 - any trace failure falls back to export
@@ -478,16 +485,16 @@ def trace(probe: nn.Module, inputs: tuple) -> tuple[fx.GraphModule, str]:
     if gm is not None:
         try:
             _to64(gm)
-            _same(probe, gm, inputs)
+            _same(probe, gm, inputs, kwargs)
         except Exception as e:  # noqa: BLE001
             errors.append(f"torch.fx trace does not run like the model: {e}")
             gm = None
     if gm is None:
         try:
-            gm = torch.export.export(probe, inputs, strict=False).module()
+            gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
             how = "torch.export"
             _to64(gm)
-            _same(probe, gm, inputs)
+            _same(probe, gm, inputs, kwargs, export=True)
         except Exception as e:  # noqa: BLE001
             errors.append(f"torch.export: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             raise ValueError("; ".join(errors)) from None
@@ -495,8 +502,9 @@ def trace(probe: nn.Module, inputs: tuple) -> tuple[fx.GraphModule, str]:
 
 
 @torch.no_grad()
-def _same(probe, gm, inputs):
-    a, b = _flat(probe(*inputs)), _flat(gm(*inputs))
+def _same(probe, gm, inputs, kwargs, export=False):
+    a = _flat(probe(*inputs, **kwargs))
+    b = _flat(gm(*inputs, **kwargs) if export else gm(*inputs))
     a = [t for t in a if t.is_floating_point()]
     b = [t for t in b if t.is_floating_point()]
     if len(a) != len(b) or not a or any(x.shape != y.shape or not torch.allclose(x, y, rtol=1e-4, atol=1e-6)
@@ -654,14 +662,14 @@ def _one_attention(f: _Found, site, x, y, v, out, y_last):
         qmap = _by_head(clean, d) if clean else None
         if qmap:
             break
-    kmap = vmap = None
+    kmap = None
     if qmap:
         mk = g.linear_map(lk.node, y, k0)
         ck = _heads(mk, ys, y_last) if mk is not None else None  # manual: Y = K^T (..., D, S)
         kmap = _by_head(ck, d) if ck else None
-        mv = g.linear_map(lv.node, v, k0)
-        cv = _heads(mv, vs, True) if mv is not None else None
-        vmap = _by_head(cv, vs[-1]) if cv else None
+    mv = g.linear_map(lv.node, v, 0)
+    cv = _heads(mv, vs, True) if mv is not None else None
+    vmap = _by_head(cv, vs[-1]) if cv else None
     qk_reason = None
     if qmap is None or kmap is None:
         qk_reason = ("the q/k paths are not linear index maps of the projections (QK-norm or another "
@@ -729,30 +737,37 @@ def _one_attention(f: _Found, site, x, y, v, out, y_last):
     f.used.add(lo.node)
     c.know(lo.b)
     omap = None
-    if qmap and vmap:
+    if vmap:
         on = g.env[out]
-        cols = {}
-        for l in qmap:
+        nl = on.numel() // (os_[-2] * os_[-1])
+        omap = {}
+        for l in range(nl):
+            cols = []
             for t in range(os_[-1]):
                 e = torch.zeros(on.shape, dtype=on.dtype)
                 e.view(-1, os_[-2], os_[-1])[l, 0, t] = 1.0
                 yv = g.run({out: _like(on, e)}, [lo.x])[0].reshape(-1, lo.n_in)
-                nz = yv.abs().sum(0).nonzero().flatten().tolist()
-                if len(nz) != 1:
-                    cols = None
+                nz = yv.abs().sum(1).nonzero().flatten().tolist()
+                if nz != [0]:  # not batch 0 / position 0 of the output projection's input
                     break
-                cols[(l, t)] = nz[0]
-            if cols is None:
+                cz = yv[0].nonzero().flatten().tolist()
+                if len(cz) != 1:
+                    omap = None
+                    break
+                cols.append(cz[0])
+            if omap is None:
                 break
-        if cols:
-            omap = {l: [cols[(l, t)] for t in range(os_[-1])] for l in qmap}
+            if len(cols) == os_[-1]:
+                omap[l] = cols
+        if omap is not None and (not omap or len(omap) % len(vmap)):
+            omap = None
     if omap is None or vmap is None:
         c.decline(f"{lab}/vo", "VO laws", "the value / output paths are not linear index maps: no VO law")
         return
     vgroups: dict = {}
-    for l in qmap:
-        vl = kv_lead(l, vmap, vs)
-        vgroups.setdefault(tuple(vmap[vl]), []).append(l)
+    vleads, rep = sorted(vmap), len(omap) // len(vmap)
+    for i, l in enumerate(sorted(omap)):
+        vgroups.setdefault(tuple(vmap[vleads[i // rep]]), []).append(l)
     for j, (vrows, heads) in enumerate(vgroups.items()):
         law = builders.head_gram(VOGram, f"{lab}/vo/group{j}", layer,
                                  [builders.block(lv.w, lv.shape, list(vrows), transposed=lv.t, bias=lv.b)],
@@ -808,6 +823,8 @@ def _mlps(f: _Found):
                           "(no rescaling symmetry is known for it): no law")
                 c.decline(down.module, f"Linear-{kinds}-Linear output", "see the MLP's input layer")
             f.used.update({src, n})
+        elif o != "mul" and _generic_act(f, n, down):
+            continue
         elif o == "mul":
             ops = [a for a in u.args if isinstance(a, fx.Node)]
             if len(ops) != 2:
@@ -834,6 +851,55 @@ def _mlps(f: _Found):
                 c.know(down.b)
                 f.used.update({n, src} | {x for x in g.nearest_lins(other)})
                 break
+
+
+def _elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> str | None:
+    """'positive' when ``dst = f(src)`` element-wise with f(c z) = c f(z) for c > 0 (ReLU-like), 'none' for any
+    other element-wise f, None when the map is not element-wise (checked on the recorded values)."""
+    z, y = g.env[src], g.env[dst]
+    if not (isinstance(z, torch.Tensor) and isinstance(y, torch.Tensor)) or z.shape != y.shape or not z.is_floating_point():
+        return None
+    n = z.shape[-1]
+    try:
+        for r in (0, n // 2, n - 1):
+            z2 = z.detach().clone().contiguous()
+            z2.view(-1, n)[0, r] += 0.37
+            d = (g.run({src: _like(z, z2)}, [dst])[0] - y).reshape(-1, n)
+            d[0, r] = 0.0
+            if d.abs().max() > 0:
+                return None
+        hom = all(torch.allclose(g.run({src: _like(z, c * z)}, [dst])[0], c * y, rtol=1e-12, atol=1e-12)
+                  for c in (2.5, 0.3))
+    except Exception:  # noqa: BLE001
+        return None
+    return "positive" if hom else "none"
+
+
+def _generic_act(f: _Found, n: fx.Node, down: Lin) -> bool:
+    """``down(act(up x))`` for an element-wise act written with several ops (GPT-2's tanh GELU, torch.where
+    ReLU...): ReLU unit law when act is positively homogeneous, declined otherwise (numerically decided)."""
+    g, c = f.g, f.c
+    lins = g.nearest_lins(down.x)
+    if len(lins) != 1:
+        return False
+    src = next(iter(lins))
+    if src in f.used or src is n:
+        return False
+    kind = _elementwise(g, src, down.x)
+    if kind is None:
+        return False
+    up = g.lins[src]
+    if kind == "positive":
+        f.add(builders.unit_law(ReLUUnit, f"{up.module}/unit", _layer(up.module), up=up.w, up_shape=up.shape,
+                                units=range(up.n_out), down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t,
+                                down_t=down.t, note="structural: positively homogeneous element-wise activation "
+                                "(spec: ReLU row)"), "ReLU unit")
+        c.know(down.b)
+    else:
+        c.decline(up.module, "Linear-activation-Linear", NO_LAW_ACT + " (element-wise, not positively homogeneous)")
+        c.decline(down.module, "Linear-activation-Linear output", "see the MLP's input layer")
+    f.used.update({src, n})
+    return True
 
 
 def _routers(f: _Found):
@@ -950,8 +1016,9 @@ def _gains(f: _Found):
         what_ = what if what != "scale" else "per-feature scale"
         if bad or not readers:
             uses = sorted({g.op(u) for u in bad}) or ["nothing"]
-            c.decline(path, what_, f"the scaled output is also read by {uses} (not only by linear maps: e.g. the "
-                      "residual stream, post-LN, or an unrecognised module): no gain law (spec breakers: post-LN)")
+            c.decline(path, what_, f"the scaled output is also read by {uses}, not only by linear maps (the residual "
+                      "stream in a post-LN block, attention scores after a QK-norm, or an unrecognised module): no gain "
+                      "law (spec: pre-norm gain row; breakers: post-LN)")
             continue
         maps = [g.feature_map(n, r.x) for r in readers]
         if any(m != list(range(h)) for m in maps):
@@ -1020,7 +1087,7 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
 
     raw, ce = [], []
     for _ in range(trials):
-        outs = [t for t in _flat(functional_call(g.gm, {**params, **buffers}, g.inputs))
+        outs = [t for t in _flat(functional_call(g.gm, {**params, **buffers}, g.inputs, g.kwargs))
                 if t.is_floating_point() and t.requires_grad]
         obj = sum((torch.randn(t.shape, generator=gen, dtype=t.dtype) * t).sum() for t in outs)
         raw.append(flat(torch.autograd.grad(obj, plist, retain_graph=True, allow_unused=True)))
@@ -1057,7 +1124,7 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
 
 
 # ------------------------------------------------------------------------------------------- entry point
-def detect_graph(model: nn.Module, example_inputs=None, *, loss: str | None = None, max_probe_params: float = 3e8,
+def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict | None = None, loss: str | None = None, max_probe_params: float = 3e8,
                  skip_params: Iterable[str] = (), **options) -> Detection:
     """Structural detection (module docstring): every catalogue law the graph of ``model`` computes, each
     passing the spec's first-order check in float64, and every other parameterised block declined with the
@@ -1078,9 +1145,16 @@ def detect_graph(model: nn.Module, example_inputs=None, *, loss: str | None = No
     skip = set(skip_params)
     try:
         probe = make_probe(model, max_probe_params)
-        inputs = example_inputs_for(probe, example_inputs)
-        gm, how = trace(probe, inputs)
-        g = Graph(gm, inputs, dict(probe.named_parameters(remove_duplicate=False)))
+        kwargs = dict(forward_kwargs or {})
+        try:
+            if "use_cache" in inspect.signature(model.forward).parameters:
+                kwargs.setdefault("use_cache", False)  # a KV cache is inference state, not part of the function
+        except (TypeError, ValueError):
+            pass
+        inputs = synth_inputs(probe, example_inputs, kwargs)
+        gm, how = trace(probe, inputs, kwargs)
+        g = Graph(gm, inputs, dict(probe.named_parameters(remove_duplicate=False)),
+                  kwargs if how == "torch.export" else {})
     except Exception as e:  # noqa: BLE001 - the reason is reported per module, nothing is claimed
         reason = f"structural detection could not run: {e}"
         for mod in _param_modules(model, skip):
@@ -1111,10 +1185,6 @@ def detect_graph(model: nn.Module, example_inputs=None, *, loss: str | None = No
                       f"{TOL:g}): not claimed")
     _decline_rest(f, model, skip, how)
     return c.finish("graph")
-
-
-def example_inputs_for(probe, given):
-    return example_inputs(probe, given)
 
 
 def _param_modules(model: nn.Module, skip) -> list[str]:
