@@ -50,6 +50,8 @@ def violations(model, laws, x, *, trials: int = 2, seed: int = 0) -> dict[str, f
     raw, ce = [], []
     for _ in range(trials):
         out = functional_call(model, {**params, **buffers}, (x,))
+        if isinstance(out, (tuple, list)):  # (logits, loss) models: the first output
+            out = out[0]
         r = torch.randn(out.shape, generator=g, dtype=torch.float64)
         raw.append(flat(torch.autograd.grad((r * out).sum(), plist, retain_graph=True, allow_unused=True)))
         tgt = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)

@@ -224,6 +224,8 @@ class Graph:
         if n.op == "call_function":
             t = n.target
             name = t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+            if name.endswith("_") and not name.startswith("_"):
+                name = name[:-1]  # in-place variants (div_, mul_, ...)
             return ALIAS.get(name, name)
         if n.op == "call_method":
             return ALIAS.get(n.target, n.target)

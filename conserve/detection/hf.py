@@ -816,7 +816,11 @@ _FAMILIES = {
 def detect_hf(model, config, **options):
     """Laws of an HF ``PreTrainedModel`` (see the module docstring); None for other models."""
     transformers = sys.modules.get("transformers")  # an HF model's class comes from it: already imported
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+    try:
+        base = transformers.PreTrainedModel if transformers is not None else None
+    except Exception:  # noqa: BLE001 - transformers present but not importable (broken optional dependency)
+        base = None
+    if base is None or not isinstance(model, base):
         return None
     config = config if config is not None else model.config
     ctx = _Ctx(model, config, dict(options))
