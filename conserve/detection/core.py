@@ -61,6 +61,12 @@ def _load():
         _loaded = True
 
 
+def _ordered() -> list[tuple[str, Callable]]:
+    """Detectors in ``_MODULES`` order whatever order their modules were imported in (others last)."""
+    rank = {m: i for i, m in enumerate(_MODULES)}
+    return sorted(_DETECTORS, key=lambda d: rank.get(d[1].__module__, len(rank)))
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip torch.compile (``_orig_mod``) and DDP/DataParallel (``module``) wrappers."""
     from ..tracker import _unwrap
@@ -98,7 +104,7 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
         from .graph import detect_graph
 
         return detect_graph(model, **options)
-    for name, fn in _DETECTORS:
+    for name, fn in _ordered():
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
