@@ -258,7 +258,9 @@ def test_unrecognised_modules_are_listed_frozen_and_tied_are_declined():
     x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     found = detect(m)
     assert found.families() == {"qk": 2, "vo": 2, "relu": 1}
-    assert sorted(found.undetected) == ["scale", "stem"]
+    # what the module types do not explain goes to structural detection, which declines it with the reason
+    assert found.detector == "torch.nn+graph" and found.undetected == []
+    assert "no catalogue block" in reasons(found)["stem"] and "not only by linear maps" in reasons(found)["scale"]
     assert_all_hold(m, found, x)
     m.mlp[2].weight.requires_grad_(False)
     found = detect(m)
