@@ -41,7 +41,7 @@ from torch import nn
 from ..errors import UsageError
 from ..laws import (Declined, GainBalance, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit,
                     Term, Translation, VOGram, cols, rows, vector)
-from .core import Detection, finish, register
+from .core import Collector, Detection, finish, register
 
 LAYOUTS = ("half", "interleaved")
 NO_EMBED = "input embedding: no law (no parameter on the other side of it)"
@@ -189,22 +189,7 @@ def _rope_layout(ctx: "_Ctx", attn: nn.Module, head_dim: int, r: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------- context
-@dataclass
-class _Ctx:
-    model: nn.Module
-    config: object
-    options: dict
-    laws: list = field(default_factory=list)
-    declined: list = field(default_factory=list)
-    understood: set = field(default_factory=set)
-    rope_cache: dict = field(default_factory=dict)
-
-    def decline(self, module: str, block: str, reason: str):
-        self.declined.append(Declined(module, block, reason))
-
-    def know(self, *names):
-        """Parameters understood to carry no law of their own (e.g. an output bias)."""
-        self.understood.update(n for n in names if n)
+_Ctx = Collector  # the one detector toolkit accumulator (core.Collector: decline / know / options / config)
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -823,7 +808,7 @@ def detect_hf(model, config, **options):
     if base is None or not isinstance(model, base):
         return None
     config = config if config is not None else model.config
-    ctx = _Ctx(model, config, dict(options))
+    ctx = Collector(model, options, config=config)
     fam = _FAMILIES.get(getattr(config, "model_type", None))
     if fam is None:
         ctx.decline("", f"model_type={getattr(config, 'model_type', None)!r}",
@@ -833,7 +818,7 @@ def detect_hf(model, config, **options):
         d.declined = ctx.declined
         return d
     fam(ctx)
-    return finish(model, ctx.laws, ctx.declined, ctx.understood, detector="hf")
+    return ctx.finish("hf")
 
 
 def _model_class(config):
