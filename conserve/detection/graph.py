@@ -139,6 +139,7 @@ class Graph:
         self.nodes = list(gm.graph.nodes)
         self.pos = {n: i for i, n in enumerate(self.nodes)}
         self.env: dict = {}
+        self._paths: dict = {}  # (sources, targets) -> the nodes between them, in graph order
         self._record()
         self.lins = {}
         for n in self.nodes:
@@ -199,12 +200,14 @@ class Graph:
     @torch.no_grad()
     def run(self, subs: dict, targets: list):
         """Values of ``targets`` when the nodes in ``subs`` take the given values (the rest as recorded)."""
-        need = self.ancestors(targets) & self.descendants(subs)
+        key = (tuple(subs), tuple(targets))
+        order = self._paths.get(key)
+        if order is None:
+            need = self.ancestors(targets) & self.descendants(subs)
+            order = [n for n in self.nodes if n in need and n not in subs and n.op != "output"]
+            self._paths[key] = order
         vals = dict(subs)
-        last = max(self.pos[t] for t in targets)
-        for n in self.nodes[: last + 1]:
-            if n in subs or n not in need or n.op == "output":
-                continue
+        for n in order:
             args, kwargs = map_arg((n.args, n.kwargs), lambda a: vals[a] if a in vals else self.env[a])
             vals[n] = self._exec(n, args, kwargs)
         return [vals.get(t, self.env[t]) for t in targets]
@@ -626,7 +629,11 @@ def _attention(f: _Found):
             v = out.args[1]
         else:
             continue
-        _one_attention(f, site, x, y, v, out, y_last)
+        try:
+            _one_attention(f, site, x, y, v, out, y_last)
+        except Exception as e:  # noqa: BLE001 - this attention block only
+            f.c.decline(f"attention at graph node {site.name}", "structural analysis error",
+                        f"{type(e).__name__}: {e}: no law claimed for this block (report this model)")
 
 
 def _one_attention(f: _Found, site, x, y, v, out, y_last):
@@ -1164,7 +1171,11 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         return c.finish("graph")
     f = _Found(g, c)
     for step in (_attention, _routers, _mlps, _gains, _output_layers):
-        step(f)
+        try:
+            step(f)
+        except Exception as e:  # noqa: BLE001 - one block kind failing never fails the whole model
+            c.decline(f"<{step.__name__.strip('_')}>", "structural analysis error",
+                      f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
     cands = [(law, what) for law, what in f.cands if not (set(law.params) & skip)]
     viol = check_laws(g, [law for law, _ in cands], f.heads)
     from ..verify import TOL
