@@ -267,3 +267,26 @@ class Unknown(nn.Module):
         x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)
         x = x + self.down(F.leaky_relu(self.up(x), 0.1))
         return x + self.sq_out(F.relu(self.sq_in(x)) ** 2)
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with einsum, a fused ``qkv`` laid out per head ``[q_h | k_h | v_h]`` (NeoX style:
+    ``view(B, T, nh, 3, D)``), a pre-norm ``nn.LayerNorm`` and a ReLU MLP with a residual."""
+
+    def __init__(self, h=12, nh=3):
+        super().__init__()
+        self.nh, self.d = nh, h // nh
+        self.norm = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.out = nn.Linear(h, h, bias=False)
+        self.norm2 = nn.LayerNorm(h)
+        self.fc1, self.fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, t, self.nh, 3, self.d)
+        q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+        att = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d)
+        y = torch.einsum("bhqk,bkhd->bqhd", att.softmax(-1), v).reshape(b, t, h)
+        x = x + self.out(y)
+        return x + self.fc2(torch.relu(self.fc1(self.norm2(x))))

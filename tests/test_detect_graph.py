@@ -24,7 +24,7 @@ from conserve.detection.graph import Graph, check_laws, detect_graph, make_probe
 from conserve.errors import UnsupportedModelError
 from conserve.laws import QKGram, ReLUUnit, RopePairs, RouterSum, SwiGLUUnit, VOGram, GainBalance, cols, rows, vector
 from conserve.verify import TOL, first_order
-from graph_models import GPT, Llama, MyMLP, Top2MoE, Unknown
+from graph_models import GPT, EinsumAttention, Llama, MyMLP, Top2MoE, Unknown
 from test_detect_torch import WRONG, randomize, violations
 
 
@@ -163,6 +163,20 @@ def test_torchtitan_llama_complex_rope_gqa_swiglu():
                                                 minus=[rows(k, (8, 16), 0, 4)]),
              "unit on the gate": SwiGLUUnit.build("w", 0, up=rows("layers.0.feed_forward.w1.weight", (12, 16), 0, 12),
                                                   down=cols("layers.0.feed_forward.w2.weight", (16, 12), 0, 12))}, x)
+
+
+def test_einsum_attention_with_per_head_fused_qkv():
+    m = randomize(EinsumAttention())
+    found = detect(m)
+    assert found.families() == {"qk": 3, "vo": 3, "relu": 1, "gain": 2} and found.undetected == []
+    # view(B, T, nh, 3, D): head 1 owns rows [12, 16) (q), [16, 20) (k), [20, 24) (v) of qkv
+    assert {(t.ref.param, t.ref.start[0], t.sign) for t in law(found, "qkv/qk/group1").terms} == {
+        ("qkv.weight", 12, 1.0), ("qkv.bias", 12, 1.0), ("qkv.weight", 16, -1.0), ("qkv.bias", 16, -1.0)}
+    x = floats(2, 5, 12)
+    hold(m, found, x)
+    s = (36, 12)
+    fail(m, {"[Q | K | V] layout": QKGram.build("w", None, plus=[rows("qkv.weight", s, 4, 4), vector("qkv.bias", 4, 4)],
+                                                minus=[rows("qkv.weight", s, 16, 4), vector("qkv.bias", 16, 4)])}, x)
 
 
 # ------------------------------------------------------------------------------------------- MoE

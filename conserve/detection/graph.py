@@ -81,7 +81,8 @@ PASS = {"dropout", "to", "contiguous", "clone", "view", "reshape", "flatten", "u
         "getitem", "index_select", "index", "expand", "mean", "sum", "alias", "identity", "repeat",
         "repeat_interleave", "cat", "stack", "permute", "transpose", "split", "chunk", "split_with_sizes",
         "narrow", "slice", "select", "t", "movedim", "type", "lift_fresh_copy", "dropout1d", "dropout2d"}
-SCORE_OPS = {"mul", "div", "add", "sub", "masked_fill", "to", "tanh", "where", "dropout", "float"}
+SCORE_OPS = {"mul", "div", "add", "sub", "masked_fill", "to", "tanh", "where", "dropout", "float", "permute", "transpose",
+             "contiguous", "view", "reshape"}
 ELEMENTWISE = POSITIVE | NO_LAW | {"pow", "square", "abs", "exp", "sin", "cos", "sqrt", "log", "neg", "sign", "clamp",
                                     "clamp_min", "where"}
 SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "size", "dim",
@@ -467,6 +468,41 @@ def _to64(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _einsum_to_matmul(gm: fx.GraphModule) -> None:
+    """Rewrite two-operand einsums with one free index per operand and one contracted index (attention's
+    'bhqd,bhkd->bhqk' and 'bhqk,bhkd->bhqd', any index order) as permute -> matmul -> permute, so attention
+    written with einsum is found like ``q @ k.transpose``. The trace is then re-checked against the model."""
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_function" and n.target is torch.einsum):
+            continue
+        eq, *ops = n.args
+        if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+            ops = list(ops[0])
+        if not isinstance(eq, str) or len(ops) != 2 or "..." in eq or "->" not in eq:
+            continue
+        ins, out = eq.replace(" ", "").split("->")
+        xs, ys = ins.split(",")
+        if any(len(set(t)) != len(t) for t in (xs, ys, out)):
+            continue
+        batch = [i for i in xs if i in ys and i in out]
+        xf = [i for i in xs if i in out and i not in ys]
+        yf = [i for i in ys if i in out and i not in xs]
+        cc = [i for i in xs if i in ys and i not in out]
+        if len(xf) != 1 or len(yf) != 1 or len(cc) != 1 or len(batch) + 2 != len(out) or \
+                len(xs) != len(batch) + 2 or len(ys) != len(batch) + 2:
+            continue
+        with gm.graph.inserting_before(n):
+            xp = gm.graph.call_method("permute", (ops[0], *[xs.index(i) for i in batch + xf + cc]))
+            yp = gm.graph.call_method("permute", (ops[1], *[ys.index(i) for i in batch + cc + yf]))
+            mm = gm.graph.call_function(torch.matmul, (xp, yp))
+            mid = batch + xf + yf
+            res = gm.graph.call_method("permute", (mm, *[mid.index(i) for i in out]))
+        n.replace_all_uses_with(res)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _swap(a):
     if isinstance(a, torch.dtype) and a in FLOATS:
         return torch.float64
@@ -489,6 +525,7 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
         errors.append(f"torch.fx: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     if gm is not None:
         try:
+            _einsum_to_matmul(gm)
             _to64(gm)
             _same(probe, gm, inputs, kwargs)
         except Exception as e:  # noqa: BLE001
@@ -498,6 +535,7 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
         try:
             gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
             how = "torch.export"
+            _einsum_to_matmul(gm)
             _to64(gm)
             _same(probe, gm, inputs, kwargs, export=True)
         except Exception as e:  # noqa: BLE001
@@ -622,7 +660,8 @@ def _attention(f: _Found):
             if not (isinstance(s, fx.Node) and g.op(s) == "matmul"):
                 continue
             x, y = s.args[:2]
-            users = [u for u in g.descendants([n]) if g.op(u) == "matmul" and g.back_pass(u.args[0]) is n]
+            p_ops = {"dropout", "to", "contiguous", "clone", "alias", "identity", "permute", "transpose", "view", "reshape"}
+            users = [u for u in g.descendants([n]) if g.op(u) == "matmul" and g.back_pass(u.args[0], p_ops) is n]
             if len(users) != 1:
                 continue
             out, y_last, site = users[0], False, n
