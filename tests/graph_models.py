@@ -290,3 +290,15 @@ class EinsumAttention(nn.Module):
         y = torch.einsum("bhqk,bkhd->bqhd", att.softmax(-1), v).reshape(b, t, h)
         x = x + self.out(y)
         return x + self.fc2(torch.relu(self.fc1(self.norm2(x))))
+
+
+class LayerScaleMLP(nn.Module):
+    """A residual GELU MLP whose output is scaled per feature by ``gamma`` (LayerScale, CaiT / DINOv2)."""
+
+    def __init__(self, h=8):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, 16), nn.Linear(16, h)
+        self.gamma = nn.Parameter(torch.full((h,), 0.1))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc2(F.gelu(self.fc1(x)))

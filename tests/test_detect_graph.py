@@ -24,7 +24,7 @@ from conserve.detection.graph import Graph, check_laws, detect_graph, make_probe
 from conserve.errors import UnsupportedModelError
 from conserve.laws import QKGram, ReLUUnit, RopePairs, RouterSum, SwiGLUUnit, VOGram, GainBalance, cols, rows, vector
 from conserve.verify import TOL, first_order
-from graph_models import GPT, EinsumAttention, Llama, MyMLP, Top2MoE, Unknown
+from graph_models import GPT, EinsumAttention, LayerScaleMLP, Llama, MyMLP, Top2MoE, Unknown
 from test_detect_torch import WRONG, randomize, violations
 
 
@@ -239,6 +239,18 @@ def test_unknown_blocks_are_declined_the_rest_detected():
     assert "no catalogue block" in r["conv"]
     assert found.undetected == []
     hold(m, found, x)
+
+
+def test_layer_scale_after_a_linear():
+    m = randomize(LayerScaleMLP())
+    found = detect(m)
+    assert found.families() == {"layer_scale": 1} and law(found, "gamma/layer_scale").params == (
+        "gamma", "fc2.weight", "fc2.bias")
+    assert "no continuous rescaling symmetry" in reasons(found)["fc1"]
+    x = floats(3, 8)
+    hold(m, found, x)
+    fail(m, {"without fc2's bias": GainBalance.build("w", None, gain=vector("gamma", 0, 8),
+                                                     readers=[rows("fc2.weight", (8, 16), 0, 8)])}, x)
 
 
 def test_torchnn_modules_plus_structural_for_the_rest():

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.node import map_arg
 
-from ..laws import (Declined, DeepLinearGram, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit,
+from ..laws import (Declined, DeepLinearGram, LayerScaleBalance, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit,
                     Translation, VOGram, rows, vector)
 from . import builders
 from .core import Collector, Detection, register
@@ -1062,6 +1062,8 @@ def _gains(f: _Found):
                 elif g.op(u) not in SHAPE_ONLY:
                     bad.append(u)
         what_ = what if what != "scale" else "per-feature scale"
+        if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
+            continue
         if bad or not readers:
             uses = sorted({g.op(u) for u in bad}) or ["nothing"]
             c.decline(path, what_, f"the scaled output is also read by {uses}, not only by linear maps (the residual "
@@ -1076,6 +1078,26 @@ def _gains(f: _Found):
                                 shift=shift, note="structural: readers " + ", ".join(dict.fromkeys(r.module for r in readers))
                                 + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
               "gain")
+
+
+def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
+    """LayerScale ``gamma * (W x + b)`` (the scale reads a linear's output feature by feature): the catalogue's
+    diagonal-rescaling law ``gamma_c^2 - ||W[c,:]||^2 - b_c^2``. True when built."""
+    g = f.g
+    arg = next((a for a in n.args[:2] if isinstance(a, fx.Node) and g.param_of(g.back_pass(a)) != w), None)
+    src = g.back_pass(arg) if arg is not None else None
+    if src not in g.lins or len(src.users) != 1:
+        return False
+    lin = g.lins[src]
+    if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
+        return False
+    path = w.rsplit(".", 1)[0] if "." in w else w
+    f.add(LayerScaleBalance.build(f"{path}/layer_scale", _layer(path), gain=vector(w, 0, h),
+                                  readers=[builders.out_rows(lin.w, lin.shape, 0, h, transposed=lin.t)]
+                                  + ([vector(lin.b, 0, h)] if lin.b else []),
+                                  note=f"structural: {path} scales the output features of {lin.module} (diagonal "
+                                       "rescaling, as the spec's deep-linear row)"), "LayerScale")
+    return True
 
 
 def _output_layers(f: _Found):
