@@ -462,7 +462,7 @@ def _to64(gm: fx.GraphModule) -> None:
             continue
         if n.op == "call_method" and n.target in ("float", "half", "bfloat16"):
             n.target = "double"
-        n.args = map_arg(n.args, lambda a: a) if False else tuple(_swap(a) for a in n.args)
+        n.args = tuple(_swap(a) for a in n.args)
         n.kwargs = {k: _swap(v) for k, v in n.kwargs.items()}
     gm.graph.lint()
     gm.recompile()
@@ -1184,8 +1184,10 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
             ga = torch.autograd.grad((s * h).sum(), [params[k] for k in comp.names], retain_graph=True, allow_unused=True)
             a = {k: t for k, t in zip(comp.names, ga) if t is not None}
             an = torch.sqrt(sum((t * t).sum() for t in a.values()))
-            if an == 0 or bn == 0:
-                worst = max(worst, 0.0 if bn == 0 else float("inf"))
+            if an == 0:  # h does not move with any parameter here: constant, nothing to track
+                worst = -1.0
+                break
+            if bn == 0:
                 continue
             dot = sum((a[k] * b[k]).sum() for k in a)
             worst = max(worst, float(dot.abs() / (an * bn)))
@@ -1248,7 +1250,10 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     for law, what in cands:
         v = viol[law.name]
         f.explained.update(law.params)
-        if v <= TOL or (v != v and set(law.params) & tied):  # tied: declined by the Collector's filter below
+        if v < 0:
+            c.decline(law.name, f"{law.family} law ({what})", "identically constant on this model (zero gradient, e.g. "
+                      "q and k from the same rows): nothing to track")
+        elif v <= TOL or (v != v and set(law.params) & tied):  # tied: declined by the Collector's filter below
             c.add(law)
         elif v != v:
             c.decline(law.name, f"{law.family} law ({what})", "reads a parameter the traced graph does not use: "
