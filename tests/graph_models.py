@@ -302,3 +302,31 @@ class LayerScaleMLP(nn.Module):
 
     def forward(self, x):
         return x + self.gamma * self.fc2(F.gelu(self.fc1(x)))
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class QKNormAttention(nn.Module):
+    """Qwen3-style attention in plain torch: per-head ``nn.RMSNorm`` on q and k (QK-norm), RoPE by rotate_half
+    (pairs {p, p + D/2}), ``F.scaled_dot_product_attention``, separate q/k/v/o projections."""
+
+    def __init__(self, h=16, nh=4):
+        super().__init__()
+        self.nh, self.d = nh, h // nh
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(self.d, eps=1e-6), nn.RMSNorm(self.d, eps=1e-6)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        inv = 1.0 / (10000 ** (torch.arange(0, self.d, 2, dtype=x.dtype) / self.d))
+        ang = torch.arange(t, dtype=x.dtype)[:, None] * inv[None]
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        q = self.q_norm(self.q(x).view(b, t, self.nh, self.d)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, t, self.nh, self.d)).transpose(1, 2)
+        v = self.v(x).view(b, t, self.nh, self.d).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, h))

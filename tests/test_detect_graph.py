@@ -24,7 +24,7 @@ from conserve.detection.graph import Graph, check_laws, detect_graph, make_probe
 from conserve.errors import UnsupportedModelError
 from conserve.laws import QKGram, ReLUUnit, RopePairs, RouterSum, SwiGLUUnit, VOGram, GainBalance, cols, rows, vector
 from conserve.verify import TOL, first_order
-from graph_models import GPT, EinsumAttention, LayerScaleMLP, Llama, MyMLP, Top2MoE, Unknown
+from graph_models import GPT, EinsumAttention, LayerScaleMLP, Llama, MyMLP, QKNormAttention, Top2MoE, Unknown
 from test_detect_torch import WRONG, randomize, violations
 
 
@@ -179,6 +179,31 @@ def test_einsum_attention_with_per_head_fused_qkv():
                                                 minus=[rows("qkv.weight", s, 16, 4), vector("qkv.bias", 16, 4)])}, x)
 
 
+def test_qk_norm_with_rotate_half_rope():
+    m = randomize(QKNormAttention())
+    with torch.no_grad():
+        for n in (m.q_norm, m.k_norm):
+            n.weight.copy_(1 + 0.3 * torch.randn(4, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    found = detect(m)
+    assert found.families() == {"qk_norm_gain": 1, "vo": 4}, found.families()
+    assert "QK-norm" in reasons(found)["q/qk"]
+    g = law(found, "q/qk_norm_gain/group0")
+    # rotate_half pairs {0, 2} and {1, 3} of the shared per-head gains
+    assert {(t.ref.param, t.ref.start, t.ref.rows, t.ref.row_step, t.sign) for t in g.terms} == {
+        ("q_norm.weight", (0,), 2, 1, 1.0), ("q_norm.weight", (2,), 2, 1, 1.0),
+        ("k_norm.weight", (0,), 2, 1, -1.0), ("k_norm.weight", (2,), 2, 1, -1.0)}
+    x = floats(2, 5, 16)
+    hold(m, found, x)
+    from conserve.laws import QKNormGain, Term
+    inter = QKNormGain("w", None, [Term("norm", vector("q_norm.weight", 0, 2, step=2), 1.0),
+                                   Term("norm", vector("q_norm.weight", 1, 2, step=2), 1.0),
+                                   Term("norm", vector("k_norm.weight", 0, 2, step=2), -1.0),
+                                   Term("norm", vector("k_norm.weight", 1, 2, step=2), -1.0)], 2)
+    fail(m, {"interleaved pairing": inter,
+             "QK Gram under QK-norm": QKGram.build("w", None, plus=[rows("q.weight", (16, 16), 0, 4)],
+                                                   minus=[rows("k.weight", (16, 16), 0, 4)])}, x)
+
+
 # ------------------------------------------------------------------------------------------- MoE
 def test_hand_written_top2_moe():
     m = randomize(Top2MoE())
@@ -298,9 +323,9 @@ except Exception as e:  # noqa: BLE001  # pragma: no cover - environment depende
 # data-dependent loop and torch.fx cannot trace HF's forward, so structural detection declines them (with that
 # reason) and only the name-based handler applies.
 UNTRACEABLE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
-# QK-norm: the structural detector declines the QK laws (the q/k path is not linear) and does not build the
-# scale / gain laws the name-based handler builds.
-QK_NORM = {"qwen3": {"qk_scale", "qk_norm_gain"}}
+# QK-norm: the structural detector declines the QK laws (the q/k path is not linear), builds the gain law and
+# not the ||Q||^2 scale laws the name-based handler builds (eps = 0 only).
+QK_NORM = {"qwen3": {"qk_scale"}}
 # BERT (1 layer): the last layer's output LayerNorm is read only by the MLM head's dense, so its gain law holds;
 # the name-based handler declines every BERT LayerNorm as post-LN. Structural finds (and checks) it.
 EXTRA = {"bert": {"bert.encoder.layer.0.output.LayerNorm/gain"}}

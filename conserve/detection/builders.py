@@ -149,16 +149,24 @@ def rope_pair_law(name: str, layer, *, q: Sequence[tuple], k: Sequence[tuple], p
 
 
 def qk_norm_gain_law(name: str, layer, *, q_gain: str, k_gain: str, entries: Sequence[Sequence[int]],
-                     q_bias: str | None = None, k_bias: str | None = None, note: str = "") -> QKNormGain:
-    """QK-norm gain law (catalogue ``QKNormGain``): entry e sums ``g_q[t]^2 (+b_q[t]^2) - g_k[t]^2 (-b_k[t]^2)``
-    over the dims ``t in entries[e]`` (one dim per entry without RoPE, the rotary pair with RoPE)."""
+                     k_entries: Sequence[Sequence[int]] | None = None, q_bias: str | None = None,
+                     k_bias: str | None = None, note: str = "") -> QKNormGain:
+    """QK-norm gain law (catalogue ``QKNormGain``): entry e sums ``g_q[t]^2 (+b_q[t]^2)`` over the q_norm gain
+    indices ``entries[e]`` minus ``g_k[t]^2 (+b_k[t]^2)`` over ``k_entries[e]`` (default: the same indices).
+    One dim per entry without RoPE, the rotary pair (times the group's query heads) with RoPE."""
+    k_entries = entries if k_entries is None else k_entries
+    if len(k_entries) != len(entries):
+        raise ValueError(f"{name}: {len(entries)} q entries but {len(k_entries)} k entries")
     terms: list[Term] = []
-    width = max(len(e) for e in entries)
-    for m in range(width):
-        idx = [e[m] for e in entries]
-        for vec, sign in ((q_gain, +1.0), (q_bias, +1.0), (k_gain, -1.0), (k_bias, -1.0)):
-            if vec is None:
-                continue
-            for e0, start, n, step in runs(idx):
-                terms.append(Term("norm", vector(vec, start, n, step=step), sign, offset=e0))
+    for ents, vecs, sign in ((entries, (q_gain, q_bias), +1.0), (k_entries, (k_gain, k_bias), -1.0)):
+        width = max(len(e) for e in ents)
+        if any(len(e) != width for e in ents):
+            raise ValueError(f"{name}: entries of different sizes")
+        for m in range(width):
+            idx = [e[m] for e in ents]
+            for vec in vecs:
+                if vec is None:
+                    continue
+                for e0, start, n, step in runs(idx):
+                    terms.append(Term("norm", vector(vec, start, n, step=step), sign, offset=e0))
     return QKNormGain(name, layer, terms, len(entries), note)

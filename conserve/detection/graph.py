@@ -777,7 +777,8 @@ def _one_attention(f: _Found, site, x, y, v, out, y_last):
                         c.decline(f"{lab}/rope_pass/group{j}", "partial rotary Gram", "pass-through rows not strided")
                     f.add(law, "partial rotary Gram")
     else:
-        c.decline(f"{lab}/qk", "QK laws", qk_reason)
+        qkn = _qk_norm(f, lq, lk, x, y, y_last, lab, layer)
+        c.decline(f"{lab}/qk", "QK laws", qkn or qk_reason)
     # VO
     if lo is None:
         c.decline(f"{lab}/vo", "VO laws", "the attention output is not read by one linear projection: no VO law")
@@ -825,6 +826,71 @@ def _one_attention(f: _Found, site, x, y, v, out, y_last):
         if law is None:
             c.decline(f"{lab}/vo/group{j}", "VO Gram", "value rows / output columns are not strided blocks")
         f.add(law, "VO Gram")
+
+
+def _qk_norm(f: _Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str | None:
+    """QK-norm (a per-feature gain on each of the q and k paths after a normalisation): the QK Gram / RoPE laws
+    are gone; scaling dim t of the q gain by c and of the k gain by 1/c (equally within a rotary pair) keeps
+    every score, which gives the ``qk_norm_gain`` law. Returns the decline reason for the QK laws, or None
+    when no QK-norm gain was found."""
+    g = f.g
+    pts = _scale_points(g)
+
+    def on(src, dst):
+        between = g.ancestors([dst]) & g.descendants([src])
+        return [p for p in pts if p[0] in between]
+
+    sq, sk = on(lq.node, x), on(lk.node, y)
+    if len(sq) != 1 or len(sk) != 1:
+        return None
+    (nq, wq, bq, shq, _), (nk, wk, bk, shk, _) = sq[0], sk[0]
+    if shq or shk:
+        return None
+    reason = (f"QK-norm ({wq.rsplit('.', 1)[0]}, {wk.rsplit('.', 1)[0]}): q and k are normalised, so the QK Gram / "
+              "RoPE-pair symmetries of the q/k rows are gone (spec breakers: QK-norm); the VO laws are kept, the "
+              "gains get a qk_norm_gain law; the ||Q||^2 scale laws are not built structurally")
+    xs, ys = tuple(g.env[x].shape), tuple(g.env[y].shape)
+
+    def gain_map(src, dst, shp, last):
+        """{head lead: [gain index for head dim 0..D-1]} at position 0, and the RoPE partners."""
+        n_src = g.env[src].numel() // g.env[src].shape[-1]
+        for k0 in range(min(n_src, 2)):
+            m = g.linear_map(src, dst, k0)
+            clean = _heads(m, shp, last) if m is not None else None
+            bh = _by_head(clean, shp[-1] if last else shp[-2]) if clean else None
+            if bh:
+                part = _partners(g, src, dst, shp, last, bh, range(k0 + 1, min(n_src, 4 * len(bh) + 4)))
+                return bh, part
+        return None, None
+
+    mq, pq = gain_map(nq, x, xs, True)
+    mk, pk = gain_map(nk, y, ys, y_last)
+    if not mq or not mk or pq is None or pk is None or pq != pk:
+        return reason.replace("the gains get a qk_norm_gain law", "the gains' layout is not recognised (no gain law)")
+    d = xs[-1]
+    pairs = sorted({tuple(sorted(p)) for p in pq.items()}) if pq else [(t,) for t in range(d)]
+    if pq and len(pairs) * 2 != d:
+        return reason.replace("the gains get a qk_norm_gain law", "partial rotary with QK-norm: no gain law")
+    lq_, lk_ = sorted(mq), sorted(mk)
+    if g.params[wq].numel() == d and g.params[wk].numel() == d:  # one gain shared by all heads (per-head norm)
+        groups = [([lq_[0]], [lk_[0]])]
+    else:  # a norm over all heads: one law per kv group (the query heads reading the same k gains)
+        if len(lk_) % len(lq_) and len(lq_) % len(lk_):
+            return reason
+        rep = max(len(lq_) // len(lk_), 1)
+        by_k: dict = {}
+        for i, l in enumerate(lq_):
+            kl = lk_[i] if len(lk_) == len(lq_) else lk_[i // rep]
+            by_k.setdefault(tuple(mk[kl]), ([], [kl]))[0].append(l)
+        groups = list(by_k.values())
+    for j, (qh, kh) in enumerate(groups):
+        qe = [[mq[l][t] for l in qh for t in pair] for pair in pairs]
+        ke = [[mk[l][t] for l in kh for t in pair] for pair in pairs]
+        f.add(builders.qk_norm_gain_law(f"{lab}/qk_norm_gain/group{j}", layer, q_gain=wq, k_gain=wk, entries=qe,
+                                        k_entries=ke, q_bias=bq, k_bias=bk,
+                                        note=f"structural: QK-norm gains, {'RoPE pairs' if pq else 'per dim'} "
+                                             "(spec: QK-norm breaker + RoPE row)"), "QK-norm gain")
+    return reason
 
 
 def _mlps(f: _Found):
@@ -1044,7 +1110,10 @@ def _other(add_node, _):
 
 def _gains(f: _Found):
     g, c = f.g, f.c
+    claimed = {p for law, _ in f.cands for p in law.params}
     for n, w, b, shift, what in _scale_points(g):
+        if w in claimed:  # e.g. a QK-norm gain, already in a law
+            continue
         h = g.params[w].shape[0]
         path = w.rsplit(".", 1)[0] if "." in w else w
         readers, bad, stack, seen = [], [], [n], set()
