@@ -251,6 +251,9 @@ def test_candidate_that_fails_the_check_is_declined_not_claimed():
     wrong = RouterSum.build("r", 0, weight=rows("router.weight", (3, 8), 0, 3))
     v = check_laws(g, found.laws + [wrong], {})
     assert max(v[x.name] for x in found.laws) <= TOL and v["r"] > WRONG
+    from conserve.detection import graph
+
+    assert graph.TOL == TOL  # the spec's tolerance, as conserve.verify has it
 
 
 # ------------------------------------------------------------------------------ unknown blocks

@@ -87,6 +87,9 @@ ELEMENTWISE = POSITIVE | NO_LAW | {"pow", "square", "abs", "exp", "sin", "cos", 
                                     "clamp_min", "where"}
 SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "size", "dim",
               "sym_size", "_assert_tensor_metadata"}
+# the spec's first-order tolerance (``conserve.verify.TOL``; not imported: importing the submodule would rebind the
+# package attribute ``conserve.verify`` from the function to the module)
+TOL = 1e-10
 NO_LAW_ACT = "no law beyond constants: the activation has no continuous rescaling symmetry (spec: GELU / SiLU FFN row)"
 
 
@@ -1310,8 +1313,6 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
                       f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
     cands = [(law, what) for law, what in f.cands if not (set(law.params) & skip)]
     viol = check_laws(g, [law for law, _ in cands], f.heads)
-    from ..verify import TOL
-
     aliases: dict = {}
     for k, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(k)
