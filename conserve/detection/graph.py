@@ -328,6 +328,51 @@ class Graph:
             return None
         return f.tolist()
 
+    def clean_map(self, src: fx.Node, dst: fx.Node, lead: int):
+        """``linear_map`` in 3 runs when every entry of ``dst`` reads at most one row of ``src`` at ``lead`` (an
+        index map up to scale, e.g. a head split, GQA repeat, RoPE at position 0); None otherwise (not linear, or
+        rows mixed). Rows are encoded as values (r + 1), decoded as ratios and confirmed with random values."""
+        sv = self.env[src]
+        n = sv.shape[-1]
+        if not sv.is_floating_point():
+            return None
+        gen = torch.Generator().manual_seed(7)
+        codes = torch.arange(1, n + 1, dtype=sv.dtype)
+        rnd = torch.rand(n, generator=gen, dtype=torch.float64).to(sv.dtype) + 0.5
+
+        def run(vals):
+            e = torch.zeros(sv.shape, dtype=sv.dtype)
+            e.view(-1, n)[lead] = vals
+            return self.run({src: _like(sv, e)}, [dst])[0]
+
+        try:
+            z = run(torch.zeros(n, dtype=sv.dtype))
+            if not isinstance(z, torch.Tensor) or z.numel() == 0 or not torch.isfinite(z).all() or z.abs().max() > 0:
+                return None
+            a, b, c = (run(v) for v in (codes, torch.ones(n, dtype=sv.dtype), rnd))
+        except Exception:  # noqa: BLE001
+            return None
+        if not isinstance(b, torch.Tensor) or b.is_complex():
+            return None
+        a, b, c = a.reshape(-1), b.reshape(-1), c.reshape(-1)
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        out: dict = {r: {} for r in range(n)}
+        if scale == 0:
+            return out
+        nz = (b.abs() > 1e-9 * scale).nonzero().flatten()
+        if nz.numel() == 0 or not torch.isfinite(a[nz]).all():
+            return None
+        ratio = a[nz] / b[nz]
+        row = ratio.round()
+        if (ratio - row).abs().max() > 1e-6 or (row < 1).any() or (row > n).any():
+            return None
+        row = row.long() - 1
+        if not torch.allclose(c[nz], b[nz] * rnd[row], rtol=1e-9, atol=1e-12 * scale):
+            return None
+        for i, r in zip(nz.tolist(), row.tolist()):
+            out[r][i] = float(b[i])
+        return out
+
     def linear_map(self, src: fx.Node, dst: fx.Node, lead: int, rows_: Iterable[int] | None = None):
         """The exact linear map from row r of ``src`` at flattened lead ``lead`` to ``dst``: ``{r: {flat index of
         dst: coefficient}}`` (nonzeros only), or None when the path is not linear in ``src`` there."""
@@ -338,8 +383,9 @@ class Graph:
             base = self.run({src: _like(sv, zero)}, [dst])[0]
         except Exception:
             return None
-        if not isinstance(base, torch.Tensor) or base.abs().max() > 0:
-            return None  # affine, not linear (an offset independent of src)
+        if not isinstance(base, torch.Tensor) or base.numel() == 0 or not torch.isfinite(base).all() \
+                or base.abs().max() > 0:
+            return None  # affine, not linear (an offset independent of src), or undefined at 0 (a norm)
         out = {}
         scale = 0.0
         rows_ = range(n) if rows_ is None else rows_
@@ -706,19 +752,19 @@ def _one_attention(f: _Found, site, x, y, v, out, y_last):
     nlead = g.env[lq.node].numel() // lq.n_out
     qmap = None
     for k0 in range(min(nlead, 3)):
-        m = g.linear_map(lq.node, x, k0)
+        m = g.clean_map(lq.node, x, k0)
         if m is None:
-            break
+            continue
         clean = _heads(m, xs, True)
         qmap = _by_head(clean, d) if clean else None
         if qmap:
             break
     kmap = None
     if qmap:
-        mk = g.linear_map(lk.node, y, k0)
+        mk = g.clean_map(lk.node, y, k0)
         ck = _heads(mk, ys, y_last) if mk is not None else None  # manual: Y = K^T (..., D, S)
         kmap = _by_head(ck, d) if ck else None
-    mv = g.linear_map(lv.node, v, 0)
+    mv = g.clean_map(lv.node, v, 0)
     cv = _heads(mv, vs, True) if mv is not None else None
     vmap = _by_head(cv, vs[-1]) if cv else None
     qk_reason = None
@@ -790,27 +836,34 @@ def _one_attention(f: _Found, site, x, y, v, out, y_last):
     c.know(lo.b)
     omap = None
     if vmap:
+        # every (head lead l, dim t) of the attention output at position 0 encoded as one value: the output
+        # projection's input columns at batch 0 / position 0 read them one to one
         on = g.env[out]
-        nl = on.numel() // (os_[-2] * os_[-1])
+        nl, dd = on.numel() // (os_[-2] * os_[-1]), os_[-1]
+
+        def orun(vals):
+            e = torch.zeros(on.shape, dtype=on.dtype)
+            e.view(-1, os_[-2], dd)[:, 0, :] = vals.view(nl, dd)
+            return g.run({out: _like(on, e)}, [lo.x])[0].reshape(-1, lo.n_in)
+
+        codes = torch.arange(1, nl * dd + 1, dtype=on.dtype)
+        rnd = torch.rand(nl * dd, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(on.dtype) + 0.5
+        ya, yb, yc = orun(codes), orun(torch.ones_like(codes)), orun(rnd)
         omap = {}
-        for l in range(nl):
-            cols = []
-            for t in range(os_[-1]):
-                e = torch.zeros(on.shape, dtype=on.dtype)
-                e.view(-1, os_[-2], os_[-1])[l, 0, t] = 1.0
-                yv = g.run({out: _like(on, e)}, [lo.x])[0].reshape(-1, lo.n_in)
-                nz = yv.abs().sum(1).nonzero().flatten().tolist()
-                if nz != [0]:  # not batch 0 / position 0 of the output projection's input
-                    break
-                cz = yv[0].nonzero().flatten().tolist()
-                if len(cz) != 1:
-                    omap = None
-                    break
-                cols.append(cz[0])
-            if omap is None:
+        sc = float(yb.abs().max())
+        for col in range(lo.n_in):
+            if sc == 0 or abs(float(yb[0, col])) <= 1e-9 * sc:
+                continue
+            ratio = float(ya[0, col] / yb[0, col])
+            code = round(ratio)
+            if abs(ratio - code) > 1e-6 or not 1 <= code <= nl * dd or \
+                    abs(float(yc[0, col]) - float(yb[0, col]) * float(rnd[code - 1])) > 1e-9 * sc:
+                omap = None
                 break
-            if len(cols) == os_[-1]:
-                omap[l] = cols
+            l, t = divmod(code - 1, dd)
+            omap.setdefault(l, [None] * dd)[t] = col
+        if omap is not None and any(None in cols_ for cols_ in omap.values()):
+            omap = None
         if omap is not None and (not omap or len(omap) % len(vmap)):
             omap = None
     if omap is None or vmap is None:
@@ -858,7 +911,7 @@ def _qk_norm(f: _Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str 
         """{head lead: [gain index for head dim 0..D-1]} at position 0, and the RoPE partners."""
         n_src = g.env[src].numel() // g.env[src].shape[-1]
         for k0 in range(min(n_src, 2)):
-            m = g.linear_map(src, dst, k0)
+            m = g.clean_map(src, dst, k0)
             clean = _heads(m, shp, last) if m is not None else None
             bh = _by_head(clean, shp[-1] if last else shp[-2]) if clean else None
             if bh:
