@@ -666,27 +666,46 @@ def _by_head(clean: dict, d: int) -> dict | None:
 
 
 def _partners(g: Graph, src, dst, shape, contract_last, by_head, leads) -> dict | None:
-    """RoPE pairing {d: d'} seen at other positions (dims rotated together), {} when none."""
+    """RoPE pairing {d: d'} seen at other positions (dims rotated together), {} when none. One run per head dim
+    and lead: the rows of dim t of every head are set at once; the dims they reach are t and its partner."""
     a, b = shape[-2], shape[-1]
-    inv = {}
-    for lead, rows_ in by_head.items():
+    sv = g.env[src]
+    n = sv.shape[-1]
+    by_dim: dict = {}
+    for rows_ in by_head.values():
         for dim, r in enumerate(rows_):
-            inv[r] = (lead, dim)
+            by_dim.setdefault(dim, set()).add(r)
     partner: dict = {}
+    seen_leads = 0
     for k in leads:
-        m = g.linear_map(src, dst, k, rows_=sorted(inv))
-        if m is None:
-            return None
-        for r, nz in m.items():
-            lead0, dim0 = inv[r]
-            for flat in nz:
-                lead, rest = divmod(flat, a * b)
+        if k >= sv.numel() // n:
+            break
+        before = dict(partner)
+        for dim, rs in by_dim.items():
+            e = torch.zeros(sv.shape, dtype=sv.dtype)
+            e.view(-1, n)[k, sorted(rs)] = 1.0
+            try:
+                y = g.run({src: _like(sv, e)}, [dst])[0]
+            except Exception:  # noqa: BLE001
+                return None
+            if not isinstance(y, torch.Tensor) or y.is_complex() or not torch.isfinite(y).all():
+                return None
+            y = y.reshape(-1)
+            sc = float(y.abs().max()) if y.numel() else 0.0
+            if sc == 0:
+                continue
+            for flat in (y.abs() > 1e-9 * sc).nonzero().flatten().tolist():
+                _, rest = divmod(flat, a * b)
                 i, j = divmod(rest, b)
-                dim = j if contract_last else i
-                if dim != dim0:
-                    if partner.get(dim0, dim) != dim:
+                other = j if contract_last else i
+                if other != dim:
+                    if partner.get(dim, other) != other:
                         return None
-                    partner[dim0] = dim
+                    partner[dim] = other
+        if partner:
+            seen_leads += 1
+            if seen_leads >= 2 and partner == before:
+                break  # two rotated positions agree: the pairing is complete
     if any(partner.get(v) != k for k, v in partner.items()):
         return None
     return partner
