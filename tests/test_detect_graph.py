@@ -325,13 +325,16 @@ except Exception as e:  # noqa: BLE001  # pragma: no cover - environment depende
 # HF MoE layers dispatch tokens with ``nonzero()`` over the routing mask: torch.export cannot trace the
 # data-dependent loop and torch.fx cannot trace HF's forward, so structural detection declines them (with that
 # reason) and only the name-based handler applies.
-UNTRACEABLE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
-# QK-norm: the structural detector declines the QK laws (the q/k path is not linear), builds the gain law and
-# not the ||Q||^2 scale laws the name-based handler builds (eps = 0 only).
-QK_NORM = {"qwen3": {"qk_scale"}}
-# BERT (1 layer): the last layer's output LayerNorm is read only by the MLM head's dense, so its gain law holds;
-# the name-based handler declines every BERT LayerNorm as post-LN. Structural finds (and checks) it.
-EXTRA = {"bert": {"bert.encoder.layer.0.output.LayerNorm/gain"}}
+UNTRACEABLE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "qwen3_moe")
+# Families the name-based handlers build and structural detection does not: the ||Q||^2 QK-norm scale laws
+# (eps = 0 only) and the post-norm scale laws (norm_scale); Gemma3's QK-norm gains applied as (1 + w).
+NOT_STRUCTURAL = {"qk_scale", "norm_scale"}
+NOT_STRUCTURAL_BY_NAME = {"gemma3_text": {"qk_norm_gain"}}
+# Laws structural detection finds (and checks) that the name-based handlers decline: BERT (1 layer): the last
+# layer's output LayerNorm is read only by the MLM head's dense; Arcee (ReLU^2 MLP): the post-attention norm is
+# read only by up_proj, so its gain law holds although the MLP itself has no law.
+EXTRA = {"bert": {"bert.encoder.layer.0.output.LayerNorm/gain"},
+         "arcee": {"model.layers.0.post_attention_layernorm/gain"}}
 
 
 def fingerprint(laws, params):
@@ -356,11 +359,11 @@ def test_structural_agrees_with_name_based_hf(name):
         assert found.laws == [] and all("could not run" in x.reason for x in found.declined)
         return
     params = {k: v.detach().double() for k, v in m.named_parameters(remove_duplicate=False)}
-    drop = QK_NORM.get(name, set())
+    drop = NOT_STRUCTURAL | NOT_STRUCTURAL_BY_NAME.get(name, set())
     extra = EXTRA.get(name, set())
     assert {x.name for x in found.laws if x.name in extra} == extra
     want = fingerprint([x for x in named.laws if x.family not in drop], params)
     got = fingerprint([x for x in found.laws if x.name not in extra], params)
     assert got == want
-    if drop:
+    if "qk_scale" in named.families():
         assert any("QK-norm" in x.reason for x in found.declined)

@@ -1263,6 +1263,8 @@ def _output_layers(f: _Found):
                     ce = True
                 elif o in ("view", "reshape", "getitem", "to", "contiguous", "flatten", "squeeze", "unsqueeze"):
                     stack.append(u)
+                elif o in ("mul", "div") and len(u.args) == 2 and isinstance(u.args[1], (int, float)) and u.args[1]:
+                    stack.append(u)  # a constant logit scale (Granite): shifting every logit commutes with it
                 else:
                     other.add(o)
         if not (to_out or ce):
