@@ -327,9 +327,9 @@ except Exception as e:  # noqa: BLE001  # pragma: no cover - environment depende
 # reason) and only the name-based handler applies.
 UNTRACEABLE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "qwen3_moe")
 # Families the name-based handlers build and structural detection does not: the ||Q||^2 QK-norm scale laws
-# (eps = 0 only) and the post-norm scale laws (norm_scale); Gemma3's QK-norm gains applied as (1 + w).
+# (eps = 0 only) and the post-norm scale laws (norm_scale).
 NOT_STRUCTURAL = {"qk_scale", "norm_scale"}
-NOT_STRUCTURAL_BY_NAME = {"gemma3_text": {"qk_norm_gain"}}
+NOT_STRUCTURAL_BY_NAME: dict = {}
 # Laws structural detection finds (and checks) that the name-based handlers decline: BERT (1 layer): the last
 # layer's output LayerNorm is read only by the MLM head's dense; Arcee (ReLU^2 MLP): the post-attention norm is
 # read only by up_proj, so its gain law holds although the MLP itself has no law.

@@ -150,10 +150,11 @@ def rope_pair_law(name: str, layer, *, q: Sequence[tuple], k: Sequence[tuple], p
 
 def qk_norm_gain_law(name: str, layer, *, q_gain: str, k_gain: str, entries: Sequence[Sequence[int]],
                      k_entries: Sequence[Sequence[int]] | None = None, q_bias: str | None = None,
-                     k_bias: str | None = None, note: str = "") -> QKNormGain:
+                     k_bias: str | None = None, shift: float = 0.0, note: str = "") -> QKNormGain:
     """QK-norm gain law (catalogue ``QKNormGain``): entry e sums ``g_q[t]^2 (+b_q[t]^2)`` over the q_norm gain
     indices ``entries[e]`` minus ``g_k[t]^2 (+b_k[t]^2)`` over ``k_entries[e]`` (default: the same indices).
-    One dim per entry without RoPE, the rotary pair (times the group's query heads) with RoPE."""
+    One dim per entry without RoPE, the rotary pair (times the group's query heads) with RoPE. ``shift=1`` for
+    gains applied as ``1 + w`` (Gemma3): the terms are ``(g + shift)^2``."""
     k_entries = entries if k_entries is None else k_entries
     if len(k_entries) != len(entries):
         raise ValueError(f"{name}: {len(entries)} q entries but {len(k_entries)} k entries")
@@ -164,9 +165,9 @@ def qk_norm_gain_law(name: str, layer, *, q_gain: str, k_gain: str, entries: Seq
             raise ValueError(f"{name}: entries of different sizes")
         for m in range(width):
             idx = [e[m] for e in ents]
-            for vec in vecs:
+            for vec, sh in zip(vecs, (shift, 0.0)):
                 if vec is None:
                     continue
                 for e0, start, n, step in runs(idx):
-                    terms.append(Term("norm", vector(vec, start, n, step=step), sign, offset=e0))
+                    terms.append(Term("norm", vector(vec, start, n, step=step), sign, offset=e0, shift=sh))
     return QKNormGain(name, layer, terms, len(entries), note)

@@ -919,8 +919,9 @@ def _qk_norm(f: _Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str 
     if len(sq) != 1 or len(sk) != 1:
         return None
     (nq, wq, bq, shq, _), (nk, wk, bk, shk, _) = sq[0], sk[0]
-    if shq or shk:
+    if shq != shk:
         return None
+    f.explained.update({lq.w, lk.w} | ({lq.b} if lq.b else set()) | ({lk.b} if lk.b else set()))
     reason = (f"QK-norm ({wq.rsplit('.', 1)[0]}, {wk.rsplit('.', 1)[0]}): q and k are normalised, so the QK Gram / "
               "RoPE-pair symmetries of the q/k rows are gone (spec breakers: QK-norm); the VO laws are kept, the "
               "gains get a qk_norm_gain law; the ||Q||^2 scale laws are not built structurally")
@@ -962,7 +963,7 @@ def _qk_norm(f: _Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str 
         qe = [[mq[l][t] for l in qh for t in pair] for pair in pairs]
         ke = [[mk[l][t] for l in kh for t in pair] for pair in pairs]
         f.add(builders.qk_norm_gain_law(f"{lab}/qk_norm_gain/group{j}", layer, q_gain=wq, k_gain=wk, entries=qe,
-                                        k_entries=ke, q_bias=bq, k_bias=bk,
+                                        k_entries=ke, q_bias=bq, k_bias=bk, shift=shq,
                                         note=f"structural: QK-norm gains, {'RoPE pairs' if pq else 'per dim'} "
                                              "(spec: QK-norm breaker + RoPE row)"), "QK-norm gain")
     return reason
