@@ -330,3 +330,17 @@ class QKNormAttention(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(y.transpose(1, 2).reshape(b, t, h))
+
+
+class NormedSequential(nn.Module):
+    """A user block: pre-norm ``nn.LayerNorm`` then an ``nn.Sequential`` ReLU MLP, with a residual. The
+    Sequential is the torch.nn detector's; the norm's gain law (read by the Sequential's first Linear) is
+    found structurally."""
+
+    def __init__(self, h=8):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.mlp = nn.Sequential(nn.Linear(h, 16), nn.ReLU(), nn.Linear(16, h))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))

@@ -24,7 +24,8 @@ from conserve.detection.graph import Graph, check_laws, detect_graph, make_probe
 from conserve.errors import UnsupportedModelError
 from conserve.laws import QKGram, ReLUUnit, RopePairs, RouterSum, SwiGLUUnit, VOGram, GainBalance, cols, rows, vector
 from conserve.verify import TOL, first_order
-from graph_models import GPT, EinsumAttention, LayerScaleMLP, Llama, MyMLP, QKNormAttention, Top2MoE, Unknown
+from graph_models import (GPT, EinsumAttention, LayerScaleMLP, Llama, MyMLP, NormedSequential, QKNormAttention, Top2MoE,
+                          Unknown)
 from test_detect_torch import WRONG, randomize, violations
 
 
@@ -290,6 +291,15 @@ def test_torchnn_modules_plus_structural_for_the_rest():
     assert found.families() == {"qk": 2, "vo": 2, "relu": 1} and found.undetected == []
     r = reasons(found)
     assert "no catalogue block" in r["stem"] and "not only by linear maps" in r["scale"]
+
+
+def test_gain_read_by_a_torchnn_sequential():
+    m = randomize(NormedSequential())
+    found = detect(m)
+    assert found.detector == "torch.nn+graph"
+    assert found.families() == {"relu": 1, "gain": 1} and found.undetected == []
+    assert law(found, "norm/gain").params == ("norm.weight", "norm.bias", "mlp.0.weight")
+    hold(m, found, floats(3, 8))
 
 
 def test_untraceable_or_unprobeable_models_are_declined_per_module():

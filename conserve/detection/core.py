@@ -126,7 +126,8 @@ def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detec
     left = set(found.undetected)
     skip = [k for k, _ in model.named_parameters() if (k.rsplit(".", 1)[0] if "." in k else k) not in left]
     g = detect_graph(model, skip_params=skip, **options)
-    laws = found.laws + [law for law in g.laws if not set(law.params) & set(skip)]
+    have = {(law.family, frozenset(law.params)) for law in found.laws}
+    laws = found.laws + [law for law in g.laws if (law.family, frozenset(law.params)) not in have]
     declined = found.declined + g.declined
     return Detection(laws, declined, [m for m in g.undetected if m in left], f"{found.detector}+graph")
 

@@ -1356,7 +1356,8 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
             models starting with an ``nn.Embedding`` / ``nn.Linear`` / norm.
         loss: 'ce' when trained with softmax cross-entropy (the translation law needs it).
         max_probe_params: larger models are declined (the float64 probe copy would be too large).
-        skip_params: parameters already explained by another detector (no law reading them is built).
+        skip_params: parameters already explained by another detector: no law reading only them is built and
+            they are not declined (a law reading them and others, e.g. a gain read by their Linear, is).
     Returns:
         ``Detection`` with ``detector='graph'``.
     """
@@ -1386,7 +1387,7 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         except Exception as e:  # noqa: BLE001 - one block kind failing never fails the whole model
             c.decline(f"<{step.__name__.strip('_')}>", "structural analysis error",
                       f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
-    cands = [(law, what) for law, what in f.cands if not (set(law.params) & skip)]
+    cands = [(law, what) for law, what in f.cands if not set(law.params) <= skip]  # something new to say
     viol = check_laws(g, [law for law, _ in cands], f.heads)
     aliases: dict = {}
     for k, p in model.named_parameters(remove_duplicate=False):
