@@ -25,7 +25,11 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
      dims are rotated together: RoPE by rotate_half (pairs ``{p, p + R/2}``) or by complex multiplication
      of adjacent pairs (``view_as_complex``, pairs ``{2p, 2p+1}``), partial rotary (pass-through dims).
      Laws: QK Gram per kv group (no RoPE) or RoPE pairs (+ pass-through Gram), VO Gram per kv group.
-     A q/k path that is not linear (QK-norm) gets no QK law (declined with the reason); VO is kept.
+     Attention written with ``einsum`` is rewritten as permute -> matmul -> permute first (re-checked).
+     A q/k path that is not linear (QK-norm) gets no QK law (declined with the reason); VO is kept, and
+     a per-feature gain on each of the q and k paths gets the QK-norm gain law (per dim, or per rotary
+     pair; one law for gains shared by all heads, one per kv group for a norm over all heads; ``1 + w``
+     gains too). The ``||Q||^2`` scale laws are not built structurally.
    * element-wise MLPs ``down(act(up x))``: ReLU / leaky-ReLU unit laws; GELU, SiLU, tanh, ... declined
      (spec: GELU / SiLU FFN row); ``down(up x)`` with nothing between: deep-linear Gram.
    * gated MLPs ``down(g * up x)`` where ``up x`` reaches the product through index operations only (any
@@ -34,6 +38,8 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
      hand-written RMSNorms, Gemma's ``(1 + w)``) whose output is read only by linear maps (through
      dropout, casts, reshapes, token indexing or pooling): gain law with every reader. A scale whose
      output also feeds anything else (the residual stream: post-LN) is declined.
+   * LayerScale: a per-feature scale of a linear's output (``gamma * (W x + b)``) whose result feeds
+     anything (the residual): ``gamma_c^2 - ||W[c,:]||^2 - b_c^2`` (family ``layer_scale``).
    * routers: a linear whose output is only read by ``softmax`` (directly or after ``topk``): router sum
      (spec: MoE router, softmax, any top-k, renormalised or not); a sigmoid router is declined (spec
      open row). Expert MLPs are found as MLPs above.
