@@ -23,7 +23,7 @@ from conserve.detection import detect
 from conserve.detection.graph import Graph, check_laws, detect_graph, make_probe, synth_inputs, trace
 from conserve.errors import UnsupportedModelError
 from conserve.laws import QKGram, ReLUUnit, RopePairs, RouterSum, SwiGLUUnit, VOGram, GainBalance, cols, rows, vector
-from conserve.verify import TOL, first_order
+from conserve.analysis.verify import TOL, first_order
 from graph_models import (GPT, EinsumAttention, LayerScaleMLP, Llama, MyMLP, NormedSequential, QKNormAttention, Top2MoE,
                           Unknown)
 from test_detect_torch import WRONG, randomize, violations

@@ -18,7 +18,7 @@ from conserve.detection import detect
 from conserve.kernels import evaluate_reference
 from conserve.laws import (DeepLinearGram, GainBalance, QKGram, ReLUUnit, Translation, VOGram, cols, compile_laws, rows,
                           vector)
-from conserve.verify import TOL, first_order
+from conserve.analysis.verify import TOL, first_order
 
 WRONG = 1e-6  # a planted wrong law violates the first-order check by far more than this
 

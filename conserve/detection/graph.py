@@ -47,7 +47,7 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
      the translation law when the loss is softmax cross-entropy (``loss='ce'``, or ``F.cross_entropy``
      of it inside the graph); declined otherwise (a soft-cap or other op before the output breaks it).
 4. Check: every candidate law must pass the spec's first-order check (float64, the traced probe, random
-   output projections, cross-entropy for translation laws, relative violation <= ``conserve.verify.TOL``)
+   output projections, cross-entropy for translation laws, relative violation <= ``conserve.analysis.verify.TOL``)
    before it is claimed; a law that fails is declined with its measured violation. Embeddings and every
    parameterised module no block explains are declined with the reason (never the whole model).
    Frozen / tied parameters go through the one ``Collector`` filter.
@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.node import map_arg
 
+from ..analysis.verify import TOL  # the spec's first-order tolerance
 from ..laws import (Declined, DeepLinearGram, LayerScaleBalance, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit,
                     Translation, VOGram, rows, vector)
 from . import builders
@@ -93,9 +94,6 @@ ELEMENTWISE = POSITIVE | NO_LAW | {"pow", "square", "abs", "exp", "sin", "cos", 
                                     "clamp_min", "where"}
 SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "size", "dim",
               "sym_size", "_assert_tensor_metadata"}
-# the spec's first-order tolerance (``conserve.verify.TOL``; not imported: importing the submodule would rebind the
-# package attribute ``conserve.verify`` from the function to the module)
-TOL = 1e-10
 NO_LAW_ACT = "no law beyond constants: the activation has no continuous rescaling symmetry (spec: GELU / SiLU FFN row)"
 
 
@@ -1293,7 +1291,7 @@ def _output_layers(f: _Found):
 
 # ------------------------------------------------------------------------------------------- the check
 def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int = 0) -> dict[str, float]:
-    """Spec check 1 for every law on the traced probe (``conserve.verify.first_order``'s measure, the model
+    """Spec check 1 for every law on the traced probe (``conserve.analysis.verify.first_order``'s measure, the model
     gradients shared by all laws): worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` (float64)."""
     from ..kernels import evaluate_reference
     from ..laws import compile_laws
