@@ -66,7 +66,15 @@ def _close(got, want, rtol, scale=None):
 
 OPTS = {"sgd_wd": lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=0.1),
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-        "momentum": lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9)}
+        "momentum": lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9),
+        # weight decay on the matrices only: gain laws mix decay factors (the kernel's per-term decay)
+        "adamw_groups": lambda ps: torch.optim.AdamW(_wd_groups(ps), lr=1e-2)}
+
+
+def _wd_groups(ps):
+    ps = list(ps)
+    return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
 
 
 @pytest.mark.parametrize("fp64", [False, True], ids=["fp32", "fp64"])

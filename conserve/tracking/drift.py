@@ -143,10 +143,11 @@ class Assembly:
         dt = hv.dtype
         fv, fg = self._factors(a)[0]
 
-        def one(h, f, quad_mask, kernel):
-            # factors in float64 on the host (exact for fp32 a), one rounding to dt, one product with h
-            uni = ~np.isnan(f)
-            fac = np.where(uni, np.where(quad_mask, f * f - 1.0, f - 1.0), 0.0)
+        def one(h, f, quad_mask, kernel, used):
+            # factors in float64 on the host (exact for fp32 a), one rounding to dt, one product with h;
+            # entries outside ``used`` (not decomposed this step) are zero whatever their factors
+            uni = ~np.isnan(f) | ~used
+            fac = np.where(uni & used, np.where(quad_mask, f * f - 1.0, f - 1.0), 0.0)
             shape = (-1,) + (1,) * (h.dim() - 1)
             out = torch.from_numpy(fac).to(self.device, dt).view(shape) * h if (fac != 0).any() else torch.zeros_like(h)
             if not uni.all():
@@ -157,8 +158,10 @@ class Assembly:
             return out
 
         kv, kg = (None, {}) if kernel is None else kernel
-        dv = one(hv, fv, ~self._lin_np, kv)
-        dg = {d: one(hg[d], fg[d], np.ones(len(fg[d]), dtype=bool), kg.get(d)) for d in hg}
+        part = sampled is not None and not sampled.full
+        dv = one(hv, fv, ~self._lin_np, kv, sampled.vec_np if part else np.ones(len(fv), dtype=bool))
+        dg = {d: one(hg[d], fg[d], np.ones(len(fg[d]), dtype=bool), kg.get(d),
+                     sampled.gram_np[d] if part else np.ones(len(fg[d]), dtype=bool)) for d in hg}
         if sampled is not None and not sampled.full:  # entries this step did not decompose: no term
             dv = dv * sampled.vec
             dg = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in dg.items()}
