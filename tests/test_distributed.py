@@ -270,7 +270,7 @@ class _Reference:
 
     def start(self, full):
         self.load(full)
-        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], snapshot_budget=None, **self.kw)
+        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], snapshot_budget=None, drift_every=1, **self.kw)
 
 
 def _check_rows(got, want, what, rtol=1e-6, atol=1e-12):

@@ -85,7 +85,8 @@ def test_track_cadence_and_budget_match_full_decomposition(opt_name, every, budg
     terms (fp32: 1e-6 of the term's scale; fp64: rounding); the other rows carry NaN drift columns."""
     xs = _batches(7)
     m_ref, m = _model(), _model()
-    ref = conserve.track(OPTS[opt_name](m_ref.parameters()), m_ref, every=100, fp64=fp64, snapshot_budget=None)
+    ref = conserve.track(OPTS[opt_name](m_ref.parameters()), m_ref, every=100, fp64=fp64, snapshot_budget=None,
+                         drift_every=1)
     opt = conserve.track(OPTS[opt_name](m.parameters()), m, every=100, fp64=fp64, drift_every=every,
                          snapshot_budget=budget)
     rows_ref, rows = _run(m_ref, ref, xs), _run(m, opt, xs)
@@ -137,7 +138,8 @@ def test_decay_has_no_cancellation_at_a_near_one():
     """a = 1 - 1e-3 (SGD, lr 0.01, wd 0.1), fp32: the decay is (a^2-1) h(theta_k) within fp32 rounding of
     h (|a^2-1| times the fp32 error of the stored h), where h(a theta) - h(theta) in fp32 cancels."""
     m = _model()
-    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.01, weight_decay=0.1), m, snapshot_budget=None)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.01, weight_decay=0.1), m, snapshot_budget=None,
+                         drift_every=1)
     tr = opt.tracker
     a = 1 - 0.01 * 0.1
     plan = tr.compiled.plan
@@ -327,7 +329,7 @@ def test_triton_drift_pass_on_sampled_views(kind):
     for m, backend in zip(ms, ("torch", "triton")):
         if kind == "track":
             opts.append(conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=100,
-                                       snapshot_budget=0.3, backend=backend))
+                                       snapshot_budget=0.3, backend=backend, drift_every=1))
         else:
             opts.append(FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, every=100, drift_every=1,
                                    snapshot_budget=0.3, backend=backend))
