@@ -42,7 +42,7 @@ from .tracking.drift import Assembly, Mask, Sampler, drift_pieces
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
 NONFINITE_POLICIES = ("raise", "warn", "skip")
-DRIFT_EVERY = 4  # default drift cadence (see Tracker)
+DRIFT_EVERY = 1  # default drift cadence (see Tracker)
 SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
 
 
@@ -88,9 +88,10 @@ class Tracker:
         drift: compute the three drift terms (False: never; ``eps`` and the law values are still
             evaluated every step).
         drift_every: decompose the drift on every ``drift_every``-th step (steps 1, 1 + N, 1 + 2N, ...);
-            the other steps log ``eps`` and NaN drift columns.  Default 4: with the snapshot budget
-            a CPU step of ``conserve run``'s model costs ~1.1x the untracked one (``bench/track_overhead.py``;
-            ``eps`` alone ~1.05-1.08x); 1: every step (a drift step costs ~1.5 evaluations of its group).
+            the other steps log ``eps`` and NaN drift columns.  Default 1 (every step; with the snapshot
+            budget a drift step costs ~1.5 evaluations of its group): a CPU step of ``conserve run``'s
+            model ~1.1x the untracked one, ``eps`` alone ~1.05-1.08x; 4 trims the drift part by 4
+            (``bench/track_overhead.py``).
         snapshot_budget: bytes copied right before a drift step, as a fraction of the tracked bytes
             (default 0.05; ``None``: every law on every drift step, whole tensors copied, 1x the
             tracked bytes while the step runs).  With a budget, a drift step decomposes one group of
