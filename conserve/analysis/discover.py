@@ -815,6 +815,15 @@ def _quadratic_laws(pb: _Problem, q: _Quadratic, rows_: torch.Tensor, name: str)
         for _ in range(2):
             for i in sorted(range(len(rest)), key=lambda i: int((rest[i] != 0).sum())):
                 rest[i] = _reduce_l1(rest[i], combos + rest[:i] + rest[i + 1:])
+    if rest:
+        # canonical basis of the rest: least L1 modulo the other laws has ties (laws with disjoint supports:
+        # ||u0|| = ||(u0 - u2) / 2|| in L1), resolved differently by each solver (HiGHS vertex, IRLS midpoint);
+        # the reduced row echelon form of the sparse representatives (columns in parameter order) is unique
+        # and splits disjoint supports; then each law is made sparse modulo the combinations alone (no tie
+        # between laws can arise there; only strict L1 improvements are taken)
+        rest = list(_rref(torch.stack(rest)))
+        if combos:
+            rest = [_reduce_l1(r, combos) for r in rest]
     out += [_single(pb, q, r, name) for r in rest]
     return out
 
