@@ -520,3 +520,36 @@ def test_sparse_forms_without_scipy(monkeypatch):
     want = sorted(tuple(sorted({(1.0, f"||{w}.weight[{u},:]||^2"), (-1.0, f"||w3.weight[:,{u}]||^2")}))
                   for w in ("w1", "w2") for u in range(2))
     assert got == want
+
+
+@pytest.mark.parametrize("solver", ["highs", "irls"])
+@pytest.mark.parametrize("mix", [False, True])
+def test_canonical_form_does_not_depend_on_the_l1_solver_or_the_svd_basis(monkeypatch, solver, mix):
+    """Regression: least L1 modulo the other laws has ties (``||u0|| = ||(u0 - u2) / 2||`` for balance laws
+    with disjoint supports), resolved differently by scipy's HiGHS (a vertex) and the IRLS fallback (a
+    midpoint: what CI, without scipy, ran). The canonical form must not depend on the solver, nor on the
+    basis the SVD returns for the null space (``mix``: the null-space basis multiplied by a random
+    orthogonal matrix)."""
+    import conserve.analysis.ansatz as ansatz
+    import conserve.analysis.discover as disc
+
+    if solver == "irls":
+        monkeypatch.setattr(ansatz, "_l1_linprog", lambda x, T: None)
+    else:
+        pytest.importorskip("scipy")
+    if mix:
+        orig = disc._nullspace
+
+        def mixed(A):
+            null, *rest = orig(A)
+            k = null.shape[1]
+            if k > 1:
+                q, _ = torch.linalg.qr(torch.randn(k, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64))
+                null = null @ q
+            return (null, *rest)
+
+        monkeypatch.setattr(disc, "_nullspace", mixed)
+    res = conserve.discover(_make(_TinyLM), torch.tensor([[0, 4, 0, 4]] * 3), ansatz="structured", count=False)
+    assert [(d.match, _terms(d)) for d in res.laws] == [
+        ("deep linear / VO Gram", {(1.0, "embed_tokens.weight[:,0:2]"), (-1.0, "fc_in.weight[:,0:2]")})] + [
+        ("unit balance", {(1.0, f"||fc_in.weight[{u},:]||^2"), (-1.0, f"||fc_out.weight[:,{u}]||^2")}) for u in range(3)]
