@@ -553,3 +553,40 @@ def test_canonical_form_does_not_depend_on_the_l1_solver_or_the_svd_basis(monkey
     assert [(d.match, _terms(d)) for d in res.laws] == [
         ("deep linear / VO Gram", {(1.0, "embed_tokens.weight[:,0:2]"), (-1.0, "fc_in.weight[:,0:2]")})] + [
         ("unit balance", {(1.0, f"||fc_in.weight[{u},:]||^2"), (-1.0, f"||fc_out.weight[:,{u}]||^2")}) for u in range(3)]
+
+
+def _qa_relu_block(bias0=None):
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 3, bias=False)).double()
+    if bias0 is not None:
+        with torch.no_grad():
+            block[0].bias[0] = bias0
+    return block, torch.randn(8, 3, dtype=torch.float64)
+
+
+def test_completeness_counts_on_enough_samples_and_never_advises_what_ran():
+    """QA regression: on 8 example rows (24 with the redrawn batches) a ReLU unit active on one sample made
+    ``conserve.count`` say 7 laws for this block (true: 4, one per unit), and the statement advised
+    ansatz='dense' although the dense ansatz had run. The count now runs on >= 4 P output rows, and is
+    redone on more samples while it exceeds the laws found."""
+    res = conserve.discover(*_qa_relu_block())
+    assert [d.match for d in res.laws] == ["unit balance"] * 4
+    assert res.count.count == 4 and res.complete and res.completeness().startswith("complete")
+    # the statement names what ran: after the dense ansatz, no advice to run it
+    res.independent = 3
+    assert "dense ansatz (every monomial) ran too" in res.completeness() and "try" not in res.completeness()
+    only = conserve.discover(*_qa_relu_block(), ansatz="structured")
+    only.independent = 3
+    assert "ansatz='dense'" in only.completeness()
+
+
+def test_dead_unit_makes_the_count_undecided_not_incomplete():
+    """A unit whose bias (-1.5) keeps it inactive on every sample of the count's batch at the block's
+    parameters: its weights get no gradient there, so conserve.count (10) is an upper bound, a property of
+    that batch. The statement says so and names the dead parameters; no spurious linear law is listed."""
+    res = conserve.discover(*_qa_relu_block(-1.5))
+    assert res.linear_dim == 0 and [d.match for d in res.laws] == ["unit balance"] * 4
+    assert res.count.count > res.independent == 4 and not res.complete
+    assert "0.bias[0]" in res.dead and "2.weight[0,0]" in res.dead
+    assert res.completeness().startswith("undecided") and "dense" not in res.completeness()
+    assert res.to_json()["dead"] == res.dead
