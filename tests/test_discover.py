@@ -385,6 +385,15 @@ def test_cli_writes_markdown_and_json(tmp_path, monkeypatch, capsys):
     assert "unit balance" in md and "complete" in md
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["complete"] is True and len(data["laws"]) == 2 and data["laws"][0]["match"] == "unit balance"
+    # exactly PREFIX.md and PREFIX.json; a .md suffix is dropped; a directory gets discover.md / .json inside
+    (tmp_path / "d").mkdir()
+    for out, files in ((str(tmp_path / "s.md"), ["s.json", "s.md"]), (str(tmp_path / "d"), ["d/discover.json", "d/discover.md"]),
+                       (str(tmp_path / "new") + "/", ["new/discover.json", "new/discover.md"])):
+        before = {p for p in tmp_path.rglob("*") if p.is_file()}
+        assert main(["discover", "myblocks_discover:tiny", "--ansatz", "structured", "--no-count", "--out", out]) == 0
+        made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and p not in before
+                      and "__pycache__" not in str(p))
+        assert made == files, (out, made)
     assert main(["discover", "myblocks_discover"]) == 2
     assert main(["discover", "no_such_module_xyz:f"]) == 2
     assert "MODULE:FACTORY" in capsys.readouterr().err

@@ -41,7 +41,18 @@ Size: the SVD of one solve holds ~(1.2 N)^2 float64 for N unknowns and costs ~N^
 default 6,000); above it :class:`BlockTooLarge` says so and names the fix (a smaller width).
 
 Completeness: where ``conserve.count`` applies (``count_limit`` parameters), the number of functionally
-independent laws found (rank of their gradients at a random point) is compared with the full count.
+independent laws found (rank of their gradients at a random point) is compared with the full count, taken
+at the block's parameters on the example batch plus redrawn ones (at least ``4 P`` output rows; redone on
+4x more samples while it exceeds the laws found, the lowest kept: a ReLU unit active on few samples adds
+frozen directions, "laws" of that batch only). The statement is ``complete``, ``incomplete`` (naming what
+ran: after the dense ansatz the missing laws are not polynomial of the degree searched) or ``undecided``
+(parameters with no gradient on the count's batch, ``Discovery.dead``: dead units make it an upper bound).
+
+Canonical form: the RREF of a subspace is unique (columns in parameter order), but least-L1 choices are
+not (ties between laws with disjoint supports; scipy's HiGHS and the IRLS fallback pick different optima),
+so the laws left after the Gram laws are put in RREF again after the L1 passes, then made sparse modulo
+the vanishing combinations and the Gram entries only: the result does not depend on the null-space basis
+the SVD returns nor on the L1 solver.
 """
 from __future__ import annotations
 
