@@ -216,6 +216,10 @@ def _main(args) -> int:
     opt, lr = make_optimizer(args.optimizer, model.parameters(), args.lr, args.weight_decay, args.momentum)
     batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
     out = out_dir(args.out)  # created only once the inputs are known to be good
+    from ..tracking.lock import RunDirLock
+
+    # one writer per run directory, taken before anything in it is touched (a second process is refused)
+    lock = RunDirLock(out, hint="wait for it to finish or pass another --out").acquire()
     config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()), "optimizer": args.optimizer,
               "lr": lr, "weight_decay": args.weight_decay, "momentum": args.momentum if args.optimizer == "momentum" else 0.0,
               "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
@@ -272,8 +276,12 @@ def _main(args) -> int:
                   broken() if callable(broken) else None)
     if records:
         plot_all(records, out, f"{args.optimizer}, lr={lr:g}, {source.split('/')[-1]}")
+    lock.release()
     if code == 2:
         raise UsageError(stopped)
+    if not records:
+        raise UsageError(f"no metrics were recorded in {out}/metrics.jsonl (the summary is empty); check that the disk "
+                         "is writable and run again")
     print(f"wrote {out}/: config.json metrics.jsonl summary.md summary.json eps.png drift.png layers.png")
     text = (out / "summary.md").read_text()
     print(text.split("\n## Drift")[0].rstrip())
