@@ -5,6 +5,7 @@ first-order term dominating; the exact identity's residual at rounding level."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import sys
 import types
@@ -17,7 +18,10 @@ import torch
 from conserve.cli import main as cli
 from conserve.experiments.common import fit_pooled, fit_power, load_images, log_steps
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# the shared real data: $CONSERVE_DATA, shared/ beside the clone (CI), or the workplace copy
+DATA = next((p for p in (Path(os.environ.get("CONSERVE_DATA", "/nonexistent")),
+                         Path(__file__).resolve().parents[2] / "shared" / "data", Path("/work/shared/data"))
+             if p.is_dir()), Path(__file__).resolve().parents[2] / "shared" / "data")
 MNIST = DATA / "mnist"
 TINY = ["--dtype", "float64", "--hidden", "16", "--seq-len", "16", "--batch-size", "4", "--no-progress"]
 
