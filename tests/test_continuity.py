@@ -539,10 +539,15 @@ def test_experiment_cli_writes_run_dir(tmp_path):
     argv = ["experiment", "continuity", "--out", str(out), "--mnist", str(d), "--text", str(text),
             "--variants", "NoRes,Res+ReLU", "--depth", "3", "--width", "16", "--steps", "4", "--batch-size", "8",
             "--lm-steps", "3", "--lm-layers", "2", "--lm-hidden", "16", "--seq-len", "16", "--lm-batch-size", "2",
-            "--per-decade", "1"]
+            "--per-decade", "1", "--lm-acts", "swiglu,none,radial"]
     assert main(argv) == 0
     rec = json.loads((out / "results.json").read_text())
     assert set(rec["mlp"]) == {"NoRes", "Res+ReLU"} and "self_attn.q_proj" in rec["lm"]["swiglu"]["final"]
+    assert set(rec["lm"]) == {"swiglu", "none", "radial"}
+    assert "mlp.gate_proj" in rec["lm"]["swiglu"]["final"] and "mlp.gate_proj" not in rec["lm"]["none"]["final"]
+    for act in ("none", "radial"):  # the activation removed / replaced: up and down kept, time courses per type
+        c = rec["lm"][act]["curve"]
+        assert {"v1/mlp.up_proj", "u1/mlp.down_proj", "step_coherence/self_attn.v_proj"} <= set(c) and c["step"][0] == 0
     assert (out / "mlp_curves.png").is_file() and (out / "lm_curves.png").is_file()
     assert "| Res+ReLU |" in (out / "results.md").read_text()
     assert main(["experiment", "continuity", "--out", str(out), "--part", "mlp"]) == 2  # --mnist missing
@@ -576,3 +581,20 @@ def test_tracker_integration_reference_lm():
     twin = ContinuityMonitor(model, seed=1)
     Tracker(model, every=2, monitors=[twin]).load_state_dict(tr.state_dict())
     assert twin.num_updates == 4
+
+
+def test_lm_mlp_activation_removed_or_replaced_and_radial_equivariant():
+    from conserve.experiments.continuity import LMAblationConfig, build_lm, radial
+
+    cfg = LMAblationConfig(hidden_size=16, num_hidden_layers=2, intermediate_size=32, seq_len=8)
+    x = torch.randn(3, 16)
+    none, rad = build_lm(cfg, "none", 0), build_lm(cfg, "radial", 0)
+    for model, act in ((none, lambda z: z), (rad, radial)):
+        mlp = model.layers[0].mlp
+        assert torch.allclose(mlp(x), mlp.down_proj(act(mlp.up_proj(x))))
+        assert not hasattr(mlp, "gate_proj")
+    # the scaled radial is rotation-equivariant and does not saturate at entries of order 1
+    z = torch.randn(5, 64, dtype=torch.float64)
+    q = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64)).Q
+    assert torch.allclose(radial(z @ q.T), radial(z) @ q.T)
+    assert float(torch.tanh(z.norm(dim=-1) / 8).max()) < 0.99
