@@ -390,6 +390,13 @@ def _data_paths(args) -> tuple[Path, str | None, str | None, list[str]]:
     root = Path(args.data or os.environ.get("CONSERVE_DATA") or DEFAULT_DATA).expanduser()
     mnist = args.mnist or (str(root / "mnist") if (root / "mnist").is_dir() else None)
     text = args.text
+    if text is not None and Path(text).is_dir():  # a WikiText / PTB directory: its training split
+        found = [Path(text) / n for n in ("wiki.train.tokens", "wiki.train.tokens.gz", "train.txt", "train.txt.gz",
+                                          "ptb.train.txt", "ptb.train.txt.gz") if (Path(text) / n).is_file()]
+        if not found:
+            raise UsageError(f"--text {text} is a directory without wiki.train.tokens[.gz], train.txt or ptb.train.txt; "
+                             "pass the training text file")
+        text = str(found[0])
     if text is None:
         for cand in ("wikitext-103/wiki.train.tokens", "wikitext-103/wiki.train.tokens.gz", "wikitext-2/wiki.train.tokens.gz",
                      "wikitext-2/wiki.train.tokens"):
@@ -412,7 +419,12 @@ def _main(args) -> int:
     from ..report import json_safe
     from .run import out_dir
 
+    from ..experiments.continuity import _check_device
+
+    _check_device(args.device)
     b = BUDGETS["quick" if args.quick else "full" if args.full else "default"]
+    if b.name == "full" and args.device == "cpu":
+        print("conserve reproduce --full on the CPU: expect hours; --device cuda is what it is sized for", flush=True)
     seeds = args.seeds or b.seeds
     if seeds < 1:
         raise UsageError(f"--seeds must be >= 1, got {seeds}")
