@@ -139,6 +139,7 @@ class Tracker:
         self.h = self.h0.clone()
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
+        self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
         self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
 
     # -------------------------------------------------------------- hooks (see conserve.distributed)
@@ -271,6 +272,13 @@ class Tracker:
             self._extras.append({})
         self._extras[len(self._rows) - 1].update(scalars)
 
+    def latest(self) -> dict | None:
+        """The most recent step's row (``eps/...``, ``drift/...`` and the ``step``) as host floats, without
+        flushing (one small device->host copy); None before the first step."""
+        if self._rows:
+            return {"step": self.step_count, **dict(zip(self.metric_names, self._rows[-1].tolist()))}
+        return self.last_record
+
     # ------------------------------------------------------------------------------------ output
     def values(self) -> dict[str, torch.Tensor]:
         """Current ``h(theta_k)`` per law name (vector or D x D)."""
@@ -291,6 +299,10 @@ class Tracker:
         rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
         eps = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
         parts["eps"] = eps / self._fam_count
+        # fraction of a family's instances whose h_0 is ~0 (the eps guard divides by the magnitude instead)
+        guarded = (self.denom > self._inst_norm(self.h0)).to(rel.dtype)
+        parts["guarded"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, guarded) / self._fam_count
+        parts["balance"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, self.h0_balance) / self._fam_count
         host = {k: v.double().cpu().tolist() for k, v in parts.items()}
         return {f: {k: host[k][i] for k in host} for i, f in enumerate(self.families)}
 
