@@ -63,3 +63,19 @@ def test_reproduce_router_only_is_data_free(tmp_path):
     verdicts = {r["claim"].split(":")[0]: r["verdict"] for r in rec["rows"]}
     assert all(r["verdict"] == "agree" for r in rec["rows"] if "is conserved by gradient flow" in r["claim"])
     assert any("sigmoid" in c for c in verdicts) and rec["data"]["not_available"] == ["WikiText-103", "ImageNet"]
+
+
+@pytest.mark.skipif(not (DATA / "wikitext-2" / "wiki.train.tokens.gz").is_file(), reason=f"WikiText-2 not at {DATA}")
+def test_run_preset_wikitext2_defaults_and_explicit_flags_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONSERVE_DATA", str(DATA))
+    out = tmp_path / "run"
+    assert cli(["run", "--preset", "wikitext2", "--steps", "3", "--every", "1", "--layers", "2", "--batch-size", "2",
+                "--seq-len", "16", "--no-progress", "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["optimizer"] == "adamw" and cfg["weight_decay"] == 0.1 and cfg["lr"] == 1e-3
+    assert cfg["data_source"].endswith("wikitext-2/wiki.train.tokens.gz")
+    assert cfg["model"]["num_hidden_layers"] == 2 and cfg["model"]["hidden_size"] == 128  # --layers wins, size base
+    summary = json.loads((out / "summary.json").read_text())
+    assert "gain" in json.dumps(summary) and "decay" in json.dumps(summary)
+    monkeypatch.setenv("CONSERVE_DATA", str(tmp_path / "nowhere"))
+    assert cli(["run", "--preset", "wikitext2", "--steps", "1", "--out", str(tmp_path / "r2")]) == 2
