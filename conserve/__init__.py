@@ -21,13 +21,14 @@ _EXPORTS = {
     "Declined": ("conserve.laws", "Declined"),
     "compile_laws": ("conserve.laws", "compile_laws"),
     "evaluate_laws": ("conserve.laws", "evaluate_laws"),
-    "verify": ("conserve.verify", "verify"),
+    "verify": ("conserve.analysis.verify", "verify"),
     "JSONLSink": ("conserve.sinks", "JSONLSink"),
     "MemorySink": ("conserve.sinks", "MemorySink"),
     "TensorBoardSink": ("conserve.sinks", "TensorBoardSink"),
     "WandbSink": ("conserve.sinks", "WandbSink"),
     "detect": ("conserve.detection", "detect"),
     "count": ("conserve.counting", "count_laws"),
+    "discover": ("conserve.analysis.discover", "discover"),
 }
 
 __all__ = list(_EXPORTS)

@@ -26,8 +26,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from ..errors import UsageError
 
 TRAN = "Tran et al. 2026"
@@ -77,7 +75,7 @@ BUDGETS = {
 
 
 def add_arguments(p) -> None:
-    from ..train import add_threads_argument
+    from .common import add_threads_argument
 
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="tiny budget (seconds; for tests): numbers are NOT the papers' regime")
@@ -125,9 +123,11 @@ def numeric_verdict(s: dict, target: float, tol: float) -> str:
 # ------------------------------------------------------------------------------------------ parts
 def part_laws(b: Budget, seeds: int) -> tuple[list[dict], dict]:
     """Every law of the experiments' reference LM passes the first-order check of gradient flow."""
+    import torch
+
     from ..experiments.common import lm_config
     from ..models import DecoderLM
-    from ..verify import verify
+    from ..analysis.verify import verify
 
     worst: dict[str, list[float]] = {}
     for s in range(seeds):
@@ -154,6 +154,8 @@ def part_laws(b: Budget, seeds: int) -> tuple[list[dict], dict]:
 
 def part_router(b: Budget, seeds: int) -> tuple[list[dict], dict]:
     """Router-sum law under softmax vs normalised-sigmoid routers (first-order violation, float64)."""
+    import torch
+
     from ..toyblocks import MoE, _seeded, _violation
 
     res: dict[str, list[float]] = {}
@@ -191,6 +193,8 @@ def _scaling_args(b: Budget, text: str, seed: int, optimizers) -> list[str]:
 def part_scaling(b: Budget, seeds: int, text: str, threads: int) -> tuple[list[dict], dict]:
     """eps vs lr and k for the LM under GD / full-batch GD: the fixed-window exponents, the exponent at
     every k and the collapse of eps/lr onto one curve of lr k."""
+    import torch
+
     from ..experiments.common import log_steps, tasks_from_args
     from ..experiments.scaling import DEFAULT_FIT_HI, DEFAULT_LRS, fit_series, run_one
     import argparse
@@ -409,7 +413,7 @@ def _data_paths(args) -> tuple[Path, str | None, str | None, list[str]]:
 
 
 def main(args) -> int:
-    from ..train import torch_threads
+    from .common import torch_threads
 
     with torch_threads(args.threads):
         return _main(args)
