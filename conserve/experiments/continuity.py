@@ -699,7 +699,7 @@ def _betas(s: str) -> tuple[float, float]:
 
 
 def add_arguments(p) -> None:
-    from ..train import add_threads_argument
+    from ..commands.common import add_threads_argument
 
     p.add_argument("--out", required=True, help="run directory for results.md/json and the PNG curves")
     p.add_argument("--part", choices=PARTS, default="all", help="mlp (MNIST), lm (text) or all")
@@ -755,7 +755,7 @@ def _positive(**kw) -> None:
 
 
 def main(args) -> int:
-    from ..train import torch_threads
+    from ..commands.common import torch_threads
 
     with torch_threads(args.threads):
         return _main(args)
