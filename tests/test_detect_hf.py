@@ -21,7 +21,7 @@ from torch import nn
 T = pytest.importorskip("transformers")
 
 from conserve.detection import detect  # noqa: E402
-from conserve.detection.hf import detect_from_config, probe_rope  # noqa: E402
+from conserve.detection.hf import FAMILIES, detect_from_config, probe_rope  # noqa: E402
 from conserve.errors import UsageError  # noqa: E402
 from conserve.laws import (GainBalance, QKGram, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram,  # noqa: E402
                            cols, rows, vector)
@@ -396,11 +396,24 @@ def test_unknown_modules_and_families_are_listed_never_dropped():
     m.model.layers[0].adapter = nn.Linear(16, 16)
     d = detect(m)
     assert d.undetected == ["model.layers.0.adapter"]
-    # not a known family (OLMo 1): everything is listed as undetected, with the reason
-    o = T.AutoModelForCausalLM.from_config(T.OlmoConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+def test_unknown_model_type_falls_through_to_structural_detection():
+    """OLMo 1 (model_type 'olmo') has no family handler: structural detection answers (the reason recorded
+    first), and every law it claims passes the float64 first-order check on the model's own code."""
+    assert "olmo" not in FAMILIES
+    o = randomize(T.AutoModelForCausalLM.from_config(T.OlmoConfig(**TINY, num_key_value_heads=2,
+                                                                  tie_word_embeddings=False),
+                                                     attn_implementation="eager").eval())
     d = detect(o)
-    assert d.laws == [] and "model.layers.0.mlp.up_proj" in d.undetected
-    assert "no HF family handler" in d.declined[0].reason
+    assert d.detector == "hf->graph" and d.undetected == []
+    assert d.declined[0].block == "model_type='olmo'" and "structural detection used" in d.declined[0].reason
+    # OLMo 1's LayerNorms have no gain: RoPE pairs and VO per kv group, the SwiGLU units, the untied head
+    assert d.families() == {"rope_pair": 2, "vo": 2, "swiglu": 1, "translation": 1}
+    o = logits_model(o)
+    for x in d.laws:
+        assert check(o, x) < 1e-9, x.name
+    assert any(x.module == "model.layers.0.mlp.gate_proj" for x in d.declined)  # the gate: declined, not dropped
 
 
 def test_qk_norm_with_eps_declines_scale_laws_with_reason():
