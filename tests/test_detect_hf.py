@@ -217,7 +217,8 @@ CASES = {
                                                                (24, 16), 16, 4)],
                                           minus=[cols("transformer.h.0.self_attention.dense.weight", (16, 16), 4 * i, 4)
                                                  for i in range(4)])]),
-    "bert": ({"qk": 4, "vo": 4},
+    # the last layer's output LayerNorm is read only by the MLM head's transform.dense: its gain law holds
+    "bert": ({"qk": 4, "vo": 4, "gain": 1},
              [("bert.encoder.layer.0.attention.output.LayerNorm", "post-LN"), ("bert.encoder.layer.0.intermediate",
                                                                                "no rescaling symmetry"),
               ("cls", "tied decoder")],
@@ -227,7 +228,10 @@ CASES = {
                            GainBalance.build("bad", 0, gain=vector("bert.encoder.layer.0.attention.output.LayerNorm.weight", 0, 16),
                                              beta=vector("bert.encoder.layer.0.attention.output.LayerNorm.bias", 0, 16),
                                              readers=[cols("bert.encoder.layer.0.intermediate.dense.weight", (12, 16), 0,
-                                                           16)])]),
+                                                           16)]),
+                           # the last output LayerNorm's gain law without its bias (LayerNorm's beta scales too)
+                           without(law(d, "bert.encoder.layer.0.output.LayerNorm/gain"),
+                                   lambda t: t.ref.param.endswith("LayerNorm.bias"))]),
     "olmoe": ({"qk_scale": 2, "qk_norm_gain": 2, "vo": 2, "gain": 3, "swiglu": 3, "router_sum": 1, "translation": 1},
               [EMBED, (f"{A}.q_proj", "over all heads")],
               # per-head scale law: wrong, OLMoE's q_norm normalises all heads at once
@@ -277,8 +281,14 @@ CASES = {
                 lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 2)]),
                               mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
     "seed_oss": (CAUSAL, [EMBED], lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1"))]),
-    "arcee": ({"rope_pair": 2, "vo": 2, "gain": 2, "translation": 1}, [EMBED, (M, "not recognised")],
-              lambda m, d: [mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
+    # relu^2 MLP: no unit law in the catalogue, but up_proj reads post_attention_layernorm only linearly: gain law
+    "arcee": ({"rope_pair": 2, "vo": 2, "gain": 3, "translation": 1}, [EMBED, (M, "not in the catalogue")],
+              lambda m, d: [mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1")),
+                            # the gain law as if down_proj (after the relu^2) also read the norm
+                            dataclasses.replace(law(d, "model.layers.0.post_attention_layernorm/gain"), terms=[
+                                *law(d, "model.layers.0.post_attention_layernorm/gain").terms,
+                                dataclasses.replace(law(d, "model.layers.0.post_attention_layernorm/gain").terms[-1],
+                                                    ref=rows(f"{M}.down_proj.weight", (16, 12), 0, 16))])]),
     "glm": ({**CAUSAL, "rope_pass": 2}, [EMBED],
             lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1")),
                           without(law(d, f"{A}/rope_pass/group0"), lambda t: t.sign < 0)]),

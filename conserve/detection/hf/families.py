@@ -8,7 +8,8 @@ from torch import nn
 from ...errors import UsageError
 from ...laws import ReLUUnit
 from .parts import (_Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
-                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _w, NO_EMBED)
+                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _w,
+                    NO_EMBED)
 from .rope import _probe_gptj, _rope_layout, _rotary_dim
 
 
@@ -65,7 +66,8 @@ def _llama_like(ctx: _Ctx):
                     ctx.know(*(ref.param for ref in _attn_readers(a)))
         if "post_attn" in norm:
             _post_norm(ctx, *norm["post_attn"], a.o if a is not None else None, i, "o_proj")
-        m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else _gated_mlp(ctx, mp, mlp, i)
+        m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else (_gated_mlp(ctx, mp, mlp, i)
+                                                                            or _ungated_mlp(ctx, mp, mlp, i))
         if m is None:
             ctx.decline(mp, type(mlp).__name__, "MLP layout not recognised: no law detected")
             if "pre_mlp" in norm:
@@ -225,10 +227,13 @@ def _bert(ctx: _Ctx):
         ctx.laws.extend(_attn_laws(ctx, _Attn(f"{lp}.attention", i, q, k, v, o, d, nh, nh, starts, starts, starts)))
         if getattr(layer, "crossattention", None) is not None:
             ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
-        for p in (f"{lp}.attention.output.LayerNorm", f"{lp}.output.LayerNorm"):
+        last = i == len(bert.encoder.layer) - 1
+        for p in (f"{lp}.attention.output.LayerNorm",) + (() if last else (f"{lp}.output.LayerNorm",)):
             ctx.decline(p, "post-LN LayerNorm",
                         "no gain law: the normed vector is the residual stream itself (read by the skip connection, "
                         "not only by linear maps) (spec breakers: post-LN)")
+        if last:
+            _bert_last_norm(ctx, model, f"{lp}.output.LayerNorm", layer.output.LayerNorm, i)
         act = layer.intermediate.intermediate_act_fn
         uw, dw = _w(f"{lp}.intermediate.dense", layer.intermediate.dense), _w(f"{lp}.output.dense", layer.output.dense)
         if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
@@ -251,6 +256,33 @@ def _bert(ctx: _Ctx):
             ctx.decline(name, f"{type(mod).__name__} head",
                         ("tied decoder: no translation law (spec breakers: tied embeddings); " if tied else "")
                         + "the transform (dense -> GELU -> LayerNorm) has no law")
+
+
+# Linear maps that read the last encoder layer's output (the sequence output, or its first token through the
+# pooler) in each BERT head class (transformers' modeling_bert): nothing else reads it, so that LayerNorm's gain
+# law holds with them as readers (spec: pre-norm gain row: the scaled vector is read only by linear maps).
+_BERT_READERS = {
+    "BertForMaskedLM": ("cls.predictions.transform.dense",), "BertLMHeadModel": ("cls.predictions.transform.dense",),
+    "BertForPreTraining": ("cls.predictions.transform.dense", "bert.pooler.dense"),
+    "BertForSequenceClassification": ("bert.pooler.dense",), "BertForMultipleChoice": ("bert.pooler.dense",),
+    "BertForNextSentencePrediction": ("bert.pooler.dense",), "BertForTokenClassification": ("classifier",),
+    "BertForQuestionAnswering": ("qa_outputs",),
+}
+
+
+def _bert_last_norm(ctx: _Ctx, model, path: str, norm, layer: int):
+    """The last layer's output LayerNorm: no residual add follows it, so when the model's head reads it only
+    through linear maps (``_BERT_READERS``) its gain law holds with those maps as readers; otherwise (bare
+    ``BertModel``: it is the model's output; an unknown head) declined with the reason."""
+    names = _BERT_READERS.get(type(model).__name__)
+    mods = dict(model.named_modules())
+    if names is None or not all(_linear_like(mods.get(n)) for n in names):
+        ctx.decline(path, "last post-LN LayerNorm",
+                    f"no gain law: the last hidden state is the output of {type(model).__name__} (or read by a head "
+                    "not known to read it only through linear maps)")
+        return
+    _gain(ctx, path, norm, layer, [_w(n, mods[n]).in_cols() for n in names],
+          ", ".join(names) + " (the last layer's output: no residual add after it)")
 
 
 FAMILIES = {

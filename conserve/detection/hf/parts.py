@@ -336,8 +336,9 @@ def _gated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
     return _Mlp([law], readers, "gate/up")
 
 
-def _plain_mlp(ctx, path, mlp, layer, up_name, down_name, act) -> _Mlp:
-    """``down(act(up x))``: ReLU / leaky-ReLU unit law, none for GELU / SiLU (spec rows)."""
+def _plain_mlp(ctx, path, mlp, layer, up_name, down_name, act, reason: str | None = None) -> _Mlp:
+    """``down(act(up x))``: ReLU / leaky-ReLU unit law, none for GELU / SiLU (spec rows; ``reason`` replaces
+    the declined reason for other activations)."""
     uw, dw = _w(f"{path}.{up_name}", getattr(mlp, up_name)), _w(f"{path}.{down_name}", getattr(mlp, down_name))
     n = uw.n_out
     if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
@@ -345,9 +346,22 @@ def _plain_mlp(ctx, path, mlp, layer, up_name, down_name, act) -> _Mlp:
                              note=f"{type(act).__name__} FFN")
         ctx.know(dw.bias)
         return _Mlp([law], [uw.in_cols()], up_name)
-    ctx.decline(path, f"{type(act).__name__} FFN",
+    ctx.decline(path, f"{type(act).__name__} FFN", reason or
                 "no law beyond constants: the activation has no rescaling symmetry (spec: GELU / SiLU FFN row)")
     return _Mlp([], [uw.in_cols()], up_name)
+
+
+def _ungated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
+    """Plain FFN ``down_proj(act_fn(up_proj(x)))`` in a decoder layer (Arcee: ReLU^2): ReLU / leaky-ReLU unit
+    law, none for other activations (declined); ``up_proj`` is the reader of the norm before it."""
+    if (hasattr(mlp, "gate_proj") or not all(_linear_like(getattr(mlp, n, None)) for n in ("up_proj", "down_proj"))
+            or "self.down_proj(self.act_fn(self.up_proj(x)))" not in _fwd(mlp)):
+        return None
+    act = getattr(mlp, "act_fn", None)
+    reason = None if isinstance(act, (nn.ReLU, nn.LeakyReLU)) else (
+        f"the activation {type(act).__name__} is not in the catalogue's unit laws (ReLU / leaky ReLU only): no law; "
+        "up_proj still reads the norm before it only linearly, so that norm's gain law holds")
+    return _plain_mlp(ctx, path, mlp, layer, "up_proj", "down_proj", act, reason=reason)
 
 
 def _fused_experts(ctx, path, ex, layer, num_experts) -> _Mlp | None:
