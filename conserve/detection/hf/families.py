@@ -8,8 +8,8 @@ from torch import nn
 from ...errors import UsageError
 from ...laws import ReLUUnit
 from .parts import (_Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
-                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _w,
-                    NO_EMBED)
+                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _unit,
+                    _w, NO_EMBED)
 from .rope import _probe_gptj, _rope_layout, _rotary_dim
 
 
@@ -237,9 +237,7 @@ def _bert(ctx: _Ctx):
         act = layer.intermediate.intermediate_act_fn
         uw, dw = _w(f"{lp}.intermediate.dense", layer.intermediate.dense), _w(f"{lp}.output.dense", layer.output.dense)
         if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-            n = uw.n_out
-            ctx.laws.append(ReLUUnit.build(f"{lp}.intermediate/unit", i, up=uw.out_rows(0, n), down=dw.in_cols(0, n),
-                                           up_bias=uw.b(0, n), note=f"{type(act).__name__} FFN"))
+            ctx.add(_unit(ReLUUnit, f"{lp}.intermediate/unit", i, uw, 0, uw.n_out, dw, f"{type(act).__name__} FFN"))
             ctx.know(dw.bias)
         else:
             ctx.decline(f"{lp}.intermediate", f"{type(act).__name__} FFN",
