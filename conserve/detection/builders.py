@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..laws import GainBalance, Law, QKNormGain, RopePairs, Term, cols, rows, vector
+from ..laws import GainBalance, Law, LayerScaleBalance, QKNormGain, RopePairs, Term, cols, rows, vector
 from ..laws.base import Ref
 
 
@@ -71,6 +71,26 @@ def gain_law(name: str, layer, weight: str, size: int, *, readers: Sequence[Ref]
     every linear map reading the scaled vector (``in_cols``); ``shift=1`` for gains applied as ``1 + w``."""
     return GainBalance.build(name, layer, gain=vector(weight, 0, size), beta=vector(bias, 0, size) if bias else None,
                              readers=list(readers), shift=shift, note=note)
+
+
+def row_sum_law(cls, name: str, layer, weight: str, shape, n: int, *, bias: str | None = None,
+                transposed: bool = False, note: str = "") -> Law:
+    """Row-sum law over output units ``0..n`` (spec: untied softmax output / MoE router rows; ``cls`` =
+    ``Translation`` or ``RouterSum``): ``sum_r W[r,:]`` (and ``sum_r b[r]``), a vector of in_features (+1)."""
+    return cls.build(name, layer, weight=out_rows(weight, shape, 0, n, transposed=transposed),
+                     bias=vector(bias, 0, n) if bias else None, note=note)
+
+
+def layer_scale_law(name: str, layer, gamma: str, size: int, outputs: Sequence[tuple], note: str = ""):
+    """LayerScale law (catalogue ``LayerScaleBalance``; diagonal case of the spec's deep-linear row):
+    ``gamma_c^2 - sum_M (||W_M[c,:]||^2 + b_M[c]^2)`` over the maps M whose output features ``0..size`` gamma
+    scales; ``outputs``: one ``(weight, shape, bias-or-None, transposed)`` per map."""
+    readers = []
+    for weight, shape, bias, t in outputs:
+        readers.append(out_rows(weight, shape, 0, size, transposed=t))
+        if bias:
+            readers.append(vector(bias, 0, size))
+    return LayerScaleBalance.build(name, layer, gain=vector(gamma, 0, size), readers=readers, note=note)
 
 
 def _entry_terms(weight: str, shape, idx: Sequence[int], sign: float, *, bias: str | None, transposed: bool,

@@ -68,8 +68,8 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 
 from ..analysis.verify import TOL  # the spec's first-order tolerance
-from ..laws import (Declined, DeepLinearGram, LayerScaleBalance, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit,
-                    Translation, VOGram, rows, vector)
+from ..laws import (Declined, DeepLinearGram, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit, Translation,
+                    VOGram, rows)
 from . import builders
 from .core import Collector, Detection, register
 from .torchnn import layer_index
@@ -1125,11 +1125,10 @@ def _routers(f: _Found):
             continue
         e_n = r.n_out
         if kinds == {"softmax"}:
-            f.add(RouterSum.build(f"{r.module}/router", _layer(r.module),
-                                  weight=builders.out_rows(r.w, r.shape, 0, e_n, transposed=r.t),
-                                  bias=vector(r.b, 0, e_n) if r.b else None,
-                                  note="structural: softmax gating (top-k, renormalised or not) (spec: MoE router row)"),
-                  "router")
+            f.add(builders.row_sum_law(RouterSum, f"{r.module}/router", _layer(r.module), r.w, r.shape, e_n,
+                                       bias=r.b, transposed=r.t,
+                                       note="structural: softmax gating (top-k, renormalised or not) (spec: MoE router "
+                                            "row)"), "router")
         elif "sigmoid" in kinds:
             c.decline(r.module, "sigmoid router", "sum_e W_router[e,:] is NOT conserved for normalised sigmoid gating "
                       "with top-k >= 2 (spec: MoE router, normalised sigmoid: open row)")
@@ -1241,11 +1240,9 @@ def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
     if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
         return False
     path = w.rsplit(".", 1)[0] if "." in w else w
-    f.add(LayerScaleBalance.build(f"{path}/layer_scale", _layer(path), gain=vector(w, 0, h),
-                                  readers=[builders.out_rows(lin.w, lin.shape, 0, h, transposed=lin.t)]
-                                  + ([vector(lin.b, 0, h)] if lin.b else []),
-                                  note=f"structural: {path} scales the output features of {lin.module} (diagonal "
-                                       "rescaling, as the spec's deep-linear row)"), "LayerScale")
+    f.add(builders.layer_scale_law(f"{path}/layer_scale", _layer(path), w, h, [(lin.w, lin.shape, lin.b, lin.t)],
+                                   note=f"structural: {path} scales the output features of {lin.module} (diagonal "
+                                        "rescaling, as the spec's deep-linear row)"), "LayerScale")
     return True
 
 
@@ -1278,10 +1275,9 @@ def _output_layers(f: _Found):
             c.decline(lin.module, "output layer", f"its logits also go through {sorted(other)} before the output (e.g. a "
                       "soft-cap): no translation law (spec breakers)")
         elif ce or loss == "ce":
-            law = Translation.build(f"{lin.module}/translation", None,
-                                    weight=builders.out_rows(lin.w, lin.shape, 0, lin.n_out, transposed=lin.t),
-                                    bias=vector(lin.b, 0, lin.n_out) if lin.b else None,
-                                    note="structural: softmax cross-entropy only (spec: untied softmax output row)")
+            law = builders.row_sum_law(Translation, f"{lin.module}/translation", None, lin.w, lin.shape, lin.n_out,
+                                       bias=lin.b, transposed=lin.t,
+                                       note="structural: softmax cross-entropy only (spec: untied softmax output row)")
             f.add(law, "translation")
             f.heads[law.name] = n
         else:

@@ -32,7 +32,7 @@ import sys
 
 from torch import nn
 
-from ..laws import Declined, LayerScaleBalance, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram, rows, vector
+from ..laws import Declined, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram
 from . import builders
 from .core import register
 from .torchnn import NO_LAW_ACT, POST_LN, Collector, gain_law, linear_cols, norm_parts, walk
@@ -158,13 +158,10 @@ def parallel_block_laws(c: Collector, path: str, blk, layer) -> None:
     gain_law(c, f"{path}.in_norm", blk.in_norm, [linear_cols(ip, lin)], layer, "in_proj (mlp, q, k, v)")
     if not isinstance(blk.ls, nn.Identity):
         if _is(blk.ls, "LayerScale") and isinstance(getattr(blk.ls, "gamma", None), nn.Parameter):
-            readers = []
-            for op, o in outs:
-                readers.append(rows(f"{op}.weight", o.weight.shape, 0, C))
-                if o.bias is not None:
-                    readers.append(vector(f"{op}.bias", 0, C))
-            c.add(LayerScaleBalance.build(f"{path}.ls/layer_scale", layer, gain=vector(f"{path}.ls.gamma", 0, C),
-                                          readers=readers, note="LayerScale gamma times the rows of both output maps"))
+            c.add(builders.layer_scale_law(f"{path}.ls/layer_scale", layer, f"{path}.ls.gamma", C,
+                                           [(f"{op}.weight", o.weight.shape, f"{op}.bias" if o.bias is not None else None,
+                                             False) for op, o in outs],
+                                           note="LayerScale gamma times the rows of both output maps"))
         else:
             c.decline(f"{path}.ls", type(blk.ls).__name__, "residual scale not recognised: no law detected")
     c.mark(path)
@@ -240,10 +237,10 @@ def layer_scale_law(c: Collector, path: str, ls, lin_path: str, lin: nn.Linear, 
         c.decline(path, type(ls).__name__, "residual scale not recognised: no law detected")
         return
     h = lin.out_features
-    c.add(LayerScaleBalance.build(f"{path}/layer_scale", layer, gain=vector(f"{path}.gamma", 0, h),
-                                  readers=[rows(f"{lin_path}.weight", lin.weight.shape, 0, h)]
-                                  + ([vector(f"{lin_path}.bias", 0, h)] if lin.bias is not None else []),
-                                  note=f"LayerScale gamma times {lin_path} output rows"))
+    c.add(builders.layer_scale_law(f"{path}/layer_scale", layer, f"{path}.gamma", h,
+                                   [(f"{lin_path}.weight", lin.weight.shape,
+                                     f"{lin_path}.bias" if lin.bias is not None else None, False)],
+                                   note=f"LayerScale gamma times {lin_path} output rows"))
     c.mark(path)
 
 
@@ -310,9 +307,9 @@ def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options)
             c.decline("norm", "final norm feeding fc_norm", "the norm output is re-normalised by fc_norm: no gain law")
         w = head.weight
         if loss == "ce":
-            c.add(Translation.build("head/translation", None, weight=rows("head.weight", w.shape, 0, w.shape[0]),
-                                    bias=vector("head.bias", 0, w.shape[0]) if head.bias is not None else None,
-                                    note="softmax cross-entropy only (pass loss=... otherwise)"))
+            c.add(builders.row_sum_law(Translation, "head/translation", None, "head.weight", w.shape, w.shape[0],
+                                       bias="head.bias" if head.bias is not None else None,
+                                       note="softmax cross-entropy only (pass loss=... otherwise)"))
             c.mark("head")
         else:
             c.decline("head", "classifier", f"translation law holds only for softmax cross-entropy (loss={loss!r})")

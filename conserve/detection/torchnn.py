@@ -199,9 +199,9 @@ def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, 
         pl = _p(path, nl)
         if loss == "ce":
             w = last.weight
-            c.add(Translation.build(f"{pl}/translation", None, weight=rows(_p(pl, "weight"), w.shape, 0, w.shape[0]),
-                                    bias=vector(_p(pl, "bias"), 0, w.shape[0]) if last.bias is not None else None,
-                                    note="softmax cross-entropy only"))
+            c.add(builders.row_sum_law(Translation, f"{pl}/translation", None, _p(pl, "weight"), w.shape, w.shape[0],
+                                       bias=_p(pl, "bias") if last.bias is not None else None,
+                                       note="softmax cross-entropy only"))
             c.mark(pl)
         else:
             c.declined.append(Declined(pl, "output layer", "translation law holds only for softmax cross-entropy: "

@@ -407,10 +407,9 @@ def _router(ctx, path, gate, layer, num_experts):
     src = _fwd(gate)
     top_k = getattr(gate, "top_k", None)
     if "softmax(" in src and "sigmoid" not in src:
-        law = RouterSum.build(f"{path}/router", layer, weight=rw.out_rows(0, num_experts),
-                              bias=rw.b(0, num_experts) if rw.bias else None,
-                              note=f"softmax gating, top_k={top_k}: adding one vector to every row keeps the "
-                                   "probabilities and the top-k choice (spec: MoE router row)")
+        law = builders.row_sum_law(RouterSum, f"{path}/router", layer, rw.name, rw.shape, num_experts, bias=rw.bias,
+                                   note=f"softmax gating, top_k={top_k}: adding one vector to every row keeps the "
+                                        "probabilities and the top-k choice (spec: MoE router row)")
         return [law], rw.in_cols()
     if "sigmoid" in src:
         norm = getattr(gate, "norm_topk_prob", None)
@@ -510,9 +509,9 @@ def _embed_and_head(ctx: _Ctx, embed_paths: list, final_norm_path: str | None):
     elif cap:
         ctx.decline(head_path, "translation law", f"final_logit_softcapping={cap} breaks it (spec breakers)")
     else:
-        ctx.laws.append(Translation.build(f"{head_path}/translation", None, weight=hw.out_rows(0, hw.n_out),
-                                          bias=hw.b(0, hw.n_out),
-                                          note="softmax cross-entropy only (pass loss= to say otherwise)"))
+        ctx.add(builders.row_sum_law(Translation, f"{head_path}/translation", None, hw.name, hw.shape, hw.n_out,
+                                     bias=hw.bias, transposed=hw.t,
+                                     note="softmax cross-entropy only (pass loss= to say otherwise)"))
 
 
 def _num_kv(config, nh):
