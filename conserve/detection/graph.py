@@ -185,25 +185,22 @@ class Graph:
                 args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.env[a])
                 self.env[n] = self._exec(n, args, kwargs)
 
-    def ancestors(self, targets: Iterable[fx.Node]) -> set:
-        seen, stack = set(), list(targets)
+    @staticmethod
+    def _reach(start: Iterable[fx.Node], step) -> set:
+        """Nodes reachable from ``start`` (included) following ``step(node)``."""
+        seen, stack = set(), list(start)
         while stack:
             n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
+            if n not in seen:
+                seen.add(n)
+                stack.extend(step(n))
         return seen
 
+    def ancestors(self, targets: Iterable[fx.Node]) -> set:
+        return self._reach(targets, lambda n: n.all_input_nodes)
+
     def descendants(self, srcs: Iterable[fx.Node]) -> set:
-        seen, stack = set(), list(srcs)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(n.users)
-        return seen
+        return self._reach(srcs, lambda n: n.users)
 
     @torch.no_grad()
     def run(self, subs: dict, targets: list):

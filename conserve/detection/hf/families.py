@@ -92,8 +92,7 @@ def _gptj(ctx: _Ctx):
     MLP ``fc_in -> gelu -> fc_out`` (no law of its own), so its gain law is read by q, k, v and fc_in."""
     model, config = ctx.model, ctx.config
     tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     r = config.rotary_dim or d
     for i, blk in enumerate(tr.h):
         lp = f"transformer.h.{i}"
@@ -115,8 +114,7 @@ def _gpt2(ctx: _Ctx):
     (QK Gram laws hold, with biases); pre-LN blocks ln_1 -> attn, ln_2 -> mlp."""
     model, config = ctx.model, ctx.config
     tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     for i, blk in enumerate(tr.h):
         lp = f"transformer.h.{i}"
         if getattr(blk, "crossattention", None) is not None:
@@ -140,8 +138,7 @@ def _neox(ctx: _Ctx):
     from the same residual input), so each norm has its own gain law."""
     model, config = ctx.model, ctx.config
     base = model.gpt_neox
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     for i, layer in enumerate(base.layers):
         lp = f"gpt_neox.layers.{i}"
         at = layer.attention
@@ -167,8 +164,7 @@ def _falcon(ctx: _Ctx):
     or ALiBi (no RoPE: QK Gram laws). Parallel attention: one norm read by attention and MLP."""
     model, config = ctx.model, ctx.config
     tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     for i, blk in enumerate(tr.h):
         lp = f"transformer.h.{i}"
         at = blk.self_attention
@@ -214,8 +210,7 @@ def _bert(ctx: _Ctx):
     model, config = ctx.model, ctx.config
     bert = model.bert if hasattr(model, "bert") else model
     pre = "bert." if bert is not model else ""
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
         raise UsageError(f"BERT with position_embedding_type={config.position_embedding_type!r} is not analysed")
     for i, layer in enumerate(bert.encoder.layer):
@@ -281,6 +276,12 @@ def _bert_last_norm(ctx: _Ctx, model, path: str, norm, layer: int):
         return
     _gain(ctx, path, norm, layer, [_w(n, mods[n]).in_cols() for n in names],
           ", ".join(names) + " (the last layer's output: no residual add after it)")
+
+
+def _heads(config) -> tuple[int, int, int]:
+    """``(num_attention_heads, hidden_size, head_dim = hidden_size // num_attention_heads)`` of a config."""
+    nh, h = config.num_attention_heads, config.hidden_size
+    return nh, h, h // nh
 
 
 FAMILIES = {
