@@ -424,6 +424,10 @@ def test_unknown_model_type_falls_through_to_structural_detection():
     for x in d.laws:
         assert check(o, x) < 1e-9, x.name
     assert any(x.module == "model.layers.0.mlp.gate_proj" for x in d.declined)  # the gate: declined, not dropped
+    # from the config alone (meta device): the probe cannot run; every block is declined with the fix, none lost
+    dm = detect_from_config(o.config)
+    assert dm.detector == "hf->graph" and dm.laws == [] and dm.undetected == []
+    assert all("build the model on CPU" in x.reason for x in dm.declined[1:]) and len(dm.declined) > 1
 
 
 def test_qk_norm_with_eps_declines_scale_laws_with_reason():

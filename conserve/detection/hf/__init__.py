@@ -5,7 +5,8 @@ families whose modeling code was read), the blocks from the module classes and t
 the RoPE pairing and rotary width from the model's own ``apply_rotary_pos_emb`` (probed with basis
 vectors), the MLP kind from its ``forward`` source and the MoE gating from the router's ``forward``.
 What is not understood is listed in ``Detection.undetected``; blocks with no law carry the reason in
-``Detection.declined``. Math: ``shared/spec/laws.md`` (rows named in each law's note).
+``Detection.declined``. A ``model_type`` not in the table goes to structural detection
+(``graph.detect_graph``; detector ``'hf->graph'``, the reason first in ``declined``). Math: ``shared/spec/laws.md`` (rows named in each law's note).
 
 Layouts handled (verified against transformers 5.x modeling code):
 
@@ -43,7 +44,7 @@ import sys
 import torch
 
 from ...errors import UsageError
-from ..core import Detection, finish, register
+from ..core import Detection, register
 from .families import FAMILIES
 from .parts import _Ctx
 from .rope import LAYOUTS, probe_rope
