@@ -202,6 +202,11 @@ class Graph:
     def descendants(self, srcs: Iterable[fx.Node]) -> set:
         return self._reach(srcs, lambda n: n.users)
 
+    def walk_users(self, start: Iterable[fx.Node], visit) -> None:
+        """Depth-first over users from ``start``: ``visit(node, user)`` is called once per edge of a node
+        reached; a True answer continues the walk through ``user``."""
+        self._reach(start, lambda m: [u for u in m.users if visit(m, u)])
+
     @torch.no_grad()
     def run(self, subs: dict, targets: list):
         """Values of ``targets`` when the nodes in ``subs`` take the given values (the rest as recorded)."""
@@ -620,6 +625,13 @@ class _Found:
         if law is not None:
             self.cands.append((law, what))
 
+    def free_lins(self):
+        """``(node, linear)`` of the linear maps no block has used yet (checked lazily: ``used`` grows while
+        the caller iterates)."""
+        for n, lin in self.g.lins.items():
+            if n not in self.used:
+                yield n, lin
+
 
 def _layer(path: str):
     return layer_index(path)
@@ -972,9 +984,7 @@ def _qk_norm(f: _Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str 
 
 def _mlps(f: _Found):
     g, c = f.g, f.c
-    for n, down in g.lins.items():
-        if n in f.used:
-            continue
+    for n, down in f.free_lins():
         u = g.back_pass(down.x)
         o = g.op(u)
         if u in g.lins and u not in f.used and len(u.users) == 1:
@@ -1095,9 +1105,7 @@ def _generic_act(f: _Found, n: fx.Node, down: Lin) -> bool:
 
 def _routers(f: _Found):
     g, c = f.g, f.c
-    for n, r in g.lins.items():
-        if n in f.used:
-            continue
+    for n, r in f.free_lins():
         ends, stack, ok = [], [n], True
         while stack:
             m = stack.pop()
@@ -1192,20 +1200,19 @@ def _gains(f: _Found):
             continue
         h = g.params[w].shape[0]
         path = w.rsplit(".", 1)[0] if "." in w else w
-        readers, bad, stack, seen = [], [], [n], set()
-        while stack:
-            m = stack.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            for u in m.users:
-                if u in g.lins and g.lins[u].x is m:
-                    readers.append(g.lins[u])
-                elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
-                        and g.op(u) not in ("transpose", "permute", "movedim", "t"):
-                    stack.append(u)
-                elif g.op(u) not in SHAPE_ONLY:
-                    bad.append(u)
+        readers, bad = [], []
+
+        def visit(m, u, h=h, readers=readers, bad=bad):
+            if u in g.lins and g.lins[u].x is m:
+                readers.append(g.lins[u])
+            elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
+                    and g.op(u) not in ("transpose", "permute", "movedim", "t"):
+                return True
+            elif g.op(u) not in SHAPE_ONLY:
+                bad.append(u)
+            return False
+
+        g.walk_users([n], visit)
         what_ = what if what != "scale" else "per-feature scale"
         if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
             continue
@@ -1247,25 +1254,24 @@ def _output_layers(f: _Found):
     g, c = f.g, f.c
     loss = c.options.get("loss")
     for n, lin in g.lins.items():
-        stack, to_out, ce, other = [n], False, False, set()
-        seen = set()
-        while stack:
-            m = stack.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            for u in m.users:
-                o = g.op(u)
-                if o == "output":
-                    to_out = True
-                elif o == "cross_entropy" and u.args[0] is m:
-                    ce = True
-                elif o in ("view", "reshape", "getitem", "to", "contiguous", "flatten", "squeeze", "unsqueeze"):
-                    stack.append(u)
-                elif o in ("mul", "div") and len(u.args) == 2 and isinstance(u.args[1], (int, float)) and u.args[1]:
-                    stack.append(u)  # a constant logit scale (Granite): shifting every logit commutes with it
-                else:
-                    other.add(o)
+        ends, other = set(), set()
+
+        def visit(m, u, ends=ends, other=other):
+            o = g.op(u)
+            if o == "output":
+                ends.add("output")
+            elif o == "cross_entropy" and u.args[0] is m:
+                ends.add("ce")
+            elif o in ("view", "reshape", "getitem", "to", "contiguous", "flatten", "squeeze", "unsqueeze"):
+                return True
+            elif o in ("mul", "div") and len(u.args) == 2 and isinstance(u.args[1], (int, float)) and u.args[1]:
+                return True  # a constant logit scale (Granite): shifting every logit commutes with it
+            else:
+                other.add(o)
+            return False
+
+        g.walk_users([n], visit)
+        to_out, ce = "output" in ends, "ce" in ends
         if not (to_out or ce):
             continue
         if other:
