@@ -340,12 +340,10 @@ UNTRACEABLE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "qwen3_moe")
 # (eps = 0 only) and the post-norm scale laws (norm_scale).
 NOT_STRUCTURAL = {"qk_scale", "norm_scale"}
 NOT_STRUCTURAL_BY_NAME: dict = {}
-# Laws structural detection finds (and checks) that the name-based handlers decline: BERT (1 layer): the last
-# layer's output LayerNorm is read only by the MLM head's dense; Arcee (ReLU^2 MLP): the post-attention norm is
-# read only by up_proj, so its gain law holds although the MLP itself has no law.
-EXTRA = {"bert": {"bert.encoder.layer.0.output.LayerNorm/gain"},
-         "arcee": {"model.layers.0.post_attention_layernorm/gain"}}
-
+# Laws structural detection finds that the name-based handlers do not: none. (BERT's last-layer output LayerNorm,
+# read only by the MLM head's dense, and Arcee's post-attention norm, read only by up_proj before the relu^2,
+# used to be found here only; both detectors now build their gain laws: test_gains_read_only_by_linear_maps.)
+EXTRA: dict = {}
 
 def fingerprint(laws, params):
     """{family: sorted law values}: two laws over the same rows / columns have the same value at random
@@ -377,3 +375,46 @@ def test_structural_agrees_with_name_based_hf(name):
     assert got == want
     if "qk_scale" in named.families():
         assert any("QK-norm" in x.reason for x in found.declined)
+
+
+def _bert_head(cls_name: str, layers: int = 2):
+    import transformers as T
+    from test_detect_hf import config, randomize
+
+    torch.manual_seed(0)
+    cls = getattr(T, cls_name)
+    return randomize(cls._from_config(config("bert", num_hidden_layers=layers), attn_implementation="eager").eval())
+
+
+# (model, gain laws both detectors must build, norms both must decline). Spec gain row: a norm gain whose scaled
+# output is read only by linear maps. BERT's last output LayerNorm has no residual add after it: it is read by the
+# head's dense / pooler / classifier (a law), but is the output itself of a bare BertModel (none); earlier layers'
+# LayerNorms feed the residual stream (none). Arcee: post_attention_layernorm is read only by up_proj (the relu^2
+# comes after the Linear), so its gain law holds although the MLP has no law.
+GAIN_CASES = {
+    "BertForMaskedLM": ({"bert.encoder.layer.1.output.LayerNorm/gain"}, {"bert.encoder.layer.0.output.LayerNorm"}),
+    "BertForSequenceClassification": ({"bert.encoder.layer.1.output.LayerNorm/gain"}, set()),
+    "BertForTokenClassification": ({"bert.encoder.layer.1.output.LayerNorm/gain"}, set()),
+    "BertModel": (set(), {"encoder.layer.1.output.LayerNorm", "encoder.layer.0.output.LayerNorm"}),
+    "arcee": ({"model.layers.0.post_attention_layernorm/gain"}, set()),
+}
+
+
+@pytest.mark.skipif(not CASES, reason=HF or "no HF cases")
+@pytest.mark.parametrize("name", list(GAIN_CASES))
+def test_gains_read_only_by_linear_maps(name):
+    m = build(name) if name == "arcee" else _bert_head(name)
+    named, found = detect(m), detect_graph(m, loss="ce")
+    laws, declined = GAIN_CASES[name]
+    params = {k: v.detach().double() for k, v in m.named_parameters(remove_duplicate=False)}
+    gains = [{x.name: x for x in d.laws if x.family == "gain"} for d in (named, found)]
+    for g in gains:
+        assert laws <= set(g), (laws, set(g))
+    assert fingerprint(list(gains[0].values()), params) == fingerprint(list(gains[1].values()), params)
+    for d in (named, found):
+        assert declined <= {x.module for x in d.declined}, [x.module for x in d.declined]
+    if name in ("BertForMaskedLM", "arcee"):  # the law itself, first order in float64 on the model's own code
+        from test_detect_hf import check, logits_model
+
+        lm = logits_model(m)
+        assert all(check(lm, gains[0][n]) < 1e-9 for n in laws)

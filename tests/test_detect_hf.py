@@ -21,7 +21,7 @@ from torch import nn
 T = pytest.importorskip("transformers")
 
 from conserve.detection import detect  # noqa: E402
-from conserve.detection.hf import detect_from_config, probe_rope  # noqa: E402
+from conserve.detection.hf import FAMILIES, detect_from_config, probe_rope  # noqa: E402
 from conserve.errors import UsageError  # noqa: E402
 from conserve.laws import (GainBalance, QKGram, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram,  # noqa: E402
                            cols, rows, vector)
@@ -217,7 +217,8 @@ CASES = {
                                                                (24, 16), 16, 4)],
                                           minus=[cols("transformer.h.0.self_attention.dense.weight", (16, 16), 4 * i, 4)
                                                  for i in range(4)])]),
-    "bert": ({"qk": 4, "vo": 4},
+    # the last layer's output LayerNorm is read only by the MLM head's transform.dense: its gain law holds
+    "bert": ({"qk": 4, "vo": 4, "gain": 1},
              [("bert.encoder.layer.0.attention.output.LayerNorm", "post-LN"), ("bert.encoder.layer.0.intermediate",
                                                                                "no rescaling symmetry"),
               ("cls", "tied decoder")],
@@ -227,7 +228,10 @@ CASES = {
                            GainBalance.build("bad", 0, gain=vector("bert.encoder.layer.0.attention.output.LayerNorm.weight", 0, 16),
                                              beta=vector("bert.encoder.layer.0.attention.output.LayerNorm.bias", 0, 16),
                                              readers=[cols("bert.encoder.layer.0.intermediate.dense.weight", (12, 16), 0,
-                                                           16)])]),
+                                                           16)]),
+                           # the last output LayerNorm's gain law without its bias (LayerNorm's beta scales too)
+                           without(law(d, "bert.encoder.layer.0.output.LayerNorm/gain"),
+                                   lambda t: t.ref.param.endswith("LayerNorm.bias"))]),
     "olmoe": ({"qk_scale": 2, "qk_norm_gain": 2, "vo": 2, "gain": 3, "swiglu": 3, "router_sum": 1, "translation": 1},
               [EMBED, (f"{A}.q_proj", "over all heads")],
               # per-head scale law: wrong, OLMoE's q_norm normalises all heads at once
@@ -277,8 +281,14 @@ CASES = {
                 lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 2)]),
                               mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
     "seed_oss": (CAUSAL, [EMBED], lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1"))]),
-    "arcee": ({"rope_pair": 2, "vo": 2, "gain": 2, "translation": 1}, [EMBED, (M, "not recognised")],
-              lambda m, d: [mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
+    # relu^2 MLP: no unit law in the catalogue, but up_proj reads post_attention_layernorm only linearly: gain law
+    "arcee": ({"rope_pair": 2, "vo": 2, "gain": 3, "translation": 1}, [EMBED, (M, "not in the catalogue")],
+              lambda m, d: [mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1")),
+                            # the gain law as if down_proj (after the relu^2) also read the norm
+                            dataclasses.replace(law(d, "model.layers.0.post_attention_layernorm/gain"), terms=[
+                                *law(d, "model.layers.0.post_attention_layernorm/gain").terms,
+                                dataclasses.replace(law(d, "model.layers.0.post_attention_layernorm/gain").terms[-1],
+                                                    ref=rows(f"{M}.down_proj.weight", (16, 12), 0, 16))])]),
     "glm": ({**CAUSAL, "rope_pass": 2}, [EMBED],
             lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1")),
                           without(law(d, f"{A}/rope_pass/group0"), lambda t: t.sign < 0)]),
@@ -396,11 +406,28 @@ def test_unknown_modules_and_families_are_listed_never_dropped():
     m.model.layers[0].adapter = nn.Linear(16, 16)
     d = detect(m)
     assert d.undetected == ["model.layers.0.adapter"]
-    # not a known family (OLMo 1): everything is listed as undetected, with the reason
-    o = T.AutoModelForCausalLM.from_config(T.OlmoConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+def test_unknown_model_type_falls_through_to_structural_detection():
+    """OLMo 1 (model_type 'olmo') has no family handler: structural detection answers (the reason recorded
+    first), and every law it claims passes the float64 first-order check on the model's own code."""
+    assert "olmo" not in FAMILIES
+    o = randomize(T.AutoModelForCausalLM.from_config(T.OlmoConfig(**TINY, num_key_value_heads=2,
+                                                                  tie_word_embeddings=False),
+                                                     attn_implementation="eager").eval())
     d = detect(o)
-    assert d.laws == [] and "model.layers.0.mlp.up_proj" in d.undetected
-    assert "no HF family handler" in d.declined[0].reason
+    assert d.detector == "hf->graph" and d.undetected == []
+    assert d.declined[0].block == "model_type='olmo'" and "structural detection used" in d.declined[0].reason
+    # OLMo 1's LayerNorms have no gain: RoPE pairs and VO per kv group, the SwiGLU units, the untied head
+    assert d.families() == {"rope_pair": 2, "vo": 2, "swiglu": 1, "translation": 1}
+    o = logits_model(o)
+    for x in d.laws:
+        assert check(o, x) < 1e-9, x.name
+    assert any(x.module == "model.layers.0.mlp.gate_proj" for x in d.declined)  # the gate: declined, not dropped
+    # from the config alone (meta device): the probe cannot run; every block is declined with the fix, none lost
+    dm = detect_from_config(o.config)
+    assert dm.detector == "hf->graph" and dm.laws == [] and dm.undetected == []
+    assert all("build the model on CPU" in x.reason for x in dm.declined[1:]) and len(dm.declined) > 1
 
 
 def test_qk_norm_with_eps_declines_scale_laws_with_reason():

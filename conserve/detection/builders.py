@@ -4,14 +4,15 @@ names, shapes and the output units (rows) or input features (columns) they read.
 Used by the torch.nn, structural (graph) and HF detectors and by ``conserve.models``. Everything takes
 weights in ``nn.Linear`` convention ``(out_features, in_features)``; ``transposed=True`` reads a weight
 stored ``(in, out)`` (GPT-2 ``Conv1D``). Index lists may be any order: they are compressed into strided
-``Ref`` runs (``runs``), so fused / per-head / interleaved layouts need no special code. Math:
+``Ref`` runs (``runs``), so fused / per-head / interleaved layouts need no special code; ``lead`` indexes leading dims (the
+expert of a fused ``(E, out, in)`` tensor). Math:
 ``shared/spec/laws.md`` (rows named per builder).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..laws import GainBalance, Law, QKNormGain, RopePairs, Term, cols, rows, vector
+from ..laws import GainBalance, Law, LayerScaleBalance, QKNormGain, RopePairs, Term, cols, rows, vector
 from ..laws.base import Ref
 
 
@@ -44,20 +45,22 @@ def runs(idx: Sequence[int]) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def out_rows(weight: str, shape, start: int, n: int, *, step: int = 1, transposed: bool = False) -> Ref:
+def out_rows(weight: str, shape, start: int, n: int, *, step: int = 1, transposed: bool = False,
+             lead: tuple = ()) -> Ref:
     """Output units ``start, start+step, ...`` (n) of a Linear-convention weight (columns when stored (in, out))."""
     if transposed:
         if step != 1:
             raise ValueError(f"{weight}: strided output units of a transposed weight are not supported")
-        return cols(weight, shape, start, n)
-    return rows(weight, shape, start, n, step=step)
+        return cols(weight, shape, start, n, lead=lead)
+    return rows(weight, shape, start, n, step=step, lead=lead)
 
 
-def in_cols(weight: str, shape, start: int = 0, n: int | None = None, *, transposed: bool = False) -> Ref:
+def in_cols(weight: str, shape, start: int = 0, n: int | None = None, *, transposed: bool = False,
+            lead: tuple = ()) -> Ref:
     """Input features ``start..start+n`` of a Linear-convention weight, one row each (its reader ref)."""
     n_in = shape[-2] if transposed else shape[-1]
     n = n_in - start if n is None else n
-    return rows(weight, shape, start, n) if transposed else cols(weight, shape, start, n)
+    return rows(weight, shape, start, n, lead=lead) if transposed else cols(weight, shape, start, n, lead=lead)
 
 
 def gain_law(name: str, layer, weight: str, size: int, *, readers: Sequence[Ref], bias: str | None = None,
@@ -70,40 +73,63 @@ def gain_law(name: str, layer, weight: str, size: int, *, readers: Sequence[Ref]
                              readers=list(readers), shift=shift, note=note)
 
 
+def row_sum_law(cls, name: str, layer, weight: str, shape, n: int, *, bias: str | None = None,
+                transposed: bool = False, note: str = "") -> Law:
+    """Row-sum law over output units ``0..n`` (spec: untied softmax output / MoE router rows; ``cls`` =
+    ``Translation`` or ``RouterSum``): ``sum_r W[r,:]`` (and ``sum_r b[r]``), a vector of in_features (+1)."""
+    return cls.build(name, layer, weight=out_rows(weight, shape, 0, n, transposed=transposed),
+                     bias=vector(bias, 0, n) if bias else None, note=note)
+
+
+def layer_scale_law(name: str, layer, gamma: str, size: int, outputs: Sequence[tuple], note: str = ""):
+    """LayerScale law (catalogue ``LayerScaleBalance``; diagonal case of the spec's deep-linear row):
+    ``gamma_c^2 - sum_M (||W_M[c,:]||^2 + b_M[c]^2)`` over the maps M whose output features ``0..size`` gamma
+    scales; ``outputs``: one ``(weight, shape, bias-or-None, transposed)`` per map."""
+    readers = []
+    for weight, shape, bias, t in outputs:
+        readers.append(out_rows(weight, shape, 0, size, transposed=t))
+        if bias:
+            readers.append(vector(bias, 0, size))
+    return LayerScaleBalance.build(name, layer, gain=vector(gamma, 0, size), readers=readers, note=note)
+
+
 def _entry_terms(weight: str, shape, idx: Sequence[int], sign: float, *, bias: str | None, transposed: bool,
-                 kind: str = "rows") -> list[Term]:
+                 kind: str = "rows", lead: tuple = ()) -> list[Term]:
     """Norm terms reading, for entry e, row ``idx[e]`` (kind 'rows': output unit; 'cols': input feature)."""
     terms = []
     for e0, start, n, step in runs(idx):
         if kind == "rows":
             if transposed and step != 1:
-                terms += [Term("norm", cols(weight, shape, start + k * step, 1), sign, offset=e0 + k) for k in range(n)]
+                terms += [Term("norm", cols(weight, shape, start + k * step, 1, lead=lead), sign, offset=e0 + k)
+                          for k in range(n)]
             else:
-                terms.append(Term("norm", out_rows(weight, shape, start, n, step=step, transposed=transposed), sign,
-                                  offset=e0))
+                terms.append(Term("norm", out_rows(weight, shape, start, n, step=step, transposed=transposed, lead=lead),
+                                  sign, offset=e0))
             if bias is not None:
-                terms.append(Term("norm", vector(bias, start, n, step=step), sign, offset=e0))
+                terms.append(Term("norm", vector(bias, start, n, step=step, lead=lead), sign, offset=e0))
         else:
             if transposed:
-                terms.append(Term("norm", rows(weight, shape, start, n, step=step), sign, offset=e0))
+                terms.append(Term("norm", rows(weight, shape, start, n, step=step, lead=lead), sign, offset=e0))
             elif step == 1:
-                terms.append(Term("norm", cols(weight, shape, start, n), sign, offset=e0))
+                terms.append(Term("norm", cols(weight, shape, start, n, lead=lead), sign, offset=e0))
             else:
-                terms += [Term("norm", cols(weight, shape, start + k * step, 1), sign, offset=e0 + k) for k in range(n)]
+                terms += [Term("norm", cols(weight, shape, start + k * step, 1, lead=lead), sign, offset=e0 + k)
+                          for k in range(n)]
     return terms
 
 
 def unit_law(cls, name: str, layer, *, up: str, up_shape, units: Sequence[int], down: str, down_shape,
              features: Sequence[int] | None = None, up_bias: str | None = None, up_t: bool = False,
-             down_t: bool = False, note: str = "") -> Law:
+             down_t: bool = False, lead: tuple = (), note: str = "") -> Law:
     """Unit balance (spec: ReLU / SwiGLU rows; ``cls`` = ``ReLUUnit`` or ``SwiGLUUnit``): entry e reads output
     unit ``units[e]`` of ``up`` (row + bias) and input feature ``features[e]`` of ``down`` (column; default
-    ``range(len(units))``): ``||W_up[u,:]||^2 + b_up[u]^2 - ||W_down[:,f]||^2``."""
+    ``range(len(units))``): ``||W_up[u,:]||^2 + b_up[u]^2 - ||W_down[:,f]||^2``. ``lead``: the expert index
+    of fused ``(E, out, in)`` up / down tensors (and ``(E, out)`` bias)."""
     features = list(range(len(units))) if features is None else list(features)
     if len(features) != len(units):
         raise ValueError(f"{name}: {len(units)} units but {len(features)} down features")
-    terms = (_entry_terms(up, up_shape, units, +1.0, bias=up_bias, transposed=up_t)
-             + _entry_terms(down, down_shape, features, -1.0, bias=None, transposed=down_t, kind="cols"))
+    terms = (_entry_terms(up, up_shape, units, +1.0, bias=up_bias, transposed=up_t, lead=lead)
+             + _entry_terms(down, down_shape, features, -1.0, bias=None, transposed=down_t, kind="cols", lead=lead))
     return cls(name, layer, terms, len(units), note)
 
 
@@ -131,6 +157,19 @@ def head_gram(cls, name: str, layer, plus: Sequence[list | None], minus: Sequenc
     if any(b is None for b in list(plus) + list(minus)):
         return None
     return cls.build(name, layer, plus=[r for b in plus for r in b], minus=[r for b in minus for r in b], note=note)
+
+
+def rope_pairs(rotary_dim: int, layout: str) -> list[tuple[int, int]]:
+    """The RoPE pairs of head dims (spec: RoPE layouts): 'half' ``(p, p + R/2)`` (HF rotate_half),
+    'interleaved' ``(2p, 2p + 1)``, p < R/2. ValueError for an odd ``rotary_dim`` or another layout."""
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even")
+    half = rotary_dim // 2
+    if layout == "half":
+        return [(p, p + half) for p in range(half)]
+    if layout == "interleaved":
+        return [(2 * p, 2 * p + 1) for p in range(half)]
+    raise ValueError(f"RoPE layout must be 'half' or 'interleaved', got {layout!r}")
 
 
 def rope_pair_law(name: str, layer, *, q: Sequence[tuple], k: Sequence[tuple], pairs: Sequence[tuple[int, int]],

@@ -68,8 +68,8 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 
 from ..analysis.verify import TOL  # the spec's first-order tolerance
-from ..laws import (Declined, DeepLinearGram, LayerScaleBalance, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit,
-                    Translation, VOGram, rows, vector)
+from ..laws import (Declined, DeepLinearGram, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit, Translation,
+                    VOGram, rows)
 from . import builders
 from .core import Collector, Detection, register
 from .torchnn import layer_index
@@ -185,25 +185,27 @@ class Graph:
                 args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.env[a])
                 self.env[n] = self._exec(n, args, kwargs)
 
-    def ancestors(self, targets: Iterable[fx.Node]) -> set:
-        seen, stack = set(), list(targets)
+    @staticmethod
+    def _reach(start: Iterable[fx.Node], step) -> set:
+        """Nodes reachable from ``start`` (included) following ``step(node)``."""
+        seen, stack = set(), list(start)
         while stack:
             n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
+            if n not in seen:
+                seen.add(n)
+                stack.extend(step(n))
         return seen
 
+    def ancestors(self, targets: Iterable[fx.Node]) -> set:
+        return self._reach(targets, lambda n: n.all_input_nodes)
+
     def descendants(self, srcs: Iterable[fx.Node]) -> set:
-        seen, stack = set(), list(srcs)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(n.users)
-        return seen
+        return self._reach(srcs, lambda n: n.users)
+
+    def walk_users(self, start: Iterable[fx.Node], visit) -> None:
+        """Depth-first over users from ``start``: ``visit(node, user)`` is called once per edge of a node
+        reached; a True answer continues the walk through ``user``."""
+        self._reach(start, lambda m: [u for u in m.users if visit(m, u)])
 
     @torch.no_grad()
     def run(self, subs: dict, targets: list):
@@ -623,6 +625,13 @@ class _Found:
         if law is not None:
             self.cands.append((law, what))
 
+    def free_lins(self):
+        """``(node, linear)`` of the linear maps no block has used yet (checked lazily: ``used`` grows while
+        the caller iterates)."""
+        for n, lin in self.g.lins.items():
+            if n not in self.used:
+                yield n, lin
+
 
 def _layer(path: str):
     return layer_index(path)
@@ -975,9 +984,7 @@ def _qk_norm(f: _Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str 
 
 def _mlps(f: _Found):
     g, c = f.g, f.c
-    for n, down in g.lins.items():
-        if n in f.used:
-            continue
+    for n, down in f.free_lins():
         u = g.back_pass(down.x)
         o = g.op(u)
         if u in g.lins and u not in f.used and len(u.users) == 1:
@@ -1098,9 +1105,7 @@ def _generic_act(f: _Found, n: fx.Node, down: Lin) -> bool:
 
 def _routers(f: _Found):
     g, c = f.g, f.c
-    for n, r in g.lins.items():
-        if n in f.used:
-            continue
+    for n, r in f.free_lins():
         ends, stack, ok = [], [n], True
         while stack:
             m = stack.pop()
@@ -1125,11 +1130,10 @@ def _routers(f: _Found):
             continue
         e_n = r.n_out
         if kinds == {"softmax"}:
-            f.add(RouterSum.build(f"{r.module}/router", _layer(r.module),
-                                  weight=builders.out_rows(r.w, r.shape, 0, e_n, transposed=r.t),
-                                  bias=vector(r.b, 0, e_n) if r.b else None,
-                                  note="structural: softmax gating (top-k, renormalised or not) (spec: MoE router row)"),
-                  "router")
+            f.add(builders.row_sum_law(RouterSum, f"{r.module}/router", _layer(r.module), r.w, r.shape, e_n,
+                                       bias=r.b, transposed=r.t,
+                                       note="structural: softmax gating (top-k, renormalised or not) (spec: MoE router "
+                                            "row)"), "router")
         elif "sigmoid" in kinds:
             c.decline(r.module, "sigmoid router", "sum_e W_router[e,:] is NOT conserved for normalised sigmoid gating "
                       "with top-k >= 2 (spec: MoE router, normalised sigmoid: open row)")
@@ -1196,20 +1200,19 @@ def _gains(f: _Found):
             continue
         h = g.params[w].shape[0]
         path = w.rsplit(".", 1)[0] if "." in w else w
-        readers, bad, stack, seen = [], [], [n], set()
-        while stack:
-            m = stack.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            for u in m.users:
-                if u in g.lins and g.lins[u].x is m:
-                    readers.append(g.lins[u])
-                elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
-                        and g.op(u) not in ("transpose", "permute", "movedim", "t"):
-                    stack.append(u)
-                elif g.op(u) not in SHAPE_ONLY:
-                    bad.append(u)
+        readers, bad = [], []
+
+        def visit(m, u, h=h, readers=readers, bad=bad):
+            if u in g.lins and g.lins[u].x is m:
+                readers.append(g.lins[u])
+            elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
+                    and g.op(u) not in ("transpose", "permute", "movedim", "t"):
+                return True
+            elif g.op(u) not in SHAPE_ONLY:
+                bad.append(u)
+            return False
+
+        g.walk_users([n], visit)
         what_ = what if what != "scale" else "per-feature scale"
         if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
             continue
@@ -1241,11 +1244,9 @@ def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
     if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
         return False
     path = w.rsplit(".", 1)[0] if "." in w else w
-    f.add(LayerScaleBalance.build(f"{path}/layer_scale", _layer(path), gain=vector(w, 0, h),
-                                  readers=[builders.out_rows(lin.w, lin.shape, 0, h, transposed=lin.t)]
-                                  + ([vector(lin.b, 0, h)] if lin.b else []),
-                                  note=f"structural: {path} scales the output features of {lin.module} (diagonal "
-                                       "rescaling, as the spec's deep-linear row)"), "LayerScale")
+    f.add(builders.layer_scale_law(f"{path}/layer_scale", _layer(path), w, h, [(lin.w, lin.shape, lin.b, lin.t)],
+                                   note=f"structural: {path} scales the output features of {lin.module} (diagonal "
+                                        "rescaling, as the spec's deep-linear row)"), "LayerScale")
     return True
 
 
@@ -1253,35 +1254,33 @@ def _output_layers(f: _Found):
     g, c = f.g, f.c
     loss = c.options.get("loss")
     for n, lin in g.lins.items():
-        stack, to_out, ce, other = [n], False, False, set()
-        seen = set()
-        while stack:
-            m = stack.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            for u in m.users:
-                o = g.op(u)
-                if o == "output":
-                    to_out = True
-                elif o == "cross_entropy" and u.args[0] is m:
-                    ce = True
-                elif o in ("view", "reshape", "getitem", "to", "contiguous", "flatten", "squeeze", "unsqueeze"):
-                    stack.append(u)
-                elif o in ("mul", "div") and len(u.args) == 2 and isinstance(u.args[1], (int, float)) and u.args[1]:
-                    stack.append(u)  # a constant logit scale (Granite): shifting every logit commutes with it
-                else:
-                    other.add(o)
+        ends, other = set(), set()
+
+        def visit(m, u, ends=ends, other=other):
+            o = g.op(u)
+            if o == "output":
+                ends.add("output")
+            elif o == "cross_entropy" and u.args[0] is m:
+                ends.add("ce")
+            elif o in ("view", "reshape", "getitem", "to", "contiguous", "flatten", "squeeze", "unsqueeze"):
+                return True
+            elif o in ("mul", "div") and len(u.args) == 2 and isinstance(u.args[1], (int, float)) and u.args[1]:
+                return True  # a constant logit scale (Granite): shifting every logit commutes with it
+            else:
+                other.add(o)
+            return False
+
+        g.walk_users([n], visit)
+        to_out, ce = "output" in ends, "ce" in ends
         if not (to_out or ce):
             continue
         if other:
             c.decline(lin.module, "output layer", f"its logits also go through {sorted(other)} before the output (e.g. a "
                       "soft-cap): no translation law (spec breakers)")
         elif ce or loss == "ce":
-            law = Translation.build(f"{lin.module}/translation", None,
-                                    weight=builders.out_rows(lin.w, lin.shape, 0, lin.n_out, transposed=lin.t),
-                                    bias=vector(lin.b, 0, lin.n_out) if lin.b else None,
-                                    note="structural: softmax cross-entropy only (spec: untied softmax output row)")
+            law = builders.row_sum_law(Translation, f"{lin.module}/translation", None, lin.w, lin.shape, lin.n_out,
+                                       bias=lin.b, transposed=lin.t,
+                                       note="structural: softmax cross-entropy only (spec: untied softmax output row)")
             f.add(law, "translation")
             f.heads[law.name] = n
         else:

@@ -32,7 +32,8 @@ import sys
 
 from torch import nn
 
-from ..laws import Declined, GainBalance, LayerScaleBalance, QKNormGain, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram, cols, rows, vector
+from ..laws import Declined, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram
+from . import builders
 from .core import register
 from .torchnn import NO_LAW_ACT, POST_LN, Collector, gain_law, linear_cols, norm_parts, walk
 
@@ -79,9 +80,6 @@ def head_laws(c: Collector, path: str, attn, layer, *, qkv, starts, proj, note: 
     qs = lin.weight.shape
     q0, k0, v0 = starts
 
-    def b(start):
-        return vector(bias, start, d) if bias else None
-
     qk_norm = _qk_norm(attn)
     keep = eps = None
     if qk_norm:
@@ -93,17 +91,19 @@ def head_laws(c: Collector, path: str, attn, layer, *, qkv, starts, proj, note: 
         qn, kn = norm_parts(attn.q_norm), norm_parts(attn.k_norm)
         if qn and kn and type(attn.q_norm) is type(attn.k_norm) and (qn[1] is None) == (kn[1] is None):
             # scaling dim t of q_norm's output by s and of k_norm's by 1/s leaves every score q.k unchanged
-            c.add(QKNormGain.build(f"{path}/qk_norm_gain", layer,
-                                   plus=[vector(f"{path}.q_norm.weight", 0, d),
-                                         vector(f"{path}.q_norm.bias", 0, d) if qn[1] else None],
-                                   minus=[vector(f"{path}.k_norm.weight", 0, d),
-                                          vector(f"{path}.k_norm.bias", 0, d) if kn[1] else None],
-                                   note="per head dim t: g_q[t]^2 + b_q[t]^2 - g_k[t]^2 - b_k[t]^2"))
+            c.add(builders.qk_norm_gain_law(f"{path}/qk_norm_gain", layer, q_gain=f"{path}.q_norm.weight",
+                                            k_gain=f"{path}.k_norm.weight", entries=[[t] for t in range(d)],
+                                            q_bias=f"{path}.q_norm.bias" if qn[1] else None,
+                                            k_bias=f"{path}.k_norm.bias" if kn[1] else None,
+                                            note="per head dim t: g_q[t]^2 + b_q[t]^2 - g_k[t]^2 - b_k[t]^2"))
         c.mark(f"{path}.q_norm", f"{path}.k_norm")
     w = f"{qkv_path}.weight"
+
+    def blk(start):  # head rows start + [0, D) of qkv, with the bias entries
+        return builders.block(w, qs, range(start, start + d), bias=bias or None)
+
     for i in range(nh):
-        q_i = [rows(w, qs, q0 + i * d, d), b(q0 + i * d)]
-        k_i = [rows(w, qs, k0 + i * d, d), b(k0 + i * d)]
+        q_i, k_i = blk(q0 + i * d), blk(k0 + i * d)
         if qk_norm and keep:
             law_note = "QK-norm scale law" + ("" if eps == 0 else f" (approximate: eps={eps}, error O(eps / mean(q^2)))")
             c.add(ScaleLaw.build(f"{path}/qk_scale/q_head{i}", layer, blocks=q_i, note=law_note),
@@ -115,11 +115,12 @@ def head_laws(c: Collector, path: str, attn, layer, *, qkv, starts, proj, note: 
                                            "to O(eps / mean(q^2)), so ||Q||^2 drifts by that much; pass "
                                            "approximate=True to track it anyway"))
         else:
-            c.add(QKGram.build(f"{path}/qk/head{i}", layer, plus=q_i, minus=k_i, note=note))
+            c.add(builders.head_gram(QKGram, f"{path}/qk/head{i}", layer, [q_i], [k_i], note=note))
         if proj is not None:
             pw, ps, p0 = proj
-            c.add(VOGram.build(f"{path}/vo/head{i}", layer, plus=[rows(w, qs, v0 + i * d, d), b(v0 + i * d)],
-                               minus=[cols(pw, ps, p0 + i * d, d)], note=note))
+            c.add(builders.head_gram(VOGram, f"{path}/vo/head{i}", layer, [blk(v0 + i * d)],
+                                     [builders.block(pw, ps, range(p0 + i * d, p0 + (i + 1) * d), kind="cols")],
+                                     note=note))
 
 
 def parallel_block_laws(c: Collector, path: str, blk, layer) -> None:
@@ -147,22 +148,20 @@ def parallel_block_laws(c: Collector, path: str, blk, layer) -> None:
     head_laws(c, path, blk, layer, qkv=(ip, lin, bias), starts=(M, M + C, M + 2 * C), proj=attn_proj,
               note="timm ParallelScalingBlock in_proj rows [mlp | q | k | v]")
     act = blk.mlp_act
-    up_b = vector(bias, 0, M) if bias else (vector(f"{path}.mlp_bias", 0, M) if blk.mlp_bias is not None else None)
+    up_b = bias or (f"{path}.mlp_bias" if blk.mlp_bias is not None else None)
     if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-        c.add(ReLUUnit.build(f"{path}/mlp/unit", layer, up=rows(f"{ip}.weight", lin.weight.shape, 0, M), up_bias=up_b,
-                             down=cols(down[0], down[1], down[2], M), note=f"in_proj rows [0, {M}), {type(act).__name__}"))
+        c.add(builders.unit_law(ReLUUnit, f"{path}/mlp/unit", layer, up=f"{ip}.weight", up_shape=lin.weight.shape,
+                                units=range(M), up_bias=up_b, down=down[0], down_shape=down[1],
+                                features=range(down[2], down[2] + M), note=f"in_proj rows [0, {M}), {type(act).__name__}"))
     else:
         c.decline(f"{path}.mlp_act", f"{type(act).__name__} MLP of the parallel block", NO_LAW_ACT)
     gain_law(c, f"{path}.in_norm", blk.in_norm, [linear_cols(ip, lin)], layer, "in_proj (mlp, q, k, v)")
     if not isinstance(blk.ls, nn.Identity):
         if _is(blk.ls, "LayerScale") and isinstance(getattr(blk.ls, "gamma", None), nn.Parameter):
-            readers = []
-            for op, o in outs:
-                readers.append(rows(f"{op}.weight", o.weight.shape, 0, C))
-                if o.bias is not None:
-                    readers.append(vector(f"{op}.bias", 0, C))
-            c.add(LayerScaleBalance.build(f"{path}.ls/layer_scale", layer, gain=vector(f"{path}.ls.gamma", 0, C),
-                                          readers=readers, note="LayerScale gamma times the rows of both output maps"))
+            c.add(builders.layer_scale_law(f"{path}.ls/layer_scale", layer, f"{path}.ls.gamma", C,
+                                           [(f"{op}.weight", o.weight.shape, f"{op}.bias" if o.bias is not None else None,
+                                             False) for op, o in outs],
+                                           note="LayerScale gamma times the rows of both output maps"))
         else:
             c.decline(f"{path}.ls", type(blk.ls).__name__, "residual scale not recognised: no law detected")
     c.mark(path)
@@ -178,10 +177,7 @@ def mlp_laws(c: Collector, path: str, mlp, layer) -> list | None:
                                        "the per-unit law; its gain law is read by fc2"))
             gain_law(c, f"{path}.norm", mlp.norm, [linear_cols(f"{path}.fc2", mlp.fc2)], layer, "mlp.fc2")
         elif isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-            n = mlp.fc1.out_features
-            c.add(ReLUUnit.build(f"{path}/unit", layer, up=rows(f"{path}.fc1.weight", mlp.fc1.weight.shape, 0, n),
-                                 up_bias=vector(f"{path}.fc1.bias", 0, n) if mlp.fc1.bias is not None else None,
-                                 down=cols(f"{path}.fc2.weight", mlp.fc2.weight.shape, 0, n), note="timm Mlp, ReLU"))
+            c.add(_unit(ReLUUnit, path, "fc1", mlp.fc1, 0, mlp.fc1.out_features, mlp.fc2, layer, "timm Mlp, ReLU"))
         else:
             c.declined.append(Declined(path, f"{type(act).__name__} Mlp", NO_LAW_ACT))
         c.mark(path)
@@ -192,12 +188,8 @@ def mlp_laws(c: Collector, path: str, mlp, layer) -> list | None:
                                        "breaks the per-unit law; its gain law is read by fc2"))
             gain_law(c, f"{path}.norm", mlp.norm, [linear_cols(f"{path}.fc2", mlp.fc2)], layer, "mlp.fc2")
         elif _elementwise(mlp.act):
-            n = mlp.fc1_x.out_features
-            c.add(SwiGLUUnit.build(f"{path}/unit", layer, up=rows(f"{path}.fc1_x.weight", mlp.fc1_x.weight.shape, 0, n),
-                                   up_bias=vector(f"{path}.fc1_x.bias", 0, n) if mlp.fc1_x.bias is not None else None,
-                                   down=cols(f"{path}.fc2.weight", mlp.fc2.weight.shape, 0, n),
-                                   note=f"timm SwiGLU ({type(mlp.act).__name__} gate): up = fc1_x (gate fc1_g not "
-                                        "involved)"))
+            c.add(_unit(SwiGLUUnit, path, "fc1_x", mlp.fc1_x, 0, mlp.fc1_x.out_features, mlp.fc2, layer,
+                        f"timm SwiGLU ({type(mlp.act).__name__} gate): up = fc1_x (gate fc1_g not involved)"))
         else:
             c.declined.append(Declined(path, f"GLU with {type(mlp.act).__name__}", "gate activation not "
                                        "recognised as elementwise: no law detected"))
@@ -212,11 +204,9 @@ def mlp_laws(c: Collector, path: str, mlp, layer) -> list | None:
                                        "breaks the per-unit law; its gain law is read by fc2"))
             gain_law(c, f"{path}.norm", mlp.norm, [linear_cols(f"{path}.fc2", mlp.fc2)], layer, "mlp.fc2")
         elif _elementwise(mlp.act):
-            c.add(SwiGLUUnit.build(f"{path}/unit", layer, up=rows(f"{path}.fc1.weight", mlp.fc1.weight.shape, up0, n),
-                                   up_bias=vector(f"{path}.fc1.bias", up0, n) if mlp.fc1.bias is not None else None,
-                                   down=cols(f"{path}.fc2.weight", mlp.fc2.weight.shape, 0, n),
-                                   note=f"timm GluMlp ({type(mlp.act).__name__} gate on fc1 rows "
-                                        f"[{n - up0}, {2 * n - up0})): up = fc1 rows [{up0}, {up0 + n})"))
+            c.add(_unit(SwiGLUUnit, path, "fc1", mlp.fc1, up0, n, mlp.fc2, layer,
+                        f"timm GluMlp ({type(mlp.act).__name__} gate on fc1 rows [{n - up0}, {2 * n - up0})): up = fc1 "
+                        f"rows [{up0}, {up0 + n})"))
         else:
             c.declined.append(Declined(path, f"GluMlp with {type(mlp.act).__name__}", "gate activation not "
                                        "recognised as elementwise: no law detected"))
@@ -224,6 +214,13 @@ def mlp_laws(c: Collector, path: str, mlp, layer) -> list | None:
         return [linear_cols(f"{path}.fc1", mlp.fc1)]
     c.decline(path, type(mlp).__name__, "MLP variant not recognised: no law detected")
     return None
+
+
+def _unit(cls, path: str, up_name: str, up: nn.Linear, start: int, n: int, fc2: nn.Linear, layer, note: str):
+    """Unit law (``builders.unit_law``) of rows ``start..start+n`` of ``{path}.{up_name}`` read by ``{path}.fc2``."""
+    return builders.unit_law(cls, f"{path}/unit", layer, up=f"{path}.{up_name}.weight", up_shape=up.weight.shape,
+                             units=range(start, start + n), up_bias=f"{path}.{up_name}.bias" if up.bias is not None
+                             else None, down=f"{path}.fc2.weight", down_shape=fc2.weight.shape, note=note)
 
 
 def _elementwise(act) -> bool:
@@ -240,10 +237,10 @@ def layer_scale_law(c: Collector, path: str, ls, lin_path: str, lin: nn.Linear, 
         c.decline(path, type(ls).__name__, "residual scale not recognised: no law detected")
         return
     h = lin.out_features
-    c.add(LayerScaleBalance.build(f"{path}/layer_scale", layer, gain=vector(f"{path}.gamma", 0, h),
-                                  readers=[rows(f"{lin_path}.weight", lin.weight.shape, 0, h)]
-                                  + ([vector(f"{lin_path}.bias", 0, h)] if lin.bias is not None else []),
-                                  note=f"LayerScale gamma times {lin_path} output rows"))
+    c.add(builders.layer_scale_law(f"{path}/layer_scale", layer, f"{path}.gamma", h,
+                                   [(f"{lin_path}.weight", lin.weight.shape,
+                                     f"{lin_path}.bias" if lin.bias is not None else None, False)],
+                                   note=f"LayerScale gamma times {lin_path} output rows"))
     c.mark(path)
 
 
@@ -310,9 +307,9 @@ def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options)
             c.decline("norm", "final norm feeding fc_norm", "the norm output is re-normalised by fc_norm: no gain law")
         w = head.weight
         if loss == "ce":
-            c.add(Translation.build("head/translation", None, weight=rows("head.weight", w.shape, 0, w.shape[0]),
-                                    bias=vector("head.bias", 0, w.shape[0]) if head.bias is not None else None,
-                                    note="softmax cross-entropy only (pass loss=... otherwise)"))
+            c.add(builders.row_sum_law(Translation, "head/translation", None, "head.weight", w.shape, w.shape[0],
+                                       bias="head.bias" if head.bias is not None else None,
+                                       note="softmax cross-entropy only (pass loss=... otherwise)"))
             c.mark("head")
         else:
             c.decline("head", "classifier", f"translation law holds only for softmax cross-entropy (loss={loss!r})")

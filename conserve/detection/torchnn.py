@@ -116,10 +116,12 @@ def mha_laws(c: Collector, path: str, m: nn.MultiheadAttention, layer=None) -> N
 
         extra_k = vector(_p(path, "bias_k"), i * d, d, lead=(0, 0)) if m.bias_k is not None else None
         extra_v = vector(_p(path, "bias_v"), i * d, d, lead=(0, 0)) if m.bias_v is not None else None
-        c.add(QKGram.build(f"{_label(path)}/qk/head{i}", layer, plus=[rows(qw, qs, q0 + i * d, d), b(0)],
-                           minus=[rows(kw, ks, k0 + i * d, d), b(e), extra_k], note=note))
-        c.add(VOGram.build(f"{_label(path)}/vo/head{i}", layer, plus=[rows(vw, vs, v0 + i * d, d), b(2 * e), extra_v],
-                           minus=[cols(_p(path, "out_proj.weight"), os_, i * d, d)], note=note))
+        c.add(builders.head_gram(QKGram, f"{_label(path)}/qk/head{i}", layer, [[rows(qw, qs, q0 + i * d, d), b(0)]],
+                                 [[rows(kw, ks, k0 + i * d, d), b(e), extra_k]], note=note))
+        c.add(builders.head_gram(VOGram, f"{_label(path)}/vo/head{i}", layer,
+                                 [[rows(vw, vs, v0 + i * d, d), b(2 * e), extra_v]],
+                                 [builders.block(_p(path, "out_proj.weight"), os_, range(i * d, (i + 1) * d), kind="cols")],
+                                 note=note))
     c.mark(path)
 
 
@@ -183,12 +185,12 @@ def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, 
             act = next(type(m).__name__ for m in between if isinstance(m, NO_SYMMETRY))
             c.decline(pa, f"Linear-{act}-Linear", NO_LAW_ACT)
         elif all(isinstance(m, nn.Identity) for m in between):
-            n = la.out_features
-            c.add(DeepLinearGram.build(f"{name}/gram", layer,
-                                       plus=[rows(_p(pa, "weight"), la.weight.shape, 0, n),
-                                             vector(_p(pa, "bias"), 0, n) if la.bias is not None else None],
-                                       minus=[cols(_p(pb, "weight"), lb.weight.shape, 0, n)],
-                                       note="Linear-Linear with no nonlinearity between"))
+            units = range(la.out_features)
+            c.add(builders.head_gram(DeepLinearGram, f"{name}/gram", layer,
+                                     [builders.block(_p(pa, "weight"), la.weight.shape, units,
+                                                     bias=_p(pa, "bias") if la.bias is not None else None)],
+                                     [builders.block(_p(pb, "weight"), lb.weight.shape, units, kind="cols")],
+                                     note="Linear-Linear with no nonlinearity between"))
         else:
             kinds = "-".join(type(m).__name__ for m in between)
             unit_law(c, f"{name}/unit", pa, la, pb, lb, layer, note=f"Linear-{kinds}-Linear (positive rescaling)")
@@ -198,9 +200,9 @@ def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, 
         pl = _p(path, nl)
         if loss == "ce":
             w = last.weight
-            c.add(Translation.build(f"{pl}/translation", None, weight=rows(_p(pl, "weight"), w.shape, 0, w.shape[0]),
-                                    bias=vector(_p(pl, "bias"), 0, w.shape[0]) if last.bias is not None else None,
-                                    note="softmax cross-entropy only"))
+            c.add(builders.row_sum_law(Translation, f"{pl}/translation", None, _p(pl, "weight"), w.shape, w.shape[0],
+                                       bias=_p(pl, "bias") if last.bias is not None else None,
+                                       note="softmax cross-entropy only"))
             c.mark(pl)
         else:
             c.declined.append(Declined(pl, "output layer", "translation law holds only for softmax cross-entropy: "

@@ -5,7 +5,8 @@ families whose modeling code was read), the blocks from the module classes and t
 the RoPE pairing and rotary width from the model's own ``apply_rotary_pos_emb`` (probed with basis
 vectors), the MLP kind from its ``forward`` source and the MoE gating from the router's ``forward``.
 What is not understood is listed in ``Detection.undetected``; blocks with no law carry the reason in
-``Detection.declined``. Math: ``shared/spec/laws.md`` (rows named in each law's note).
+``Detection.declined``. A ``model_type`` not in the table goes to structural detection
+(``graph.detect_graph``; detector ``'hf->graph'``, the reason first in ``declined``). Math: ``shared/spec/laws.md`` (rows named in each law's note).
 
 Layouts handled (verified against transformers 5.x modeling code):
 
@@ -43,7 +44,7 @@ import sys
 import torch
 
 from ...errors import UsageError
-from ..core import Detection, finish, register
+from ..core import Detection, register
 from .families import FAMILIES
 from .parts import _Ctx
 from .rope import LAYOUTS, probe_rope
@@ -64,16 +65,26 @@ def detect_hf(model, config, **options):
         return None
     config = config if config is not None else model.config
     ctx = _Ctx(model, options, config=config)
-    fam = _FAMILIES.get(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    fam = _FAMILIES.get(model_type)
     if fam is None:
-        ctx.decline("", f"model_type={getattr(config, 'model_type', None)!r}",
-                    f"no HF family handler (known: {sorted(_FAMILIES)}); every parameterised module is listed as "
-                    "'no law detected'")
-        d = finish(model, [], [], detector="hf")
-        d.declined = ctx.declined
-        return d
+        return _structural(model, model_type, options)
     fam(ctx)
     return ctx.finish("hf")
+
+
+def _structural(model, model_type, options) -> Detection:
+    """An HF model whose ``model_type`` has no family handler: structural detection (``graph.detect_graph``,
+    every law checked to first order in float64), with the reason recorded first in ``declined``. The loss
+    defaults to 'ce' as for the family handlers."""
+    from ...laws import Declined
+    from ..graph import detect_graph
+
+    d = detect_graph(model, **{"loss": "ce", **options})
+    d.declined.insert(0, Declined("", f"model_type={model_type!r}",
+                                  f"no HF family handler (known: {sorted(_FAMILIES)}): structural detection used"))
+    d.detector = "hf->graph"
+    return d
 
 
 def _model_class(config):

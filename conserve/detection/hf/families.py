@@ -8,7 +8,8 @@ from torch import nn
 from ...errors import UsageError
 from ...laws import ReLUUnit
 from .parts import (_Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
-                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _w, NO_EMBED)
+                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _unit,
+                    _w, NO_EMBED)
 from .rope import _probe_gptj, _rope_layout, _rotary_dim
 
 
@@ -65,7 +66,8 @@ def _llama_like(ctx: _Ctx):
                     ctx.know(*(ref.param for ref in _attn_readers(a)))
         if "post_attn" in norm:
             _post_norm(ctx, *norm["post_attn"], a.o if a is not None else None, i, "o_proj")
-        m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else _gated_mlp(ctx, mp, mlp, i)
+        m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else (_gated_mlp(ctx, mp, mlp, i)
+                                                                            or _ungated_mlp(ctx, mp, mlp, i))
         if m is None:
             ctx.decline(mp, type(mlp).__name__, "MLP layout not recognised: no law detected")
             if "pre_mlp" in norm:
@@ -90,8 +92,7 @@ def _gptj(ctx: _Ctx):
     MLP ``fc_in -> gelu -> fc_out`` (no law of its own), so its gain law is read by q, k, v and fc_in."""
     model, config = ctx.model, ctx.config
     tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     r = config.rotary_dim or d
     for i, blk in enumerate(tr.h):
         lp = f"transformer.h.{i}"
@@ -113,8 +114,7 @@ def _gpt2(ctx: _Ctx):
     (QK Gram laws hold, with biases); pre-LN blocks ln_1 -> attn, ln_2 -> mlp."""
     model, config = ctx.model, ctx.config
     tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     for i, blk in enumerate(tr.h):
         lp = f"transformer.h.{i}"
         if getattr(blk, "crossattention", None) is not None:
@@ -138,8 +138,7 @@ def _neox(ctx: _Ctx):
     from the same residual input), so each norm has its own gain law."""
     model, config = ctx.model, ctx.config
     base = model.gpt_neox
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     for i, layer in enumerate(base.layers):
         lp = f"gpt_neox.layers.{i}"
         at = layer.attention
@@ -165,8 +164,7 @@ def _falcon(ctx: _Ctx):
     or ALiBi (no RoPE: QK Gram laws). Parallel attention: one norm read by attention and MLP."""
     model, config = ctx.model, ctx.config
     tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     for i, blk in enumerate(tr.h):
         lp = f"transformer.h.{i}"
         at = blk.self_attention
@@ -212,8 +210,7 @@ def _bert(ctx: _Ctx):
     model, config = ctx.model, ctx.config
     bert = model.bert if hasattr(model, "bert") else model
     pre = "bert." if bert is not model else ""
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
+    nh, h, d = _heads(config)
     if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
         raise UsageError(f"BERT with position_embedding_type={config.position_embedding_type!r} is not analysed")
     for i, layer in enumerate(bert.encoder.layer):
@@ -225,16 +222,17 @@ def _bert(ctx: _Ctx):
         ctx.laws.extend(_attn_laws(ctx, _Attn(f"{lp}.attention", i, q, k, v, o, d, nh, nh, starts, starts, starts)))
         if getattr(layer, "crossattention", None) is not None:
             ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
-        for p in (f"{lp}.attention.output.LayerNorm", f"{lp}.output.LayerNorm"):
+        last = i == len(bert.encoder.layer) - 1
+        for p in (f"{lp}.attention.output.LayerNorm",) + (() if last else (f"{lp}.output.LayerNorm",)):
             ctx.decline(p, "post-LN LayerNorm",
                         "no gain law: the normed vector is the residual stream itself (read by the skip connection, "
                         "not only by linear maps) (spec breakers: post-LN)")
+        if last:
+            _bert_last_norm(ctx, model, f"{lp}.output.LayerNorm", layer.output.LayerNorm, i)
         act = layer.intermediate.intermediate_act_fn
         uw, dw = _w(f"{lp}.intermediate.dense", layer.intermediate.dense), _w(f"{lp}.output.dense", layer.output.dense)
         if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-            n = uw.n_out
-            ctx.laws.append(ReLUUnit.build(f"{lp}.intermediate/unit", i, up=uw.out_rows(0, n), down=dw.in_cols(0, n),
-                                           up_bias=uw.b(0, n), note=f"{type(act).__name__} FFN"))
+            ctx.add(_unit(ReLUUnit, f"{lp}.intermediate/unit", i, uw, 0, uw.n_out, dw, f"{type(act).__name__} FFN"))
             ctx.know(dw.bias)
         else:
             ctx.decline(f"{lp}.intermediate", f"{type(act).__name__} FFN",
@@ -251,6 +249,39 @@ def _bert(ctx: _Ctx):
             ctx.decline(name, f"{type(mod).__name__} head",
                         ("tied decoder: no translation law (spec breakers: tied embeddings); " if tied else "")
                         + "the transform (dense -> GELU -> LayerNorm) has no law")
+
+
+# Linear maps that read the last encoder layer's output (the sequence output, or its first token through the
+# pooler) in each BERT head class (transformers' modeling_bert): nothing else reads it, so that LayerNorm's gain
+# law holds with them as readers (spec: pre-norm gain row: the scaled vector is read only by linear maps).
+_BERT_READERS = {
+    "BertForMaskedLM": ("cls.predictions.transform.dense",), "BertLMHeadModel": ("cls.predictions.transform.dense",),
+    "BertForPreTraining": ("cls.predictions.transform.dense", "bert.pooler.dense"),
+    "BertForSequenceClassification": ("bert.pooler.dense",), "BertForMultipleChoice": ("bert.pooler.dense",),
+    "BertForNextSentencePrediction": ("bert.pooler.dense",), "BertForTokenClassification": ("classifier",),
+    "BertForQuestionAnswering": ("qa_outputs",),
+}
+
+
+def _bert_last_norm(ctx: _Ctx, model, path: str, norm, layer: int):
+    """The last layer's output LayerNorm: no residual add follows it, so when the model's head reads it only
+    through linear maps (``_BERT_READERS``) its gain law holds with those maps as readers; otherwise (bare
+    ``BertModel``: it is the model's output; an unknown head) declined with the reason."""
+    names = _BERT_READERS.get(type(model).__name__)
+    mods = dict(model.named_modules())
+    if names is None or not all(_linear_like(mods.get(n)) for n in names):
+        ctx.decline(path, "last post-LN LayerNorm",
+                    f"no gain law: the last hidden state is the output of {type(model).__name__} (or read by a head "
+                    "not known to read it only through linear maps)")
+        return
+    _gain(ctx, path, norm, layer, [_w(n, mods[n]).in_cols() for n in names],
+          ", ".join(names) + " (the last layer's output: no residual add after it)")
+
+
+def _heads(config) -> tuple[int, int, int]:
+    """``(num_attention_heads, hidden_size, head_dim = hidden_size // num_attention_heads)`` of a config."""
+    nh, h = config.num_attention_heads, config.hidden_size
+    return nh, h, h // nh
 
 
 FAMILIES = {

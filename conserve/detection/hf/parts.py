@@ -12,8 +12,8 @@ from functools import lru_cache
 from torch import nn
 
 from ...errors import UsageError
-from ...laws import (Declined, GainBalance, NormScaleLaw, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram,
-                     RouterSum, ScaleLaw, SwiGLUUnit, Term, Translation, VOGram, cols, rows, vector)
+from ...laws import NormScaleLaw, QKGram, ReLUUnit, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram, vector
+from .. import builders
 from ..core import Collector
 from .rope import _rope_layout, _rotary_dim
 
@@ -62,20 +62,38 @@ class W:
         return self.shape[-1] if self.t else self.shape[-2]
 
     def out_rows(self, start: int, n: int):
-        """Output units ``start..start+n`` (rows of the Linear-convention weight)."""
-        if self.t:
-            return cols(self.name, self.shape, start, n, lead=self.lead)
-        return rows(self.name, self.shape, start, n, lead=self.lead)
+        """Output units ``start..start+n`` (rows of the Linear-convention weight; ``builders.out_rows``)."""
+        return builders.out_rows(self.name, self.shape, start, n, transposed=self.t, lead=self.lead)
 
     def in_cols(self, start: int = 0, n: int | None = None):
         """Input features ``start..start+n`` (columns of the Linear-convention weight), one row each."""
-        n = self.n_in - start if n is None else n
-        if self.t:
-            return rows(self.name, self.shape, start, n, lead=self.lead)
-        return cols(self.name, self.shape, start, n, lead=self.lead)
+        return builders.in_cols(self.name, self.shape, start, n, transposed=self.t, lead=self.lead)
 
     def b(self, start: int, n: int):
         return vector(self.bias, start, n, lead=self.lead) if self.bias else None
+
+    def block(self, start: int, n: int, kind: str = "rows"):
+        """``builders.block`` of output units (kind 'rows', with the bias) or input features ('cols')
+        ``start..start+n``: one D-row block of a head-Gram law."""
+        if self.lead:
+            raise ValueError(f"{self.name}: head blocks of a weight with leading dims are not supported")
+        return builders.block(self.name, self.shape, range(start, start + n), kind=kind, transposed=self.t,
+                              bias=self.bias if kind == "rows" else None)
+
+    def by_dim(self, start: int, n: int) -> tuple:
+        """``(weight, shape, bias, rows_by_dim, transposed)`` of the head at rows ``start..start+n``
+        (``builders.rope_pair_law``)."""
+        return self.name, self.shape, self.bias, [start + t for t in range(n)], self.t
+
+
+def _unit(cls, name: str, layer, up: W, start: int, n: int, down: W, note: str):
+    """Unit law (``builders.unit_law``) of output units ``start..start+n`` of ``up`` read by input features
+    ``0..n`` of ``down`` (same expert ``lead``)."""
+    if down.n_in != n:
+        raise UsageError(f"{name}: up has {n} units but down reads {down.n_in}")
+    return builders.unit_law(cls, name, layer, up=up.name, up_shape=up.shape, units=range(start, start + n),
+                             down=down.name, down_shape=down.shape, up_bias=up.bias, up_t=up.t, down_t=down.t,
+                             lead=up.lead, note=note)
 
 
 def _w(prefix: str, mod: nn.Module) -> W:
@@ -123,36 +141,31 @@ class _Attn:
 
 
 def _attn_laws(ctx: _Ctx, a: _Attn) -> list:
-    """QK Gram / RoPE pairs (+ pass-through Gram) / QK-norm scale laws and VO Gram per kv group."""
+    """QK Gram / RoPE pairs (+ pass-through Gram) / QK-norm scale laws and VO Gram per kv group
+    (``builders.head_gram`` / ``builders.rope_pair_law``)."""
     d, rep, laws, layer = a.d, a.rep, [], a.layer
     for j in range(a.nkv):
         heads = range(j * rep, (j + 1) * rep)
         if a.qk_norm is None and a.rope is None:
-            laws.append(QKGram.build(
-                f"{a.path}/qk/group{j}", layer,
-                plus=[x for i in heads for x in (a.q.out_rows(a.q_starts[i], d), a.q.b(a.q_starts[i], d))],
-                minus=[a.k.out_rows(a.k_starts[j], d), a.k.b(a.k_starts[j], d)],
-                note=f"query heads {list(heads)} read kv head {j}"))
+            laws.append(builders.head_gram(QKGram, f"{a.path}/qk/group{j}", layer,
+                                           [a.q.block(a.q_starts[i], d) for i in heads], [a.k.block(a.k_starts[j], d)],
+                                           note=f"query heads {list(heads)} read kv head {j}"))
         elif a.qk_norm is None:
             r, layout = a.rope
             if a.q.t or a.k.t:
                 raise UsageError(f"{a.path}: RoPE with transposed q/k weights is not supported")
-            laws.append(RopePairs.build(
-                f"{a.path}/rope/group{j}", layer, q_weight=a.q.name, q_shape=a.q.shape,
-                q_starts=[a.q_starts[i] for i in heads], k_weight=a.k.name, k_shape=a.k.shape,
-                k_starts=[a.k_starts[j]], rotary_dim=r, layout=layout, q_bias=a.q.bias, k_bias=a.k.bias,
+            laws.append(builders.rope_pair_law(
+                f"{a.path}/rope/group{j}", layer, q=[a.q.by_dim(a.q_starts[i], d) for i in heads],
+                k=[a.k.by_dim(a.k_starts[j], d)], pairs=builders.rope_pairs(r, layout),
                 note=f"layout {layout!r}, rotary_dim {r} of head_dim {d}; query heads {list(heads)}"))
             if r < d:
-                laws.append(RopePassGram.build(
-                    f"{a.path}/rope_pass/group{j}", layer,
-                    plus=[x for i in heads
-                          for x in (a.q.out_rows(a.q_starts[i] + r, d - r), a.q.b(a.q_starts[i] + r, d - r))],
-                    minus=[a.k.out_rows(a.k_starts[j] + r, d - r), a.k.b(a.k_starts[j] + r, d - r)],
+                laws.append(builders.head_gram(
+                    RopePassGram, f"{a.path}/rope_pass/group{j}", layer,
+                    [a.q.block(a.q_starts[i] + r, d - r) for i in heads], [a.k.block(a.k_starts[j] + r, d - r)],
                     note=f"pass-through dims [{r}, {d}) of each head"))
-        laws.append(VOGram.build(
-            f"{a.path}/vo/group{j}", layer,
-            plus=[a.v.out_rows(a.v_starts[j], d), a.v.b(a.v_starts[j], d)],
-            minus=[a.o.in_cols(i * d, d) for i in heads], note=f"query heads {list(heads)} read kv head {j}"))
+        laws.append(builders.head_gram(VOGram, f"{a.path}/vo/group{j}", layer, [a.v.block(a.v_starts[j], d)],
+                                       [a.o.block(i * d, d, kind="cols") for i in heads],
+                                       note=f"query heads {list(heads)} read kv head {j}"))
     if a.qk_norm is not None:
         laws += _qk_norm_laws(ctx, a)
     ctx.know(a.o.bias)
@@ -162,7 +175,8 @@ def _attn_laws(ctx: _Ctx, a: _Attn) -> list:
 def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
     """QK-norm (spec breakers): the QK Gram / RoPE-pair laws of q_proj/k_proj are replaced by scale laws
     (``||Q_i||^2``, ``||K_j||^2`` per head for a per-head norm; ``||W_q||^2``, ``||W_k||^2`` for a norm over
-    all heads) and the norm gains carry a RoPE-pair law ``sum_{t in p} g_q[t]^2 - g_k[t]^2``."""
+    all heads) and the norm gains carry a RoPE-pair law ``sum_{t in p} g_q[t]^2 - g_k[t]^2``
+    (``builders.qk_norm_gain_law``)."""
     kind, qn, kn, eps, shift = a.qk_norm
     d, rep, laws = a.d, a.rep, []
     ctx.decline(f"{a.path}.q_proj", "QK-norm: QK Gram / RoPE-pair laws of q_proj, k_proj",
@@ -189,8 +203,8 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
                                        note="QK-norm scale law" + ("" if eps == 0 else f" (approximate: eps={eps})")))
         else:
             ctx.decline(lname, "QK-norm scale law", reason)
-    # gains: scaling rotary pair p of q_norm's gain by c and of k_norm's by 1/c leaves every score unchanged
-    qg, kg = f"{qn}.weight", f"{kn}.weight"
+    # gains: scaling rotary pair p of q_norm's gain by c and of k_norm's by 1/c leaves every score unchanged;
+    # without RoPE every dim is its own "pair"
     r, layout = a.rope if a.rope is not None else (d, None)
     if a.rope is not None and r < d:
         ctx.decline(qn, "QK-norm gains on pass-through dims",
@@ -200,20 +214,14 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
     else:
         groups = [([a.q_starts[i] - a.q_starts[0] for i in range(j * rep, (j + 1) * rep)],
                    [a.k_starts[j] - a.k_starts[0]]) for j in range(a.nkv)]
-    half = r // 2
-    members = [(0, 1), (half, 1)] if layout in ("half", None) else [(0, 2), (1, 2)]
+    pairs = builders.rope_pairs(r, layout) if a.rope is not None else [(t,) for t in range(d)]
     for g, (qs, ks) in enumerate(groups):
-        terms = []
-        for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0)):
-            for s in starts:
-                for off, step in members:
-                    terms.append(Term("norm", vector(vec, s + off, half, step=step), sign, shift=shift))
-        if a.rope is None:  # no RoPE: every dim is its own "pair"; members overlap -> use one member of size d
-            terms = [Term("norm", vector(vec, s, d), sign, shift=shift)
-                     for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0)) for s in starts]
-        laws.append(QKNormGain(f"{a.path}/qk_norm_gain/group{g}", a.layer, terms, half if a.rope else d,
-                              note=f"{qn}/{kn} gains, {'shared by all heads' if kind == 'head' else 'per kv group'}"
-                                   f"; layout {layout!r}" + ("; gains stored as (1 + w)" if shift else "")))
+        laws.append(builders.qk_norm_gain_law(
+            f"{a.path}/qk_norm_gain/group{g}", a.layer, q_gain=f"{qn}.weight", k_gain=f"{kn}.weight",
+            entries=[[s + t for s in qs for t in p] for p in pairs],
+            k_entries=[[s + t for s in ks for t in p] for p in pairs], shift=shift,
+            note=f"{qn}/{kn} gains, {'shared by all heads' if kind == 'head' else 'per kv group'}; layout {layout!r}"
+                 + ("; gains stored as (1 + w)" if shift else "")))
     return laws
 
 
@@ -286,11 +294,10 @@ def _gain(ctx: _Ctx, path: str, norm, layer, readers: list, what: str):
     if kind is None:
         ctx.decline(path, f"{type(norm).__name__}", "norm without a recognised gain: no gain law")
         return
-    h = norm.weight.shape[0]
-    beta = vector(f"{path}.bias", 0, h) if getattr(norm, "bias", None) is not None else None
-    ctx.laws.append(GainBalance.build(f"{path}/gain", layer, gain=vector(f"{path}.weight", 0, h), beta=beta,
-                                      readers=readers, shift=kind[1],
-                                      note=f"readers: {what}" + ("; gain stored as (1 + w)" if kind[1] else "")))
+    bias = f"{path}.bias" if getattr(norm, "bias", None) is not None else None
+    ctx.add(builders.gain_law(f"{path}/gain", layer, f"{path}.weight", norm.weight.shape[0], readers=readers,
+                              bias=bias, shift=kind[1],
+                              note=f"readers: {what}" + ("; gain stored as (1 + w)" if kind[1] else "")))
 
 
 # ------------------------------------------------------------------------------------------------- MLP
@@ -314,40 +321,49 @@ def _gated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
     for g, u, dn, frag in _GATED:
         if all(_linear_like(getattr(mlp, n, None)) for n in (g, u, dn)) and frag in src:
             gw, uw, dw = (_w(f"{path}.{n}", getattr(mlp, n)) for n in (g, u, dn))
-            n = uw.n_out
-            up, ub = uw.out_rows(0, n), uw.b(0, n)
+            n, start = uw.n_out, 0
             readers = [gw.in_cols(), uw.in_cols()]
             break
     else:
         if (_linear_like(getattr(mlp, "gate_up_proj", None)) and _linear_like(getattr(mlp, "down_proj", None))
                 and "gate,up_states=up_states.chunk(2,dim=-1)" in src and "up_states*self.activation_fn(gate)" in src):
-            guw, dw = _w(f"{path}.gate_up_proj", mlp.gate_up_proj), _w(f"{path}.down_proj", mlp.down_proj)
-            n = guw.n_out // 2
-            up, ub = guw.out_rows(n, n), guw.b(n, n)
-            readers = [guw.in_cols()]
+            uw, dw = _w(f"{path}.gate_up_proj", mlp.gate_up_proj), _w(f"{path}.down_proj", mlp.down_proj)
+            n = start = uw.n_out // 2
+            readers = [uw.in_cols()]
         else:
             return None
-    if dw.n_in != n:
-        raise UsageError(f"{path}: up has {n} units but down reads {dw.n_in}")
     act = type(getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))).__name__
-    law = SwiGLUUnit.build(f"{path}/unit", layer, up=up, down=dw.in_cols(0, n), up_bias=ub,
-                           note=f"gated FFN ({act} gate): the gate is not involved (spec SwiGLU row)")
+    law = _unit(SwiGLUUnit, f"{path}/unit", layer, uw, start, n, dw,
+                f"gated FFN ({act} gate): the gate is not involved (spec SwiGLU row)")
     ctx.know(dw.bias)
     return _Mlp([law], readers, "gate/up")
 
 
-def _plain_mlp(ctx, path, mlp, layer, up_name, down_name, act) -> _Mlp:
-    """``down(act(up x))``: ReLU / leaky-ReLU unit law, none for GELU / SiLU (spec rows)."""
+def _plain_mlp(ctx, path, mlp, layer, up_name, down_name, act, reason: str | None = None) -> _Mlp:
+    """``down(act(up x))``: ReLU / leaky-ReLU unit law, none for GELU / SiLU (spec rows; ``reason`` replaces
+    the declined reason for other activations)."""
     uw, dw = _w(f"{path}.{up_name}", getattr(mlp, up_name)), _w(f"{path}.{down_name}", getattr(mlp, down_name))
     n = uw.n_out
     if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-        law = ReLUUnit.build(f"{path}/unit", layer, up=uw.out_rows(0, n), down=dw.in_cols(0, n), up_bias=uw.b(0, n),
-                             note=f"{type(act).__name__} FFN")
+        law = _unit(ReLUUnit, f"{path}/unit", layer, uw, 0, n, dw, f"{type(act).__name__} FFN")
         ctx.know(dw.bias)
         return _Mlp([law], [uw.in_cols()], up_name)
-    ctx.decline(path, f"{type(act).__name__} FFN",
+    ctx.decline(path, f"{type(act).__name__} FFN", reason or
                 "no law beyond constants: the activation has no rescaling symmetry (spec: GELU / SiLU FFN row)")
     return _Mlp([], [uw.in_cols()], up_name)
+
+
+def _ungated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
+    """Plain FFN ``down_proj(act_fn(up_proj(x)))`` in a decoder layer (Arcee: ReLU^2): ReLU / leaky-ReLU unit
+    law, none for other activations (declined); ``up_proj`` is the reader of the norm before it."""
+    if (hasattr(mlp, "gate_proj") or not all(_linear_like(getattr(mlp, n, None)) for n in ("up_proj", "down_proj"))
+            or "self.down_proj(self.act_fn(self.up_proj(x)))" not in _fwd(mlp)):
+        return None
+    act = getattr(mlp, "act_fn", None)
+    reason = None if isinstance(act, (nn.ReLU, nn.LeakyReLU)) else (
+        f"the activation {type(act).__name__} is not in the catalogue's unit laws (ReLU / leaky ReLU only): no law; "
+        "up_proj still reads the norm before it only linearly, so that norm's gain law holds")
+    return _plain_mlp(ctx, path, mlp, layer, "up_proj", "down_proj", act, reason=reason)
 
 
 def _fused_experts(ctx, path, ex, layer, num_experts) -> _Mlp | None:
@@ -374,9 +390,8 @@ def _fused_experts(ctx, path, ex, layer, num_experts) -> _Mlp | None:
         n = guw.n_out // 2
         if dw.n_in != n:
             return None
-        laws.append(SwiGLUUnit.build(f"{path}.{e}/unit", layer, up=guw.out_rows(n, n), down=dw.in_cols(0, n),
-                                     up_bias=guw.b(n, n),
-                                     note=f"expert {e} of fused 3-D tensors ({'transposed' if t else '(E, out, in)'})"))
+        laws.append(_unit(SwiGLUUnit, f"{path}.{e}/unit", layer, guw, n, n, dw,
+                          f"expert {e} of fused 3-D tensors ({'transposed' if t else '(E, out, in)'})"))
         readers.append(guw.in_cols())
     ctx.know(f"{path}.down_proj_bias" if has_bias else None)
     return _Mlp(laws, readers, "experts' gate/up")
@@ -392,10 +407,9 @@ def _router(ctx, path, gate, layer, num_experts):
     src = _fwd(gate)
     top_k = getattr(gate, "top_k", None)
     if "softmax(" in src and "sigmoid" not in src:
-        law = RouterSum.build(f"{path}/router", layer, weight=rw.out_rows(0, num_experts),
-                              bias=rw.b(0, num_experts) if rw.bias else None,
-                              note=f"softmax gating, top_k={top_k}: adding one vector to every row keeps the "
-                                   "probabilities and the top-k choice (spec: MoE router row)")
+        law = builders.row_sum_law(RouterSum, f"{path}/router", layer, rw.name, rw.shape, num_experts, bias=rw.bias,
+                                   note=f"softmax gating, top_k={top_k}: adding one vector to every row keeps the "
+                                        "probabilities and the top-k choice (spec: MoE router row)")
         return [law], rw.in_cols()
     if "sigmoid" in src:
         norm = getattr(gate, "norm_topk_prob", None)
@@ -495,9 +509,9 @@ def _embed_and_head(ctx: _Ctx, embed_paths: list, final_norm_path: str | None):
     elif cap:
         ctx.decline(head_path, "translation law", f"final_logit_softcapping={cap} breaks it (spec breakers)")
     else:
-        ctx.laws.append(Translation.build(f"{head_path}/translation", None, weight=hw.out_rows(0, hw.n_out),
-                                          bias=hw.b(0, hw.n_out),
-                                          note="softmax cross-entropy only (pass loss= to say otherwise)"))
+        ctx.add(builders.row_sum_law(Translation, f"{head_path}/translation", None, hw.name, hw.shape, hw.n_out,
+                                     bias=hw.bias, transposed=hw.t,
+                                     note="softmax cross-entropy only (pass loss= to say otherwise)"))
 
 
 def _num_kv(config, nh):
