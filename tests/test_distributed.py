@@ -41,7 +41,7 @@ from conserve.tracker import Tracker
 
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
 STEPS, EVERY = 5, 2
-LR, WD = 2e-2, 0.1
+LR, WD = 2.0 ** -6, 2.0 ** -3  # a = 1 - lr*wd = 1 - 2^-9: exact in fp32 (the kernels round a to fp32)
 
 # heads of D=4: k_proj/v_proj have 8 rows (3/3/2 on 3 ranks: both kv heads straddle), q_proj 16
 # (6/6/4); the router has 2 rows (rank 2 of 3 holds none); layer 0 has no RoPE (QK Gram laws with
@@ -255,8 +255,10 @@ class _Counter:
 class _Reference:
     """A single-process ``Tracker`` on an unsharded copy, fed the gathered full parameters."""
 
-    def __init__(self, cfg, laws, **kw):
-        self.model = _model(cfg, seed=123)  # values are overwritten by the gathered ones
+    def __init__(self, cfg, laws, dtype=torch.float32, **kw):
+        # values are overwritten by the gathered ones; an fp64 copy makes the reference exact in fp64 mode
+        # (a Tracker on fp32 weights rounds a*theta_k to fp32 before its fp64 evaluation)
+        self.model = _model(cfg, seed=123).to(dtype)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, weight_decay=WD)  # decay factors only
         self.sink = MemorySink()
         self.named = dict(self.model.named_parameters())
@@ -332,8 +334,9 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
     trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]], monitors=[_Counter()]),
                 DistributedTracker(model, laws, every=2 * EVERY, fp64=False, drift=False, sinks=[sinks[1]],
                                    backend="torch", max_pending_bytes=1)]  # all-reduce at every step
-    assert trackers[0]._reduce_every == EVERY and trackers[1]._reduce_every == 1
-    refs = [_Reference(cfg, laws, every=EVERY, fp64=True, monitors=[_Counter()]),
+    if trackers[0]._comm:
+        assert trackers[0]._reduce_every == EVERY and trackers[1]._reduce_every == 1
+    refs = [_Reference(cfg, laws, torch.float64, every=EVERY, fp64=True, monitors=[_Counter()]),
             _Reference(cfg, laws, every=2 * EVERY, fp64=False, drift=False)]
     full = _full(model)
     for r in refs:
@@ -508,11 +511,11 @@ def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):
     res = _spawn(_world3, 3, str(tmp_path / "ckpt"))
     assert res[0]["straddles"] > 0 and res[0]["comm"]  # kv heads (and q heads) straddle 3/3/2 shards
     assert res[2]["empty"] == ["layers.1.mlp.router.weight"]  # dim 0 = 2 < 3 ranks: rank 2 holds nothing
-    assert res[0]["bytes"]["all_gather"] > 0
+    assert res[0]["bytes"]["rows_received"] + res[1]["bytes"]["rows_received"] > 0
     assert res[0]["resume"] == 3  # rows 1, 2 were flushed before the checkpoint; state_dict() wrote the pending step 3
 
 
 def test_two_ranks_fsdp_tensor_parallel_and_ddp():
     res = _spawn(_world2, 2)
     assert res[0]["comm"] and res[0]["straddles"] == 0  # 8 kv rows 4/4 and 16 q rows 8/8: heads aligned
-    assert res[0]["bytes"]["all_gather"] == 0 and res[0]["bytes"]["all_reduce"] > 0
+    assert res[0]["bytes"]["rows_received"] == 0 and res[0]["bytes"]["all_reduce"] > 0

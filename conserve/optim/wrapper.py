@@ -116,7 +116,7 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
         return optimizer  # it measures inside its own step
     if model is None and laws is None:
         raise ValueError("track() needs the model (or explicit laws) to know which laws to evaluate")
-    from ..distributed import DistributedTracker, wants_distributed
+    from ..tracking.distributed import DistributedTracker, wants_distributed
 
     cls = DistributedTracker if wants_distributed(model, tracker_kwargs.get("params")) else Tracker
     return TrackedOptimizer(optimizer, cls(model, laws, **tracker_kwargs))

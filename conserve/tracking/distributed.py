@@ -1,0 +1,848 @@
+"""Scale out: the tracker on FSDP2, tensor-parallel and DDP parameters (torch.distributed).
+
+``DistributedTracker`` is a ``conserve.Tracker`` whose parameters may be ``DTensor``s sharded on a
+1-D device mesh (``Shard(d)`` for any ``d``: FSDP2 ``fully_shard`` uses ``Shard(0)``, tensor parallel
+``ColwiseParallel`` ``Shard(0)`` and ``RowwiseParallel`` ``Shard(1)``), replicated (``Replicate()``,
+plain tensors next to a TP plan, or every parameter of a DDP model). Every law is the sum of its terms
+(``conserve.kernels.plan``), so each rank evaluates the terms on its own shard with the same kernels:
+
+* ``NormTerm`` / ``SumTerm``: a view whose rows are sharded keeps the local rows (other rows add 0
+  here); a view whose columns are sharded gives partial row sums.
+* ``GramTerm`` (``V V^T``, V: D x N): columns (N) sharded -> partial Grams that sum exactly. Rows (D)
+  on one rank -> the whole Gram is computed there. Rows split over several ranks (a head that
+  straddles a shard boundary) -> the term has ONE owner rank (a holder of some of its rows, chosen
+  so that the bytes each rank receives are balanced: round robin for equal terms); the other holders
+  send their rows to the owner only (point to point), which evaluates the full term (cross blocks
+  ``X_a X_b^T`` included). No rank receives rows it does not use.
+* A replicated parameter's terms are evaluated by one rank each (round robin), so nothing is counted
+  twice. A model with no sharded parameter (DDP) needs no communication at all: every rank evaluates
+  the full plan and holds the same values.
+
+Per step nothing is communicated. Each law-value entry is either *complete* on one rank (every term
+touching it is evaluated there: e.g. a SwiGLU unit whose ``up_proj`` row and ``down_proj`` column lie on
+the same rank) or *split* (several ranks contribute partial sums; every straddling Gram is split).
+For its complete entries a rank computes the step's contribution to the metric row itself (sum of
+the instances' ``eps``, sums of squares of the drift terms: both additive over ranks); for the split
+entries it keeps the partial values (the sum over ranks is linear). Both stay on the device and are
+summed, for every pending step at once, by ONE packed ``all_reduce`` at the flush; the straddling
+rows of the pending steps go to their owners just before it (one ``isend``/``irecv`` per peer that
+holds rows of a term the receiver owns). ``max_pending_bytes`` bounds what is kept between flushes.
+Bytes per flush: ``flush_bytes`` and docs/distributed.md (``python -m bench.dist_bytes``).
+
+Collectives (same calls, same order on every rank, empty shards included): one ``all_gather_object``
+at construction (shard offsets and a check that every rank tracks the same laws), one all-reduce for
+``h_0`` and the guards, then per flush the owner-only row exchange (only if some Gram head straddles
+ranks) and one all-reduce. Only rank 0 writes to the sinks.
+
+Tracker state goes through ``torch.distributed.checkpoint`` (``state_dict`` has fixed shapes, so a
+fresh tracker's ``state_dict()`` is the in-place target of ``dcp.load``).
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import kernels
+from ..errors import UsageError
+from ..laws import Compiled, Law
+from ..tracker import TERMS, Tracker, Values, _abs_plan, decay_factor
+
+__all__ = ["DistributedTracker", "wants_distributed", "flush_bytes", "comm_schedule", "shard_layouts"]
+
+_FORMAT = "conserve.distributed/2"
+_DRIFT = ("decay", "first", "second")
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if _is_dtensor(t) else t).detach()
+
+
+def wants_distributed(model: nn.Module | None = None, params: Mapping[str, torch.Tensor] | None = None) -> bool:
+    """True when torch.distributed is initialised and the model is DDP-wrapped or has DTensor
+    parameters (FSDP2, tensor parallel): then ``DistributedTracker`` is the tracker to use."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if model is not None and type(model).__name__ == "DistributedDataParallel":
+        return True
+    ps = params.values() if params is not None else (model.parameters() if model is not None else ())
+    return any(_is_dtensor(p) for p in ps)
+
+
+# ------------------------------------------------------------------------------------ localisation
+@dataclass(frozen=True)
+class _Layout:
+    """How one tracked tensor is held: ``dim`` is the sharded dimension (None: replicated) and
+    ``ranges[r] = (global offset, length)`` of rank r's shard along it."""
+
+    dim: int | None
+    ranges: tuple[tuple[int, int], ...] = ()
+
+
+def shard_layouts(shapes: Sequence[Sequence[int]], dims: Sequence[int | None], world: int) -> list[_Layout]:
+    """Layouts of tensors sharded like ``DTensor`` ``Shard(dim)`` (``torch.chunk`` pieces, trailing
+    ranks possibly empty) on ``world`` ranks; ``dim=None``: replicated. For planning without a process
+    group (``bench/dist_bytes.py``)."""
+    out = []
+    for shape, d in zip(shapes, dims):
+        if d is None:
+            out.append(_Layout(None))
+            continue
+        n = shape[d]
+        c = -(-n // world)
+        out.append(_Layout(d, tuple((min(r * c, n), max(0, min(c, n - r * c))) for r in range(world))))
+    return out
+
+
+def _local_view(v: kernels.View, lay: _Layout, r: int):
+    """Rank r's part of view ``v``: ``(local view, first row, first col)`` in view coordinates, or None
+    when rank r holds none of it."""
+    if lay.dim is None:
+        return v, 0, 0
+    if v.rows == 0 or v.cols == 0:
+        return None
+    off, n = lay.ranges[r]
+    s, start = lay.dim, list(v.start)
+    rows, cols, r_lo, c_lo = v.rows, v.cols, 0, 0
+    if s == v.row_dim:
+        a, step = v.start[s], v.row_step
+        r_lo = max(0, -(-(off - a) // step))
+        r_hi = min(v.rows, -(-(off + n - a) // step))
+        if r_hi <= r_lo:
+            return None
+        start[s], rows = a + r_lo * step - off, r_hi - r_lo
+    elif s == v.col_dim:
+        c_lo, c_hi = max(0, off - v.start[s]), min(v.cols, off + n - v.start[s])
+        if c_hi <= c_lo:
+            return None
+        start[s], cols = v.start[s] + c_lo - off, c_hi - c_lo
+    else:
+        if not off <= v.start[s] < off + n:
+            return None
+        start[s] -= off
+    return replace(v, start=tuple(start), rows=rows, cols=cols), r_lo, c_lo
+
+
+@dataclass
+class _Straddle:
+    """A Gram term whose D rows lie on several ranks: ``pieces[r]`` = rank r's local view (None if it
+    holds no row), in row order; ``owner`` evaluates the term on the rows the others send it."""
+
+    term: kernels.GramTerm
+    pieces: list
+    owner: int
+    dtype: torch.dtype
+
+    def sizes(self) -> list[int]:
+        return [0 if p is None else p.rows * p.cols for p in self.pieces]
+
+
+def _split(plan: kernels.Plan, layouts: Sequence[_Layout], world: int, dtypes):
+    """Every rank's local plan (terms rewritten for the local shards; summed over ranks, plus the
+    straddling terms, they give the global plan) and the Gram terms that straddle ranks, each with
+    its owner: the holder that keeps the bytes received per rank balanced (the one with the least
+    received so far after taking this term; ties to the lower rank, so equal terms go round robin)."""
+    plans = [kernels.Plan([], [], [], plan.vec_size, dict(plan.gram_slots)) for _ in range(world)]
+    straddles: list[_Straddle] = []
+    load = [0] * world
+    counter = 0
+
+    def owner_of_replicated():
+        nonlocal counter
+        counter += 1
+        return (counter - 1) % world
+
+    for t in plan.grams:
+        lay = layouts[t.view.tensor]
+        if lay.dim is None:
+            plans[owner_of_replicated()].grams.append(t)
+            continue
+        parts = [_local_view(t.view, lay, r) for r in range(world)]
+        holders = [r for r, p in enumerate(parts) if p is not None]
+        if lay.dim == t.view.row_dim and len(holders) > 1:
+            n = {r: parts[r][0].rows * parts[r][0].cols for r in holders}
+            total = sum(n.values())
+            owner = min(holders, key=lambda r: (load[r] + total - n[r], r))
+            load[owner] += total - n[owner]
+            straddles.append(_Straddle(t, [p[0] if p is not None else None for p in parts], owner,
+                                       dtypes[t.view.tensor]))
+        else:
+            for r in holders:
+                plans[r].grams.append(replace(t, view=parts[r][0]))
+    for t in plan.norms:
+        lay = layouts[t.view.tensor]
+        if lay.dim is None:
+            plans[owner_of_replicated()].norms.append(t)
+            continue
+        for r in range(world):
+            p = _local_view(t.view, lay, r)
+            if p is not None:
+                plans[r].norms.append(replace(t, view=p[0], index=t.index + p[1] * t.index_stride))
+    for t in plan.sums:
+        lay = layouts[t.view.tensor]
+        if lay.dim is None:
+            plans[owner_of_replicated()].sums.append(t)
+            continue
+        for r in range(world):
+            p = _local_view(t.view, lay, r)
+            if p is not None:
+                plans[r].sums.append(replace(t, view=p[0], index=t.index + p[2]))
+    return plans, straddles
+
+
+def _localize(plan: kernels.Plan, layouts: Sequence[_Layout], rank: int, world: int, dtypes):
+    """Rank ``rank``'s local plan and the straddling Gram terms (the same list on every rank)."""
+    plans, straddles = _split(plan, layouts, world, dtypes)
+    return plans[rank], straddles
+
+
+# --------------------------------------------------------------------------------- entries, owners
+class _Entries:
+    """A selection of law-value entries <-> one flat vector: the selected vector entries, then the
+    upper triangle (diagonal included) of each selected Gram slot (D ascending)."""
+
+    def __init__(self, vec: torch.Tensor, slots: Mapping[int, torch.Tensor], device):
+        self.vec = vec.to(device=device, dtype=torch.long)
+        self.slots = {d: s.to(device=device, dtype=torch.long) for d, s in sorted(slots.items()) if s.numel()}
+        self.tri = {d: torch.triu_indices(d, d, device=device) for d in self.slots}
+        self.size = self.vec.numel() + sum(s.numel() * d * (d + 1) // 2 for d, s in self.slots.items())
+
+    def take(self, v: Values) -> torch.Tensor:
+        parts = [v.vec[self.vec]]
+        for d, s in self.slots.items():
+            i, j = self.tri[d]
+            parts.append(v.grams[d][s][:, i, j].reshape(-1))
+        return torch.cat(parts)
+
+    def put(self, v: Values, x: torch.Tensor) -> Values:
+        """Write ``x`` (from ``take``) into ``v`` in place (both triangles); returns ``v``."""
+        n = self.vec.numel()
+        v.vec[self.vec] = x[:n].to(v.vec.dtype)
+        o = n
+        for d, s in self.slots.items():
+            k = d * (d + 1) // 2
+            u = x[o: o + s.numel() * k].view(s.numel(), k).to(v.grams[d].dtype)
+            o += s.numel() * k
+            g = v.grams[d][s]
+            i, j = self.tri[d]
+            g[:, i, j] = u
+            g[:, j, i] = u
+            v.grams[d][s] = g
+        return v
+
+
+def _touched(p: kernels.Plan):
+    """Vector entries and Gram slots (by D) that the terms of ``p`` add to."""
+    vec = [t.index + torch.arange(t.view.rows) * t.index_stride for t in p.norms]
+    vec += [t.index + torch.arange(t.view.cols) for t in p.sums]
+    slots: dict[int, list[int]] = {}
+    for t in p.grams:
+        slots.setdefault(t.view.rows, []).append(t.slot)
+    return (torch.cat(vec) if vec else torch.zeros(0, dtype=torch.long)), slots
+
+
+def _entry_owners(compiled: Compiled, plans, straddles):
+    """Per vector entry and per Gram slot: the one rank whose terms give its whole value, or -1 when
+    several ranks contribute (split). Every straddling Gram slot is split (its owner's part arrives
+    only at the exchange); a ``per="law"`` vector law is complete only if all its entries are on one rank."""
+    plan = compiled.plan
+
+    def mark(first, multi, idx, r):
+        idx = torch.unique(idx)
+        f = first[idx]
+        multi[idx] |= (f >= 0) & (f != r)
+        first[idx] = torch.where(f < 0, torch.full_like(f, r), f)
+
+    vf, vm = torch.full((plan.vec_size,), -1, dtype=torch.long), torch.zeros(plan.vec_size, dtype=torch.bool)
+    gf = {d: torch.full((n,), -1, dtype=torch.long) for d, n in plan.gram_slots.items()}
+    gm = {d: torch.zeros(n, dtype=torch.bool) for d, n in plan.gram_slots.items()}
+    for r, p in enumerate(plans):
+        vec, slots = _touched(p)
+        if vec.numel():
+            mark(vf, vm, vec, r)
+        for d, s in slots.items():
+            mark(gf[d], gm[d], torch.tensor(s, dtype=torch.long), r)
+    for s in straddles:
+        gm[s.term.view.rows][s.term.slot] = True
+    vec_owner = torch.where(vm, -1, vf.clamp_min(0))
+    gram_owner = {d: torch.where(gm[d], -1, gf[d].clamp_min(0)) for d in gf}
+    for law, (kind, a, b) in zip(compiled.laws, compiled.where):
+        if kind == "vec" and law.per == "law" and b:
+            seg = vec_owner[a: a + b]
+            if seg[0] < 0 or not bool((seg == seg[0]).all()):
+                vec_owner[a: a + b] = -1
+    return vec_owner, gram_owner
+
+
+@dataclass
+class CommSchedule:
+    """What the distributed tracker communicates, worked out from the laws and the shard layouts
+    alone (no process group): ``plans[r]`` rank r's local terms, ``straddles`` the Gram terms whose
+    rows span ranks (with their owners), ``vec_owner`` / ``gram_owner`` the rank holding each entry's
+    whole value (-1: split), ``split_size`` the scalars of the split entries (upper triangles for
+    Grams), ``families`` / ``groups`` the sizes of the metric row's eps parts."""
+
+    plans: list
+    straddles: list
+    vec_owner: torch.Tensor
+    gram_owner: dict
+    split_size: int
+    families: int
+    groups: int
+
+    def step_scalars(self, drift: bool = True) -> int:
+        """Scalars one rank keeps per pending step and all-reduces at the flush."""
+        return (self.families + self.groups + (len(TERMS) * self.families if drift else 0)
+                + (1 + len(_DRIFT) * drift) * self.split_size)
+
+    def row_traffic(self, drift: bool = True) -> tuple[list[int], list[int]]:
+        """Per rank, (elements received, elements sent) of straddling rows per step (owner-only)."""
+        world = len(self.plans)
+        recv, sent = [0] * world, [0] * world
+        blocks = 2 if drift else 1  # new rows, and the old rows for the drift terms
+        for s in self.straddles:
+            n = s.sizes()
+            recv[s.owner] += blocks * (sum(n) - n[s.owner])
+            for r, m in enumerate(n):
+                if r != s.owner:
+                    sent[r] += blocks * m
+        return recv, sent
+
+
+def comm_schedule(compiled: Compiled, layouts: Sequence[_Layout], dtypes) -> CommSchedule:
+    """``CommSchedule`` of ``compiled`` laws on tensors held as ``layouts`` (one per ``compiled.names``)."""
+    world = max([len(l.ranges) for l in layouts if l.dim is not None], default=1)
+    plans, straddles = _split(compiled.plan, layouts, world, dtypes)
+    vec_owner, gram_owner = _entry_owners(compiled, plans, straddles)
+    split = int((vec_owner < 0).sum()) + sum(int((o < 0).sum()) * d * (d + 1) // 2 for d, o in gram_owner.items())
+    fams = {l.family for l in compiled.laws}
+    groups = {(l.family, l.layer) for l in compiled.laws}
+    return CommSchedule(plans, straddles, vec_owner, gram_owner, split, len(fams), len(groups))
+
+
+def _drift_terms(decay: Values, bil: Values, h_delta: Values, lin: torch.Tensor) -> dict[str, Values]:
+    """The identity's terms from the kernel's pieces (linear in them, so partial sums stay partial)."""
+    lin = lin.to(h_delta.vec.dtype)
+    return {"decay": decay, "first": Values(2 * bil.vec + lin * h_delta.vec, {d: 2 * g for d, g in bil.grams.items()}),
+            "second": Values((1 - lin) * h_delta.vec, h_delta.grams)}
+
+
+def flush_bytes(tracker: "DistributedTracker", steps: int | None = None) -> dict[str, int]:
+    """Bytes this rank moves per flush of ``steps`` steps (default ``tracker.every``): ``all_reduce``
+    = the packed pending partials it contributes (one call), ``rows_received`` / ``rows_sent`` = the
+    straddling Gram rows it receives as owner / sends to owners (0 when every head lies on one rank).
+    Counts at drift on every step (the most). See docs/distributed.md."""
+    k = tracker.every if steps is None else steps
+    if not tracker._comm:
+        return {"all_reduce": 0, "rows_received": 0, "rows_sent": 0}
+    recv, sent = tracker._schedule.row_traffic(tracker.drift)
+    isz = tracker._xdtype.itemsize
+    return {"all_reduce": k * tracker._step_elems * tracker._pack_dtype.itemsize,
+            "rows_received": k * recv[tracker.rank] * isz, "rows_sent": k * sent[tracker.rank] * isz}
+
+
+# ------------------------------------------------------------------------------------------ tracker
+class _Pending:
+    """One step not yet reduced: ``pack`` = [metric-row partials of this rank's complete entries |
+    partial values of the split entries: h(new), then decay, first, second], ``drift`` (the drift terms
+    are in it), ``held`` (this rank's straddling rows until the exchange), ``a`` (decay factors), extras."""
+
+    __slots__ = ("pack", "drift", "held", "a", "extras")
+
+    def __init__(self, pack, drift, held, a):
+        self.pack, self.drift, self.held, self.a, self.extras = pack, drift, held, a, {}
+
+
+class DistributedTracker(Tracker):
+    """``conserve.Tracker`` for parameters sharded or replicated by torch.distributed.
+
+    Same arguments and metrics as ``Tracker`` (``model`` may be FSDP2-sharded, tensor-parallel or
+    DDP-wrapped; parameter names are those of the unwrapped model, shapes the global ones), plus:
+
+    Args:
+        max_pending_bytes: cap on the memory kept between flushes per rank (pending partials and
+            straddling rows); when ``every`` steps would exceed it, the partials are reduced every
+            ``max_pending_bytes // step_bytes`` steps instead (one packed all-reduce each time) and the
+            rows sent to their owners as often as the cap requires.
+
+    Requirements: ``torch.distributed`` initialised; DTensor parameters on a 1-D mesh spanning all
+    ranks in rank order, placement ``Shard(d)`` or ``Replicate()``; plain tensors are taken to be
+    identical on every rank (DDP, or the replicated parameters of a tensor-parallel model).
+    Raises ``UsageError`` otherwise, and when ranks build different law sets.
+
+    Collective methods (call them on every rank, in the same order): the constructor, ``after_step``
+    (when a reduction is due), ``flush``, ``close``, ``values``, ``totals``, ``state_dict``. Between
+    flushes ``h`` and ``cumulative`` describe the last ``values()``/``totals()``/``state_dict()``
+    call, and with sharded parameters ``last`` stays empty (the per-step terms are only reduced into
+    the metric rows). Sinks are written on rank 0 only (sinks given on other ranks are closed by
+    ``close`` without being written). ``record(**scalars)`` writes rank 0's scalars.
+    ``comm_bytes`` counts the bytes this rank has moved (``all_reduce``, ``rows_sent``, ``rows_received``).
+    """
+
+    def __init__(self, model: nn.Module | None = None, laws: Sequence[Law] | None = None, *,
+                 max_pending_bytes: int = 256 << 20, **tracker_kwargs):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise UsageError("DistributedTracker needs torch.distributed: call torch.distributed.init_process_group() "
+                             "first (torchrun sets its environment), or use conserve.Tracker in a single process")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._max_pending_bytes = max_pending_bytes
+        self.comm_bytes = {"all_reduce": 0, "rows_sent": 0, "rows_received": 0}
+        super().__init__(model, laws, **tracker_kwargs)
+        if self._comm:
+            self._adopt()
+
+    def _local_tensors(self, params):
+        return [_local(p) for p in params]
+
+    def _setup(self) -> None:
+        """Shard layouts, the local plan, straddling Gram rows, split entries and the pending buffers."""
+        # sinks are written on rank 0 only; the others keep theirs to close them
+        self._idle_sinks = self.sinks if self.rank != 0 else []
+        if self.rank != 0:
+            self.sinks = []
+        self._pend: list[_Pending] = []
+        self._layouts = self._gather_layouts()
+        self._comm = self.world > 1 and any(l.dim is not None for l in self._layouts)
+        if not self._comm:
+            return
+        dev = self.device
+        sched = self._schedule = comm_schedule(self.compiled, self._layouts, [t.dtype for t in self.tensors])
+        self._local_plan, self._straddles = sched.plans[self.rank], sched.straddles
+        self._mine = [(j, s) for j, s in enumerate(self._straddles) if s.owner == self.rank]
+        # the straddling terms this rank owns, each over its assembled (D, N) rows (tensor j of the list)
+        self._mini = kernels.Plan([replace(s.term, view=kernels.View(j, (0, 0), 0, s.term.view.rows, 1, s.term.view.cols))
+                                   for j, (_, s) in enumerate(self._mine)], [], [], self.compiled.plan.vec_size,
+                                  dict(self.compiled.plan.gram_slots))
+        self._xdtype = torch.float32
+        for s in self._straddles:  # rows travel in one dtype per message (an upcast is exact)
+            self._xdtype = torch.promote_types(self._xdtype, s.dtype)
+        vo, go = sched.vec_owner.to(dev), {d: o.to(dev) for d, o in sched.gram_owner.items()}
+        self._own = (vo == self.rank, {d: (o == self.rank)[:, None, None] for d, o in go.items()})
+        self._split = _Entries(torch.nonzero(vo < 0).flatten(), {d: torch.nonzero(o < 0).flatten() for d, o in go.items()}, dev)
+        self._all = _Entries(torch.arange(self.compiled.plan.vec_size), {d: torch.arange(n) for d, n in
+                                                                        self.compiled.plan.gram_slots.items()}, dev)
+        # per split scalar: its instance, family and weight in a sum of squares over the full D x D matrix
+        grams = self.compiled.plan.gram_slots
+        self._split_inst = self._split.take(Values(self._vec_inst, {d: self._gram_inst[d][:, None, None].expand(n, d, d)
+                                                                    for d, n in grams.items()}))
+        self._split_fam = self._split.take(Values(self._vec_fam, {d: self._gram_fam[d][:, None, None].expand(n, d, d)
+                                                                  for d, n in grams.items()}))
+        vdt = torch.float64 if self.fp64 else torch.float32
+        self._split_w = self._split.take(Values(torch.ones(self.compiled.plan.vec_size, dtype=vdt, device=dev),
+                                                {d: (2 - torch.eye(d, dtype=vdt, device=dev)).expand(n, d, d)
+                                                 for d, n in grams.items()}))
+        self._pack_dtype = vdt
+        nf, ng = len(self.families), len(self.groups)
+        self._row_size = nf + ng + (len(TERMS) * nf if self.drift else 0)
+        self._step_elems = sched.step_scalars(self.drift)
+        step_bytes = self._step_elems * self._pack_dtype.itemsize
+        recv, sent = sched.row_traffic(self.drift)
+        row_bytes = max((a + b for a, b in zip(recv, sent)), default=0) * self._xdtype.itemsize  # the same on every rank
+        cap = self._max_pending_bytes
+        self._reduce_every = max(1, min(self.every, cap // max(1, step_bytes)))
+        self._exchange_every = max(1, min(self._reduce_every, cap // max(1, row_bytes)))
+        # NCCL only moves CUDA tensors: parameters kept on the CPU (FSDP2 offload) reduce through the GPU
+        nccl = dist.get_backend() == "nccl"
+        self._comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else dev
+
+    def _adopt(self) -> None:
+        """Per-rank state from the full ``h``/``cumulative`` (after construction or a load): this rank's
+        partial ``h`` (its complete entries are exact) and the full values of the split entries."""
+        self._hp = self.h.clone()
+        self._h_split, self._h0_split = self._split.take(self.h), self._split.take(self.h0)
+        self._cum_p = {k: v.clone() for k, v in self.cumulative.items()}
+        self._cum_split = {k: self._split.take(v) for k, v in self.cumulative.items()}
+        self.last = {}
+
+    # ---------------------------------------------------------------------------------- layout
+    def _gather_layouts(self) -> list[_Layout]:
+        mine, errors = [], []
+        for name, p in zip(self.compiled.names, self.params):
+            if not _is_dtensor(p):
+                mine.append(None)
+                continue
+            mesh, pl = p.device_mesh, p.placements
+            if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != list(range(self.world)):
+                errors.append(f"{name}: DTensor on mesh {mesh.mesh.tolist()}; conserve supports a 1-D mesh over all "
+                              f"{self.world} ranks in order (track the laws of one mesh dimension's model)")
+                mine.append(None)
+                continue
+            kind = type(pl[0]).__name__
+            if kind == "Replicate":
+                mine.append(None)
+            elif kind == "Shard":
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                d = pl[0].dim % p.ndim
+                shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, pl)
+                if tuple(shape) != tuple(p.to_local().shape):
+                    errors.append(f"{name}: local shard shape {tuple(p.to_local().shape)} != {tuple(shape)}")
+                mine.append((d, int(offset[d]), int(shape[d])))
+            else:
+                errors.append(f"{name}: placement {pl[0]} is not supported (use Shard(d) or Replicate())")
+                mine.append(None)
+        sig = (tuple(self.compiled.names), tuple(l.name for l in self.laws))
+        allv = [None] * self.world
+        dist.all_gather_object(allv, (sig, mine, errors))
+        errs = [f"rank {r}: {e}" for r, (_, _, es) in enumerate(allv) for e in es]
+        if any(s != allv[0][0] for s, _, _ in allv):
+            errs.append("ranks track different laws or parameters: build the model and the tracker identically "
+                        "on every rank")
+        if errs:
+            raise UsageError("; ".join(errs[:3]))
+        out = []
+        for i in range(len(self.params)):
+            per = [allv[r][1][i] for r in range(self.world)]
+            if per[0] is None:
+                out.append(_Layout(None))
+            else:
+                out.append(_Layout(per[0][0], tuple((o, n) for _, o, n in per)))
+        return out
+
+    # -------------------------------------------------------------------------------- evaluation
+    def _zeros(self) -> Values:
+        plan, dtype = self.compiled.plan, (torch.float64 if self.fp64 else torch.float32)
+        return Values(torch.zeros(plan.vec_size, dtype=dtype, device=self.device),
+                      {d: torch.zeros(n, d, d, dtype=dtype, device=self.device) for d, n in sorted(plan.gram_slots.items())})
+
+    def _values(self, plan, tensors) -> Values:
+        if not (plan.grams or plan.norms or plan.sums):
+            return self._zeros()
+        return Values(*kernels.evaluate(plan, tensors, fp64=self.fp64, backend=self.backend))
+
+    def _pieces(self, plan, cur, prev, a):
+        """``(h(cur), drift terms or None)`` of ``plan`` (partial sums of this rank's terms): one
+        ``kernels.drift`` pass when ``prev`` (theta_k, before the decay ``a``) is given."""
+        if prev is None:
+            return self._values(plan, cur), None
+        if not (plan.grams or plan.norms or plan.sums):
+            z = self._zeros()
+            return z, {k: z.clone() for k in _DRIFT}
+        h1, dec, bil, hd = (Values(*r) for r in kernels.drift(plan, prev, cur, a, fp64=self.fp64, backend=self.backend))
+        return h1, _drift_terms(dec, bil, hd, self._lin)
+
+    @torch.no_grad()
+    def _initial_values(self):
+        """``h(theta_0)`` and the magnitude plan (guard denominators), summed over ranks."""
+        if not self._comm:
+            plan = self.compiled.plan
+            return self._values(plan, self.tensors), self._values(_abs_plan(plan), self.tensors)
+        h0 = self._values(self._local_plan, self.tensors)
+        mag = self._values(_abs_plan(self._local_plan), self.tensors)
+        if self._straddles:
+            full = self._exchange([self._held(self.tensors, None)], [False])[0]
+            if self._mine:
+                news = [f[0] for f in full]
+                h0 = h0.map(torch.add, self._values(self._mini, news))
+                mag = mag.map(torch.add, self._values(_abs_plan(self._mini), news))
+        x = torch.stack([self._all.take(h0), self._all.take(mag)]).to(self._pack_dtype)
+        x = self._all_reduce(x)
+        return self._all.put(self._zeros(), x[0]), self._all.put(self._zeros(), x[1])
+
+    # -------------------------------------------------------------------------------- collectives
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(self._comm_device)
+        dist.all_reduce(y)
+        self.comm_bytes["all_reduce"] += y.numel() * y.element_size()
+        return y.to(self.device)
+
+    def _held(self, cur, prev) -> dict:
+        """This rank's rows of each straddling term (new, and old for the drift terms), copied: the
+        weights change before they are sent."""
+        out = {}
+        for j, s in enumerate(self._straddles):
+            p = s.pieces[self.rank]
+            if p is not None:
+                t = s.term.view.tensor
+                out[j] = [p.of(cur[t]).clone()] + ([p.of(prev[t]).clone()] if prev is not None else [])
+        return out
+
+    def _exchange(self, helds: list[dict], drifts: list[bool]) -> list[list[list[torch.Tensor]]]:
+        """Send the straddling rows of some steps to their owners (one ``isend`` per owner, one ``irecv``
+        per holder; nobody receives rows of a term it does not own). Returns, per step and owned term
+        (``self._mine`` order), the full ``(D, N)`` rows: ``[new]`` or ``[new, old]``."""
+        me, xd, dev = self.rank, self._xdtype, self._comm_device
+        sends: dict[int, list[torch.Tensor]] = {}
+        for held in helds:
+            for j, s in enumerate(self._straddles):
+                if s.owner != me and j in held:
+                    sends.setdefault(s.owner, []).extend(b.reshape(-1) for b in held[j])
+        counts = [0] * self.world
+        for held, drift in zip(helds, drifts):
+            for _, s in self._mine:
+                for h, n in enumerate(s.sizes()):
+                    if h != me:
+                        counts[h] += n * (2 if drift else 1)
+        recv, ops = {}, []
+        for h, n in enumerate(counts):
+            if n:
+                recv[h] = torch.empty(n, dtype=xd, device=dev)
+                ops.append(dist.irecv(recv[h], src=h))
+                self.comm_bytes["rows_received"] += n * xd.itemsize
+        for o, parts in sorted(sends.items()):
+            buf = torch.cat([p.to(xd) for p in parts]).to(dev)
+            ops.append(dist.isend(buf, dst=o))
+            self.comm_bytes["rows_sent"] += buf.numel() * xd.itemsize
+        for op in ops:
+            op.wait()
+        recv = {h: b.to(self.device) for h, b in recv.items()}
+        off = [0] * self.world
+        out = []
+        for held, drift in zip(helds, drifts):
+            nb, step = (2 if drift else 1), []
+            for j, s in self._mine:
+                blocks = [[] for _ in range(nb)]
+                for h, p in enumerate(s.pieces):
+                    if p is None:
+                        continue
+                    n = p.rows * p.cols
+                    for b in range(nb):
+                        if h == me:
+                            blocks[b].append(held[j][b])
+                        else:
+                            blocks[b].append(recv[h][off[h]: off[h] + n].view(p.rows, p.cols).to(s.dtype))
+                            off[h] += n
+                step.append([torch.cat(x) for x in blocks])
+            out.append(step)
+        return out
+
+    def _exchange_pending(self) -> None:
+        """Exchange the rows of the pending steps that still hold them; the owners add their straddling
+        terms to those steps' split partials."""
+        steps = [p for p in self._pend if p.held is not None]
+        if not steps:
+            return
+        got = self._exchange([p.held for p in steps], [p.drift for p in steps])
+        r = self._row_size
+        for p, full in zip(steps, got):
+            p.held = None
+            if not self._mine:
+                continue
+            news = [f[0] for f in full]
+            olds = [f[1] for f in full] if p.drift else None
+            h1, terms = self._pieces(self._mini, news, olds, [p.a[s.term.view.tensor] for _, s in self._mine])
+            add = [self._split.take(h1)] + ([self._split.take(terms[k]) for k in _DRIFT] if terms else [])
+            add = torch.cat(add).to(self._pack_dtype)
+            p.pack[r: r + add.numel()] += add
+
+    # ------------------------------------------------------------------------------------- steps
+    @torch.no_grad()
+    def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Snapshot this rank's shard of ``theta_k`` and each parameter's decay factor ``a``."""
+        if not self.drift:
+            return
+        local = [_local(p) for p in self.params]
+        if self._prev is None or any(p.shape != t.shape for p, t in zip(self._prev, local)):
+            self._prev = [t.clone() for t in local]
+        else:
+            for p, t in zip(self._prev, local):
+                p.copy_(t)
+        if optimizer is not None:
+            group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+            self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.params]
+
+    def _masked(self, v: Values) -> Values:
+        """``v`` on this rank's complete entries, 0 elsewhere (NaN elsewhere does not leak)."""
+        vec, grams = self._own
+        return Values(torch.where(vec, v.vec, 0.0), {d: torch.where(grams[d], g, 0.0) for d, g in v.grams.items()})
+
+    def _own_row(self, h1: Values, terms) -> torch.Tensor:
+        """This rank's additive share of one metric row: per family and group the sum of the ``eps``
+        of its complete instances, then per term and family the sum of squares over its complete entries."""
+        rel = self._inst_norm(self._masked(h1.map(torch.sub, self.h0))) / self.denom
+        nf = len(self.families)
+        parts = [torch.zeros(nf, dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel),
+                 torch.zeros(len(self.groups), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_group, rel)]
+        if self.drift:
+            if terms is None:
+                parts.append(torch.zeros(len(TERMS) * nf, dtype=rel.dtype, device=self.device))
+            else:
+                meas = h1.map(torch.sub, self._hp)
+                res = meas.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
+                for v in (meas, terms["decay"], terms["first"], terms["second"], res):
+                    parts.append(self._sq_bins(self._masked(v), self._vec_fam, self._gram_fam, nf))
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Evaluate this rank's terms at ``theta_{k+1}`` (and the drift terms when ``before_step`` ran)
+        and keep the step pending on the device. Collective only when a reduction is due."""
+        if self._comm:
+            if self._straddles and sum(p.held is not None for p in self._pend) >= self._exchange_every:
+                self._exchange_pending()
+            if len(self._pend) >= self._reduce_every:
+                self._sync()
+                if len(self._rows) >= self.every:
+                    Tracker.flush(self)
+        cur = [_local(p) for p in self.params]
+        self.tensors = cur
+        prev = self._prev if self.drift and self._prev is not None else None
+        if not self._comm:  # every rank holds every parameter: the single-process step, on every rank
+            h1, terms = self._pieces(self.compiled.plan, cur, prev, self._a)
+            Tracker.record_step(self, h1, terms)
+            return
+        h1, terms = self._pieces(self._local_plan, cur, prev, self._a)
+        parts = [self._own_row(h1, terms).to(self._pack_dtype), self._split.take(h1).to(self._pack_dtype)]
+        if self.drift:
+            parts += ([self._split.take(terms[k]).to(self._pack_dtype) for k in _DRIFT] if terms is not None
+                      else [torch.zeros(len(_DRIFT) * self._split.size, dtype=self._pack_dtype, device=self.device)])
+        held = self._held(cur, prev) if self._straddles else None
+        self._pend.append(_Pending(torch.cat(parts), terms is not None, held, list(self._a)))
+        self._hp = h1
+        if terms is not None:
+            for k in _DRIFT:
+                self._cum_p[k] = self._cum_p[k].map(torch.add, terms[k])
+        for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
+            m.update()
+
+    def _sync(self) -> None:
+        """Reduce the pending steps (the owner-only row exchange if heads straddle ranks, then ONE
+        packed all-reduce) and book their metric rows in order. Collective; a no-op on every rank when
+        nothing is pending."""
+        if not self._pend:
+            return
+        if self._straddles:
+            self._exchange_pending()
+        pend, self._pend = self._pend, []
+        x = self._all_reduce(torch.stack([p.pack for p in pend]))
+        for row, p in zip(x, pend):
+            self._book(row, p)
+
+    def _book(self, x: torch.Tensor, p: _Pending) -> None:
+        """Finish one step's metric row from its reduced pack: add the split instances' ``eps`` and
+        sums of squares (full values now) to the complete ones', then append it as ``Tracker`` does."""
+        nf, ng, S, r = len(self.families), len(self.groups), self._split.size, self._row_size
+        dt, dev = self.h0.vec.dtype, self.device
+        x = x.to(dt)
+        hs = x[r: r + S]
+        d = hs - self._h0_split
+        sq = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._split_inst, self._split_w * d * d)
+        rel = sq.sqrt() / self.denom  # 0 on complete instances (their share is in x[:nf + ng])
+        fam = x[:nf] + torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
+        grp = x[nf: nf + ng] + torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        parts = [fam / self._fam_count, grp / self._group_count]
+        if self.drift:
+            if p.drift:
+                dec, fst, snd = (x[r + (i + 1) * S: r + (i + 2) * S] for i in range(len(_DRIFT)))
+                meas = hs - self._h_split
+                split = dict(zip(TERMS, (meas, dec, fst, snd, meas - dec - fst - snd)))
+                for i, t in enumerate(TERMS):
+                    own = x[nf + ng + i * nf: nf + ng + (i + 1) * nf]
+                    v = split[t]
+                    parts.append((own + torch.zeros(nf, dtype=dt, device=dev).index_add_(
+                        0, self._split_fam, self._split_w * v * v)).sqrt())
+                for k, v in zip(_DRIFT, (dec, fst, snd)):
+                    self._cum_split[k] = self._cum_split[k] + v
+            else:
+                parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
+        self._h_split = hs
+        if len(self._rows) >= self.every:  # as Tracker.record_step: flush lazily
+            Tracker.flush(self)
+        self.step_count += 1
+        self._rows.append(torch.cat(parts).float())
+        if p.extras:
+            Tracker.record(self, **p.extras)
+
+    def _materialize(self) -> None:
+        """Full ``h`` and ``cumulative`` on every rank (one packed all-reduce after the pending steps)."""
+        if not self._comm:
+            return
+        self._sync()
+        srcs = [self._hp] + [self._cum_p[k] for k in _DRIFT]
+        x = self._all_reduce(torch.stack([self._all.take(self._masked(v)) for v in srcs]).to(self._pack_dtype))
+        full = [self._split.put(self._all.put(self._zeros(), x[i]), s)
+                for i, s in enumerate([self._h_split] + [self._cum_split[k] for k in _DRIFT])]
+        self.h, self.cumulative = full[0], dict(zip(_DRIFT, full[1:]))
+
+    def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None) -> None:
+        """Book one step from FULL values (a fused optimizer's). Only without sharded parameters (DDP):
+        with sharded ones the values must be this rank's partial sums, which only ``after_step`` makes."""
+        if self._comm:
+            raise UsageError("record_step() takes full law values, but this tracker's parameters are sharded: "
+                             "use a torch optimizer with conserve.distributed.track (or Tracker.after_step)")
+        super().record_step(h1, terms)
+
+    def record(self, **scalars) -> None:
+        """Attach scalars to the current step's row (rank 0's values are the ones written)."""
+        if self._pend:
+            self._pend[-1].extras.update(scalars)
+        else:
+            super().record(**scalars)
+
+    # ------------------------------------------------------------------------------------ output
+    def flush(self) -> list[dict]:
+        """Reduce the pending steps and write their rows (rank 0). Collective."""
+        self._sync()
+        return super().flush()
+
+    def close(self) -> None:
+        """Flush (collective) and close the sinks (also those given on ranks other than 0)."""
+        super().close()
+        for s in self._idle_sinks:
+            s.close()
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """Current full ``h(theta_k)`` per law name, the same on every rank. Collective."""
+        self._materialize()
+        return super().values()
+
+    def totals(self):
+        """``Tracker.totals`` after reducing the pending steps. Collective."""
+        self._materialize()
+        return super().totals()
+
+    # ----------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Tracker state for ``torch.distributed.checkpoint`` (fixed shapes; the same on every rank,
+        so DCP writes it once). Collective: the pending steps are reduced and their rows written to
+        the sinks first (rank 0), as ``Tracker.state_dict`` does.
+
+        Example::
+
+            dcp.save({"model": model.state_dict(), "conserve": tracker.state_dict()}, checkpoint_id=path)
+            state = {"model": model.state_dict(), "conserve": tracker.state_dict()}
+            dcp.load(state, checkpoint_id=path); tracker.load_state_dict(state["conserve"])
+        """
+        self._materialize()
+        s = super().state_dict()
+        rows = s.pop("pending")
+        n = 0 if rows is None else rows.shape[0]
+        if n > self.every:  # pragma: no cover - record_step flushes before exceeding every
+            raise RuntimeError(f"{n} pending rows exceed every={self.every}")
+        buf = torch.zeros(self.every, len(self.metric_names), dtype=torch.float32, device=self.device)
+        if n:
+            buf[:n] = rows
+        extras = [[{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in s.pop("pending_extras")]]
+        if self.world > 1:  # rank 0's scalars are the ones written; DCP keeps one copy of the (replicated) state
+            dist.broadcast_object_list(extras, src=0)
+        extras = extras[0]
+        meta = {"format": _FORMAT, "step": s.pop("step"), "laws": s.pop("laws"), "pending_count": n,
+                "pending_extras": extras, "monitors": s.pop("monitors")}
+        return {**s, "pending": buf, "meta": pickle.dumps(meta)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Load a state from ``state_dict`` (after ``dcp.load``) or from a single-process ``Tracker``."""
+        state = dict(state)
+        if "meta" in state:
+            meta = pickle.loads(state.pop("meta"))
+            if meta.get("format") not in (_FORMAT, "conserve.distributed/1"):  # /1: same fields
+                raise UsageError(f"unknown tracker state format {meta.get('format')!r}; save it with this version")
+            n = meta["pending_count"]
+            state.update(step=meta["step"], laws=meta["laws"], pending_extras=meta["pending_extras"],
+                         monitors=meta["monitors"], pending=state["pending"][:n] if n else None)
+        self._pend = []
+        super().load_state_dict(state)
+        if self._comm:
+            self._adopt()
