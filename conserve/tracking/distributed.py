@@ -260,10 +260,10 @@ def _entry_owners(compiled: Compiled, plans, straddles):
     plan = compiled.plan
 
     def mark(first, multi, idx, r):
-        idx = torch.unique(idx)
-        f = first[idx]
-        multi[idx] |= (f >= 0) & (f != r)
-        first[idx] = torch.where(f < 0, torch.full_like(f, r), f)
+        hit = torch.zeros_like(multi)
+        hit[idx] = True
+        multi |= hit & (first >= 0) & (first != r)
+        first[hit & (first < 0)] = r
 
     vf, vm = torch.full((plan.vec_size,), -1, dtype=torch.long), torch.zeros(plan.vec_size, dtype=torch.bool)
     gf = {d: torch.full((n,), -1, dtype=torch.long) for d, n in plan.gram_slots.items()}
@@ -302,9 +302,13 @@ class CommSchedule:
     families: int
     groups: int
 
-    def step_scalars(self, drift: bool = True) -> int:
-        """Scalars one rank keeps per pending step and all-reduces at the flush."""
-        return (self.families + self.groups + (len(TERMS) * self.families if drift else 0)
+    def step_scalars(self, drift: bool = True, tracked_drift: bool | None = None) -> int:
+        """Scalars one rank keeps per pending step and all-reduces at the flush: the metric-row partials
+        (eps sums per family and group; with ``tracked_drift`` (default ``drift``) sums of squares of the 5
+        drift norms per family) and the split entries' partial h(new), plus decay, first, second on a
+        step with ``drift`` terms."""
+        tracked = drift if tracked_drift is None else tracked_drift
+        return (self.families + self.groups + (len(TERMS) * self.families if tracked else 0)
                 + (1 + len(_DRIFT) * drift) * self.split_size)
 
     def row_traffic(self, drift: bool = True) -> tuple[list[int], list[int]]:
@@ -695,9 +699,8 @@ class DistributedTracker(Tracker):
             return
         h1, terms = self._pieces(self._local_plan, cur, prev, self._a)
         parts = [self._own_row(h1, terms).to(self._pack_dtype), self._split.take(h1).to(self._pack_dtype)]
-        if self.drift:
-            parts += ([self._split.take(terms[k]).to(self._pack_dtype) for k in _DRIFT] if terms is not None
-                      else [torch.zeros(len(_DRIFT) * self._split.size, dtype=self._pack_dtype, device=self.device)])
+        if terms is not None:  # a step without drift terms packs h(new) only (ranks agree on which steps have them)
+            parts += [self._split.take(terms[k]).to(self._pack_dtype) for k in _DRIFT]
         held = self._held(cur, prev) if self._straddles else None
         self._pend.append(_Pending(torch.cat(parts), terms is not None, held, list(self._a)))
         self._hp = h1
@@ -716,8 +719,8 @@ class DistributedTracker(Tracker):
         if self._straddles:
             self._exchange_pending()
         pend, self._pend = self._pend, []
-        x = self._all_reduce(torch.stack([p.pack for p in pend]))
-        for row, p in zip(x, pend):
+        x = self._all_reduce(torch.cat([p.pack for p in pend]))
+        for row, p in zip(x.split([p.pack.numel() for p in pend]), pend):
             self._book(row, p)
 
     def _book(self, x: torch.Tensor, p: _Pending) -> None:
