@@ -489,8 +489,118 @@ def _scenario_mismatch(rank, world, cfg):
         DistributedTracker(model, laws if rank == 0 else laws[:-1])
 
 
+# heads of D=4 on 2 ranks: k_proj/v_proj have 12 rows (6/6: kv head 1, rows 4..7, straddles), q_proj 24
+# (12/12: aligned); layer 0 (no RoPE) has QK Gram laws on k_proj too
+STRADDLE2 = {**CFG, "num_attention_heads": 6, "num_key_value_heads": 3}
+_COMM = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
+         "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "isend", "irecv", "send", "recv",
+         "batch_isend_irecv", "barrier", "gather", "scatter", "reduce")
+
+
+class _CommLog:
+    """Records every torch.distributed call made inside the ``with`` block: (name, bytes of its tensor, peer)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        self._saved = {n: getattr(dist, n) for n in _COMM if hasattr(dist, n)}
+        for n, f in self._saved.items():
+            setattr(dist, n, self._wrap(n, f))
+        return self
+
+    def _wrap(self, name, f):
+        def call(*args, **kw):
+            t = args[0] if args and torch.is_tensor(args[0]) else None
+            peer = kw.get("src", kw.get("dst", args[1] if len(args) > 1 and isinstance(args[1], int) else None))
+            self.calls.append((name, 0 if t is None else t.numel() * t.element_size(), peer))
+            return f(*args, **kw)
+        return call
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(dist, n, f)
+
+    def names(self):
+        return sorted({c[0] for c in self.calls})
+
+
+def _scenario_collectives(rank, world, cfg):
+    """Per flush: exactly one all-reduce, of the pending steps' packs (row partials + split partials), and
+    the straddling rows sent point to point to their owners only: each rank receives exactly the rows of
+    the terms it owns that it does not hold (checked against the laws' views, not the tracker's counts)."""
+    model, laws = _fsdp(cfg, world)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
+    t = DistributedTracker(model, laws, every=EVERY)
+    log = _CommLog()
+    for k in range(1, STEPS + 1):
+        opt.zero_grad()
+        _loss(model, _batch(k, rank, cfg["vocab_size"])).backward()
+        with log:
+            t.before_step(opt)
+        opt.step()
+        with log:
+            t.after_step()
+    with log:
+        t.flush()
+    flushes = -(-STEPS // EVERY)
+    reduces = [c for c in log.calls if c[0] == "all_reduce"]
+    assert len(reduces) == flushes, log.calls
+    assert set(log.names()) <= {"all_reduce", "isend", "irecv"}, log.names()
+    assert sum(c[1] for c in reduces) == t._schedule.step_scalars(True) * STEPS * 4  # drift terms at every step
+    # straddling rows this rank must receive, from the plan's views alone: the rows of each term it owns
+    # that lie in another rank's shard (2 blocks per step: new and old; 1 block at construction, for h_0)
+    names = t.compiled.names
+    want = 0
+    for s in t._straddles:
+        assert s.pieces[s.owner] is not None, "the owner holds some of the term's rows"
+        if s.owner != rank:
+            continue
+        v = s.term.view
+        lo, hi = t._layouts[v.tensor].ranges[rank][0], sum(t._layouts[v.tensor].ranges[rank])
+        mine = sum(lo <= v.start[v.row_dim] + i * v.row_step < hi for i in range(v.rows))
+        want += (v.rows - mine) * v.cols * 4
+        assert names[v.tensor].split(".")[-2] in ("k_proj", "v_proj"), names[v.tensor]  # weights and biases
+    got = sum(c[1] for c in log.calls if c[0] == "irecv")
+    assert got == 2 * STEPS * want and t.comm_bytes["rows_received"] == (2 * STEPS + 1) * want
+    assert flush_bytes(t, STEPS)["rows_received"] == 2 * STEPS * want
+    t.close()
+    return {"straddles": len(t._straddles), "received": got, "owned": sum(s.owner == rank for s in t._straddles),
+            "irecv_peers": sorted({c[2] for c in log.calls if c[0] == "irecv"})}
+
+
+def _scenario_nan(rank, world, cfg, tmpdir=None):
+    """A NaN in one rank's shard stops every rank at the flush, naming the step; rows before it are written."""
+    from conserve.errors import NonFiniteError
+
+    model, laws = _fsdp(cfg, world)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
+    sink = MemorySink()
+    t = DistributedTracker(model, laws, every=4, sinks=[sink])
+    for k in range(1, 4):
+        opt.zero_grad()
+        _loss(model, _batch(k, rank, cfg["vocab_size"])).backward()
+        t.before_step(opt)
+        opt.step()
+        if k == 3 and rank == 1:
+            with torch.no_grad():
+                w = dict(model.named_parameters())["layers.1.mlp.up_proj.weight"].to_local()
+                w[0, 0] = float("nan")
+        t.after_step()
+    with pytest.raises(NonFiniteError, match="step 3"):
+        t.flush()
+    if rank == 0:
+        assert [r["step"] for r in sink.records] == [1, 2]
+    else:
+        assert sink.records == []
+
+
 def _world2(rank, world):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, None)
+    info["aligned"] = _scenario_collectives(rank, world, CFG)
+    info["straddle"] = _scenario_fsdp(rank, world, STRADDLE2, None)
+    info["straddle_comm"] = _scenario_collectives(rank, world, STRADDLE2)
+    _scenario_nan(rank, world, CFG)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
     _scenario_ddp(rank, world, SMALL)
     _scenario_mismatch(rank, world, SMALL)
@@ -519,3 +629,10 @@ def test_two_ranks_fsdp_tensor_parallel_and_ddp():
     res = _spawn(_world2, 2)
     assert res[0]["comm"] and res[0]["straddles"] == 0  # 8 kv rows 4/4 and 16 q rows 8/8: heads aligned
     assert res[0]["bytes"]["rows_received"] == 0 and res[0]["bytes"]["all_reduce"] > 0
+    assert all(res[r]["aligned"]["straddles"] == 0 and res[r]["aligned"]["received"] == 0 for r in (0, 1))
+    # kv head 1 of each layer's k_proj and v_proj straddles (4 terms, layer 0 also has QK Gram terms on k_proj);
+    # owners alternate, and each rank receives rows only from the other (its only peer)
+    st = [res[r]["straddle_comm"] for r in (0, 1)]
+    assert res[0]["straddle"]["straddles"] == st[0]["straddles"] > 0
+    assert st[0]["owned"] + st[1]["owned"] == st[0]["straddles"] and min(st[0]["owned"], st[1]["owned"]) > 0
+    assert all(s["received"] > 0 and s["irecv_peers"] == [1 - r] for r, s in enumerate(st))
