@@ -11,13 +11,20 @@ device; its laws come from the real catalogue (``model.conservation_laws()``) an
 and FSDP2 ``fully_shard`` produce) for each placement rule below:
 
 * ``fsdp2-default``: every parameter ``Shard(0)`` (``fully_shard`` without ``shard_placement_fn``);
-* ``v-dim1``: ``v_proj`` on ``Shard(1)``, the rest ``Shard(0)`` (no value head straddles);
-* ``v,down-dim1``: also ``down_proj`` on ``Shard(1)`` (a SwiGLU unit's ``up_proj`` row and
-  ``down_proj`` column then lie on the same rank: unit entries are complete, not split).
+* ``v:1``: ``v_proj`` on ``Shard(1)``, the rest ``Shard(0)`` (no value head straddles);
+* ``v:1,down:1``: also ``down_proj`` on ``Shard(1)`` (a SwiGLU unit's ``up_proj`` row and
+  ``down_proj`` column then lie on the same rank: unit entries are complete, not split);
+* ``o:1,down:1``: ``v_proj`` on ``Shard(0)`` and ``o_proj``, ``down_proj`` on ``Shard(1)``: with at most
+  one kv head per rank (8 ranks here) a kv head's ``v_proj`` rows and its q heads' ``o_proj`` columns
+  lie on one rank, so the VO Grams are complete; with more ranks the value heads straddle.
 
 Columns (per rank, per flush of ``every`` steps; the all-reduce is one packed call, a ring moves about
 twice that per rank): ``straddles`` Gram terms whose rows span ranks; ``split`` scalars whose value
-several ranks contribute to; ``all_reduce`` what each rank contributes to the one packed all-reduce;
+several ranks contribute to; ``all_reduce`` what each rank contributes to the packed all-reduce(s);
+``per step`` what a rank keeps on the device per pending step (metric-row partials + split partials),
+``h-only step`` the same for a step without drift terms (``drift_every > 1``);
+``calls at 256 MiB`` how many all-reduces a flush takes under the default ``max_pending_bytes`` (1 when
+``every`` pending steps fit; raise the cap to ``every * per step`` for one);
 ``rows in (max)`` straddling rows received by the busiest owner (point to point, owner-only); then the
 previous implementation for comparison: ``old all_gather in`` (every rank received every straddling
 row, every step) and ``old all_reduce`` (every law value of every step, in calls of at most
@@ -38,12 +45,14 @@ LLAMA3_70B = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=
                   intermediate_size=28672, num_hidden_layers=80, vocab_size=128256)
 
 
+RULES = {"fsdp2-default": (), "v:1": ("v_proj",), "v:1,down:1": ("v_proj", "down_proj"),
+         "o:1,down:1": ("o_proj", "down_proj")}
+
+
 def _rule(name: str):
-    dim1 = {"fsdp2-default": (), "v-dim1": ("v_proj",), "v,down-dim1": ("v_proj", "down_proj")}[name]
+    """``shard_placement_fn`` of a rule: ``Shard(1)`` for the listed 2-D weights, ``Shard(0)`` otherwise."""
+    dim1 = RULES[name]
     return lambda param, shape: 1 if len(shape) == 2 and any(f".{m}." in param for m in dim1) else 0
-
-
-RULES = ("fsdp2-default", "v-dim1", "v,down-dim1")
 
 
 def _fmt(b: float) -> str:
@@ -74,8 +83,8 @@ def main(argv=None):
     print(f"Llama-3-70B layout, {args.layers} layers: {len(laws)} laws, {len(plan.grams)} Gram / {len(plan.norms)} "
           f"norm / {len(plan.sums)} sum terms, {P / 1e6:.2f} M law scalars per step; every={k}, fp32, drift terms "
           f"every step\n")
-    head = ("placement", "ranks", "straddles", "split", "all_reduce", "rows in (max)", "old all_gather in",
-            "old all_reduce")
+    head = ("placement", "ranks", "straddles", "split", "per step", "h-only step", "all_reduce", "calls at 256 MiB",
+            "rows in (max)", "old all_gather in", "old all_reduce")
     rows = []
     for rule in RULES:
         f = _rule(rule)
@@ -90,9 +99,11 @@ def main(argv=None):
                 for r, n in enumerate(s.sizes()):
                     count[r] += n
             old_gather = k * w * 2 * max(count) * b if sched.straddles else 0
-            rows.append((rule, str(w), str(len(sched.straddles)), f"{sched.split_size / 1e6:.2f} M",
-                         _fmt(k * sched.step_scalars(True) * b), _fmt(k * max(recv) * b), _fmt(old_gather),
-                         _fmt(k * 4 * P * b)))
+            step = sched.step_scalars(True) * b
+            calls = -(-k // max(1, min(k, args.max_pending // step)))  # all-reduces per flush under the default cap
+            rows.append((rule, str(w), str(len(sched.straddles)), f"{sched.split_size / 1e6:.2f} M", _fmt(step),
+                         _fmt(sched.step_scalars(False, True) * b), _fmt(k * step), str(calls), _fmt(k * max(recv) * b),
+                         _fmt(old_gather), _fmt(k * 4 * P * b)))
     width = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print(" | ".join(h.ljust(x) for h, x in zip(head, width)))
     print("-|-".join("-" * x for x in width))

@@ -313,16 +313,21 @@ def _train(model, opt, trackers, refs, steps, rank, vocab, first=1):
             r.tracker.record(loss=loss.detach())
 
 
-def _fsdp(cfg, world, seed=0):
+def _fsdp(cfg, world, seed=0, dim1=()):
+    """FSDP2 per layer + root; the 2-D weights whose name has a part in ``dim1`` on ``Shard(1)`` (a
+    ``shard_placement_fn``, as docs/distributed.md recommends), the rest on the default ``Shard(0)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     model = _model(cfg, seed)
     laws, _ = model.conservation_laws()
     mesh = init_device_mesh("cpu", (world,))
+    names = {id(p): n for n, p in model.named_parameters()}
+    place = (lambda p: Shard(1) if p.ndim == 2 and set(names[id(p)].split(".")) & set(dim1) else None) if dim1 else None
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=place)
+    fully_shard(model, mesh=mesh, shard_placement_fn=place)
     return model, laws
 
 
@@ -368,12 +373,14 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
 
 
 # --------------------------------------------------------------------------------------- scenarios
-def _scenario_fsdp(rank, world, cfg, tmpdir):
+def _scenario_fsdp(rank, world, cfg, tmpdir, dim1=()):
     """FSDP2 (fully_shard per layer + root) vs single process; then a DCP save/resume."""
-    model, laws = _fsdp(cfg, world)
+    model, laws = _fsdp(cfg, world, dim1=dim1)
     assert wants_distributed(model)
     t = _compare_run(rank, world, model, laws, cfg, f"fsdp{world}")
     info = {"straddles": len(t._straddles), "comm": t._comm, "bytes": flush_bytes(t),
+            "split": t._split.size if t._comm else 0,
+            "straddling": sorted({t.compiled.names[s.term.view.tensor] for s in t._straddles}) if t._comm else [],
             "empty": [n for n, p in model.named_parameters() if p.to_local().numel() == 0]}
     if tmpdir is not None:
         info["resume"] = _resume(rank, world, cfg, tmpdir)
@@ -599,6 +606,7 @@ def _world2(rank, world):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, None)
     info["aligned"] = _scenario_collectives(rank, world, CFG)
     info["straddle"] = _scenario_fsdp(rank, world, STRADDLE2, None)
+    info["placed"] = _scenario_fsdp(rank, world, STRADDLE2, None, dim1=("v_proj", "k_proj", "down_proj"))
     info["straddle_comm"] = _scenario_collectives(rank, world, STRADDLE2)
     _scenario_nan(rank, world, CFG)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
@@ -636,3 +644,10 @@ def test_two_ranks_fsdp_tensor_parallel_and_ddp():
     assert res[0]["straddle"]["straddles"] == st[0]["straddles"] > 0
     assert st[0]["owned"] + st[1]["owned"] == st[0]["straddles"] and min(st[0]["owned"], st[1]["owned"]) > 0
     assert all(s["received"] > 0 and s["irecv_peers"] == [1 - r] for r, s in enumerate(st))
+    # the same model with k/v_proj and down_proj on Shard(1): no weight row straddles (only the 1-D biases,
+    # which FSDP2 shards on dim 0: a few scalars travel); values still equal the single-process ones
+    placed, straddled = res[0]["placed"], res[0]["straddle"]
+    assert placed["straddling"] and all(n.endswith("_proj.bias") for n in placed["straddling"]), placed["straddling"]
+    assert any(n.endswith("v_proj.weight") for n in straddled["straddling"])
+    total = lambda info: sum(res[r][info]["bytes"]["rows_received"] for r in (0, 1))  # noqa: E731
+    assert 0 < total("placed") < total("straddle") / 10
