@@ -6,11 +6,16 @@
 # (d) the fused AdamW benchmark (issue 4) with its per-kernel breakdown, (e) the RoPE fp32 case again
 # with the Gram/norm stream overlap switched off (A/B of that choice).  (b) prints the time per
 # kernel (--profile) so the bound (Gram vs row/column kernel) is visible in one run; (f) A/Bs the
-# Gram output tile (CONSERVE_GRAM_BT=64), (g) the norm-load pipelining (CONSERVE_NORM_STAGES=1).
+# Gram output tile (--gram-bt 64), (g) the norm-load pipelining (--norm-stages 1), (h) 3xTF32 Gram
+# dots (--precision tf32x3: kernels.Config(input_precision="tf32x3")).  The tunables are Config
+# fields set from bench.kernels' flags (the library reads none from the environment).
 # torch.compile of the naive code is skipped by default (it costs ~20-40 s per case on a cold
 # machine; the lead's earlier numbers have it): COMPILE=1 bash bench/gpu_check.sh to include it.
-ln -sfn ../kernels conserve/kernels  # the device copy has no install: make conserve.kernels importable
 set -u
+# the device copy is a bare working tree: install the package (kernels/ becomes conserve.kernels, as
+# pyproject.toml maps it); offline, so no build isolation and no dependency resolution
+python -m pip install -q --no-deps --no-build-isolation -e . || { echo "pip install -e . failed"; exit 2; }
+python -c "import conserve.kernels" || { echo "conserve.kernels is not importable after the install"; exit 2; }
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
 NOCOMPILE="--no-compile"
@@ -39,13 +44,16 @@ timeout 300 python -m bench.fused_optim --csv "$OUT/results_optim.csv" 2>&1 | te
 echo "optim bench rc=${PIPESTATUS[0]} at $(( $(date +%s) - t0 )) s"
 
 echo "== (e) llama fp32 without the Gram/norm stream overlap"
-CONSERVE_OVERLAP=0 timeout 60 python -m bench.kernels --cases llama --dtypes float32 --no-compile \
+timeout 60 python -m bench.kernels --cases llama --dtypes float32 --no-compile --no-overlap \
     --csv "$OUT/results_no_overlap.csv" 2>&1 | tee "$OUT/bench_no_overlap.txt"
-echo "== (f) llama/norope fp32 with 64 x 64 Gram tiles (CONSERVE_GRAM_BT=64: fewer registers, 3/4 of the FLOPs)"
-CONSERVE_GRAM_BT=64 timeout 90 python -m bench.kernels --cases norope,llama --dtypes float32 --no-compile --profile \
+echo "== (f) llama/norope fp32 with 64 x 64 Gram tiles (--gram-bt 64: fewer registers, 3/4 of the FLOPs)"
+timeout 90 python -m bench.kernels --cases norope,llama --dtypes float32 --no-compile --profile --gram-bt 64 \
     --csv "$OUT/results_bt64.csv" 2>&1 | tee "$OUT/bench_bt64.txt"
-echo "== (g) llama fp32/bf16 with unpipelined norm loads (CONSERVE_NORM_STAGES=1, the previous kernel)"
-CONSERVE_NORM_STAGES=1 timeout 90 python -m bench.kernels --cases llama --dtypes float32,bfloat16 --no-compile --profile \
+echo "== (g) llama fp32/bf16 with unpipelined norm loads (--norm-stages 1, the previous kernel)"
+timeout 90 python -m bench.kernels --cases llama --dtypes float32,bfloat16 --no-compile --profile --norm-stages 1 \
     --csv "$OUT/results_stages1.csv" 2>&1 | tee "$OUT/bench_stages1.txt"
+echo "== (h) norope fp32 with 3xTF32 Gram dots (--precision tf32x3; parity: (a) checks it against float64)"
+timeout 90 python -m bench.kernels --cases norope,llama --dtypes float32 --no-compile --profile --precision tf32x3 \
+    --csv "$OUT/results_tf32x3.csv" 2>&1 | tee "$OUT/bench_tf32x3.txt"
 echo "done in $(( $(date +%s) - t0 )) s; parity rc=$parity_rc"
 exit "$parity_rc"

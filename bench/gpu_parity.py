@@ -8,7 +8,10 @@ Reuses the plan builders and the tolerance check of ``tests/test_kernels.py`` (e
 GPU work split (several row chunks and column tiles per norm region, D = 128 Gram tiles) in fp32 and
 bf16 (evaluate + bilinear), the fp64 mode, a multi-tile head dim (D = 192) and the Conv1D layout;
 and the DRIFT pass of a tracked optimizer step (``kernels.drift`` vs ``drift_reference`` in float64,
-D = 128 / 192, fp32 and bf16, a != 1 and a == 1).
+D = 128 / 192, fp32 and bf16, a != 1 and a == 1, with and without the decay piece).  Then the same
+fp32 evaluate / bilinear / DRIFT cases with 3xTF32 Gram dots (``Config(input_precision="tf32x3")``)
+against float64 at the fp32 tolerance (1e-5 of the entrywise scale): the interpreter cannot check
+that rounding (it multiplies in fp32), only the GPU can.
 """
 from __future__ import annotations
 
@@ -91,6 +94,9 @@ def main() -> int:
         try:
             for a in ([0.9, 0.8, 0.95, 1.0, 0.7], 1.0):
                 got = drift(p, olds, news, a, backend="triton")
+                nodec = drift(p, olds, news, a, backend="triton", decay=False)
+                assert nodec[1] is None and all(torch.equal(nodec[k][1][d], got[k][1][d])
+                                                for k in (0, 2, 3) for d in got[k][1]), "decay=False differs"
                 want = drift_reference(p, [x.double() for x in olds], [x.double() for x in news], a, fp64=True)
                 T.check_drift(got, want, T.RTOL[dtype], f"drift D={D} {dtype} a={a}")
             status = "ok"
@@ -99,6 +105,53 @@ def main() -> int:
         torch.cuda.synchronize()
         print(f"parity drift D={D} {str(dtype).split('.')[-1]}: {status} ({time.perf_counter() - t:.1f} s incl. compile)",
               flush=True)
+    from conserve.kernels import Config, bilinear, evaluate
+
+    tf = Config(input_precision="tf32x3")
+    for name, plan, ts, bil, fp64 in cases:
+        if fp64 or any(x.dtype != torch.float32 for x in ts):
+            continue
+        t = time.perf_counter()
+        try:
+            d64 = [x.double() for x in ts]
+            ap = T._abs_plan(plan)
+            got = evaluate(plan, ts, backend="triton", config=tf)
+            want = T.evaluate_reference(plan, d64, fp64=True)
+            scale = T.evaluate_reference(ap, [x.abs() for x in d64], fp64=True)
+            pairs = [(got, want, scale, "")]
+            if bil:
+                ys = [torch.randn_like(x) for x in ts]
+                y64 = [y.double() for y in ys]
+                pairs.append((bilinear(plan, ts, ys, backend="triton", config=tf),
+                              T.bilinear_reference(plan, d64, y64, fp64=True),
+                              T.bilinear_reference(ap, [x.abs() for x in d64], [y.abs() for y in y64], fp64=True),
+                              " bilinear"))
+            for (gv, gg), (wv, wg), (sv, sg), what in pairs:
+                T._close(gv, wv, sv, T.RTOL[torch.float32], f"tf32x3{what} vec")
+                for d in wg:
+                    T._close(gg[d], wg[d], sg[d], T.RTOL[torch.float32], f"tf32x3{what} gram D={d}")
+            status = "ok"
+        except AssertionError as e:
+            status, failed = f"FAIL {e}", failed + 1
+        torch.cuda.synchronize()
+        print(f"parity tf32x3 {name}: {status} ({time.perf_counter() - t:.1f} s incl. compile)", flush=True)
+    for D in (128, 192):
+        t = time.perf_counter()
+        p, olds, news = T.drift_case(D, torch.float32, seed=D)
+        olds, news = [x.to(dev) for x in olds], [x.to(dev) for x in news]
+        try:
+            for a, dec in (([0.9, 0.8, 0.95, 1.0, 0.7], True), ([0.9, 0.8, 0.95, 1.0, 0.7], False), (1.0, True)):
+                got = drift(p, olds, news, a, backend="triton", decay=dec, config=tf)
+                want = drift_reference(p, [x.double() for x in olds], [x.double() for x in news], a, fp64=True)
+                if not dec:
+                    assert got[1] is None, "decay=False returned a decay piece"
+                    got, want = [got[k] for k in (0, 2, 3)], [want[k] for k in (0, 2, 3)]
+                T.check_drift(got, want, T.RTOL[torch.float32], f"drift tf32x3 D={D} a={a} decay={dec}")
+            status = "ok"
+        except AssertionError as e:
+            status, failed = f"FAIL {e}", failed + 1
+        torch.cuda.synchronize()
+        print(f"parity drift tf32x3 D={D} fp32: {status} ({time.perf_counter() - t:.1f} s incl. compile)", flush=True)
     print(f"parity total {time.perf_counter() - t_all:.1f} s, {failed} failed")
     return 1 if failed else 0
 

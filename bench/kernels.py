@@ -178,12 +178,20 @@ def _bench(fn, device) -> float:
 
 
 def copy_bandwidth(nbytes: int, device) -> float:
-    """GB/s of a device-to-device copy of ``nbytes`` (read + write counted)."""
+    """GB/s of a device-to-device copy of ``nbytes``, counting the bytes read AND written (the DRAM
+    traffic rate: a copy of N bytes moves 2N).  Reading N bytes at that rate takes N / rate."""
     n = max(1, min(nbytes, 2 << 30)) // 4
     a = torch.empty(n, device=device)
     b = torch.empty_like(a)
     ms = _bench(lambda: b.copy_(a), device)
     return 2 * n * 4 / ms / 1e6
+
+
+def read_floor_ms(nbytes: int, copy_gbs: float) -> float:
+    """Milliseconds to read ``nbytes`` once at the DRAM rate ``copy_gbs`` (``copy_bandwidth``: read +
+    write bytes per second, so it is the rate of the traffic itself; 7.0 GB at 4.27 TB/s = 1.63 ms).
+    (It was ``nbytes / (copy_gbs / 2)``: the read-only share of a copy's traffic, twice the floor.)"""
+    return nbytes / copy_gbs / 1e6
 
 
 def max_rel(a, b) -> float:
@@ -195,7 +203,8 @@ def max_rel(a, b) -> float:
     return max(errs)
 
 
-def run_case(name, shape, make, plan, naive, *, dtype, device, compile_naive, copy_gbs, interpret, profile=False):
+def run_case(name, shape, make, plan, naive, *, dtype, device, compile_naive, copy_gbs, interpret, profile=False,
+             config=None):
     from conserve.kernels import evaluate, evaluate_reference
 
     ts = make(shape, device, dtype)
@@ -203,10 +212,11 @@ def run_case(name, shape, make, plan, naive, *, dtype, device, compile_naive, co
     row = dict(case=name, shape=shape.name, dtype=str(dtype).replace("torch.", ""), device=str(device),
                weights_MB=round(nbytes / 1e6, 1))
     backend = "triton" if (device.type == "cuda" or interpret) else "torch"
-    out = evaluate(plan, ts, backend=backend)  # prepares (tables cached) + compiles
+    kw = dict(backend=backend, config=config)
+    out = evaluate(plan, ts, **kw)  # prepares (tables cached) + compiles
     ref = naive(ts)
     row["maxrel_vs_naive"] = f"{max_rel(out, ref):.2e}"
-    row[f"{backend}_ms"] = round(_bench(lambda: evaluate(plan, ts, backend=backend), device), 4)
+    row[f"{backend}_ms"] = round(_bench(lambda: evaluate(plan, ts, **kw), device), 4)
     if backend == "triton" and device.type == "cpu":  # the reference twin too, for scale
         row["torch_ref_ms"] = round(_bench(lambda: evaluate_reference(plan, ts), device), 4)
     row["naive_ms"] = round(_bench(lambda: naive(ts), device), 4)
@@ -217,11 +227,11 @@ def run_case(name, shape, make, plan, naive, *, dtype, device, compile_naive, co
     if profile and device.type == "cuda":
         from bench.profile import kernel_breakdown
 
-        kernel_breakdown(lambda: evaluate(plan, ts, backend=backend), device, 5, f"{name} {row['dtype']}")
+        kernel_breakdown(lambda: evaluate(plan, ts, **kw), device, 5, f"{name} {row['dtype']}")
     ms = row[f"{backend}_ms"]
     row["GBps"] = round(nbytes / ms / 1e6, 1)
     row["copy_GBps"] = round(copy_gbs, 1)
-    row["read_floor_ms"] = round(nbytes / (copy_gbs / 2) / 1e6, 4)  # copy moves 2 bytes per byte read
+    row["read_floor_ms"] = round(read_floor_ms(nbytes, copy_gbs), 4)
     row["x_naive"] = round(row["naive_ms"] / ms, 2)
     if "compiled_ms" in row:
         row["x_compiled"] = round(row["compiled_ms"] / ms, 2)
@@ -257,6 +267,10 @@ def main(argv=None):
     ap.add_argument("--no-interpret", action="store_true", help="on CPU: time only the torch paths")
     ap.add_argument("--profile", action="store_true", help="GPU: print the Triton path's time per kernel "
                     "(torch.profiler), e.g. Gram vs row/column kernels")
+    ap.add_argument("--precision", default="ieee", help="fp32 Gram dots: ieee or tf32x3 (Config.input_precision)")
+    ap.add_argument("--gram-bt", type=int, default=128, help="Gram output tile cap (Config.gram_bt; A/B: 64)")
+    ap.add_argument("--norm-stages", type=int, default=3, help="norm row tiles in flight (Config.norm_stages; A/B: 1)")
+    ap.add_argument("--no-overlap", action="store_true", help="serialise the Gram and norm streams (Config.overlap)")
     ap.add_argument("--csv", default=None, help="CSV to append to (default: bench/results.csv on a GPU, "
                     "bench/results-cpu.csv, untracked, on the CPU smoke run)")
     a = ap.parse_args(argv)
@@ -264,6 +278,11 @@ def main(argv=None):
     interpret = device.type == "cpu" and not a.no_interpret
     if interpret:  # before the kernels' triton.jit functions are defined (imported lazily)
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from conserve.kernels import Config
+
+    config = Config(input_precision=a.precision, gram_bt=a.gram_bt, norm_stages=a.norm_stages,
+                    overlap=not a.no_overlap)
+    print(f"kernels {config}")
     llama, vit = (TOY_LLAMA, TOY_VIT) if a.small else (LLAMA3_8B, VIT_B16)
     compile_naive = not a.no_compile and device.type == "cuda"
     rows = []
@@ -282,7 +301,7 @@ def main(argv=None):
             else:
                 raise SystemExit(f"unknown case {case!r}; use norope, llama, vit")
             row = run_case(case, *args, compile_naive=compile_naive, copy_gbs=copy_gbs, interpret=interpret,
-                           dtype=dtype, device=device, profile=a.profile)
+                           dtype=dtype, device=device, profile=a.profile, config=config)
             rows.append(row)
             print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None

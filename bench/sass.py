@@ -13,7 +13,7 @@ optimizer step kernel (offsets without alignment hints), cross-warp row reductio
 with ``bench/kernels.py`` / ``bench/fused_optim.py`` on the GPU.
 
 The kernels are compiled as Triton's JIT would for 16-byte aligned pointer arguments, with the
-block sizes ``conserve.kernels`` picks on a 132-SM GPU (``launch.Config.gpu``, ``optim_step._tiles``).
+block sizes ``conserve.kernels`` picks on a 132-SM GPU (``launch.Tiles.gpu``, ``optim_step._tiles``).
 Uses triton's bundled ``ptxas`` and ``cuobjdump`` (``triton/backends/nvidia/bin``).
 """
 from __future__ import annotations
@@ -107,11 +107,11 @@ def _sig(fn, types: dict, constexprs: dict) -> dict:
 def cases(kernels):
     """``(name, config, fn, types, constexprs, warps)`` for the kernels the Llama plans launch."""
     from conserve.kernels import gram, norms, optim_step
-    from conserve.kernels.launch import Config
+    from conserve.kernels.launch import Tiles
 
     import torch
 
-    cfg = Config.gpu()
+    cfg = Tiles.gpu()
     t = {"fp32": "*fp32", "bf16": "*bf16"}
     out = []
     if "norm" in kernels:
@@ -126,7 +126,7 @@ def cases(kernels):
                             types, ce, warps))
     if "gram" in kernels:
         from conserve.kernels.launch import DRIFT_BK, DRIFT_BT
-        from conserve.kernels.triton_impl import DRIFT_WARPS
+        from conserve.kernels.runner import DRIFT_WARPS
 
         gtypes = {"terms": "*i64", "signs": "*fp32", "items": "*i64", "part": "*fp32", "factors": "*fp32",
                   "plane": "i64"}
@@ -134,13 +134,19 @@ def cases(kernels):
             for D, BT, BK, warps in ((128, 128, cfg.BK_BIG, 8), (64, 64, cfg.BK_SMALL, 4)):
                 for bil in (False, True):
                     ce = dict(D=D, BT=BT, BK=BK, ALIGN=16, SINGLE=D == BT, BILINEAR=bil, FP64=False, UPCAST=False,
-                              FOLD=True, DRIFT=False, DECAY=False)
+                              FOLD=True, PREC="ieee", DRIFT=False, DECAY=False)
                     out.append(("gram", f"{dt} D={D} BT={BT} BK={BK}{' bilinear' if bil else ''}",
                                 gram._gram_kernel, dict(gtypes, xb=t[dt], yb=t[dt]), ce, warps))
-            ce = dict(D=128, BT=DRIFT_BT, BK=DRIFT_BK, ALIGN=16, SINGLE=False, BILINEAR=True, FP64=False,
-                      UPCAST=False, FOLD=True, DRIFT=True, DECAY=True)
-            out.append(("gram drift", f"{dt} D=128 BT={DRIFT_BT} BK={DRIFT_BK} a!=1", gram._gram_kernel,
-                        dict(gtypes, xb=t[dt], yb=t[dt]), ce, DRIFT_WARPS))
+            # the DRIFT pass with the decay dot, without it (decay=False or every a == 1), and (fp32)
+            # with 3xTF32 tensor-core dots (Config(input_precision="tf32x3"))
+            variants = [(True, "ieee", "a!=1"), (False, "ieee", "no decay")]
+            if dt == "fp32":
+                variants.append((False, "tf32x3", "no decay tf32x3"))
+            for dec, prec, what in variants:
+                ce = dict(D=128, BT=DRIFT_BT, BK=DRIFT_BK, ALIGN=16, SINGLE=False, BILINEAR=True, FP64=False,
+                          UPCAST=False, FOLD=True, PREC=prec, DRIFT=True, DECAY=dec)
+                out.append(("gram drift", f"{dt} D=128 BT={DRIFT_BT} BK={DRIFT_BK} {what}", gram._gram_kernel,
+                            dict(gtypes, xb=t[dt], yb=t[dt]), ce, DRIFT_WARPS))
     if "step" in kernels:
         step, _ = optim_step._kernels()
         for dt, lowp, es in (("fp32", 0, 4), ("bf16", 1, 2)):

@@ -38,7 +38,7 @@ def test_naive(benchmark, case):
 def test_table_build(benchmark, case):
     """Host cost of canonicalising a plan (paid once per plan and tensor layout, then cached)."""
     rope, plan, ts = case
-    st = benchmark(L.build, plan, ts, None, False, L.Config())
+    st = benchmark(L.build, plan, ts, None, False, L.Tiles())
     assert st.vec_size == plan.vec_size
 
 

@@ -1,7 +1,9 @@
-"""The ``conserve`` command line: ``conserve run | inspect | continuity | experiment NAME``.
+"""The ``conserve`` command line: ``conserve run | report | inspect | continuity | experiment NAME``.
 
-Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``.
-User errors are raised as ``UsageError`` and printed as one line with exit code 2 (no traceback).
+Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
+only the module of the command being run is imported (``conserve --help`` imports neither torch nor any
+command). User errors are raised as ``UsageError`` and printed as one line with exit code 2 (no
+traceback). Also runs as ``python -m conserve``.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from .errors import UsageError
 # sub-command -> module (imported lazily so `conserve --help` stays fast)
 COMMANDS = {
     "run": ("conserve.commands.run", "train the reference LM on text with conservation-law tracking"),
+    "report": ("conserve.commands.report", "summary.md, summary.json and plots from any metrics.jsonl"),
     "inspect": ("conserve.commands.inspect", "list the laws of a checkpoint (HF directory or .safetensors)"),
     "continuity": ("conserve.commands.continuity", "geometric continuity across layers of a checkpoint"),
     "experiment": ("conserve.experiments", "reproduce an experiment: scaling, optimizers, continuity"),
@@ -25,14 +28,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="conserve", description="Track the conservation laws of training dynamics: conserve run | inspect | "
-                "continuity | experiment NAME")
+def build_parser(only: str | None = "*") -> argparse.ArgumentParser:
+    """The parser; the arguments of sub-command ``only`` are added (every one for ``"*"``, none for None)."""
+    p = _Parser(prog="conserve", description="Track the conservation laws of training dynamics: conserve "
+                + " | ".join(COMMANDS) + " (`conserve COMMAND --help` for each)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (module, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(_module=module)
+        if only not in ("*", name):
+            continue
         try:
             importlib.import_module(module).add_arguments(sp)
         except ModuleNotFoundError as e:  # a command whose module is not installed is reported, not hidden
@@ -44,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"conserve {args.command}: not available in this build ({args._missing})", file=sys.stderr)
         return 2

@@ -11,3 +11,7 @@ class UnsupportedModelError(UsageError):
 
 class NonFiniteError(UsageError):
     """NaN or Inf in the loss, gradients or parameters; the message names the step."""
+
+
+class DivergenceError(UsageError):
+    """Training diverged (exploding loss, or a law's ``eps`` beyond a bound); the message names the step and the fix."""

@@ -1,7 +1,10 @@
-"""Run reports: summary (markdown + JSON) and PNG plots from a run's ``metrics.jsonl``.
+"""Run reports: summary (markdown + JSON) and PNG plots from any ``metrics.jsonl``.
 
-Plots use matplotlib (Agg): ``eps.png`` (eps vs step per law family, log scale) and, when the drift
-terms were tracked, ``drift.png`` (per family: measured change and the decay / first / second-order terms).
+``report(path)`` (``conserve report PATH``) and ``conserve run`` write the same files:
+``summary.md`` / ``summary.json`` (per family: eps, drift totals and a verdict a newcomer can read),
+``eps.png`` (eps per family beside the loss curve), ``drift.png`` (per family: the measured per-step
+change and its exact decomposition into decay / first / second-order terms, spec "Discrete steps") and
+``layers.png`` (a family x layer heatmap of the final eps). Plots use matplotlib (Agg).
 """
 from __future__ import annotations
 
@@ -24,16 +27,21 @@ def json_safe(x):
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl file (a truncated last line, from a crash, is skipped)."""
+    """The records of a metrics.jsonl file (one JSON object per line with a ``step``; a truncated last
+    line, from a crash, is skipped). Raises ``UsageError`` for a missing file or one without records."""
     p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
     if not p.is_file():
-        raise UsageError(f"{p} not found; pass a run directory written by `conserve run`")
+        raise UsageError(f"{p} not found; pass a run directory or a metrics.jsonl file written by conserve")
     out = []
-    for line in p.read_text().splitlines():
+    for line in p.read_text(errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
+            out.append(rec)
     return out
 
 
@@ -52,25 +60,60 @@ def _series(records, key):
     return xs, ys
 
 
-def plot_eps(records: list[dict], path: Path, title: str = "") -> Path:
+def layer_keys(records: list[dict]) -> dict[str, dict[str, str]]:
+    """``{family: {"layer0": "eps/swiglu/layer0", ..., "global": ...}}`` from the metric keys."""
+    keys = set().union(*(r.keys() for r in records)) if records else set()
+    out: dict[str, dict[str, str]] = {}
+    for k in sorted(keys):
+        parts = k.split("/")
+        if len(parts) == 3 and parts[0] == "eps":
+            out.setdefault(parts[1], {})[parts[2]] = k
+    return out
+
+
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_eps(records: list[dict], path: Path, title: str = "") -> Path:
+    """eps per family vs step (log scale, left) beside the training loss (right, when recorded)."""
+    plt = _plt()
     fams = families(records)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for f in fams:
+    has_loss = any(isinstance(r.get("loss"), (int, float)) for r in records)
+    fig, axes = plt.subplots(1, 2 if has_loss else 1, figsize=(12 if has_loss else 8, 4.6), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2] if has_loss else [1]})
+    ax = axes[0, 0]
+    controls = False
+    for i, f in enumerate(fams):
         xs, ys = _series(records, f"eps/{f}")
-        ys = [max(y, 1e-16) for y in ys]
         if xs:
-            ax.plot(xs, ys, label=f, lw=1.5)
+            ax.plot(xs, [max(y, 1e-16) for y in ys], label=f, lw=1.5, color=f"C{i % 10}")
+        cx, cy = _series(records, f"control/{f}")
+        if cx:  # the non-conserved baseline: same terms, every sign + (conserve.tracking.control)
+            ax.plot(cx, [max(y, 1e-16) for y in cy], ls=":", marker=".", ms=3, lw=1, color=f"C{i % 10}")
+            controls = True
+    if controls:
+        ax.plot([], [], "k:", marker=".", ms=3, lw=1, label="dotted: control\n(same terms, all\nsigns +: not\nconserved)")
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step k")
     ax.set_ylabel(r"$\epsilon(k)$ = mean$_i$ |h$_i$(k) - h$_i$(0)| / |h$_i$(0)|")
-    ax.set_title(title or "conservation-law error per family")
+    ax.set_title(title or "conservation-law error per family", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    if fams:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, title="family")
+    if has_loss:
+        lx, ly = _series(records, "loss")
+        bx = axes[0, 1]
+        bx.plot(lx, ly, "k-", lw=1)
+        bx.set_xlabel("optimizer step k")
+        bx.set_ylabel("training loss (nats/token)")
+        bx.set_title("loss", fontsize=10)
+        bx.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -78,53 +121,150 @@ def plot_eps(records: list[dict], path: Path, title: str = "") -> Path:
 
 
 def plot_drift(records: list[dict], path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Per family: the measured per-step change and its decay / first / second-order terms (log scale)."""
+    plt = _plt()
     fams = [f for f in families(records) if any(r.get(f"drift/{f}/measured") is not None for r in records)]
     if not fams:
         return None
     n = len(fams)
     cols = min(3, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows + 0.9), squeeze=False)
+    styles = (("measured", "k-"), ("decay", "C2-"), ("first", "C0-"), ("second", "C3--"))
     for ax, f in zip(axes.flat, fams):
-        for term, style in (("measured", "k-"), ("decay", "C2-"), ("first", "C0-"), ("second", "C3--")):
+        for term, style in styles:
             xs, ys = _series(records, f"drift/{f}/{term}")
             if xs and any(y > 0 for y in ys):
                 ax.plot(xs, [max(y, 1e-20) for y in ys], style, lw=1, label=term)
         ax.set_yscale("log")
         ax.set_title(f, fontsize=9)
-        ax.set_xlabel("step k", fontsize=8)
-        ax.set_ylabel("norm of the per-step term", fontsize=8)
+        ax.set_xlabel("optimizer step k", fontsize=8)
+        ax.set_ylabel("|per-step term| (law units)", fontsize=8)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
+    handles = [plt.Line2D([], [], color=c, ls=ls, label=t) for t, (c, ls) in
+               zip((s[0] for s in styles), (("k", "-"), ("C2", "-"), ("C0", "-"), ("C3", "--")))]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle("per-step change h(k+1) - h(k) of each law family and its exact decomposition\n"
                  "(terms that are identically zero, e.g. decay without weight decay, are not drawn)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_layers(records: list[dict], path: Path) -> Path | None:
+    """Heatmap of the final eps per family (rows) and layer (columns), log10 colour scale."""
+    lk = layer_keys(records)
+    if not lk or not records:
+        return None
+    plt = _plt()
+    import numpy as np
+
+    cols = sorted({c for v in lk.values() for c in v}, key=lambda c: (c == "global", int(c[5:]) if c[5:].isdigit() else 0))
+    fams = sorted(lk)
+    last = {}
+    for r in records:  # the latest finite value of every key
+        for f in fams:
+            for c, key in lk[f].items():
+                v = r.get(key)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    last[(f, c)] = v
+    grid = np.full((len(fams), len(cols)), np.nan)
+    for (f, c), v in last.items():
+        grid[fams.index(f), cols.index(c)] = math.log10(max(v, 1e-16))
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(cols), 0.8 + 0.45 * len(fams)))
+    im = ax.imshow(grid, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(cols)), cols, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(len(fams)), fams, fontsize=8)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("law family")
+    for i in range(len(fams)):
+        for j in range(len(cols)):
+            if np.isfinite(grid[i, j]):
+                ax.text(j, i, f"{10 ** grid[i, j]:.0e}", ha="center", va="center", fontsize=7, color="w")
+    fig.colorbar(im, ax=ax, label=r"log$_{10}$ eps at the last step")
+    ax.set_title(f"eps per family and layer, step {records[-1]['step']} (blank: no law there)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def summarize(records: list[dict], totals: dict | None = None) -> dict:
-    """Per family: final and max eps, max per-step measured drift, and (from ``Tracker.totals``) the
-    measured total drift vs the identity's prediction."""
+# --------------------------------------------------------------------------------------- verdicts
+ROUNDING_EPS = 1e-5  # below this eps a law holds to float32 rounding whatever its drift terms
+
+
+def verdict(stats: dict, broken_by: list[str] | None = None) -> tuple[str, str]:
+    """A short verdict for one family: ``(key, sentence)``.
+
+    ``stats``: ``eps_final``; the per-step term norms summed over the recorded steps (``sum_measured``,
+    ``sum_decay``, ``sum_first``, ``sum_second``, None when the drift was not decomposed); optionally
+    ``guarded`` (fraction of instances with ``h_0 ~ 0``, from ``Tracker.totals``) and
+    ``total_drift_measured``, ``balance`` and ``control_final`` (eps of the family's all-signs-+ control).
+    Keys: ``broken_by``, ``h0_zero``, ``no_data``, ``holds_rounding``, ``weight_decay``, ``first_order``,
+    ``step_size`` (second-order drift as large as the control's motion), ``holds``, ``not_decomposed``."""
+    if broken_by:
+        return "broken_by", "broken_by: " + "; ".join(broken_by)
+    eps = stats.get("eps_final")
+    if eps is None:
+        return "no_data", "no finite eps recorded"
+    if (stats.get("guarded") or 0.0) >= 0.5:
+        tot = stats.get("total_drift_measured")
+        return "h0_zero", ("h_0 ~ 0: relative eps not meaningful, absolute drift shown"
+                           + (f" (|h_K - h_0| = {tot:.2e})" if tot is not None else ""))
+    if eps < ROUNDING_EPS:
+        return "holds_rounding", f"holds to float rounding (eps {eps:.1e})"
+    sm, sd, sf, ss = (stats.get(k) for k in ("sum_measured", "sum_decay", "sum_first", "sum_second"))
+    if sm is None or sd is None or sf is None or ss is None:
+        return "not_decomposed", f"eps {eps:.2e}; drift not decomposed (track with drift on to see why)"
+    total = sd + sf + ss
+    if total <= 0:
+        return "holds_rounding", f"holds (no drift term recorded; eps {eps:.1e})"
+    d, f1 = sd / total, sf / total
+    if d >= max(f1, ss / total):
+        return "weight_decay", f"broken by weight decay (decay is {d:.0%} of the per-step drift)"
+    if f1 >= 0.5:
+        return "first_order", f"broken by the optimizer (first order: {f1:.0%} of the per-step drift)"
+    within = abs(sm - ss) / sm if sm > 0 else 0.0
+    text = f"holds: drift = discretisation (second order) within {within:.0e}" if within < 0.01 else \
+        f"holds: drift = discretisation (second order) within {within:.0%}"
+    ctrl = stats.get("control_final")
+    if ctrl:  # read the law against its non-conserved control (conserve.tracking.control)
+        ratio = eps / ctrl
+        if ratio > 0.5:
+            return "step_size", (f"conserved by the flow, but at this step size the second-order drift moves it "
+                                 f"as much as a non-conserved control (eps {ratio:.0%} of the control's): lower the lr")
+        text += f"; eps {ratio:.0e} x the non-conserved control's"
+    bal = stats.get("balance")
+    if eps > 0.05 and bal is not None and bal < 0.1:
+        text += f"; eps is large because h_0 is small (|h_0| = {bal:.0e} of its magnitude)"
+    return "holds", text
+
+
+def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[str, list[str]] | None = None) -> dict:
+    """Per family: final and max eps, max per-step measured drift, the per-step term norms summed over
+    the recorded steps, the verdict, and (from ``Tracker.totals``) the measured total drift vs the
+    identity's prediction."""
     out = {}
     for f in families(records):
         _, eps = _series(records, f"eps/{f}")
-        _, drift = _series(records, f"drift/{f}/measured")
-        row = {"eps_final": eps[-1] if eps else None, "eps_max": max(eps) if eps else None,
-               "max_step_drift": max(drift) if drift else None}
+        row = {"eps_final": eps[-1] if eps else None, "eps_max": max(eps) if eps else None}
+        _, ctrl = _series(records, f"control/{f}")
+        row["control_final"] = ctrl[-1] if ctrl else None
+        for term in ("measured", "decay", "first", "second"):
+            _, ys = _series(records, f"drift/{f}/{term}")
+            row[f"sum_{term}"] = math.fsum(ys) if ys else None
+        _, m = _series(records, f"drift/{f}/measured")
+        row["max_step_drift"] = max(m) if m else None
         if totals and f in totals:
             t = totals[f]
-            row.update({"total_drift_measured": t["measured"], "total_drift_predicted": t["predicted"],
-                        "total_second_order": t["second"], "total_first_order": t["first"], "total_decay": t["decay"],
-                        "predicted_gd": t["predicted_no_first"]})
+            row.update({"total_drift_measured": t.get("measured"), "total_drift_predicted": t.get("predicted"),
+                        "total_second_order": t.get("second"), "total_first_order": t.get("first"),
+                        "total_decay": t.get("decay"), "predicted_gd": t.get("predicted_no_first"),
+                        "guarded": t.get("guarded"), "balance": t.get("balance")})
+        row["verdict_key"], row["verdict"] = verdict(row, (broken_by or {}).get(f))
         out[f] = row
     return out
 
@@ -134,37 +274,92 @@ def _fmt(v):
 
 
 def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict | None = None,
-                  extra: dict | None = None) -> dict:
-    """Write ``summary.json`` and ``summary.md``; return the summary dict."""
-    fams = summarize(records, totals)
+                  extra: dict | None = None, broken_by: dict[str, list[str]] | None = None) -> dict:
+    """Write ``summary.json`` and ``summary.md`` into ``run_dir``; return the summary dict.
+
+    ``totals``: ``Tracker.totals()`` (kept in summary.json so ``conserve report`` can rebuild the same
+    summary); ``extra``: e.g. ``declined``, ``seconds``, ``stopped``; ``broken_by``: reasons per family."""
+    fams = summarize(records, totals, broken_by)
     summary = {"config": config, "steps": records[-1]["step"] if records else 0,
-               "final_loss": next((r["loss"] for r in reversed(records) if r.get("loss") is not None), None),
-               "families": fams, **(extra or {})}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+               "final_loss": next((r["loss"] for r in reversed(records) if isinstance(r.get("loss"), (int, float))), None),
+               "families": fams, **({"totals": totals} if totals else {}), **(extra or {})}
+    Path(run_dir, "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
     opt = config.get("optimizer", "?")
-    lines = [f"# conserve run: {summary['steps']} steps, optimizer {opt}", ""]
+    lines = [f"# {config.get('command', 'conserve')}: {summary['steps']} steps, optimizer {opt}", ""]
     if extra and extra.get("stopped"):
         lines += [f"**Stopped early:** {extra['stopped']}", ""]
-    lines += [
-             f"data: {config.get('data_source', '?')}; final loss {_fmt(summary['final_loss'])} nats/token", "",
-             "| family | eps final | eps max | max step drift | total drift measured | predicted (decay+1st+2nd) "
-             "| GD prediction (decay+2nd) | first-order total |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"data: {config.get('data_source', '?')}; final loss {_fmt(summary['final_loss'])} nats/token", "",
+              "## Verdicts", "", "| family | verdict | eps final |", "|---|---|---|"]
+    lines += [f"| {f} | {r['verdict']} | {_fmt(r['eps_final'])} |" for f, r in fams.items()]
+    lines += ["", "## Drift", "",
+              "| family | eps max | max step drift | sum of per-step decay | first | second | total drift measured "
+              "| predicted (decay+1st+2nd) | GD prediction (decay+2nd) |", "|---|---|---|---|---|---|---|---|---|"]
     for f, r in fams.items():
-        lines.append(f"| {f} | {_fmt(r['eps_final'])} | {_fmt(r['eps_max'])} | {_fmt(r['max_step_drift'])} | "
-                     f"{_fmt(r.get('total_drift_measured'))} | {_fmt(r.get('total_drift_predicted'))} | "
-                     f"{_fmt(r.get('predicted_gd'))} | {_fmt(r.get('total_first_order'))} |")
-    lines += ["", "eps: the paper's error (spec 'The paper's error metric'). Drift columns: Euclidean norms over the",
-              "family's entries (Frobenius for Gram laws) of h_K - h_0 and of the summed per-step terms of the exact",
-              "identity h_{k+1} - h_k = decay + first + second (spec 'Discrete steps'). For gd/sgd the first-order",
-              "term vanishes (Noether), so the measured drift should equal the GD prediction up to rounding.",
-              "In float32 that rounding is ~1e-7 relative: it is the whole drift of the linear laws (router_sum,",
-              "translation: zero in exact arithmetic) and the floor of the first-order term; `--fp64-laws` and a",
-              "float64 model push it down. A family whose h_0 is near zero (e.g. vo at a balanced init) has a",
-              "large relative eps even when its absolute drift is tiny.", "",
-              "Plots: `eps.png`, `drift.png`."]
+        lines.append(f"| {f} | {_fmt(r['eps_max'])} | {_fmt(r['max_step_drift'])} | {_fmt(r['sum_decay'])} | "
+                     f"{_fmt(r['sum_first'])} | {_fmt(r['sum_second'])} | {_fmt(r.get('total_drift_measured'))} | "
+                     f"{_fmt(r.get('total_drift_predicted'))} | {_fmt(r.get('predicted_gd'))} |")
+    lines += ["", "How to read it. eps is the paper's error (spec 'The paper's error metric'): the mean over a family's",
+              "laws of |h(k) - h(0)| / |h(0)|. Each step's change splits exactly into decay (weight decay), first order",
+              "(the optimizer's update direction; zero for gradient descent by Noether's theorem) and second order",
+              "(the discretisation, O(lr^2) per step), spec 'Discrete steps'. A law 'holds' when its drift is the",
+              "discretisation alone; 'broken by the optimizer' when the first-order term dominates (Adam, sign",
+              "methods); 'broken by weight decay' when decay does. A family whose h_0 is ~0 (e.g. vo at a balanced",
+              "init) has a large relative eps even when its absolute drift is tiny: read its drift columns instead.",
+              "Drift columns: Euclidean norms over the family's entries (Frobenius for Gram laws); totals are norms",
+              "of h_K - h_0 and of the summed terms (equal by the identity). float32 rounding (~1e-7 relative) is",
+              "the whole drift of the linear laws (router_sum, translation); `--fp64-laws` pushes it down.", "",
+              "Plots: `eps.png` (eps beside the loss), `drift.png` (per-step terms), `layers.png` (eps per layer)."]
     if extra and extra.get("declined"):
         lines += ["", "## Blocks without a law", ""] + [f"- `{d['module']}` ({d['block']}): {d['reason']}"
                                                          for d in extra["declined"]]
-    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    Path(run_dir, "summary.md").write_text("\n".join(lines) + "\n")
+    return summary
+
+
+def plot_all(records: list[dict], out: Path, title: str = "") -> list[Path]:
+    """Every plot of a run that its records allow: eps.png, drift.png, layers.png."""
+    made = [plot_eps(records, out / "eps.png", title), plot_drift(records, out / "drift.png"),
+            plot_layers(records, out / "layers.png")]
+    return [p for p in made if p is not None]
+
+
+def report(path: str | Path, out: str | Path | None = None) -> dict:
+    """Build ``summary.md``, ``summary.json`` and every plot from a ``metrics.jsonl`` (a run directory or
+    the file itself, e.g. from your own training loop with ``conserve.JSONLSink``).
+
+    ``config.json`` and the totals of an earlier ``summary.json`` beside the metrics are used when
+    present. Output goes to ``out`` (default: the metrics file's directory). Returns the summary dict.
+    Raises ``UsageError`` for a missing file, a file without conserve records, or an unwritable ``out``."""
+    src = Path(path)
+    metrics = src / "metrics.jsonl" if src.is_dir() else src
+    records = read_metrics(metrics)
+    if not records:
+        raise UsageError(f"{metrics} has no records with a 'step'; pass a metrics.jsonl written by conserve "
+                         "(conserve run, or conserve.JSONLSink in your loop)")
+    if not families(records):
+        raise UsageError(f"{metrics} has no eps/<family> metrics; pass a metrics.jsonl written by conserve")
+    here = metrics.parent
+    dest = Path(out) if out is not None else here
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create {dest}: {e.strerror}; pass --out to a writable directory") from None
+    config = {"command": "conserve report", "data_source": str(metrics)}
+    if (here / "config.json").is_file():
+        try:
+            config = json.loads((here / "config.json").read_text())
+        except json.JSONDecodeError:
+            pass
+    old = {}
+    if (here / "summary.json").is_file():
+        try:
+            old = json.loads((here / "summary.json").read_text())
+        except json.JSONDecodeError:
+            old = {}
+    extra = {k: old[k] for k in ("declined", "stopped", "seconds", "broken_by") if k in old}
+    try:
+        summary = write_summary(dest, records, config, old.get("totals"), extra, old.get("broken_by"))
+        plot_all(records, dest, f"{config.get('optimizer', '')} {metrics.parent.name}".strip())
+    except OSError as e:
+        raise UsageError(f"cannot write the report into {dest}: {e.strerror}; pass --out to a writable directory") from None
     return summary

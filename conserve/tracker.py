@@ -21,8 +21,12 @@ magnitude as denominator instead (guard for laws that start balanced).
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import math
+import sys
+import warnings
+import weakref
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
@@ -32,26 +36,17 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
+from .tracking.breakers import check_optimizer, decay_factor  # noqa: F401  (decay_factor: re-exported)
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
+NONFINITE_POLICIES = ("raise", "warn", "skip")
 
 
 def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
     return kernels.Plan([replace(t, sign=abs(t.sign)) for t in plan.grams],
                         [replace(t, sign=abs(t.sign)) for t in plan.norms],
                         [replace(t, sign=abs(t.sign)) for t in plan.sums], plan.vec_size, dict(plan.gram_slots))
-
-
-def decay_factor(optimizer: torch.optim.Optimizer, group: Mapping) -> float | torch.Tensor:
-    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for a parameter group (1 when unknown)."""
-    wd = group.get("weight_decay", 0.0) or 0.0
-    lr = group.get("lr", 0.0)
-    name = type(optimizer).__name__
-    decoupled = name == "AdamW" or (name == "Adam" and group.get("decoupled_weight_decay", False))
-    if decoupled or (name == "SGD" and not group.get("momentum", 0.0)):
-        return 1.0 - lr * wd
-    return 1.0
 
 
 class Values:
@@ -92,16 +87,33 @@ class Tracker:
         fp64: accumulate in float64.
         backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
+        on_nonfinite: what a flush does with a row whose law values are NaN/Inf (the parameters
+            diverged, e.g. after NaN/Inf gradients were applied): ``"raise"`` (default) writes the rows
+            before it and raises ``NonFiniteError`` naming the step; ``"warn"`` writes every row (NaN
+            as null in JSONL) and warns once; ``"skip"`` writes the finite rows only, counts the others
+            in ``nonfinite_skipped`` and warns once. Steps keep their numbers in every case.
 
     Laws that read a frozen parameter are not tracked: they are listed in ``declined`` with the reason.
+    ``broken_by`` ({law name: reason}) lists the laws the optimizer's ``param_groups`` break (different lr or
+    weight decay inside one law, a parameter the optimizer does not hold); they are tracked, warned once
+    and counted in the ``broken/<family>`` metric (``check_optimizer``, ``conserve.tracking.breakers``).
     Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
+
+    Lifecycle: ``with Tracker(...) as t:`` closes it on exit; a tracker never closed is flushed and
+    closed when it is garbage-collected or at interpreter exit (single process; a
+    ``DistributedTracker`` must be closed on every rank). A sink that raises is isolated: the other
+    sinks still get the rows, a one-line warning names the sink, step and error, and its unwritten
+    rows are kept (``unwritten``) and retried at the next flush and at ``close()``; the step is booked.
+    ``copy.deepcopy`` gives an independent tracker without sinks (a snapshot: set ``sinks`` to write).
     """
 
     def __init__(self, model: nn.Module | None = None, laws: Sequence[Law] | None = None, *, every: int = 50,
                  sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
-                 monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None):
+                 monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None,
+                 on_nonfinite: str = "raise"):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
+        self.on_nonfinite = on_nonfinite
         named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
         self.declined: list[Declined] = []
         if laws is None:
@@ -133,13 +145,29 @@ class Tracker:
         self._a: list[float | torch.Tensor] = [1.0] * len(self.tensors)
         self.last: dict[str, Values] = {}
         self.last_record: dict | None = None
+        self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
         self._setup()
         with torch.no_grad():
             self.h0, mag = self._initial_values()
         self.h = self.h0.clone()
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
+        self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
         self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("decay", "first", "second")}
+        _LIVE.add(self)
+
+    def check_optimizer(self, optimizer) -> dict[str, str]:
+        """Compare every law's parameters with ``optimizer.param_groups`` (lr, weight_decay, membership);
+        sets and returns ``broken_by`` ({law name: reason}); see ``conserve.tracking.breakers``."""
+        return check_optimizer(self, optimizer)
+
+    def broken_by_family(self) -> dict[str, list[str]]:
+        """``broken_by`` grouped by law family: ``{family: ["<law>: <reason>", ...]}`` (for summaries)."""
+        fam = {l.name: l.family for l in self.laws}
+        out: dict[str, list[str]] = {}
+        for name, why in self.broken_by.items():
+            out.setdefault(fam[name], []).append(f"{name}: {why}")
+        return out
 
     # -------------------------------------------------------------- hooks (see conserve.distributed)
     def _local_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -271,6 +299,13 @@ class Tracker:
             self._extras.append({})
         self._extras[len(self._rows) - 1].update(scalars)
 
+    def latest(self) -> dict | None:
+        """The most recent step's row (``eps/...``, ``drift/...`` and the ``step``) as host floats, without
+        flushing (one small device->host copy); None before the first step."""
+        if self._rows:
+            return {"step": self.step_count, **dict(zip(self.metric_names, self._rows[-1].tolist()))}
+        return self.last_record
+
     # ------------------------------------------------------------------------------------ output
     def values(self) -> dict[str, torch.Tensor]:
         """Current ``h(theta_k)`` per law name (vector or D x D)."""
@@ -291,15 +326,21 @@ class Tracker:
         rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
         eps = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
         parts["eps"] = eps / self._fam_count
+        # fraction of a family's instances whose h_0 is ~0 (the eps guard divides by the magnitude instead)
+        guarded = (self.denom > self._inst_norm(self.h0)).to(rel.dtype)
+        parts["guarded"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, guarded) / self._fam_count
+        parts["balance"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, self.h0_balance) / self._fam_count
         host = {k: v.double().cpu().tolist() for k, v in parts.items()}
         return {f: {k: host[k][i] for k in host} for i, f in enumerate(self.families)}
 
     def flush(self) -> list[dict]:
         """Move the pending rows to the host (one sync) and write them to the sinks.
 
-        Raises ``NonFiniteError`` naming the first step whose law values are NaN/Inf, after writing the
-        rows before it."""
+        Returns the rows (dicts with ``step`` and the metric keys), those of a failing sink included.
+        Rows with NaN/Inf law values follow ``on_nonfinite``: with ``"raise"``, ``NonFiniteError``
+        names the first such step after the rows before it were written."""
         if not self._rows:
+            self._write([])  # retries what a failing sink still owes
             return []
         first_step = self.step_count - len(self._rows) + 1
         host = torch.stack(self._rows).cpu()
@@ -314,33 +355,154 @@ class Tracker:
                 mon.update(zip(got.keys(), vals))
         self._rows, self._extras = [], []
         n_eps = len(self.families) + len(self.groups)
-        out = []
+        out, written = [], []
         for i, row in enumerate(host):
             step = first_step + i
-            if not torch.isfinite(row[:n_eps]).all():
-                self._write(out)
-                bad = [n for n, x in zip(self.metric_names, row.tolist()) if not math.isfinite(x)][:3]
-                raise NonFiniteError(f"law values are NaN/Inf at step {step} ({', '.join(bad)}): the parameters "
-                                     "diverged; lower the learning rate or check the gradients (rows before it were written)")
             rec = {"step": step, **dict(zip(self.metric_names, row.tolist())), **extras[i]}
             if i == len(host) - 1:
                 rec.update(mon)
             out.append(rec)
-        self._write(out)
+            if torch.isfinite(row[:n_eps]).all():
+                written.append(rec)
+                continue
+            bad = [n for n, x in zip(self.metric_names, row.tolist()) if not math.isfinite(x)][:3]
+            what = (f"law values are NaN/Inf at step {step} ({', '.join(bad)}): the parameters diverged; lower the "
+                    "learning rate or check the gradients")
+            if self.on_nonfinite == "raise":
+                self._write(written)
+                self.last_record = written[-1] if written else self.last_record
+                raise NonFiniteError(what + " (rows before it were written)")
+            if self.on_nonfinite == "warn":
+                written.append(rec)
+                if not self._warned_nonfinite:
+                    warnings.warn(f"conserve: {what} (on_nonfinite='warn': rows are written, NaN as null)",
+                                  RuntimeWarning, stacklevel=2)
+            else:
+                self.nonfinite_skipped += 1
+                if not self._warned_nonfinite:
+                    warnings.warn(f"conserve: {what} (on_nonfinite='skip': such rows are not written; count in "
+                                  "tracker.nonfinite_skipped)", RuntimeWarning, stacklevel=2)
+            self._warned_nonfinite = True
+        self._write(written)
         if out:
             self.last_record = out[-1]
         return out
 
-    def _write(self, recs):
-        for r in recs:
-            for s in self.sinks:
-                s.write(r["step"], r)
+    def _write(self, recs: list[dict]) -> None:
+        """Write ``recs`` to every sink, each sink isolated from the others' failures.
+
+        A sink first gets the rows it still owes (``unwritten``), in order; at the first row it fails
+        on, it keeps that row and the later ones, and one line names the sink, step and error (once per
+        failure spell, again after it recovered)."""
+        for s in self.sinks:
+            owed = self._unwritten.get(id(s))
+            todo = owed + list(recs) if owed else recs
+            for i, r in enumerate(todo):
+                try:
+                    s.write(r["step"], r)
+                except Exception as e:  # noqa: BLE001 - any sink error: keep the rows, keep training
+                    self._unwritten[id(s)] = todo[i:]
+                    if id(s) not in self._failing:
+                        self._failing.add(id(s))
+                        warnings.warn(f"conserve: sink {s!r} failed at step {r['step']} ({type(e).__name__}: {e}); its "
+                                      f"rows are kept in memory (tracker.unwritten) and retried at the next flush, the "
+                                      f"other sinks are written; fix the sink (disk space, permissions, network)",
+                                      RuntimeWarning, stacklevel=3)
+                    break
+            else:
+                self._unwritten.pop(id(s), None)
+                self._failing.discard(id(s))
+
+    @property
+    def unwritten(self) -> dict:
+        """Per sink that failed, the rows it has not written yet (oldest first): ``{sink: [row, ...]}``."""
+        return {s: list(self._unwritten[id(s)]) for s in self.sinks if self._unwritten.get(id(s))}
 
     def close(self) -> None:
-        """Flush what is pending and close the sinks."""
-        self.flush()
-        for s in self.sinks:
-            s.close()
+        """Flush what is pending and close the sinks (each isolated: a failing ``close`` is reported,
+        the others still close). Rows a sink could not write stay in ``unwritten``, with a warning.
+        A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        try:
+            self.flush()
+        finally:
+            for s in self.sinks:
+                left = self._unwritten.get(id(s))
+                if left:
+                    warnings.warn(f"conserve: sink {s!r} could not write {len(left)} row(s) (steps {left[0]['step']}.."
+                                  f"{left[-1]['step']}); they are in tracker.unwritten", RuntimeWarning, stacklevel=2)
+                try:
+                    s.close()
+                except Exception as e:  # noqa: BLE001
+                    warnings.warn(f"conserve: closing sink {s!r} failed ({type(e).__name__}: {e})", RuntimeWarning,
+                                  stacklevel=2)
+
+    # ------------------------------------------------------------------------------- lifecycle
+    on_nonfinite = property(lambda self: self.__dict__.get("_on_nonfinite", "raise"), doc="NaN/Inf row policy")
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, policy: str) -> None:
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite={policy!r}: use one of {', '.join(map(repr, NONFINITE_POLICIES))}")
+        self.__dict__["_on_nonfinite"] = policy
+
+    # state of the lifecycle and of the sink isolation (class defaults: no edit of __init__ needed)
+    _closed = False
+    _warned_nonfinite = False
+    nonfinite_skipped = 0
+
+    @property
+    def _unwritten(self) -> dict:
+        return self.__dict__.setdefault("_unwritten_rows", {})
+
+    @property
+    def _failing(self) -> set:
+        return self.__dict__.setdefault("_failing_sinks", set())
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # keep what was recorded, without hiding the error that ends the block
+            self.close()
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"conserve: closing the tracker after {exc_type.__name__} failed too "
+                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
+
+    def _close_at_exit(self) -> None:
+        """Flush and close a tracker its user never closed (garbage collection, interpreter exit)."""
+        if self._closed or "cumulative" not in self.__dict__:  # closed, or __init__ did not finish
+            return
+        if getattr(self, "world", 1) > 1:  # a collective flush needs every rank: not at exit
+            if self._rows or getattr(self, "_pend", None):
+                print(f"conserve: a DistributedTracker was not closed; its pending rows are lost "
+                      "(call close() on every rank, or use `with`)", file=sys.stderr)
+            self._closed = True
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001
+            print(f"conserve: flushing an unclosed tracker failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def __del__(self):
+        self._close_at_exit()
+
+    def __deepcopy__(self, memo) -> "Tracker":
+        """An independent tracker over the copies of the tensors (as ``copy.deepcopy`` of the optimizer
+        and model in the same call makes them), without sinks: a snapshot, not a second writer."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False}
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = copy.copy(skip[k]) if k in skip else copy.deepcopy(v, memo)
+        _LIVE.add(new)
+        return new
 
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -355,6 +517,8 @@ class Tracker:
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Continue the series of ``state`` (from ``state_dict``). Sinks with ``resume(step)`` are told the
+        last step the saved run wrote, so the JSONL file and TensorBoard drop what came after it."""
         if list(state["laws"]) != [l.name for l in self.laws]:
             raise ValueError("tracker state was saved for a different set of laws; build the tracker with the same "
                              "model and laws as the saved run")
@@ -368,6 +532,20 @@ class Tracker:
         for m, s in zip(self.monitors, state.get("monitors", [])):
             if s is not None and hasattr(m, "load_state_dict"):
                 m.load_state_dict(s)
+        written = self.step_count - len(self._rows)  # the last step the saved run had written
+        for s in self.sinks:  # one series: sinks drop what an earlier run wrote after it
+            if hasattr(s, "resume"):
+                s.resume(written)
+
+
+_LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()  # trackers not closed yet
+
+
+@atexit.register
+def _close_live_trackers() -> None:
+    """At interpreter exit, flush and close every tracker nobody closed (rows are not lost)."""
+    for t in list(_LIVE):
+        t._close_at_exit()
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -2,8 +2,10 @@
 
 Knows nothing of nn.Module: it takes a ``Plan`` (see ``plan.py``) and a list of tensors.
 """
-from .plan import GramTerm, NormTerm, Plan, SumTerm, View, bilinear_reference, drift_reference, evaluate_reference
+from .config import Config
 from .dispatch import bilinear, drift, evaluate
+from .plan import GramTerm, NormTerm, Plan, SumTerm, View
+from .reference import bilinear_reference, decay_reference, drift_reference, evaluate_reference
 
-__all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan", "evaluate", "bilinear", "drift",
-           "evaluate_reference", "bilinear_reference", "drift_reference"]
+__all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan", "Config", "evaluate", "bilinear", "drift",
+           "evaluate_reference", "bilinear_reference", "drift_reference", "decay_reference"]

@@ -1,64 +1,70 @@
-"""Backend choice: CUDA tensors use the Triton kernels, CPU tensors the torch reference.
+"""Backend choice: CUDA tensors use the Triton kernels (``runner.py``), CPU tensors the torch twins
+(``reference.py``).
 
-``backend="triton"`` (or the environment variable ``CONSERVE_BACKEND=triton``) forces the Triton
-path, which with ``TRITON_INTERPRET=1`` also runs on CPU tensors (how the CPU test-suite checks it).
+``backend="triton"`` forces the Triton path, which with ``TRITON_INTERPRET=1`` also runs on CPU
+tensors (how the CPU test-suite checks it); ``backend="torch"`` forces the twins.  ``config``
+(``config.Config``) holds the Triton path's tunables; the twins ignore it.
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
 
-from .plan import Plan, bilinear_reference, drift_reference, evaluate_reference
+from .config import Config
+from .plan import Plan
+from .reference import bilinear_reference, drift_reference, evaluate_reference
 
-_BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton")
 
 
-def _choose(backend: str, tensors: Sequence[torch.Tensor]) -> str:
-    backend = os.environ.get("CONSERVE_BACKEND", backend) if backend == "auto" else backend
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; use one of {_BACKENDS}")
+def choose_backend(backend: str, tensors: Sequence[torch.Tensor]) -> str:
+    """``"triton"`` or ``"torch"`` for ``backend`` (``"auto"``: Triton for CUDA tensors).  Raises
+    ``ValueError`` for an unknown name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
     if backend == "auto":
-        return "triton" if len(tensors) and tensors[0].is_cuda else "torch"
+        given = [t for t in tensors if t is not None]
+        return "triton" if given and given[0].is_cuda else "torch"
     return backend
 
 
-def check_triton_device(device: torch.device) -> None:
-    """Raise ``RuntimeError`` naming the fix when Triton cannot run on ``device`` (a CPU tensor without
-    ``TRITON_INTERPRET=1`` set before triton is imported)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise RuntimeError("the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
-                           "imported for CPU tensors; use backend='torch' (or unset CONSERVE_BACKEND) on CPU")
+_choose = choose_backend  # the name conserve.optim.fused imports
 
 
-def evaluate(plan: Plan, tensors: Sequence[torch.Tensor], *, fp64: bool = False, backend: str = "auto"):
-    """``h(theta)`` for every term of ``plan``: returns ``(vec, {D: grams})`` (see ``plan.evaluate_reference``)."""
-    if _choose(backend, tensors) == "triton":
-        from .triton_impl import evaluate_triton
+def evaluate(plan: Plan, tensors: Sequence[torch.Tensor], *, fp64: bool = False, backend: str = "auto",
+             config: Config | None = None):
+    """``h(theta)`` for every term of ``plan``: returns ``(vec, {D: grams})`` (see
+    ``reference.evaluate_reference``)."""
+    if choose_backend(backend, tensors) == "triton":
+        from .runner import evaluate_triton
 
-        return evaluate_triton(plan, tensors, fp64=fp64)
+        return evaluate_triton(plan, tensors, fp64=fp64, config=config)
     return evaluate_reference(plan, tensors, fp64=fp64)
 
 
 def bilinear(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], *, fp64: bool = False,
-             backend: str = "auto"):
-    """Bilinear form ``B(x, y)`` of the quadratic terms (see ``plan.bilinear_reference``)."""
-    if _choose(backend, xs) == "triton":
-        from .triton_impl import bilinear_triton
+             backend: str = "auto", config: Config | None = None):
+    """Bilinear form ``B(x, y)`` of the quadratic terms (see ``reference.bilinear_reference``)."""
+    if choose_backend(backend, xs) == "triton":
+        from .runner import bilinear_triton
 
-        return bilinear_triton(plan, xs, ys, fp64=fp64)
+        return bilinear_triton(plan, xs, ys, fp64=fp64, config=config)
     return bilinear_reference(plan, xs, ys, fp64=fp64)
 
 
 def drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, *, fp64: bool = False,
-          backend: str = "auto"):
+          backend: str = "auto", decay: bool = True, config: Config | None = None):
     """The four pieces of the exact drift identity of one optimizer step (spec "Discrete steps"):
-    ``h_new, decay, bil, h_delta`` as ``(vec, {D: grams})`` pairs (see ``plan.drift_reference``).
-    ``a``: decay factor per tensor (or one float).  Triton: every Gram term in ONE pass over old and
-    new weights per (D, dtype group) (``triton_impl.drift_triton``)."""
-    if _choose(backend, news) == "triton":
-        from .triton_impl import drift_triton
+    ``(h_new, decay, bil, h_delta)`` as ``(vec, {D: grams})`` pairs (see ``reference.drift_reference``).
 
-        return drift_triton(plan, olds, news, a, fp64=fp64)
-    return drift_reference(plan, olds, news, a, fp64=fp64)
+    ``a``: decay factor per tensor (or one float).  ``decay``: the decay piece ``h(a old) - h(old)``,
+    computed per term in closed form (``s (a^2-1) h_t(old)``; no difference of two evaluations); with
+    ``decay=False`` it is None and not computed on any backend (Triton: the decay dots are compiled
+    out).  Triton: every Gram term in ONE pass over old and new weights per (D, dtype group)
+    (``runner.drift_triton``)."""
+    if choose_backend(backend, news) == "triton":
+        from .runner import drift_triton
+
+        return drift_triton(plan, olds, news, a, fp64=fp64, decay=decay, config=config)
+    return drift_reference(plan, olds, news, a, fp64=fp64, decay=decay)

@@ -13,7 +13,7 @@ with ``X_t`` read through its logical strides (seed paper's head Gram law; spec 
 DRIFT mode (spec "Discrete steps: the exact drift identity"): ``X_t`` = old weights ``O``, ``Y_t`` =
 new weights ``N`` of one optimizer step, ``a_t`` its decay factor.  Each tile of ``O`` and ``N`` is
 read once and four register tiles are accumulated (``Dl = N - a_t*O`` formed in fp32 registers,
-``a_t*O`` rounded to fp32 first, exactly as ``plan.drift_reference`` rounds it)::
+``a_t*O`` rounded to fp32 first, exactly as ``reference.drift_reference`` rounds it)::
 
     h_new   = sum_t s_t N N^T                               decay = sum_t s_t (a_t^2 - 1) O O^T
     bil     = sum_t s_t (aO Dl^T + Dl aO^T) / 2             h_delta = sum_t s_t Dl Dl^T
@@ -22,7 +22,7 @@ and the item writes them to four planes of the partial buffer (``plane`` element
 The item writes its BT x BT tile to a partial buffer; ``_gram_finish`` sums, per output tile, the
 partials of its items in a fixed order and mirrors off-diagonal tiles (no atomics: deterministic).
 
-Term table row (int64): ``x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs`` in elements relative to
+Term table row (int64, ``tables.GRAM_TERM``): ``x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs`` in elements relative to
 the launch's base pointers; layout 0: ``x_cs == 1`` (row blocks of nn.Linear weights: tiles
 [BT, BK] loaded along the contiguous k), 1: ``x_rs == 1`` (column blocks, e.g. ``W_o[:, r_i]`` or
 GPT-2 Conv1D: tiles [BK, BT] loaded along the contiguous head dim), 2: general strides.  Item row:
@@ -38,9 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-TERM_COLS = 8
-ITEM_COLS = 8
-GROUP_COLS = 5
+from . import tables
+
 
 
 @triton.jit
@@ -79,7 +78,18 @@ def _km(mr, mk, MASK_K: tl.constexpr, KFIRST: tl.constexpr):
 
 
 @triton.jit
-def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr):
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """``acc + a b^T``: fp32 operands at ``PREC`` (``"ieee"`` FMA or ``"tf32x3"`` tensor cores,
+    ``config.Config.input_precision``); bf16/fp16 operands go to the tensor cores as they are."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    else:
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+
+
+@triton.jit
+def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr,
+              PREC: tl.constexpr):
     """``acc + s a b^T`` (evaluate) or ``acc + s (a b^T + c d^T)`` (bilinear); ``s = sign`` if
     APPLY_SIGN (folded into the left operands: exact for |sign| == 1, one fp32 rounding for fp32
     inputs -- launch.py decides) else 1.
@@ -95,9 +105,9 @@ def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexp
     if APPLY_SIGN:
         a = (a * sign).to(a.dtype)
         c = (c * sign).to(c.dtype)
-    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    acc = _dot(a, b, acc, PREC)
     if BILINEAR:
-        acc = tl.dot(c, tl.trans(d), acc, input_precision="ieee")
+        acc = _dot(c, d, acc, PREC)
     return acc
 
 
@@ -118,7 +128,8 @@ def _rows(base, off, r, kk, rs, cs, slow, mr, mk, MASK_K: tl.constexpr, LAY: tl.
 @triton.jit
 def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, sign, acc,
           BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, BILINEAR: tl.constexpr,
-          UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr, MASK_K: tl.constexpr, LAY: tl.constexpr):
+          UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr, MASK_K: tl.constexpr, LAY: tl.constexpr,
+          PREC: tl.constexpr):
     """One term's contribution over the contracted range [k0, kend), through ``tl.dot``.  MASK_K: the
     range is the last partial block (masked); otherwise ``kend - k0`` is a multiple of BK.  SINGLE: a
     diagonal output tile (rows j = rows i: one load serves both)."""
@@ -137,9 +148,9 @@ def _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, ken
                 d = c
             else:
                 d = _rows(yb, yo, rj, kk, yrs, ycs, yslow, mj, mk, MASK_K, LAY)
-            acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
+            acc = _pair_dot(a, d, c, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN, PREC)
         else:
-            acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN)
+            acc = _pair_dot(a, b, a, b, acc, sign, BILINEAR, UPCAST, APPLY_SIGN, PREC)
     return acc
 
 
@@ -165,7 +176,8 @@ def _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign,
 
 @triton.jit
 def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                SINGLE: tl.constexpr, DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr):
+                SINGLE: tl.constexpr, DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr,
+                PREC: tl.constexpr):
     """One contracted block of the four DRIFT accumulators from ``[BT, BK]`` (logical) tiles of the
     old (``oi``, ``oj``) and new (``ni``, ``nj``) weights of output rows i and j (``*j`` ignored if
     SINGLE: a diagonal output tile, ti == tj; launch.py gives those their own launch).  Factors folded into the left operands:
@@ -198,14 +210,14 @@ def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
     else:
         nl = ni32 * sign
         nr = nj32
-    acc_n = tl.dot(nl, tl.trans(nr), acc_n, input_precision="ieee")
-    if DECAY:
-        acc_d = tl.dot(oi32 * sdec, tl.trans(oj32), acc_d, input_precision="ieee")
+    acc_n = _dot(nl, nr, acc_n, PREC)
+    if DECAY:  # compiled out when decay is not requested or every a_t == 1 (launch.launch_factors)
+        acc_d = _dot(oi32 * sdec, oj32, acc_d, PREC)
     dls = dli * sign
-    acc_b = tl.dot(aoi * sign, tl.trans(dlj), acc_b, input_precision="ieee")
+    acc_b = _dot(aoi * sign, dlj, acc_b, PREC)
     if not SINGLE:
-        acc_b = tl.dot(dls, tl.trans(aoj), acc_b, input_precision="ieee")
-    acc_l = tl.dot(dls, tl.trans(dlj), acc_l, input_precision="ieee")
+        acc_b = _dot(dls, aoj, acc_b, PREC)
+    acc_l = _dot(dls, dlj, acc_l, PREC)
     return acc_n, acc_d, acc_b, acc_l
 
 
@@ -213,7 +225,7 @@ def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
 def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, a, sign, sdec,
                 acc_n, acc_d, acc_b, acc_l, BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr,
                 DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr, MASK_K: tl.constexpr,
-                LAY: tl.constexpr):
+                LAY: tl.constexpr, PREC: tl.constexpr):
     """One term's DRIFT contribution over [k0, kend): ``xb`` = old weights, ``yb`` = new weights
     (MASK_K, SINGLE as in ``_term``)."""
     kr = tl.arange(0, BK)
@@ -229,7 +241,7 @@ def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k
             oj = _rows(xb, xo, rj, kk, rs, cs, slow, mj, mk, MASK_K, LAY)
             nj = _rows(yb, yo, rj, kk, yrs, ycs, yslow, mj, mk, MASK_K, LAY)
         acc_n, acc_d, acc_b, acc_l = _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                 SINGLE, DECAY, FOLD, UPCAST)
+                                                 SINGLE, DECAY, FOLD, UPCAST, PREC)
     return acc_n, acc_d, acc_b, acc_l
 
 
@@ -238,31 +250,31 @@ def _strides(row, ALIGN: tl.constexpr, LAY: tl.constexpr):
     """``xo, rs, cs, n, yo, yrs, ycs, slow, yslow`` of a term-table row; ``slow``: the strided axis of
     layout 0 (rows) / 1 (columns), hinted HERE right after its load -- ptxas then emits 16-byte vector
     loads (a ``tl.multiple_of`` on a callee's argument is lost; bench/sass.py)."""
-    xo = tl.multiple_of(tl.load(row), ALIGN)
-    rs = tl.load(row + 1)
-    cs = tl.load(row + 2)
-    n = tl.load(row + 3)
-    yo = tl.multiple_of(tl.load(row + 5), ALIGN)
-    yrs = tl.load(row + 6)
-    ycs = tl.load(row + 7)
+    xo = tl.multiple_of(tl.load(row + tables.GRAM_TERM.X_OFF), ALIGN)
+    rs = tl.load(row + tables.GRAM_TERM.X_RS)
+    cs = tl.load(row + tables.GRAM_TERM.X_CS)
+    n = tl.load(row + tables.GRAM_TERM.N)
+    yo = tl.multiple_of(tl.load(row + tables.GRAM_TERM.Y_OFF), ALIGN)
+    yrs = tl.load(row + tables.GRAM_TERM.Y_RS)
+    ycs = tl.load(row + tables.GRAM_TERM.Y_CS)
     if LAY == 1:
-        slow = tl.multiple_of(tl.load(row + 2), ALIGN)
-        yslow = tl.multiple_of(tl.load(row + 7), ALIGN)
+        slow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.X_CS), ALIGN)
+        yslow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.Y_CS), ALIGN)
     else:
-        slow = tl.multiple_of(tl.load(row + 1), ALIGN)
-        yslow = tl.multiple_of(tl.load(row + 6), ALIGN)
+        slow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.X_RS), ALIGN)
+        yslow = tl.multiple_of(tl.load(row + tables.GRAM_TERM.Y_RS), ALIGN)
     return xo, rs, cs, n, yo, yrs, ycs, slow, yslow
 
 
 @triton.jit
 def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: tl.constexpr, BK: tl.constexpr,
                 ALIGN: tl.constexpr, SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
-                UPCAST: tl.constexpr, FOLD: tl.constexpr, LAY: tl.constexpr):
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, LAY: tl.constexpr, PREC: tl.constexpr):
     """Terms [t0, t1) of one layout (constexpr LAY: one code path per loop): full contracted blocks
     without a mask along k, then the masked tail."""
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
     for t in range(t0, t1):
-        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * 8, ALIGN, LAY)
+        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * tables.GRAM_TERM.COLS, ALIGN, LAY)
         sign = tl.load(signs + t)
         kend = tl.maximum(tl.minimum(k1, n), k0)
         kfull = k0 + (kend - k0) // BK * BK
@@ -270,14 +282,15 @@ def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: t
             acc = _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR)
         elif FOLD:
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign, acc,
-                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, False, LAY)
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, False, LAY, PREC)
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign, acc,
-                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, True, LAY)
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, True, LAY, PREC)
         else:
             tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign,
-                         tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY)
+                         tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY,
+                         PREC)
             tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign,
-                         tacc, BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, True, LAY)
+                         tacc, BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, True, LAY, PREC)
             acc += sign * tacc
     return acc
 
@@ -285,21 +298,21 @@ def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: t
 @triton.jit
 def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, acc_n, acc_d, acc_b, acc_l,
                 BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, DECAY: tl.constexpr,
-                FOLD: tl.constexpr, UPCAST: tl.constexpr, LAY: tl.constexpr):
+                FOLD: tl.constexpr, UPCAST: tl.constexpr, LAY: tl.constexpr, PREC: tl.constexpr):
     """DRIFT twin of ``_slot_terms``: terms [t0, t1) of one layout into the four accumulators."""
     for t in range(t0, t1):
-        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * 8, ALIGN, LAY)
+        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * tables.GRAM_TERM.COLS, ALIGN, LAY)
         sign = tl.load(signs + t)
-        a = tl.load(factors + 2 * t)
-        sdec = tl.load(factors + 2 * t + 1)
+        a = tl.load(factors + t * tables.FACTOR.COLS + tables.FACTOR.A)
+        sdec = tl.load(factors + t * tables.FACTOR.COLS + tables.FACTOR.SDEC)
         kend = tl.maximum(tl.minimum(k1, n), k0)
         kfull = k0 + (kend - k0) // BK * BK
         acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0,
                                                  kfull, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, False, LAY)
+                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, False, LAY, PREC)
         acc_n, acc_d, acc_b, acc_l = _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull,
                                                  kend, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
-                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, True, LAY)
+                                                 BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, True, LAY, PREC)
     return acc_n, acc_d, acc_b, acc_l
 
 
@@ -307,26 +320,28 @@ def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, a
 def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
                  D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr,
                  SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
-                 UPCAST: tl.constexpr, FOLD: tl.constexpr, DRIFT: tl.constexpr = False,
-                 DECAY: tl.constexpr = False):
+                 UPCAST: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr = "ieee",
+                 DRIFT: tl.constexpr = False, DECAY: tl.constexpr = False):
     """FOLD (launch.py: every sign is +-1, or fp32 inputs): the sign is applied to the left operands
     and every term accumulates into ONE register tile; otherwise each term gets its own tile that is
     scaled and added (twice the accumulator registers).
 
     DRIFT (fp32 accumulation only; ``xb`` old, ``yb`` new weights): ``factors`` holds per term
     ``[a_t, sign_t*(a_t^2-1)]`` in fp32, four accumulators (h_new, decay, bil, h_delta) are written
-    ``plane`` elements apart; DECAY=False (every a_t == 1) skips the decay dots (its plane is 0).
+    ``plane`` elements apart; DECAY=False (decay not requested, or every a_t == 1) compiles the decay
+    dots and the decay store out (the caller zeroes or skips that plane).  PREC: ``tl.dot`` precision
+    of fp32 operands (``_dot``).
     FOLD here only selects the input-dtype fold of h_new (see ``_drift_dots``).  Ignored otherwise."""
     pid = tl.program_id(0).to(tl.int64)
-    it = items + pid * 8
-    t0 = tl.load(it)
-    t1 = tl.load(it + 1)
-    ta = tl.load(it + 6)  # the slot's terms are sorted by layout: [t0, ta) 0, [ta, tb) 1, [tb, t1) 2
-    tb = tl.load(it + 7)
-    k0 = tl.multiple_of(tl.load(it + 2), BK)  # launch.py: chunks are multiples of BK
-    k1 = tl.load(it + 3)
-    ti = tl.load(it + 4)
-    tj = tl.load(it + 5)
+    it = items + pid * tables.GRAM_ITEM.COLS
+    t0 = tl.load(it + tables.GRAM_ITEM.T0)
+    t1 = tl.load(it + tables.GRAM_ITEM.T1)
+    ta = tl.load(it + tables.GRAM_ITEM.TA)  # the slot's terms are sorted by layout: [t0, ta) 0, [ta, tb) 1, [tb, t1) 2
+    tb = tl.load(it + tables.GRAM_ITEM.TB)
+    k0 = tl.multiple_of(tl.load(it + tables.GRAM_ITEM.K0), BK)  # launch.py: chunks are multiples of BK
+    k1 = tl.load(it + tables.GRAM_ITEM.K1)
+    ti = tl.load(it + tables.GRAM_ITEM.TI)
+    tj = tl.load(it + tables.GRAM_ITEM.TJ)
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
     ri = ti * BT + tl.arange(0, BT)
     rj = tj * BT + tl.arange(0, BT)
@@ -337,32 +352,33 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
     if DRIFT:
         z = tl.zeros([BT, BT], dtype=tl.float32)
         acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, t0, ta, k0, k1, ri, rj, mi, mj,
-                                                 z, z, z, z, BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, 0)
+                                                 z, z, z, z, BK, ALIGN, SINGLE, DECAY, FOLD, UPCAST, 0, PREC)
         acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, ta, tb, k0, k1, ri, rj, mi, mj,
                                                  acc_n, acc_d, acc_b, acc_l, BK, ALIGN, SINGLE, DECAY, FOLD,
-                                                 UPCAST, 1)
+                                                 UPCAST, 1, PREC)
         acc_n, acc_d, acc_b, acc_l = _slot_drift(xb, yb, terms, signs, factors, tb, t1, k0, k1, ri, rj, mi, mj,
                                                  acc_n, acc_d, acc_b, acc_l, BK, ALIGN, SINGLE, DECAY, FOLD,
-                                                 UPCAST, 2)
+                                                 UPCAST, 2, PREC)
         if SINGLE:  # one dot per step (aO Dl^T), its transpose added once here
             acc_b = acc_b + tl.trans(acc_b)
         pl = plane.to(tl.int64)
         tl.store(out, acc_n)
-        tl.store(out + pl, acc_d)
+        if DECAY:
+            tl.store(out + pl, acc_d)
         tl.store(out + 2 * pl, acc_b * 0.5)
         tl.store(out + 3 * pl, acc_l)
     else:
         acc = tl.zeros([BT, BT], dtype=ACC)
         if FP64:
             acc = _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 2)
+                              BILINEAR, FP64, UPCAST, FOLD, 2, PREC)
         else:
             acc = _slot_terms(xb, yb, terms, signs, t0, ta, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 0)
+                              BILINEAR, FP64, UPCAST, FOLD, 0, PREC)
             acc = _slot_terms(xb, yb, terms, signs, ta, tb, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 1)
+                              BILINEAR, FP64, UPCAST, FOLD, 1, PREC)
             acc = _slot_terms(xb, yb, terms, signs, tb, t1, k0, k1, ri, rj, mi, mj, acc, BT, BK, ALIGN, SINGLE,
-                              BILINEAR, FP64, UPCAST, FOLD, 2)
+                              BILINEAR, FP64, UPCAST, FOLD, 2, PREC)
         if BILINEAR:
             acc = acc * 0.5
         tl.store(out, acc)
@@ -370,19 +386,22 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
 
 @triton.jit
 def _gram_finish(part, order, groups, out, pplane, oplane, D: tl.constexpr, BT: tl.constexpr,
-                 FP64: tl.constexpr):
+                 FP64: tl.constexpr, SKIP1: tl.constexpr = False):
     """Per output tile: sum its items' partial tiles in table order; write the tile and its mirror.
-    Program axis 1 selects a plane (DRIFT: 4 outputs): ``part``/``out`` advance by ``pplane``/``oplane``."""
+    Program axis 1 selects a plane (DRIFT: 4 outputs): ``part``/``out`` advance by ``pplane``/``oplane``.
+    SKIP1 (DRIFT without decay): a grid of 3 planes maps to planes 0, 2, 3 (the decay plane is not read)."""
     pid = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
+    if SKIP1:
+        p = p + (p > 0).to(tl.int64)
     part += p * pplane
     out += p * oplane
-    g = groups + pid * 5
-    i0 = tl.load(g)
-    i1 = tl.load(g + 1)
-    slot = tl.load(g + 2)
-    ti = tl.load(g + 3)
-    tj = tl.load(g + 4)
+    g = groups + pid * tables.GRAM_GROUP.COLS
+    i0 = tl.load(g + tables.GRAM_GROUP.I0)
+    i1 = tl.load(g + tables.GRAM_GROUP.I1)
+    slot = tl.load(g + tables.GRAM_GROUP.SLOT)
+    ti = tl.load(g + tables.GRAM_GROUP.TI)
+    tj = tl.load(g + tables.GRAM_GROUP.TJ)
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
     o = tl.arange(0, BT)
     acc = tl.zeros([BT, BT], dtype=ACC)

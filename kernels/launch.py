@@ -1,28 +1,24 @@
 """Host side of the Triton path: the multi-tensor work tables (no Triton import; unit-testable).
 
-``build(plan, xs, ys, fp64, target_items)`` canonicalises every term of a ``Plan`` once into int64
+``build(plan, xs, ys, fp64, tiles)`` canonicalises every term of a ``Plan`` once into int64
 tables (one set per dtype group = ``(x dtype, y dtype)``), like ``multi_tensor_apply``'s address
 table, but with *element offsets relative to the group's base tensor* instead of raw pointers: the
 kernels receive one base pointer per group and add ``offset + i*stride`` in int64, which works both
 compiled and under ``TRITON_INTERPRET=1``.  The pointer-dependent part (the offset columns, the
-alignment hint) is re-bound cheaply by ``Structure.bind`` when the tensors' ``data_ptr`` change;
+alignment hint) is re-bound cheaply by ``runner.Prepared._bind`` when the tensors' ``data_ptr`` change;
 everything else depends only on the plan and the tensors' dtypes/shapes/strides.
 
-Tables (all int64, row-major):
+Tables (all int64, row-major; the columns are named in ``tables.py``):
 
-* Gram terms ``[x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs]``, sorted by output slot; signs in
-  the accumulation dtype.  Items ``[t0, t1, k0, k1, ti, tj, ta, tb]``: the slot's term range (sorted
-  by layout; ``ta``, ``tb``: its first layout-1 / layout-2 term), a chunk of the contracted dim, an
-  upper-triangular output tile.  Finishing groups ``[i0, i1, slot, ti, tj]`` index
-  ``order`` (item ids of one output tile, across dtype groups, in a fixed order).
-* Regions ``[x_off, ss, fs, S, F, layout, func, fast_base, -, y_off, yss, yfs]`` (see
-  ``norms.py``), items ``[region, s_start, s_end, f0, fast_off, slow_off]`` (one column tile of one
-  row chunk, sized by bytes), finishing rows ``[part_off, nrows, length, elem_base]`` that sum the
-  items' partials into the element buffer, and the CSR gather ``ptr, idx, sgn`` into ``vec``.
+* Gram terms (``tables.GRAM_TERM``), sorted by output slot and, inside a slot, by layout; signs in
+  the accumulation dtype.  Items (``GRAM_ITEM``): the slot's term range, a chunk of the contracted
+  dim, an upper-triangular output tile.  Finishing groups (``GRAM_GROUP``) index ``order`` (item ids
+  of one output tile, across dtype groups, in a fixed order).  DRIFT factors (``FACTOR``, fp32).
+* Regions (``REGION``, see ``norms.py``), items (``NORM_ITEM``: one column tile of one row chunk,
+  sized by bytes), finishing rows (``FINISH_ROW``) that sum the items' partials into the element
+  buffer and their column blocks (``FINISH_BLOCK``), and the CSR gather ``ptr, idx, sgn`` into ``vec``.
 """
 from __future__ import annotations
-
-import os
 
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,7 +27,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .config import Config
 from .plan import Plan, View
+from .tables import FACTOR, FINISH_BLOCK, FINISH_ROW, GRAM_GROUP, GRAM_ITEM, GRAM_TERM, NORM_ITEM, REGION
 
 MAX_ALIGN = 16
 FIN_BC = 256  # columns per finishing program (norms._finish_rows)
@@ -52,14 +50,15 @@ def pow2_divisor(values, cap: int = MAX_ALIGN) -> int:
 
 
 @dataclass
-class Config:
-    """Block sizes (constexpr) and work split.
+class Tiles:
+    """Block sizes (constexpr), work split and dot precision of one prepared plan.
 
     ``target_items``: aim for at least this many Gram programs (GPU: 4 per SM).  Norm items: one
     column tile of ``BF`` columns (doubled for 2-byte dtypes, so a row segment is always ``4*BF``
     bytes) times ``slow_rows`` rows if > 0, else enough rows to stream ``item_bytes`` if > 0, else
     the whole region.  ``BS``: rows per loaded tile; ``norm_warps``: warps of a norm program for
-    4-byte inputs (doubled with ``BF``)."""
+    4-byte inputs (doubled with ``BF``).  ``precision``, ``overlap``: ``config.Config``'s
+    ``input_precision`` and ``overlap``."""
 
     target_items: int = 1
     slow_rows: int = 0
@@ -71,37 +70,31 @@ class Config:
     BK_BIG: int = 32  # contracted block for output tiles of 128
     BK_SMALL: int = 64
     BT_MAX: int = 128
+    precision: str = "ieee"  # tl.dot input_precision of fp32 Gram dots
+    overlap: bool = True
 
     @staticmethod
-    def for_device(device: torch.device) -> "Config":
+    def for_device(device: torch.device, config: Config | None = None) -> "Tiles":
+        """The tiles of ``device`` for the choices of ``config`` (default ``Config()``)."""
+        config = config or Config()
         if device.type == "cuda":
-            return Config.gpu(torch.cuda.get_device_properties(device).multi_processor_count)
-        return Config()
+            return Tiles.gpu(torch.cuda.get_device_properties(device).multi_processor_count, config)
+        return Tiles(BT_MAX=config.gram_bt, BK_SMALL=16 if config.gram_bt < 128 else Tiles.BK_SMALL,
+                     precision=config.input_precision, overlap=config.overlap)
 
     @staticmethod
-    def gpu(sms: int = 132) -> "Config":
-        """The GPU configuration for a device with ``sms`` multiprocessors (H100/H200: 132)."""
-        # norm tiles [32, 128] fp32 = 16 KiB per load step, 32 values per thread (4 warps), so several
-        # programs fit per SM (107 registers on sm_90, bench/sass.py); one warp spans a row's 128
-        # columns (32 lanes x one 16-byte vector), so the row sums of fused regions are warp shuffles
-        # (a [16, 256] tile put two warps on a row: a cross-warp reduction per tile).  256 KiB per
-        # item keeps the last wave short.
-        # CONSERVE_GRAM_BT=64: 64 x 64 output tiles for D = 128 (3 of 4 tiles, 168 instead of 255
-        # registers at BK 16) -- an A/B switch for bench/gpu_check.sh until a GPU measures the default.
-        bt = int(os.environ.get("CONSERVE_GRAM_BT", "128"))
-        if bt not in (16, 32, 64, 128):
-            raise ValueError(f"CONSERVE_GRAM_BT={bt}: use 16, 32, 64 or 128")
-        # Norm loads pipelined through shared memory (tl.range num_stages=3: 16-byte cp.async, no
-        # registers held per byte in flight): on triton 3.6 / sm_90 a program holds 231 registers and
-        # 65 KiB, 2 per SM, 2-3 tiles each = 64-96 KiB in flight per SM, against 32 KiB for the register
-        # loads (194 registers, one 16 KiB tile per program); ~32 KiB is what 4.27 TB/s x ~1 us of
-        # loaded latency needs per SM, so the unpipelined kernel sat at the edge.  CONSERVE_NORM_STAGES=1
-        # restores it (the A/B of bench/gpu_check.sh).
-        stages = int(os.environ.get("CONSERVE_NORM_STAGES", "3"))
-        if not 1 <= stages <= 4:
-            raise ValueError(f"CONSERVE_NORM_STAGES={stages}: use 1 to 4")
-        return Config(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
-                      BK_SMALL=16 if bt < 128 else Config.BK_SMALL, norm_stages=stages)
+    def gpu(sms: int = 132, config: Config | None = None) -> "Tiles":
+        """The GPU tiles for a device with ``sms`` multiprocessors (H100/H200: 132)."""
+        config = config or Config()
+        # norm tiles [32, 128] fp32 = 16 KiB per load step, one warp per row (32 lanes x one 16-byte
+        # vector: the row sums of fused regions are warp shuffles); 256 KiB per item keeps the last
+        # wave short.  Norm loads pipelined through shared memory (config.norm_stages, default 3:
+        # 16-byte cp.async, several tiles in flight per SM); gram_bt 64 gives D = 128 three 64 x 64
+        # tiles (fewer registers, 3/4 of the FLOPs) -- both A/B switches of bench/gpu_check.sh.
+        bt = config.gram_bt
+        return Tiles(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
+                     BK_SMALL=16 if bt < 128 else Tiles.BK_SMALL, norm_stages=config.norm_stages,
+                     precision=config.input_precision, overlap=config.overlap)
 
     def norm_tile(self, group) -> tuple[int, int]:
         """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""
@@ -176,7 +169,7 @@ class Structure:
 
     bilinear: bool
     fp64: bool
-    cfg: Config
+    cfg: Tiles
     vec_size: int
     gram_slots: dict
     gram: list = field(default_factory=list)  # GramBucket
@@ -216,7 +209,7 @@ def _group(xs, ys, i: int):
 
 
 def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None, fp64: bool,
-          cfg: Config) -> Structure:
+          cfg: Tiles) -> Structure:
     """Canonicalise ``plan`` over tensors of these dtypes/shapes/strides (addresses are bound later)."""
     bil = ys is not None
     if bil and len(ys) != len(xs):
@@ -227,7 +220,7 @@ def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | N
     return st
 
 
-def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | None = None, bk: int | None = None):
+def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | None = None, bk: int | None = None):
     """Gram launches of ``plan`` into ``st.gram``; ``bt_max``/``bk`` override the output tile cap and the
     contracted block (the DRIFT mode's four accumulators need ``BT <= 64``, see ``build_drift``)."""
     by_d = defaultdict(list)
@@ -284,17 +277,19 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | No
                     for (ti, tj) in tiles:
                         d = ti == tj
                         tags.append(((slot, ti, tj), d, len(items[d])))
-                        items[d].append((t0, t0 + (j - i), k0, min(k0 + chunk, max_n), ti, tj, ta, tb))
+                        items[d].append(GRAM_ITEM.row(t0=t0, t1=t0 + (j - i), k0=k0, k1=min(k0 + chunk, max_n), ti=ti, tj=tj,
+                                                      ta=ta, tb=tb))
                 for q in part:
                     (t, xo, xrs, xcs, yo, yrs, ycs) = ents[i + q]
-                    rows.append((xo, xrs, xcs, t.view.cols, lays[q], yo, yrs, ycs))
+                    rows.append(GRAM_TERM.row(x_off=xo, x_rs=xrs, x_cs=xcs, n=t.view.cols, layout=lays[q], y_off=yo,
+                                             y_rs=yrs, y_cs=ycs))
                     xt.append(t.view.tensor)
                     signs.append(float(t.sign))
                 i = j
             # sign folded into a half-precision operand must be exact (|sign| == 1); an fp32 operand
             # takes one rounding of sign*x, far below the fp32 accumulation error
             fold = all(abs(v) == 1.0 for v in signs) or all(d == torch.float32 for d in g)
-            terms_np = np.asarray(rows, dtype=np.int64).reshape(-1, 8)
+            terms_np = np.asarray(rows, dtype=np.int64).reshape(-1, GRAM_TERM.COLS)
             xt_np = np.asarray(xt, dtype=np.int64)
             # diagonal tiles and the others in separate launches: a diagonal tile (the kernel's SINGLE)
             # loads its row block once and, in DRIFT mode, forms bil with one dot and a transpose
@@ -305,7 +300,7 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | No
                 base_of[diag] = item_base
                 launches.append(GramLaunch(D=D, group=g, BT=BT, BK=BK, single=diag, terms=terms_np, x_tensor=xt_np,
                                            y_tensor=xt_np, signs=signs,
-                                           items=np.asarray(items[diag], dtype=np.int64).reshape(-1, 8),
+                                           items=np.asarray(items[diag], dtype=np.int64).reshape(-1, GRAM_ITEM.COLS),
                                            item_base=item_base, fold=fold))
                 item_base += len(items[diag])
             for key, diag, idx in tags:
@@ -313,27 +308,27 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Config, bt_max: int | No
         order, groups = [], []
         for (slot, ti, tj) in sorted(tile_items):
             ids = tile_items[(slot, ti, tj)]
-            groups.append((len(order), len(order) + len(ids), slot, ti, tj))
+            groups.append(GRAM_GROUP.row(i0=len(order), i1=len(order) + len(ids), slot=slot, ti=ti, tj=tj))
             order.extend(ids)
         st.gram.append(GramBucket(D=D, BT=BT, slots=plan.gram_slots[D], n_items=item_base, launches=launches,
                                   order=np.asarray(order, dtype=np.int64),
-                                  groups=np.asarray(groups, dtype=np.int64).reshape(-1, 5)))
+                                  groups=np.asarray(groups, dtype=np.int64).reshape(-1, GRAM_GROUP.COLS)))
 
 
 DRIFT_BT = 64  # DRIFT output tile: 4 fp32 accumulators of 64 x 64 (4 x 128 x 128 would spill)
 DRIFT_BK = 16  # DRIFT contracted block: 4-8 operand tiles of [64, BK] live beside the accumulators
 
 
-def build_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], cfg: Config) -> Structure:
+def build_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], cfg: Tiles) -> Structure:
     """Gram tables of ``plan`` for the DRIFT mode of ``gram._gram_kernel`` (x = ``olds``, y = ``news``):
     ``BT <= DRIFT_BT``, ``BK = DRIFT_BK``, no norm tables (the vector terms go through the standalone
-    composition, see ``triton_impl.drift_triton``).  Raises ``ValueError`` for mismatched lists/shapes."""
+    composition, see ``runner.drift_triton``).  Raises ``ValueError`` for mismatched lists/shapes."""
     if len(olds) != len(news):
         raise ValueError(f"drift: got {len(olds)} old tensors but {len(news)} new ones; pass one old per new")
     st = Structure(bilinear=True, fp64=False, cfg=cfg, vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
     _build_gram(st, plan, olds, news, cfg, bt_max=min(DRIFT_BT, cfg.BT_MAX), bk=DRIFT_BK)
-    st.finish = np.zeros((0, 4), dtype=np.int64)
-    st.finish_blocks = np.zeros((0, 2), dtype=np.int64)
+    st.finish = np.zeros((0, FINISH_ROW.COLS), dtype=np.int64)
+    st.finish_blocks = np.zeros((0, FINISH_BLOCK.COLS), dtype=np.int64)
     st.csr_ptr = np.zeros(plan.vec_size + 1, dtype=np.int64)
     st.csr_idx = np.zeros(0, dtype=np.int64)
     st.csr_sgn = []
@@ -345,11 +340,12 @@ def launch_factors(launch: GramLaunch, a: Sequence[float]) -> tuple[np.ndarray, 
     launch, ``a`` given per tensor; and whether any ``a_t != 1`` (the DECAY constexpr)."""
     at = np.asarray(a, dtype=np.float64)[launch.x_tensor] if len(launch.x_tensor) else np.zeros(0)
     s = np.asarray(launch.signs, dtype=np.float64)
-    f = np.stack([at, s * (at * at - 1.0)], axis=1) if len(at) else np.zeros((0, 2))
+    f = np.zeros((len(at), FACTOR.COLS))
+    f[:, FACTOR.A], f[:, FACTOR.SDEC] = at, s * (at * at - 1.0)
     return f, bool((at != 1.0).any())
 
 
-def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
+def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
     bil = ys is not None
     terms = [("norm", t) for t in plan.norms] + ([] if bil else [("sum", t) for t in plan.sums])
     regions = {}  # key -> dict(fast=, slow=)
@@ -428,30 +424,33 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Config):
             if reg["fast"]:  # partial row sums: one length-S row per column tile
                 fast_block = part
                 part += n_tiles * S
-                finish.append((fast_block, n_tiles, S, reg["fast_base"]))
+                finish.append(FINISH_ROW.row(part_off=fast_block, nrows=n_tiles, length=S, elem_base=reg["fast_base"]))
             if reg["slow"]:  # partial column sums: one length-F row per row chunk
                 slow_block = part
                 part += n_chunks * F
-                finish.append((slow_block, n_chunks, F, reg["slow_elem"]))
+                finish.append(FINISH_ROW.row(part_off=slow_block, nrows=n_chunks, length=F, elem_base=reg["slow_elem"]))
             for c in range(n_chunks):  # column tiles of one row chunk are neighbours (DRAM locality)
                 s0, s1 = c * span, min((c + 1) * span, S)
                 for t in range(n_tiles):
-                    items.append((ridx, s0, s1, t * BF, fast_block + t * S if reg["fast"] else -1,
-                                  slow_block + c * F if reg["slow"] else -1))
+                    items.append(NORM_ITEM.row(region=ridx, s_start=s0, s_end=s1, f0=t * BF,
+                                               fast_off=fast_block + t * S if reg["fast"] else -1,
+                                               slow_off=slow_block + c * F if reg["slow"] else -1))
                     sizes.append((s1 - s0) * min(BF, F - t * BF))
-            rows.append((xo, ss, fs, S, F, lay, func, reg["fast_base"], -1, yo, yss, yfs))
+            rows.append(REGION.row(x_off=xo, ss=ss, fs=fs, s=S, f=F, layout=lay, func=func, fast_base=reg["fast_base"],
+                                   unused=-1, y_off=yo, yss=yss, yfs=yfs))
             xt.append(tensor)
             shifts.append(shift)
-        items_np = np.asarray(items, dtype=np.int64).reshape(-1, 6)
+        items_np = np.asarray(items, dtype=np.int64).reshape(-1, NORM_ITEM.COLS)
         if len(sizes):  # biggest items first (they are near-equal on a GPU; small regions go last)
             items_np = items_np[np.argsort(-np.asarray(sizes), kind="stable")]
-        st.norm.append(NormLaunch(group=g, regions=np.asarray(rows, dtype=np.int64).reshape(-1, 12),
+        st.norm.append(NormLaunch(group=g, regions=np.asarray(rows, dtype=np.int64).reshape(-1, REGION.COLS),
                                   x_tensor=np.asarray(xt, dtype=np.int64), y_tensor=np.asarray(xt, dtype=np.int64),
                                   shifts=shifts, items=items_np, BF=BF, warps=warps))
     st.elem_size, st.part_size = elem, part
-    st.finish = np.asarray(finish, dtype=np.int64).reshape(-1, 4)
-    st.finish_blocks = np.asarray([(i, c0) for i, (_, _, length, _) in enumerate(finish)
-                                   for c0 in range(0, length, FIN_BC)], dtype=np.int64).reshape(-1, 2)
+    st.finish = np.asarray(finish, dtype=np.int64).reshape(-1, FINISH_ROW.COLS)
+    st.finish_blocks = np.asarray([FINISH_BLOCK.row(row=i, c0=c0) for i, f in enumerate(finish)
+                                   for c0 in range(0, f[FINISH_ROW.LENGTH], FIN_BC)],
+                                  dtype=np.int64).reshape(-1, FINISH_BLOCK.COLS)
     # CSR gather: vec[o] = sum sign * elem[idx], entries of one output in plan order
     outs, idxs, sgns = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0)]
     for (o0, ostep, n, key, fast, p0, pstep, sign) in refs:

@@ -8,7 +8,7 @@ strided axis (gain law: columns of q/k/v/gate/up; unit law: columns of down) nee
 ONCE for both the SwiGLU unit law (its rows) and the gain law (its columns).
 
 ``_rowcol_kernel``: one program per item = (region, rows [s_start, s_end), ONE column tile
-[f0, f0 + BF)).  Items are sized by bytes (``launch.Config.item_bytes``, ~256 KiB on a GPU) so that
+[f0, f0 + BF)).  Items are sized by bytes (``launch.Tiles.item_bytes``, ~256 KiB on a GPU) so that
 every program streams the same amount of memory.  The inner loop over row tiles ``[BS, BF]`` is a
 pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v = (x + shift)^2``
 (func 0), ``x`` (func 1, SumTerm) or ``x*y`` (bilinear), and an elementwise add into a
@@ -19,8 +19,8 @@ tile are reduced per tile and written as a partial for this column tile (a regio
 fixed order into the element buffer ``elem``; ``_gather`` then forms
 ``vec[o] = sum_p sign_p * elem[idx_p]`` (CSR, fixed order).  No atomics: bitwise deterministic.
 
-Region table row (int64): ``x_off, ss, fs, S, F, layout, func, fast_base, -, y_off, yss, yfs``;
-item row: ``region, s_start, s_end, f0, fast_off, slow_off`` (partial-buffer offsets, -1 when unused:
+Region table row (int64, ``tables.REGION``): ``x_off, ss, fs, S, F, layout, func, fast_base, -, y_off, yss, yfs``;
+item row (``tables.NORM_ITEM``): ``region, s_start, s_end, f0, fast_off, slow_off`` (partial-buffer offsets, -1 when unused:
 row ``s``'s fast partial goes to ``part[fast_off + s]``, column ``f``'s slow partial to
 ``part[slow_off + f]``); finishing row: ``part_off, nrows, length, elem_base``
 (``elem[elem_base + j] = sum_i part[part_off + i*length + j]``), processed in column blocks.
@@ -30,11 +30,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import tables
 from .gram import widen
 
-REGION_COLS = 12
-ITEM_COLS = 6
-FIN_COLS = 4
 
 
 @triton.jit
@@ -79,23 +77,23 @@ def _rowcol_kernel(xb, yb, regions, shifts, items, part,
                    BS: tl.constexpr, BF: tl.constexpr, ALIGN: tl.constexpr,
                    BILINEAR: tl.constexpr, FP64: tl.constexpr, STAGES: tl.constexpr = 1):
     pid = tl.program_id(0).to(tl.int64)
-    it = items + pid * 6
-    r = tl.load(it)
-    s_start = tl.load(it + 1)
-    s_end = tl.load(it + 2)
-    f0 = tl.multiple_of(tl.load(it + 3), BF)  # launch.py: f0 is a multiple of BF
-    fast_off = tl.load(it + 4)
-    slow_off = tl.load(it + 5)
-    reg = regions + r * 12
-    xo = tl.multiple_of(tl.load(reg), ALIGN)
-    ss = tl.load(reg + 1)
-    fs = tl.load(reg + 2)
-    F = tl.load(reg + 4)
-    lay = tl.load(reg + 5)
-    func = tl.load(reg + 6)
-    yo = tl.multiple_of(tl.load(reg + 9), ALIGN)
-    yss = tl.load(reg + 10)
-    yfs = tl.load(reg + 11)
+    it = items + pid * tables.NORM_ITEM.COLS
+    r = tl.load(it + tables.NORM_ITEM.REGION)
+    s_start = tl.load(it + tables.NORM_ITEM.S_START)
+    s_end = tl.load(it + tables.NORM_ITEM.S_END)
+    f0 = tl.multiple_of(tl.load(it + tables.NORM_ITEM.F0), BF)  # launch.py: f0 is a multiple of BF
+    fast_off = tl.load(it + tables.NORM_ITEM.FAST_OFF)
+    slow_off = tl.load(it + tables.NORM_ITEM.SLOW_OFF)
+    reg = regions + r * tables.REGION.COLS
+    xo = tl.multiple_of(tl.load(reg + tables.REGION.X_OFF), ALIGN)
+    ss = tl.load(reg + tables.REGION.SS)
+    fs = tl.load(reg + tables.REGION.FS)
+    F = tl.load(reg + tables.REGION.F)
+    lay = tl.load(reg + tables.REGION.LAYOUT)
+    func = tl.load(reg + tables.REGION.FUNC)
+    yo = tl.multiple_of(tl.load(reg + tables.REGION.Y_OFF), ALIGN)
+    yss = tl.load(reg + tables.REGION.YSS)
+    yfs = tl.load(reg + tables.REGION.YFS)
     shift = tl.load(shifts + r)
     is_sq = func == 0
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
@@ -122,12 +120,13 @@ def _finish_rows(part, table, blocks, elem, RB: tl.constexpr, BC: tl.constexpr, 
     """Block ``pid`` = (finishing row, first column): ``elem[base + c] = sum_i part[off + i*len + c]``
     for ``BC`` columns, summing ``RB`` partial rows per step into a 2-D accumulator (fixed order)."""
     pid = tl.program_id(0).to(tl.int64)
-    row = table + tl.load(blocks + 2 * pid) * 4
-    c0 = tl.load(blocks + 2 * pid + 1)
-    off = tl.load(row)
-    nrows = tl.load(row + 1)
-    length = tl.load(row + 2)
-    base = tl.load(row + 3)
+    blk = blocks + pid * tables.FINISH_BLOCK.COLS
+    row = table + tl.load(blk + tables.FINISH_BLOCK.ROW) * tables.FINISH_ROW.COLS
+    c0 = tl.load(blk + tables.FINISH_BLOCK.C0)
+    off = tl.load(row + tables.FINISH_ROW.PART_OFF)
+    nrows = tl.load(row + tables.FINISH_ROW.NROWS)
+    length = tl.load(row + tables.FINISH_ROW.LENGTH)
+    base = tl.load(row + tables.FINISH_ROW.ELEM_BASE)
     c = c0 + tl.arange(0, BC)
     mc = c < length
     rr = tl.arange(0, RB)

@@ -39,13 +39,16 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .dispatch import check_triton_device
+from . import tables
+from .config import check_triton_device
+from .tables import STEP_FINISH, STEP_PROG, STEP_SCALAR
+from .tables import STEP_TENSOR as ST
 
 __all__ = ["Hyper", "StatsRequest", "matrix_shape", "step_reference", "step_triton", "stats_reference",
            "finish_reference", "NQ"]
 
 NQ = 4  # quantities per stats slot
-T_COLS = 16  # columns of the tensor table
+T_COLS = ST.COLS  # columns of the tensor table (tables.STEP_TENSOR)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int, int]:
@@ -222,27 +225,27 @@ def _kernels():
             stats; without them their accumulators are not allocated.  ALIGN: every offset and column
             count of the launch's tensors is a multiple of it (``_launches``), so loads vectorise."""
             pid = tl.program_id(0).to(tl.int64)
-            pr = progs + pid * 4
-            t = tl.load(pr)
-            b = tl.load(pr + 1)
-            rb = tl.load(pr + 2)
-            cb = tl.load(pr + 3)
-            row = tensors + t * 16
-            p_off = tl.multiple_of(tl.load(row), ALIGN)
-            g_off = tl.multiple_of(tl.load(row + 1), ALIGN)
-            m_off = tl.multiple_of(tl.load(row + 2), ALIGN)
-            v_off = tl.multiple_of(tl.load(row + 3), ALIGN)
-            R = tl.load(row + 4)
-            C = tl.multiple_of(tl.load(row + 5), ALIGN)
-            BRt = tl.load(row + 6)  # B*R
-            nrb = tl.load(row + 7)
-            rq = tl.load(row + 8)
-            rl = tl.load(row + 9)
-            cq = tl.load(row + 10)
-            cl = tl.load(row + 11)
-            fresh = tl.load(row + 12)  # sgd: momentum buffer not yet initialised
-            step_size = tl.load(scal + t * 2)
-            bc2s = tl.load(scal + t * 2 + 1)
+            pr = progs + pid * tables.STEP_PROG.COLS
+            t = tl.load(pr + tables.STEP_PROG.TENSOR)
+            b = tl.load(pr + tables.STEP_PROG.BATCH)
+            rb = tl.load(pr + tables.STEP_PROG.ROW_BLOCK)
+            cb = tl.load(pr + tables.STEP_PROG.COL_BLOCK)
+            row = tensors + t * tables.STEP_TENSOR.COLS
+            p_off = tl.multiple_of(tl.load(row + tables.STEP_TENSOR.P_OFF), ALIGN)
+            g_off = tl.multiple_of(tl.load(row + tables.STEP_TENSOR.G_OFF), ALIGN)
+            m_off = tl.multiple_of(tl.load(row + tables.STEP_TENSOR.M_OFF), ALIGN)
+            v_off = tl.multiple_of(tl.load(row + tables.STEP_TENSOR.V_OFF), ALIGN)
+            R = tl.load(row + tables.STEP_TENSOR.R)
+            C = tl.multiple_of(tl.load(row + tables.STEP_TENSOR.C), ALIGN)
+            BRt = tl.load(row + tables.STEP_TENSOR.BR)  # B*R
+            nrb = tl.load(row + tables.STEP_TENSOR.NRB)
+            rq = tl.load(row + tables.STEP_TENSOR.ROW_Q)
+            rl = tl.load(row + tables.STEP_TENSOR.ROW_L)
+            cq = tl.load(row + tables.STEP_TENSOR.COL_Q)
+            cl = tl.load(row + tables.STEP_TENSOR.COL_L)
+            fresh = tl.load(row + tables.STEP_TENSOR.FRESH)  # sgd: momentum buffer not yet initialised
+            step_size = tl.load(scal + t * tables.STEP_SCALAR.COLS + tables.STEP_SCALAR.STEP_SIZE)
+            bc2s = tl.load(scal + t * tables.STEP_SCALAR.COLS + tables.STEP_SCALAR.BC2S)
             ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
             c = tl.multiple_of(cb * CB, CB) + tl.arange(0, CB)
             mc = c < C
@@ -344,11 +347,11 @@ def _kernels():
         def _finish_kernel(part, NP, stats, NS, table, BF: tl.constexpr, FP64: tl.constexpr):
             """Row ``pid0`` of ``table`` = ``[off, nrows, F, out]``: ``stats[q, out + f] = sum_i part[q, off + i*F + f]``."""
             pid = tl.program_id(0).to(tl.int64)
-            tr = table + pid * 4
-            off = tl.load(tr)
-            nrows = tl.load(tr + 1)
-            F = tl.load(tr + 2)
-            out = tl.load(tr + 3)
+            tr = table + pid * tables.STEP_FINISH.COLS
+            off = tl.load(tr + tables.STEP_FINISH.OFF)
+            nrows = tl.load(tr + tables.STEP_FINISH.NROWS)
+            F = tl.load(tr + tables.STEP_FINISH.F)
+            out = tl.load(tr + tables.STEP_FINISH.OUT)
             f = tl.program_id(1).to(tl.int64) * BF + tl.arange(0, BF)
             mf = f < F
             ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
@@ -409,29 +412,29 @@ def _layout(shapes, reqs: Sequence[StatsRequest], fresh: Sequence[bool], device,
     n_part = 0
     for t, ((B, R, C), req) in enumerate(zip(mats, reqs)):
         if B * R * C == 0:
-            table[t, 8:12] = -1
+            table[t, ST.ROW_Q:ST.COL_L + 1] = -1
             continue
         ncb, nrb = -(-C // CB), -(-R // RB)
         for b in range(B):
             for rb in range(nrb):
                 for cb in range(ncb):
-                    progs.append((t, b, rb, cb))
+                    progs.append(STEP_PROG.row(tensor=t, batch=b, row_block=rb, col_block=cb))
         cols = [-1, -1, -1, -1]
         for k, (slot, axis) in enumerate(((req.row_q, "r"), (req.row_l, "r"), (req.col_q, "c"), (req.col_l, "c"))):
             if slot < 0:
                 continue
             cols[k] = n_part
             if axis == "r":
-                fin.append((n_part, ncb, B * R, slot))
+                fin.append(STEP_FINISH.row(off=n_part, nrows=ncb, f=B * R, out=slot))
                 n_part += ncb * B * R
             else:
                 for b in range(B):
-                    fin.append((n_part + b * nrb * C, nrb, C, slot + b * C))
+                    fin.append(STEP_FINISH.row(off=n_part + b * nrb * C, nrows=nrb, f=C, out=slot + b * C))
                 n_part += B * nrb * C
-        table[t, 4:13] = [R, C, B * R, nrb, *cols, int(bool(fresh[t])) if fresh else 0]
-    ph = np.asarray(progs, dtype=np.int64).reshape(-1, 4)
-    fn = torch.as_tensor(np.asarray(fin, dtype=np.int64).reshape(-1, 4)).to(device) if fin else None
-    max_F = max([f[2] for f in fin] + [1])
+        table[t, ST.R:ST.FRESH + 1] = [R, C, B * R, nrb, *cols, int(bool(fresh[t])) if fresh else 0]
+    ph = np.asarray(progs, dtype=np.int64).reshape(-1, STEP_PROG.COLS)
+    fn = torch.as_tensor(np.asarray(fin, dtype=np.int64).reshape(-1, STEP_FINISH.COLS)).to(device) if fin else None
+    max_F = max([f[STEP_FINISH.F] for f in fin] + [1])
     return _Layout(torch.as_tensor(ph).to(device), ph, table, fn, n_part, max_F, RB, BR, CB,
                    cols=any(r.col_q >= 0 or r.col_l >= 0 for r in reqs),
                    lin=any(r.row_l >= 0 or r.col_l >= 0 for r in reqs))
@@ -444,11 +447,11 @@ def _launches(lay: _Layout, table: np.ndarray, base: torch.Tensor, vec: int):
     if base.data_ptr() % 16:
         return [(lay.progs, 1)]
     bad = frozenset(int(t) for t in range(table.shape[0])
-                    if np.any(table[t, 0:4] % vec) or table[t, 5] % vec)
+                    if np.any(table[t, ST.P_OFF:ST.V_OFF + 1] % vec) or table[t, ST.C] % vec)
     if not bad:
         return [(lay.progs, vec)]
     if bad not in lay.subsets:
-        sel = np.isin(lay.progs_host[:, 0], list(bad))
+        sel = np.isin(lay.progs_host[:, STEP_PROG.TENSOR], list(bad))
         dev = lay.progs.device
         lay.subsets[bad] = [(torch.as_tensor(lay.progs_host[k]).to(dev), al)
                             for k, al in ((~sel, vec), (sel, 1)) if k.any()]
@@ -511,9 +514,9 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
         return d // es
 
     for i in range(len(params)):
-        table[i, 0:4] = (off(params[i]), off(grads[i]), off(bufs1[i] if bufs1 else None),
-                         off(bufs2[i] if bufs2 else None))
-    scal = np.zeros((len(params), 2), dtype=np.float32)
+        table[i, ST.P_OFF:ST.V_OFF + 1] = (off(params[i]), off(grads[i]), off(bufs1[i] if bufs1 else None),
+                                           off(bufs2[i] if bufs2 else None))
+    scal = np.zeros((len(params), STEP_SCALAR.COLS), dtype=np.float32)
     if h.algo == "adam":
         for i, s in enumerate(steps):
             scal[i] = _adam_scalars(h, s)

@@ -9,3 +9,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# A torchvision built for another torch (e.g. the CUDA wheel beside a CPU torch) fails at import with
+# RuntimeError ("operator torchvision::nms does not exist"), which transformers and timm do not catch.
+# Make it look absent (ImportError): transformers then works without it; timm, which needs it, is skipped.
+import sys  # noqa: E402
+
+try:
+    import torchvision  # noqa: F401,E402
+except RuntimeError:
+    for _k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+        del sys.modules[_k]
+    sys.modules["torchvision"] = None

@@ -23,12 +23,12 @@ T = pytest.importorskip("transformers")
 from conserve.detection import detect  # noqa: E402
 from conserve.detection.hf import detect_from_config, probe_rope  # noqa: E402
 from conserve.errors import UsageError  # noqa: E402
-from conserve.laws import (GainBalance, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, VOGram, cols,  # noqa: E402
-                           rows, vector)
+from conserve.laws import (GainBalance, QKGram, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram,  # noqa: E402
+                           cols, rows, vector)
 from conserve.verify import TOL, first_order  # noqa: E402
 
 TINY = dict(hidden_size=16, num_attention_heads=4, intermediate_size=12, num_hidden_layers=1, vocab_size=17)
-MOE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
+MOE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "qwen3_moe")
 
 
 def config(name: str, **over):
@@ -50,6 +50,23 @@ def config(name: str, **over):
         "bert": lambda: T.BertConfig(**TINY, max_position_embeddings=32),
         "olmoe": lambda: T.OlmoeConfig(**TINY, num_key_value_heads=2, num_experts=3, num_experts_per_tok=2,
                                        rms_norm_eps=0.0),
+        "gptj": lambda: T.GPTJConfig(n_embd=24, n_head=4, n_layer=1, vocab_size=17, n_positions=32, rotary_dim=4,
+                                     bos_token_id=0, eos_token_id=0),
+        "gemma2": lambda: T.Gemma2Config(**TINY, num_key_value_heads=2, head_dim=4, rms_norm_eps=0.0,
+                                         tie_word_embeddings=False),  # softcaps: attention 50, final 30
+        "gemma3_text": lambda: T.Gemma3TextConfig(**TINY, num_key_value_heads=2, head_dim=4, rms_norm_eps=0.0,
+                                                  tie_word_embeddings=False),
+        "olmo2": lambda: T.Olmo2Config(**TINY, num_key_value_heads=2, rms_norm_eps=0.0),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**TINY, num_key_value_heads=2, head_dim=4, moe_intermediate_size=6,
+                                              num_experts=3, num_experts_per_tok=2, rms_norm_eps=0.0),
+        "granite": lambda: T.GraniteConfig(**TINY, num_key_value_heads=2),  # embedding/residual/logit multipliers
+        "olmo3": lambda: T.Olmo3Config(**TINY, num_key_value_heads=2, rms_norm_eps=0.0),
+        "exaone4": lambda: T.Exaone4Config(**TINY, num_key_value_heads=2, rms_norm_eps=0.0),
+        "seed_oss": lambda: T.SeedOssConfig(**TINY, num_key_value_heads=2, head_dim=4),
+        "arcee": lambda: T.ArceeConfig(**TINY, num_key_value_heads=2),  # relu^2 MLP: declined
+        "glm": lambda: T.GlmConfig(**TINY, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+        "smollm3": lambda: T.SmolLM3Config(**{**TINY, "num_hidden_layers": 2}, num_key_value_heads=2, pad_token_id=0,
+                                           bos_token_id=0, eos_token_id=0, no_rope_layers=[1, 0]),
         "deepseek_v3": lambda: T.DeepseekV3Config(
             **TINY, num_key_value_heads=4, moe_intermediate_size=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
             topk_group=1, first_k_dense_replace=0, q_lora_rank=8, kv_lora_rank=6, qk_rope_head_dim=2, qk_nope_head_dim=4,
@@ -215,6 +232,62 @@ CASES = {
               [EMBED, (f"{A}.q_proj", "over all heads")],
               # per-head scale law: wrong, OLMoE's q_norm normalises all heads at once
               lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 4)])]),
+    "gptj": ({"rope_pair": 4, "rope_pass": 4, "vo": 4, "gain": 2, "translation": 1},  # head_dim 6, rotary_dim 4
+             [("transformer.h.0.mlp", "no rescaling symmetry"), ("transformer.wte", "input embedding")],
+             lambda m, d: [law(detect(m, rope_layout="half"), "transformer.h.0.attn/rope/group0"),
+                           without(law(d, "transformer.h.0.ln_1/gain"), lambda t: "fc_in" in t.ref.param),
+                           # a QK Gram over the whole head, as if there were no rotary dims
+                           QKGram.build("bad", 0, plus=[rows("transformer.h.0.attn.q_proj.weight", (24, 24), 0, 6)],
+                                        minus=[rows("transformer.h.0.attn.k_proj.weight", (24, 24), 0, 6)])]),
+    "gemma2": ({"rope_pair": 2, "vo": 2, "gain": 3, "swiglu": 1, "norm_scale": 2},
+               [EMBED, ("model.layers.0.post_attention_layernorm", "post-norm"),
+                ("model.layers.0.post_feedforward_layernorm", "post-norm"), ("lm_head", "final_logit_softcapping")],
+               lambda m, d: [
+                   # the name-guessing reading: post_attention_layernorm as the MLP's pre-norm
+                   GainBalance.build("bad", 0, gain=vector("model.layers.0.post_attention_layernorm.weight", 0, 16),
+                                     shift=1.0, readers=[cols(f"{M}.gate_proj.weight", (12, 16), 0, 16),
+                                                         cols(f"{M}.up_proj.weight", (12, 16), 0, 16)]),
+                   ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.o_proj.weight", (16, 16), 0, 8)]),
+                   Translation.build("bad", None, weight=rows("lm_head.weight", (17, 16), 0, 17))]),
+    "gemma3_text": ({"qk_scale": 6, "qk_norm_gain": 1, "vo": 2, "gain": 3, "swiglu": 1, "norm_scale": 2,
+                     "translation": 1},
+                    [EMBED, (f"{A}.q_proj", "QK-norm"), ("model.layers.0.post_feedforward_layernorm", "post-norm")],
+                    lambda m, d: [dataclasses.replace(  # q_norm/k_norm gains read as w instead of (1 + w)
+                        law(d, f"{A}/qk_norm_gain/group0"),
+                        terms=[dataclasses.replace(t, shift=0.0) for t in law(d, f"{A}/qk_norm_gain/group0").terms])]),
+    "olmo2": ({"qk_scale": 2, "qk_norm_gain": 2, "vo": 2, "swiglu": 1, "norm_scale": 2, "gain": 1, "translation": 1},
+              [EMBED, ("model.layers.0.post_attention_layernorm", "post-norm")],
+              lambda m, d: [GainBalance.build("bad", 0, gain=vector("model.layers.0.post_attention_layernorm.weight", 0, 16),
+                                              readers=[cols(f"{M}.gate_proj.weight", (12, 16), 0, 16),
+                                                       cols(f"{M}.up_proj.weight", (12, 16), 0, 16)]),
+                            ScaleLaw.build("bad", 0, blocks=[rows(f"{M}.down_proj.weight", (16, 12), 0, 8)])]),
+    "qwen3_moe": ({"qk_scale": 6, "qk_norm_gain": 1, "vo": 2, "gain": 3, "swiglu": 3, "router_sum": 1, "translation": 1},
+                  [EMBED, (f"{A}.q_proj", "QK-norm")],
+                  lambda m, d: [SwiGLUUnit.build("bad", 0, up=rows(f"{M}.experts.gate_up_proj", (3, 12, 16), 0, 6, lead=(1,)),
+                                                 down=cols(f"{M}.experts.down_proj", (3, 16, 6), 0, 6, lead=(1,))),
+                                RouterSum.build("bad", 0, weight=rows(f"{M}.gate.weight", (3, 16), 0, 2))]),
+    "granite": (CAUSAL, [EMBED], lambda m, d: [mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1")),
+                                              mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1"))]),
+    "olmo3": ({"qk_scale": 2, "qk_norm_gain": 2, "vo": 2, "swiglu": 1, "norm_scale": 2, "gain": 1, "translation": 1},
+              [EMBED, ("model.layers.0.post_attention_layernorm", "post-norm")],
+              lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 4)]),
+                            mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
+    "exaone4": ({"qk_scale": 6, "qk_norm_gain": 1, "vo": 2, "swiglu": 1, "norm_scale": 2, "gain": 1, "translation": 1},
+                [EMBED, ("model.layers.0.post_feedforward_layernorm", "post-norm")],
+                lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 2)]),
+                              mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
+    "seed_oss": (CAUSAL, [EMBED], lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1"))]),
+    "arcee": ({"rope_pair": 2, "vo": 2, "gain": 2, "translation": 1}, [EMBED, (M, "not recognised")],
+              lambda m, d: [mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
+    "glm": ({**CAUSAL, "rope_pass": 2}, [EMBED],
+            lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1")),
+                          without(law(d, f"{A}/rope_pass/group0"), lambda t: t.sign < 0)]),
+    # no_rope_layers=[1, 0]: layer 0 rotates (RoPE pairs), layer 1 is NoPE (full QK Gram); tied head by default
+    "smollm3": ({"rope_pair": 2, "qk": 2, "vo": 4, "gain": 4, "swiglu": 2}, [EMBED, TIED],
+                lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1")),
+                              # the NoPE layer's Gram law in the rotating layer 0
+                              QKGram.build("bad", 0, plus=[rows(f"{A}.q_proj.weight", (16, 16), 0, 4)],
+                                           minus=[rows(f"{A}.k_proj.weight", (8, 16), 0, 4)])]),
     "deepseek_v3": ({"gain": 3, "swiglu": 5, "translation": 1},
                     [(A, "multi-head latent attention"), (f"{M}.gate", "NOT conserved")],
                     lambda m, d: [RouterSum.build("bad", 0, weight=rows(f"{M}.gate.weight", (4, 16), 0, 4))]),
@@ -323,11 +396,10 @@ def test_unknown_modules_and_families_are_listed_never_dropped():
     m.model.layers[0].adapter = nn.Linear(16, 16)
     d = detect(m)
     assert d.undetected == ["model.layers.0.adapter"]
-    # OLMo-2 names its post-attention *post*-norm ``post_attention_layernorm``: a name-guessing detector would
-    # build a wrong gain law. Not a known family: everything is listed as undetected, with the reason.
-    o = T.AutoModelForCausalLM.from_config(T.Olmo2Config(**TINY, num_key_value_heads=2))
+    # not a known family (OLMo 1): everything is listed as undetected, with the reason
+    o = T.AutoModelForCausalLM.from_config(T.OlmoConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=False))
     d = detect(o)
-    assert d.laws == [] and "model.layers.0.post_attention_layernorm" in d.undetected
+    assert d.laws == [] and "model.layers.0.mlp.up_proj" in d.undetected
     assert "no HF family handler" in d.declined[0].reason
 
 

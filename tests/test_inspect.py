@@ -193,3 +193,199 @@ def test_match_names_prefixes():
     assert match_names(["h.0.w"], {"transformer.h.0.w"}) == {"h.0.w": "transformer.h.0.w"}
     with pytest.raises(UsageError, match="no tensor in the checkpoint"):
         match_names(["model.layers.2.w"], keys)
+
+
+# ------------------------------------------------------------------- MoE layouts and bad weights
+MOE_TINY = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=12,
+                num_hidden_layers=2, vocab_size=32, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                pad_token_id=0)
+MOE = {
+    "mixtral": lambda: transformers.MixtralConfig(**MOE_TINY, num_local_experts=3, num_experts_per_tok=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**MOE_TINY, moe_intermediate_size=6, num_experts=3,
+                                                     shared_expert_intermediate_size=8, num_experts_per_tok=2),
+    "olmoe": lambda: transformers.OlmoeConfig(**MOE_TINY, num_experts=3, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE_TINY, moe_intermediate_size=6, num_experts=3,
+                                                     num_experts_per_tok=2, head_dim=4),
+}
+
+
+def _moe(name):
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(MOE[name]())
+    with torch.no_grad():  # unit-scale weights: HF's init (0.02) would hide a misread expert or router
+        g = torch.Generator().manual_seed(0)
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.fixture(scope="module")
+def moe_ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for name in MOE:
+        m = _moe(name)
+        m.save_pretrained(root / name)
+        out[name] = (root / name, m)
+    return out
+
+
+def _reference(model, laws):
+    """Law values from the in-memory model (transformers fused the experts itself on load/init)."""
+    from conserve.laws import evaluate_laws
+
+    params = {k: v.detach().to(torch.float64) for k, v in model.named_parameters()}
+    return evaluate_laws(laws, params, fp64=True)
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_moe_checkpoint_per_expert_layout(moe_ckpts, capsys, name):
+    path, model = moe_ckpts[name]
+    ck = open_checkpoint(path)
+    assert any(".experts.0." in k for k in ck.shapes)  # what save_pretrained wrote: one tensor per expert
+    assert not any(k.endswith("experts.gate_up_proj") for k in ck.shapes)
+    det, names = ins.detect_checkpoint(ck, ARGS)
+    fams = det.families()
+    assert fams.get("router_sum") == 2 and fams.get("swiglu", 0) >= 6, fams
+    assert ck.fused, "the fused expert tensors are assembled from the per-expert ones"
+    vals = ins.evaluate_checkpoint(ck, det.laws, names)
+    ref = _reference(model, det.laws)
+    for law in det.laws:
+        torch.testing.assert_close(vals[law.name], ref[law.name].to(torch.float64), rtol=1e-5, atol=1e-5)
+    # an independent hand computation of one expert's unit law from the per-expert tensors on disk
+    e, L = 1, 0
+    up_key = next(k for k in ck.shapes if f"layers.{L}." in k and f"experts.{e}." in k and k.endswith(("up_proj.weight", "w3.weight")))
+    down_key = up_key.replace("up_proj", "down_proj").replace("w3", "w2")
+    t = ck.tensors([up_key, down_key])
+    unit = next(l for l in det.laws if l.name.endswith(f"layers.{L}.mlp.experts.{e}/unit"))
+    torch.testing.assert_close(vals[unit.name], t[up_key].double().pow(2).sum(1) - t[down_key].double().pow(2).sum(0))
+    code, out, err = run(capsys, path, "--values")
+    assert code == 0, err
+    assert "router_sum" in out and "swiglu" in out.split("invariant values")[1]
+    assert "read through the checkpoint's layout" in out and "experts.gate_up_proj = stack of (" in out
+
+
+def test_moe_checkpoint_fused_and_transposed_on_disk(moe_ckpts, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    path, model = moe_ckpts["mixtral"]
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    fused = {k: v for k, v in sd.items()}
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "transposed").mkdir()
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
+    tr = {k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
+          for k, v in sd.items()}
+    save_file(tr, str(tmp_path / "transposed" / "model.safetensors"))
+    for sub in ("fused", "transposed"):
+        shutil.copy(path / "config.json", tmp_path / sub / "config.json")
+    ref = None
+    for sub in ("fused", "transposed"):
+        ck = open_checkpoint(tmp_path / sub)
+        det, names = ins.detect_checkpoint(ck, ARGS)
+        vals = ins.evaluate_checkpoint(ck, det.laws, names)
+        ref = ref or _reference(model, det.laws)
+        assert (sub == "transposed") == bool(ck.fused)
+        for law in det.laws:
+            torch.testing.assert_close(vals[law.name], ref[law.name].to(torch.float64), rtol=1e-5, atol=1e-5)
+    # per-expert vs fused checkpoints of the same weights: zero drift
+    code, out, err = run(capsys, path, "--compare", tmp_path / "transposed")
+    assert code == 0, err
+    table = out.split("drift per law family")[1]
+    assert "swiglu" in table and "router_sum" in table
+    assert table.count("0.000000e+00") >= 2 * 5
+
+
+def _rewrite(src, dst, change, config=None):
+    """Copy checkpoint ``src`` to ``dst`` with ``change(state) -> state`` applied to its tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(config or {})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    save_file(change(load_file(str(src / "model.safetensors"))), str(dst / "model.safetensors"))
+    return dst
+
+
+KEY = "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float8_e4m3fn])
+def test_integer_bool_quantised_weights_refused(ckpts, tmp_path, capsys, dtype):
+    root, _ = ckpts
+    p = _rewrite(root / "llama", tmp_path / "q", lambda sd: {**sd, KEY: sd[KEY].to(dtype)})
+    code, out, err = run(capsys, p)  # listing the laws reads no tensor: fine
+    assert code == 0, err
+    code, out, err = run(capsys, p, "--values")
+    assert code == 2 and err.count("\n") == 1 and KEY in err and "dequantise" in err, err
+
+
+def test_quantisation_config_refused(ckpts, tmp_path, capsys):
+    root, _ = ckpts
+    p = _rewrite(root / "llama", tmp_path / "q", lambda sd: sd, {"quantization_config": {"quant_method": "bitsandbytes"}})
+    code, _, err = run(capsys, p, "--values")
+    assert code == 2 and "quantised checkpoint" in err and "bitsandbytes" in err and err.count("\n") == 1, err
+
+
+def test_nan_weight_named_with_count(ckpts, tmp_path, capsys):
+    root, _ = ckpts
+
+    def poison(sd):
+        w = sd[KEY].clone()
+        w[0, :3] = float("nan")
+        w[1, 0] = float("inf")
+        return {**sd, KEY: w}
+
+    p = _rewrite(root / "llama", tmp_path / "nan", poison)
+    code, out, err = run(capsys, p, "--values")
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1
+    assert f"{KEY}: 3 NaN, 1 Inf (of 384)" in err
+    assert f"{KEY}: 3 NaN, 1 Inf" in out and "invariant values" in out  # the values were printed first
+    code, out, err = run(capsys, p, "--compare", root / "llama")  # NaN in A: the drift table is still printed
+    assert code == 2 and KEY in err and "drift per law family" in out and err.count("\n") == 1
+    code, out, err = run(capsys, root / "llama", "--compare", p)
+    assert code == 2 and KEY in err and "drift per law family" in out
+
+
+def test_missing_expert_tensor_names_the_parameter(moe_ckpts, tmp_path, capsys):
+    path, _ = moe_ckpts["olmoe"]
+    p = _rewrite(path, tmp_path / "x", lambda sd: {k: v for k, v in sd.items() if "layers.1.mlp.experts" not in k})
+    code, _, err = run(capsys, p)
+    assert code == 2 and "layers.1.mlp.experts" in err and err.count("\n") == 1, err
+
+
+def test_continuity_names_nan_weight(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"model.layers.{i}.self_attn.q_proj.weight": torch.randn(8, 8, generator=g) for i in range(3)}
+    sd["model.layers.1.self_attn.q_proj.weight"][2, 2] = float("nan")
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    code = main(["continuity", str(tmp_path / "model.safetensors"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    line = [x for x in err.splitlines() if "error:" in x]
+    assert len(line) == 1 and "model.layers.1.self_attn.q_proj.weight: 1 NaN, 0 Inf (of 64)" in line[0], err
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt_neox", "falcon",
+                                  "gpt2", "bert", "gptj", "olmo2", "deepseek_v3", "granite", "olmo3", "exaone4",
+                                  "seed_oss", "glm", "smollm3"])
+def test_every_hf_family_round_trips_through_save_pretrained(tmp_path, name):
+    """What ``save_pretrained`` writes for each family of tests/test_detect_hf.py is read back onto the detected
+    laws, with the values of the in-memory model (the on-disk names and layouts are transformers')."""
+    from test_detect_hf import build
+
+    m = build(name)
+    m.save_pretrained(tmp_path / name)
+    ck = open_checkpoint(tmp_path / name)
+    det, names = ins.detect_checkpoint(ck, ARGS)
+    assert det.laws
+    vals = ins.evaluate_checkpoint(ck, det.laws, names)
+    ref = _reference(m, det.laws)
+    for law in det.laws:
+        torch.testing.assert_close(vals[law.name], ref[law.name].to(torch.float64), rtol=1e-5, atol=1e-5)

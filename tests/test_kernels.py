@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 
 from conserve.kernels import (GramTerm, NormTerm, Plan, SumTerm, View, bilinear, bilinear_reference, evaluate,
                               evaluate_reference)
+from conserve.kernels import Config
 from conserve.kernels import launch as L
+from conserve.kernels.reference import _evaluate_looped
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1"
 
@@ -140,6 +142,16 @@ def _close(got, want, scale, rtol, what):
                            f"worst rel {(err / scale.clamp_min(1e-300)).max().item():.3e}")
 
 
+def check_grouped_twin(plan, xs, ys, got, scale):
+    """The grouped (vectorised) torch twin ``got`` equals the term-by-term form in float64 to 1e-12 of
+    the entrywise scale (``check`` runs this on every plan it sees: every layout of this file)."""
+    want = _evaluate_looped(plan, xs, ys, True)
+    _close(got[0], want[0], scale[0], 1e-12, "grouped twin vec")
+    assert sorted(got[1]) == sorted(want[1])
+    for d in want[1]:
+        _close(got[1][d], want[1][d], scale[1][d], 1e-12, f"grouped twin gram D={d}")
+
+
 def check(plan, ts, ys=None, fp64=False, rtol=None):
     """Triton vs float64 reference for evaluate (and bilinear when ``ys`` is given)."""
     rtol = rtol or (1e-12 if fp64 else max(RTOL[t.dtype] for t in ts if t.is_floating_point()))
@@ -148,6 +160,7 @@ def check(plan, ts, ys=None, fp64=False, rtol=None):
     vec, grams = evaluate(plan, ts, fp64=fp64, backend="triton")
     rv, rg = evaluate_reference(plan, d64, fp64=True)
     sv, sg = evaluate_reference(_abs_plan(plan), [t.abs() for t in d64], fp64=True)
+    check_grouped_twin(plan, d64, None, (rv, rg), (sv, sg))
     assert vec.dtype == acc and vec.shape == (plan.vec_size,)
     _close(vec, rv, sv, rtol, "vec")
     assert sorted(grams) == sorted(rg)
@@ -160,6 +173,7 @@ def check(plan, ts, ys=None, fp64=False, rtol=None):
         rv, rg = bilinear_reference(plan, d64, y64, fp64=True)
         ap = _abs_plan(plan)
         sv, sg = bilinear_reference(ap, [t.abs() for t in d64], [t.abs() for t in y64], fp64=True)
+        check_grouped_twin(plan, d64, y64, (rv, rg), (sv, sg))
         _close(vec, rv, sv, rtol, "bilinear vec")
         for d in rg:
             _close(grams[d], rg[d], sg[d], rtol, f"bilinear gram D={d}")
@@ -199,7 +213,7 @@ def test_llama_block_all_dtypes(dtype):
 def test_rope_partial_rotary_and_fp64():
     p, ts = llama_block(rope=True, D=16, seed=1)
     # fused: the pair views of q/k rows are served by the gain law's q/k regions (one read each)
-    st = L.build(p, ts, None, False, L.Config())
+    st = L.build(p, ts, None, False, L.Tiles())
     per_tensor = [sum(int(t) == i for l in st.norm for t in l.x_tensor) for i in range(len(ts))]
     assert per_tensor[0] == 1 and per_tensor[1] == 1 and per_tensor[7] == 1, per_tensor  # q, k, up
     check(p, ts, [torch.randn_like(t) for t in ts])
@@ -304,7 +318,7 @@ def test_empty_plan():
 
 
 def test_cache_reuses_tables_and_sees_in_place_updates():
-    from conserve.kernels import triton_impl as T
+    from conserve.kernels import runner as T
 
     p, ts = llama_block(seed=7)
     pr = T.prepare(p, ts)
@@ -360,7 +374,7 @@ def test_offsets_past_2_31_elements_in_tables():
     s = p.new_gram(2)
     p.grams.append(GramTerm(View(0, (0, 2**31 + 5), 1, 2, 0, 3), 1.0, s))  # column block, row stride 2**31+64
     p.norms.append(NormTerm(View(0, (1, 2**31 + 1), 1, 2, 0, 2), 1.0, p.new_vec(2)))
-    st = L.build(p, [big], None, False, L.Config())
+    st = L.build(p, [big], None, False, L.Tiles())
     row = st.gram[0].launches[0].terms[0]
     assert row[0] == 2**31 + 5 and row[2] == 2**31 + 64 and row[4] == 1
     reg = st.norm[0].regions[0]
@@ -472,10 +486,10 @@ def test_hypothesis_random_shapes_and_layouts(case):
 def test_gpu_work_split_under_interpreter():
     """The GPU configuration's splits (contracted-dim chunks per Gram slot, several items and slow
     partial rows per region) give the same results as the single-item CPU configuration."""
-    from conserve.kernels import triton_impl as T
+    from conserve.kernels import runner as T
 
     p, ts = llama_block(nH=4, nKV=1, D=16, H=48, I=40, seed=9)
-    cfg = L.Config(target_items=64, slow_rows=32, BS=16, BF=32, BK_SMALL=16)
+    cfg = L.Tiles(target_items=64, slow_rows=32, BS=16, BF=32, BK_SMALL=16)
     ys = [torch.randn_like(t) for t in ts]
     for y in (None, ys):
         pr = T.Prepared(p, ts, y, False, cfg)
@@ -494,12 +508,12 @@ def test_gpu_work_split_under_interpreter():
 
 
 def test_exact_gpu_config_under_interpreter():
-    """The configuration a 132-SM GPU gets (``Config.gpu``: [32, 128] norm tiles, [32, 256] for bf16,
+    """The configuration a 132-SM GPU gets (``Tiles.gpu``: [32, 128] norm tiles, [32, 256] for bf16,
     256 KiB items, Gram chunks for 4 programs per SM) on a block whose columns give full and masked
     tiles, against the float64 reference."""
-    from conserve.kernels import triton_impl as T
+    from conserve.kernels import runner as T
 
-    cfg = L.Config.gpu()
+    cfg = L.Tiles.gpu()
     assert (cfg.BS, cfg.BF) == (32, 128) and cfg.norm_tile((torch.bfloat16, torch.bfloat16)) == (256, 8)
     for dtype in (torch.float32, torch.bfloat16):
         p, ts = llama_block(nH=2, nKV=1, D=16, H=300, I=40, dtype=dtype, seed=12)
@@ -516,9 +530,9 @@ def test_norm_items_sized_by_bytes_and_fp64_gram_without_dot():
     """GPU-style norm split (``item_bytes``: several row chunks AND column tiles per region, the
     unmasked full-tile branch and the masked last tile, fast partials per column tile, BF doubled for
     bf16) and the fp64 Gram path (rank-1 updates, no tl.dot), against the float64 reference."""
-    from conserve.kernels import triton_impl as T
+    from conserve.kernels import runner as T
 
-    cfg = L.Config(target_items=16, item_bytes=32 * 32 * 4, BS=16, BF=32)  # 32 rows x 32 fp32 columns
+    cfg = L.Tiles(target_items=16, item_bytes=32 * 32 * 4, BS=16, BF=32)  # 32 rows x 32 fp32 columns
     for dtype in (torch.float32, torch.bfloat16):
         p, ts = llama_block(nH=2, nKV=1, D=16, H=72, I=40, dtype=dtype, seed=10)
         st = L.build(p, ts, None, False, cfg)
@@ -558,7 +572,7 @@ def test_gram_sign_folding_rule():
         p = Plan()
         s = p.new_gram(16)
         p.grams += [GramTerm(View(0, (0, 0), 0, 16, 1, 24), signs[0], s), GramTerm(View(0, (16, 0), 0, 16, 1, 24), signs[1], s)]
-        st = L.build(p, ts, None, False, L.Config())
+        st = L.build(p, ts, None, False, L.Tiles())
         assert st.gram[0].launches[0].fold is fold
         check(p, ts)
 
@@ -620,7 +634,7 @@ def test_drift_triton_vs_float64(D, dtype):
     full tiles; 192: three (six output tiles)."""
     from conserve.kernels import drift, drift_reference
 
-    from conserve.kernels import triton_impl as T
+    from conserve.kernels import runner as T
 
     p, olds, news = drift_case(D, dtype, seed=D, vec_terms=D == 80, odd_sign=D != 8)
     folds = {l.fold for b in T.prepare(p, olds, news, drift=True).st.gram for l in b.launches}
@@ -641,14 +655,14 @@ def test_drift_gpu_work_split_and_tables():
     pass), the DRIFT tables (64-wide tiles, one launch per (D, dtype group) for the diagonal output
     tiles and one for the others), and the cache."""
     from conserve.kernels import drift_reference
-    from conserve.kernels import triton_impl as T
+    from conserve.kernels import runner as T
 
     p, olds, news = drift_case(128, torch.float32, seed=7)
     olds[0] = randn(2 * 128, 200, gen=torch.Generator().manual_seed(1))  # longer contracted dim: chunks
     news[0] = olds[0] + 0.3 * torch.randn(olds[0].shape)
     p.grams[0] = GramTerm(View(0, (0, 0), 0, 128, 1, 200), 1.0, 0)
     p.grams[3] = GramTerm(View(0, (128, 0), 0, 128, 1, 200), 1.0, 1)
-    cfg = L.Config(target_items=40)
+    cfg = L.Tiles(target_items=40)
     pr = T.Prepared(p, olds, news, False, cfg, drift=True)
     (b,) = pr.st.gram
     assert b.BT == 64 and [l.single for l in b.launches] == [True, False]
@@ -663,22 +677,135 @@ def test_drift_gpu_work_split_and_tables():
         T.Prepared(p, olds, news, True, cfg, drift=True)
 
 
-def test_drift_reference_is_the_five_evaluations():
-    """The torch twin is exactly the composition the optimizer used before (fp32: same ops, so equal
-    bit for bit): h(new), h(a old) - h(old), B(a old, new - a old), h(new - a old)."""
-    from conserve.kernels import drift
+def test_drift_reference_pieces_and_closed_form_decay():
+    """The torch twin's h_new, bil, h_delta are exactly the evaluations the optimizer composed before
+    (same fp32 ops: equal bit for bit); its decay is the closed form ``s (a^2-1) h_t(old)`` per term
+    (Gemma-shifted norms ``+ 2 s (a-1) c sum x``, Sum terms ``s (a-1) sum x``): equal to the float64
+    ``h(a old) - h(old)`` of the term-by-term twin to 1e-12 in fp64, and to fp32 rounding of the
+    per-term decay in fp32 at a = 1 - 1e-3, where the fp32 difference of two evaluations cancels."""
+    from conserve.kernels import decay_reference, drift
 
     p, olds, news = drift_case(16, torch.float32, seed=3, vec_terms=True)
     a = [0.9, 0.8, 0.95, 1.0, 0.7]
     a_old = [o * x if x != 1.0 else o for o, x in zip(olds, a)]
     delta = [n - x for n, x in zip(news, a_old)]
-    h_old, h_a = evaluate_reference(p, olds), evaluate_reference(p, a_old)
-    want = [evaluate_reference(p, news), (h_a[0] - h_old[0], {d: h_a[1][d] - h_old[1][d] for d in h_a[1]}),
-            bilinear_reference(p, a_old, delta), evaluate_reference(p, delta)]
     got = drift(p, olds, news, a, backend="torch")
-    for name, (gv, gg), (wv, wg) in zip(DRIFT_NAMES, got, want):
-        assert torch.equal(gv, wv), name
-        assert all(torch.equal(gg[d], wg[d]) for d in wg), name
+    want = {0: evaluate_reference(p, news), 2: bilinear_reference(p, a_old, delta), 3: evaluate_reference(p, delta)}
+    for k, (wv, wg) in want.items():
+        gv, gg = got[k]
+        assert torch.equal(gv, wv) and all(torch.equal(gg[d], wg[d]) for d in wg), DRIFT_NAMES[k]
+    # decay alone (bilinear is undefined for shifted norms): + a Gemma-style shifted gain and a Sum term
+    p = Plan(grams=list(p.grams), norms=list(p.norms), sums=list(p.sums), vec_size=p.vec_size,
+             gram_slots=dict(p.gram_slots))
+    p.norms.append(NormTerm(View(1, (0, 0), 0, 24, 1, 3), -0.5, p.new_vec(24), shift=1.0))
+    p.sums.append(SumTerm(View(0, (0, 0), 0, 5, 1, 24), 2.0, p.new_vec(24)))
+    o64 = [t.double() for t in olds]
+    ao64 = [o * x for o, x in zip(o64, a)]
+    h_a, h_o = _evaluate_looped(p, ao64, None, True), _evaluate_looped(p, o64, None, True)
+    dv, dg = decay_reference(p, o64, a, fp64=True)
+    sv, sg = _evaluate_looped(_abs_plan(p), [t.abs() for t in o64], None, True)
+    _close(dv, h_a[0] - h_o[0], sv, 1e-12, "decay vec fp64")
+    for d in dg:
+        _close(dg[d], h_a[1][d] - h_o[1][d], sg[d], 1e-12, f"decay gram fp64 D={d}")
+    # fp32 at a = 1 - 1e-3: the closed form is within fp32 rounding of the per-term decay (1e-3 h)
+    a = float(np.float32(1 - 1e-3))
+    dv, dg = decay_reference(p, olds, [a] * len(olds))
+    h_a, h_o = _evaluate_looped(p, [o * a for o in o64], None, True), _evaluate_looped(p, o64, None, True)
+    f_a, f_o = _evaluate_looped(p, [o * a for o in olds], None, False), _evaluate_looped(p, olds, None, False)
+    for d in dg:
+        want, scale = h_a[1][d] - h_o[1][d], (1 - a * a) * sg[d]
+        _close(dg[d], want, scale, 1e-5, f"decay fp32 D={d}")
+        diff_err = ((f_a[1][d] - f_o[1][d]).double() - want).abs().max() / (scale.max())
+        assert diff_err > 1e-5  # the difference of two fp32 evaluations does not resolve it
+
+
+def test_decay_false_on_both_backends():
+    """``drift(..., decay=False)``: decay is None on both backends, the other pieces equal decay=True's
+    bit for bit, and the Triton DRIFT pass neither writes nor reads the decay plane (its partial
+    buffer stays as it was: the decay dots and stores are compiled out, the finishing grid has 3
+    planes)."""
+    from conserve.kernels import drift
+    from conserve.kernels import runner as T
+
+    p, olds, news = drift_case(80, torch.float32, seed=5, vec_terms=True)
+    a = [0.9, 0.8, 0.95, 1.0, 0.7]
+    for backend in ("torch", "triton"):
+        full = drift(p, olds, news, a, backend=backend)
+        if backend == "triton":
+            pr = T.prepare(p, olds, news, drift=True)
+            for buf in pr.part.values():
+                buf.fill_(float("nan"))
+        part = drift(p, olds, news, a, backend=backend, decay=False)
+        assert part[1] is None and full[1] is not None
+        for k in (0, 2, 3):
+            assert torch.equal(part[k][0], full[k][0]), (backend, k)
+            assert all(torch.equal(part[k][1][d], full[k][1][d]) for d in full[k][1]), (backend, k)
+        if backend == "triton":
+            for b in pr.st.gram:
+                plane = max(1, b.n_items) * b.BT * b.BT
+                assert pr.part[b.D][plane:2 * plane].isnan().all()  # decay plane untouched
+                assert not pr.part[b.D][:plane].isnan().any()
+    for backend in ("torch", "triton"):  # no Gram term / fp64: the standalone composition skips it too
+        q = Plan(norms=list(p.norms), sums=list(p.sums), vec_size=p.vec_size)
+        assert drift(q, olds, news, a, backend=backend, decay=False)[1] is None
+        assert drift(p, olds, news, a, backend=backend, decay=False, fp64=True)[1] is None
+
+
+def test_config_fields_and_tf32x3_plumbing():
+    """``Config``: bad values name the allowed ones; ``gram_bt`` / ``norm_stages`` / ``input_precision``
+    reach the tiles of both devices; a tf32x3 plan is prepared separately from the ieee one and runs
+    (evaluate, bilinear, DRIFT) under the interpreter, matching the float64 reference at fp32
+    tolerance (the interpreter computes its dots in fp32; the 3xTF32 rounding on a GPU is checked by
+    ``bench/gpu_parity.py``)."""
+    from conserve.kernels import drift, drift_reference
+    from conserve.kernels import runner as T
+
+    for bad, match in ((dict(input_precision="tf32"), "ieee"), (dict(gram_bt=48), "16, 32, 64 or 128"),
+                       (dict(norm_stages=0), "1 to 4")):
+        with pytest.raises(ValueError, match=match):
+            Config(**bad)
+    cfg = Config(input_precision="tf32x3", gram_bt=64, norm_stages=2, overlap=False)
+    tg = L.Tiles.gpu(132, cfg)
+    assert (tg.BT_MAX, tg.norm_stages, tg.precision, tg.overlap) == (64, 2, "tf32x3", False)
+    assert L.Tiles.for_device(torch.device("cpu"), cfg).precision == "tf32x3"
+    assert L.Tiles.for_device(torch.device("cpu")).precision == "ieee"
+    p, ts = llama_block(D=128, H=40, I=20, nH=2, nKV=1, seed=4)
+    ys = [torch.randn_like(t) for t in ts]
+    pr = T.prepare(p, ts, config=cfg)
+    assert pr is not T.prepare(p, ts) and pr.cfg.precision == "tf32x3" and pr.st.gram[0].BT == 64
+    d64 = [t.double() for t in ts]
+    for got, want, scale in (
+            (evaluate(p, ts, backend="triton", config=cfg), evaluate_reference(p, d64, fp64=True),
+             evaluate_reference(_abs_plan(p), [t.abs() for t in d64], fp64=True)),
+            (bilinear(p, ts, ys, backend="triton", config=cfg), bilinear_reference(p, d64, [y.double() for y in ys], fp64=True),
+             bilinear_reference(_abs_plan(p), [t.abs() for t in d64], [y.double().abs() for y in ys], fp64=True))):
+        _close(got[0], want[0], scale[0], 1e-5, "vec tf32x3")
+        _close(got[1][128], want[1][128], scale[1][128], 1e-5, "gram tf32x3")
+    pd, olds, news = drift_case(80, torch.float32, seed=6)
+    a = [0.9, 0.8, 0.95, 1.0, 0.7]
+    got = drift(pd, olds, news, a, backend="triton", config=Config(input_precision="tf32x3"))
+    want = drift_reference(pd, [t.double() for t in olds], [t.double() for t in news], a, fp64=True)
+    check_drift(got, want, 1e-5, "drift tf32x3")
+
+
+def test_grouped_twin_groups_views_not_terms():
+    """The grouped twin stacks same-shape views: a Llama plan of several layers has a handful of groups
+    (one bmm / reduction each) and blocks, not one per term; the structure is cached per plan and
+    layout (and rebuilt for other strides)."""
+    from conserve.kernels import reference as R
+
+    p, ts = llama_block(nH=4, nKV=2, D=16, H=24, I=20, seed=8)
+    s = R._structure(p, ts, None, False, torch.float32, torch.device("cpu"))
+    assert len(s.grams) == 2  # (D, contracted length): q/k/v rows and o columns (24), q/v biases (1)
+    assert sum(len(g.blocks) for g in s.grams) < len(p.grams) / 2
+    assert R._structure(p, ts, None, False, torch.float32, torch.device("cpu")) is s
+    ts2 = [t.t().contiguous().t() if t.dim() == 2 else t for t in ts]
+    assert R._structure(p, ts2, None, False, torch.float32, torch.device("cpu")) is not s
+    got = evaluate_reference(p, ts2, fp64=True)
+    want = _evaluate_looped(p, [t.double() for t in ts], None, True)
+    sv, sg = evaluate_reference(_abs_plan(p), [t.double().abs() for t in ts], fp64=True)
+    _close(got[0], want[0], sv, 1e-12, "vec")
+    _close(got[1][16], want[1][16], sg[16], 1e-12, "gram")
 
 
 def test_drift_bad_input():
@@ -775,7 +902,7 @@ def test_gram_terms_sorted_by_layout_within_a_slot():
     p.grams.append(GramTerm(View(0, (0, 4), 1, 8, 0, 24), -1.0, s))  # columns of w: layout 1
     p.grams.append(GramTerm(View(1, (0, 0), 0, 8, 1, 20, row_step=3), 1.0, s))  # every 3rd row of big: layout 0
     ts = [w, big, randn(60, 50, gen=g).t()[::2]]
-    st = L.build(p, ts, None, False, L.Config())
+    st = L.build(p, ts, None, False, L.Tiles())
     (lch,) = st.gram[0].launches
     assert list(lch.terms[:, 4]) == [0, 1, 2]
     assert (lch.items[:, 6] == 1).all() and (lch.items[:, 7] == 2).all()
@@ -805,3 +932,24 @@ def test_drift_inputs_users_pass():
     for backend in ("torch", "triton"):
         with pytest.raises(ValueError, match=r"not reserved with plan.new_gram\(4\)"):
             evaluate(bad, [o], backend=backend)
+
+
+def test_work_tables_have_the_named_columns():
+    """Every table the builders emit has the width ``tables.py`` names (the kernels index it by those
+    names), and a row built by name must name every column."""
+    from conserve.kernels import tables as TB
+
+    p, ts = llama_block(seed=13)
+    st = L.build(p, ts, None, False, L.Tiles())
+    for b in st.gram:
+        assert b.groups.shape[1] == TB.GRAM_GROUP.COLS
+        for l in b.launches:
+            assert l.terms.shape[1] == TB.GRAM_TERM.COLS and l.items.shape[1] == TB.GRAM_ITEM.COLS
+            assert (l.terms[:, TB.GRAM_TERM.N] > 0).all()
+    for l in st.norm:
+        assert l.regions.shape[1] == TB.REGION.COLS and l.items.shape[1] == TB.NORM_ITEM.COLS
+    assert st.finish.shape[1] == TB.FINISH_ROW.COLS and st.finish_blocks.shape[1] == TB.FINISH_BLOCK.COLS
+    f, _ = L.launch_factors(st.gram[0].launches[0], [0.9] * len(ts))
+    assert f.shape[1] == TB.FACTOR.COLS and np.allclose(f[:, TB.FACTOR.A], 0.9)
+    with pytest.raises(KeyError, match="columns are"):
+        TB.FACTOR.row(a=1.0)

@@ -17,7 +17,8 @@ import torch
 
 from ..report import json_safe
 from ..continuity import continuity_report, group_projections, random_baseline
-from ..errors import UsageError
+from ..checkpoint import describe_nonfinite, nonfinite
+from ..errors import NonFiniteError, UsageError
 
 PAPER = {"q_proj": "v1", "k_proj": "v1", "gate_proj": "v1", "up_proj": "v1", "o_proj": "u1", "down_proj": "u1",
          "v_proj": "low"}
@@ -86,7 +87,13 @@ def _loader(index):
         f = index[name][0]
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt")
-        return handles[f].get_tensor(name)
+        t = handles[f].get_tensor(name)
+        bad = nonfinite({name: t})
+        if bad:  # an SVD of it would fail with a traceback or return NaN; name the tensor instead
+            raise NonFiniteError(f"{describe_nonfinite(bad, {name: tuple(t.shape)})} in {f.name}: the continuity "
+                                 "metrics of a NaN/Inf weight are undefined; the training diverged or the file is "
+                                 "corrupt, use an earlier checkpoint or leave this type out with --types")
+        return t
 
     return load
 

@@ -2,8 +2,12 @@
 
 PATH is a local HF checkpoint directory (``config.json`` + ``model.safetensors`` or shards with
 ``model.safetensors.index.json``) or one ``.safetensors`` file. The model is built on the meta device
-from the config (no weights allocated) and handed to ``conserve.detection.hf.detect_from_config``; the
-detected parameter names are matched to the checkpoint's tensor names (``conserve.checkpoint.match_names``).
+from the config (no weights allocated, ``conserve.detection.hf.meta_model``) and handed to ``conserve.detect``;
+the detected parameters are mapped onto the checkpoint's tensors (``conserve.checkpoint.resolve``: names
+that differ by one prefix, and the per-expert or transposed on-disk layouts of MoE experts).
+
+Integer, bool and 8-bit-float (quantised) tensors are refused before evaluation (one line naming the
+tensor and the fix); NaN/Inf weights are named with their counts after the values are printed (exit 2).
 
 Prints a table per layer (family, laws, instances, parameters read), the declined blocks with their
 reasons and every module with no law detected. ``--values`` evaluates the invariants from the
@@ -28,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import Checkpoint, match_names, open_checkpoint
-from ..errors import UsageError
+from ..checkpoint import Checkpoint, check_float, describe_nonfinite, nonfinite, open_checkpoint, resolve
+from ..errors import NonFiniteError, UsageError
 from ..laws import Law, Ref, evaluate_laws
 
 GUARD = 1e-4  # same guard as conserve.tracker.GUARD
@@ -123,9 +127,12 @@ def config_from_names(shapes: dict[str, tuple[int, ...]], args) -> tuple[dict, b
 
 
 def detect_checkpoint(ck: Checkpoint, args):
-    """``(Detection, {param name: checkpoint key})`` for a checkpoint. Raises UsageError."""
+    """``(Detection, {param name: checkpoint key})`` for a checkpoint. The Detection also carries ``shapes``
+    (the model's shape of every parameter a law reads) and ``rename`` (transformers' on-load key renaming),
+    which ``resolve`` needs to map a second checkpoint. Raises UsageError."""
     try:
-        from ..detection.hf import detect_from_config
+        from ..detection import detect
+        from ..detection.hf import meta_model
     except ImportError as e:  # transformers missing
         raise UsageError(f"inspecting an HF checkpoint needs transformers ({e}); pip install transformers") from None
     options = dict(loss=args.loss)
@@ -153,11 +160,35 @@ def detect_checkpoint(ck: Checkpoint, args):
         cfg = transformers.AutoConfig.for_model(**config)
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{ck.path}: transformers cannot read this config ({e})") from None
-    found = detect_from_config(cfg, **options)
-    params = [p for law in found.laws for p in law.params]
-    names = match_names(dict.fromkeys(params), ck.shapes)
+    model = meta_model(cfg)
+    found = detect(model, cfg, **options)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    found.shapes = {p: shapes[p] for law in found.laws for p in law.params}  # for resolve() of a second checkpoint
+    found.rename = _hf_rename(model)
+    names = resolve(ck, found.shapes, found.rename)
     _check_fits(found.laws, names, ck)
     return found, names
+
+
+def _hf_rename(model):
+    """``key -> key`` applying the renamings transformers itself applies on load to this model's checkpoint
+    keys (``conversion_mapping``: e.g. GPT-NeoX ``embed_out.`` -> ``lm_head.``, Mixtral ``block_sparse_moe``
+    -> ``mlp``); the identity when this transformers has no such mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        maps = [t for t in get_model_conversion_mapping(model)
+                if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
+    except Exception:  # noqa: BLE001 - older transformers, or a model it cannot map: names are used as written
+        return None
+
+    def rename(key: str) -> str:
+        for t in maps:
+            key = t.rename_source_key(key)[0]
+        return key
+
+    return rename if maps else None
 
 
 def _check_fits(laws, names, ck) -> None:
@@ -191,16 +222,20 @@ def _abs(law: Law) -> Law:
 
 
 def evaluate_checkpoint(ck: Checkpoint, laws: list[Law], names: dict[str, str], device="cpu", *,
-                        magnitude: bool = False, fp64: bool = True, backend: str = "auto") -> dict[str, torch.Tensor]:
+                        magnitude: bool = False, fp64: bool = True, backend: str = "auto",
+                        bad: dict | None = None) -> dict[str, torch.Tensor]:
     """``{law.name: h}`` from the checkpoint's tensors (float64 accumulation unless ``fp64=False``), one layer
     at a time so only that layer's tensors are in memory. ``magnitude=True`` evaluates every term with a
     + sign instead (the scale used to guard ``eps``). ``backend``: see ``conserve.kernels.evaluate``.
-    Values are returned on the CPU as float64."""
+    Values are returned on the CPU as float64. NaN/Inf tensors are counted into ``bad`` ({checkpoint key:
+    (NaN count, Inf count)}) when given (their laws then evaluate to NaN/Inf)."""
     out = {}
     for _, group in sorted(_groups(laws).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         need = list(dict.fromkeys(p for law in group for p in law.params))
         loaded = ck.tensors([names[p] for p in need], device)
         tensors = {p: loaded[names[p]] for p in need}
+        if bad is not None:
+            bad.update(nonfinite(loaded))
         vals = evaluate_laws([_abs(l) for l in group] if magnitude else group, tensors, fp64=fp64, backend=backend)
         out.update({k: v.detach().to("cpu", torch.float64) for k, v in vals.items()})
         del loaded, tensors
@@ -342,7 +377,12 @@ def main(args) -> int:
     det, names = detect_checkpoint(ck, args)
     con = _console()
     src = "raw safetensors (architecture from tensor names)" if ck.raw else f"config model_type={ck.config.get('model_type')!r}"
-    con.print(f"{paths[0]}: {len(ck.shapes)} tensors, {src}")
+    n_disk = sum(1 for k in ck.shapes if k not in ck.fused or ck.fused[k].keys() == [k])
+    con.print(f"{paths[0]}: {n_disk} tensors, {src}")
+    if ck.fused:
+        con.print(f"read through the checkpoint's layout ({len(ck.fused)} model tensors): "
+                  + "; ".join(_describe_fused(n, f) for n, f in list(ck.fused.items())[:3])
+                  + ("; ..." if len(ck.fused) > 3 else ""), overflow="fold")
     print_detection(con, str(paths[0]), det, names, args.laws)
     if not (args.values or other is not None):
         return 0
@@ -350,19 +390,48 @@ def main(args) -> int:
         raise UsageError(f"{paths[0]}: no law detected, nothing to evaluate")
     dev = _device(args.device)
     kw = dict(fp64=not args.fp32, backend=args.backend)
-    vals = evaluate_checkpoint(ck, det.laws, names, dev, **kw)
+    check_float(ck, names.values())
+    bad: dict = {}
+    vals = evaluate_checkpoint(ck, det.laws, names, dev, bad=bad, **kw)
     mag = evaluate_checkpoint(ck, det.laws, names, dev, magnitude=True, **kw)
     if args.values:
         print_values(con, det.laws, vals, mag)
+    nonfinite_in = [(paths[0], bad, ck)] if bad else []
     if other is not None:
         try:
-            names_b = match_names(names, other.shapes)
+            names_b = resolve(other, det.shapes, det.rename)
         except UsageError as e:
             raise UsageError(f"{paths[1]} does not hold the same model: {e}") from None
-        bad = [p for p, k in names_b.items() if other.shapes[k] != ck.shapes[names[p]]]
-        if bad:
-            raise UsageError(f"{paths[1]} does not hold the same model: {bad[0]!r} has shape "
-                             f"{other.shapes[names_b[bad[0]]]} there, {ck.shapes[names[bad[0]]]} in {paths[0]}")
-        vals_b = evaluate_checkpoint(other, det.laws, names_b, dev, **kw)
+        diff = [p for p, k in names_b.items() if other.shapes[k] != ck.shapes[names[p]]]
+        if diff:
+            raise UsageError(f"{paths[1]} does not hold the same model: {diff[0]!r} has shape "
+                             f"{other.shapes[names_b[diff[0]]]} there, {ck.shapes[names[diff[0]]]} in {paths[0]}")
+        check_float(other, names_b.values())
+        bad_b: dict = {}
+        vals_b = evaluate_checkpoint(other, det.laws, names_b, dev, bad=bad_b, **kw)
         print_compare(con, paths[0], paths[1], compare(det.laws, vals, vals_b, mag))
+        if bad_b:
+            nonfinite_in.append((paths[1], bad_b, other))
+    if nonfinite_in:
+        _nonfinite(con, nonfinite_in)
     return 0
+
+
+def _describe_fused(name: str, f) -> str:
+    """``model.layers.0.mlp.experts.gate_up_proj = stack of (experts.0.w1.weight, experts.0.w3.weight) x 3``."""
+    if not f.stack:
+        return f"{name} = {f.parts[0][0]}" + (" transposed" if f.transpose else "")
+    first = ", ".join(f.parts[0])
+    return f"{name} = stack of ({first}) x {len(f.parts)}" + (" transposed" if f.transpose else "")
+
+
+def _nonfinite(con, found: list) -> None:
+    """Name the NaN/Inf tensors of each checkpoint in the output, then fail (exit 2), after everything that
+    was computed has been printed. ``found``: ``[(path, {key: (nan, inf)}, Checkpoint)]``."""
+    texts = []
+    for path, bad, ck in found:
+        text = describe_nonfinite(bad, ck.shapes)
+        con.print(f"non-finite weights in {path}: {text}", overflow="fold")
+        texts.append(f"{path}: {len(bad)} weight tensor(s) hold NaN/Inf ({text})")
+    raise NonFiniteError("; ".join(texts) + "; the laws that read them are NaN: the training diverged or the file "
+                         "is corrupt, inspect an earlier checkpoint")

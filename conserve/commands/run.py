@@ -1,7 +1,9 @@
 """``conserve run``: train the reference LM on text with conservation-law tracking.
 
 Writes a run directory: ``config.json``, ``metrics.jsonl`` (appended and flushed as it goes),
-``summary.md`` / ``summary.json`` and ``eps.png`` / ``drift.png``; TensorBoard events with ``--tensorboard``.
+``summary.md`` / ``summary.json`` and ``eps.png`` / ``drift.png`` / ``layers.png`` (``conserve.report``);
+TensorBoard events with ``--tensorboard``. A run that diverges (NaN/Inf or exploding loss, ``eps`` beyond
+``--max-eps``) or is interrupted (Ctrl-C) stops with the summary and plots of what was recorded.
 The default model covers every law family of the paper: RoPE pairs (layers 0, 2), a NoPE layer with MHA
 QK Gram laws (layer 1), VO Grams, SwiGLU units, an MoE layer (router sum and experts' units), pre-norm
 gains and the untied output translation law.
@@ -10,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import math
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from ..errors import NonFiniteError, UsageError
-from ..train import add_threads_argument, torch_threads
+from ..errors import DivergenceError, NonFiniteError, UsageError
+from .common import add_device_argument, add_threads_argument, resolve_device, torch_threads
 
 OPTIMIZERS = ("gd", "sgd", "momentum", "adamw")
 SIZES = {  # hidden, layers, heads, kv heads, intermediate, experts
@@ -58,7 +59,9 @@ def add_arguments(p) -> None:
     o.add_argument("--batch-size", type=int, default=16)
     o.add_argument("--seq-len", type=int, default=64)
     o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(o)
+    o.add_argument("--max-eps", type=float, default=1e3,
+                   help="stop as diverged when a family's eps exceeds this (default 1e3; 0 disables)")
     add_threads_argument(o)
     o.add_argument("--fp64-laws", action="store_true", help="accumulate law values in float64")
     m = p.add_argument_group("model")
@@ -104,15 +107,29 @@ _FLAG = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_
          "num_key_value_heads": "kv-heads", "intermediate_size": "size"}
 
 
-def _check_device(device: str) -> None:
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UsageError(f"unknown --device {device!r}; use cpu or cuda[:N]") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but no GPU is available; use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {device!r} is not supported; use cpu or cuda[:N]")
+def _check_memory(cfg, args, device: str) -> None:
+    """Refuse sizes whose attention scores alone cannot fit (B x heads x T x T floats, kept for backward)."""
+    import torch
+
+    need = 3 * args.batch_size * cfg.num_attention_heads * args.seq_len ** 2 * 4
+    if device.startswith("cuda"):
+        have = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        import os
+
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise UsageError(f"--batch-size {args.batch_size} --seq-len {args.seq_len} needs ~{need / 2**30:.0f} GiB for "
+                         f"the attention scores alone ({have / 2**30:.0f} GiB on {device}); lower --seq-len or --batch-size")
+
+
+def _out_of_memory(e: BaseException, args) -> UsageError | None:
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e):
+        return UsageError(f"out of memory at --batch-size {args.batch_size} --seq-len {args.seq_len}; lower --seq-len or "
+                          "--batch-size (or a smaller --size)")
+    return None
 
 
 def build_config(args):
@@ -158,6 +175,8 @@ def make_optimizer(name: str, params, lr: float | None, weight_decay: float, mom
         raise UsageError(f"--weight-decay must be >= 0, got {weight_decay}")
     if name == "momentum" and not 0 <= momentum < 1:
         raise UsageError(f"--momentum must be in [0, 1), got {momentum}")
+    import torch
+
     if name in ("gd", "sgd"):
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay), lr
     if name == "momentum":
@@ -171,34 +190,43 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
+    import torch
+
     from .. import JSONLSink, track
     from ..data import Batches, load_tokens
     from ..models import DecoderLM
-    from ..report import plot_drift, plot_eps, read_metrics, write_summary
+    from ..report import plot_all, read_metrics, write_summary
     from ..sinks import TensorBoardSink
     from ..train import train
 
     for name in ("steps", "batch_size", "seq_len", "every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    _check_device(args.device)
+    if not (args.max_eps >= 0):
+        raise UsageError(f"--max-eps must be >= 0 (0 disables the check), got {args.max_eps}")
+    device = resolve_device(args.device)
     tokens, source = load_tokens(args.data)
     cfg = build_config(args)
+    _check_memory(cfg, args, device)
     torch.manual_seed(args.seed)
     try:
-        model = DecoderLM(cfg).to(args.device)
+        model = DecoderLM(cfg).to(device)
     except ValueError as e:
         raise UsageError(str(e)) from None
     opt, lr = make_optimizer(args.optimizer, model.parameters(), args.lr, args.weight_decay, args.momentum)
+    batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
     out = out_dir(args.out)  # created only once the inputs are known to be good
     config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()), "optimizer": args.optimizer,
               "lr": lr, "weight_decay": args.weight_decay, "momentum": args.momentum if args.optimizer == "momentum" else 0.0,
               "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
-              "device": args.device, "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters())}
+              "device": device, "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters())}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         metrics.unlink()  # a re-run into the same directory starts a fresh series
+    if args.tensorboard and (out / "tb").is_dir():
+        for old in (out / "tb").glob("events.out.tfevents.*"):  # ... in TensorBoard too (no second series)
+            old.unlink()
     sinks = [JSONLSink(metrics)] + ([TensorBoardSink(out / "tb")] if args.tensorboard else [])
     monitors = []
     if args.continuity:
@@ -206,29 +234,49 @@ def _main(args) -> int:
 
         monitors.append(ContinuityMonitor(model, every=1))
     tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors)
-    batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
-    declined = [asdict(d) for d in tracked.tracker.declined]
-    print(f"conserve run: {config['parameters']:,} parameters, {len(tracked.tracker.laws)} laws in "
-          f"{len(tracked.tracker.families)} families ({', '.join(tracked.tracker.families)}); data: {source}; out: {out}")
-    failure = None
+    tracker = tracked.tracker
+    from ..tracking.control import ControlMonitor
+
+    tracker.monitors.append(ControlMonitor(tracker.laws, dict(model.named_parameters()), fp64=args.fp64_laws))
+    declined = [asdict(d) for d in tracker.declined]
+    print(f"conserve run: {config['parameters']:,} parameters, {len(tracker.laws)} laws in "
+          f"{len(tracker.families)} families ({', '.join(tracker.families)}); data: {source}; out: {out}")
+    stopped, code = None, 0
     t0 = time.time()
     try:
-        train(model, tracked, batches, args.steps, device=args.device, progress=not args.no_progress,
-              log_every=max(1, min(args.every, 10)), description=f"{args.optimizer} lr={lr:g}")
-        tracked.close()
-    except NonFiniteError as e:
-        failure = str(e)
-        for s in sinks:
-            s.close()
-    records = read_metrics(metrics)
-    totals = tracked.tracker.totals() if failure is None else None
+        train(model, tracked, batches, args.steps, device=device, progress=not args.no_progress,
+              log_every=max(1, min(args.every, 10)), description=f"{args.optimizer} lr={lr:g}",
+              max_eps=args.max_eps or None, max_loss_ratio=3.0)
+    except (NonFiniteError, DivergenceError) as e:
+        stopped, code = str(e), 2
+    except KeyboardInterrupt:
+        stopped, code = f"interrupted (Ctrl-C) after step {tracker.step_count}", 130
+    except RuntimeError as e:
+        oom = _out_of_memory(e, args)
+        if oom is None:
+            raise
+        stopped, code = str(oom), 2
+    finally:
+        try:
+            tracked.close()  # flush what is pending (rows of a stopped run are already flushed)
+        except (NonFiniteError, OSError) as e:
+            stopped = stopped or str(e)
+            code = code or 2
+            for s in sinks:
+                s.close()
+    records = read_metrics(metrics) if metrics.exists() else []
+    totals = tracker.totals() if code == 0 or code == 130 else None
+    broken = getattr(tracker, "broken_by_family", None)
     write_summary(out, records, config, totals, {"declined": declined, "seconds": round(time.time() - t0, 1),
-                                                 **({"stopped": failure} if failure else {})})
+                                                 **({"stopped": stopped} if stopped else {})},
+                  broken() if callable(broken) else None)
     if records:
-        plot_eps(records, out / "eps.png", f"{args.optimizer}, lr={lr:g}, {source.split('/')[-1]}")
-        plot_drift(records, out / "drift.png")
-    if failure:
-        raise UsageError(failure)
-    print(f"wrote {out}/: config.json metrics.jsonl summary.md summary.json eps.png drift.png")
-    print((out / "summary.md").read_text().split("\n\neps:")[0])
-    return 0
+        plot_all(records, out, f"{args.optimizer}, lr={lr:g}, {source.split('/')[-1]}")
+    if code == 2:
+        raise UsageError(stopped)
+    print(f"wrote {out}/: config.json metrics.jsonl summary.md summary.json eps.png drift.png layers.png")
+    text = (out / "summary.md").read_text()
+    print(text.split("\n## Drift")[0].rstrip())
+    if code == 130:
+        print(f"conserve run: {stopped}; the summary and plots above cover what was recorded", file=sys.stderr)
+    return code

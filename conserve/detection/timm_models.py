@@ -56,18 +56,38 @@ def attention_laws(c: Collector, path: str, attn, layer) -> list | None:
     nh, d = attn.num_heads, attn.head_dim
     a = nh * d
     qkv, proj = f"{path}.qkv", f"{path}.proj"
-    qs, ps = attn.qkv.weight.shape, attn.proj.weight.shape
-    has_b = attn.qkv.bias is not None
+    scale_norm = not isinstance(attn.norm, nn.Identity)
+    head_laws(c, path, attn, layer, qkv=(qkv, attn.qkv, attn.qkv.bias is not None and f"{qkv}.bias"),
+              starts=(0, a, 2 * a), proj=None if scale_norm else (f"{proj}.weight", attn.proj.weight.shape, 0),
+              note="timm fused qkv")
+    if scale_norm:
+        c.declined.append(Declined(f"{path}.norm", "scale_norm", "a norm between the attention output and proj "
+                                   "breaks the VO law; its own gain law is read by proj"))
+        gain_law(c, f"{path}.norm", attn.norm, [linear_cols(proj, attn.proj)], layer, "attn.proj")
+    c.mark(path)
+    return [linear_cols(qkv, attn.qkv)]
+
+
+def head_laws(c: Collector, path: str, attn, layer, *, qkv, starts, proj, note: str) -> None:
+    """Per-head QK Gram (or QK-norm scale + gain laws) and VO Gram laws of one attention whose q, k, v are
+    row blocks of one fused Linear ``qkv = (path, module, bias name or None)`` starting at rows
+    ``starts = (q0, k0, v0)``; head i owns rows ``start + i*D + [0, D)``. ``proj = (weight name, shape,
+    first column)`` is the output projection (None: no VO law). ``attn`` gives num_heads, head_dim,
+    q_norm and k_norm."""
+    nh, d = attn.num_heads, attn.head_dim
+    qkv_path, lin, bias = qkv
+    qs = lin.weight.shape
+    q0, k0, v0 = starts
 
     def b(start):
-        return vector(f"{qkv}.bias", start, d) if has_b else None
+        return vector(bias, start, d) if bias else None
 
-    scale_norm = not isinstance(attn.norm, nn.Identity)
     qk_norm = _qk_norm(attn)
+    keep = eps = None
     if qk_norm:
         eps = getattr(attn.q_norm, "eps", None)
         keep = eps == 0 or c.options.get("approximate")
-        c.declined.append(Declined(f"{path}.qkv", "QK-norm: QK Gram laws", "per-head q_norm/k_norm remove the GL(D) "
+        c.declined.append(Declined(qkv_path, "QK-norm: QK Gram laws", "per-head q_norm/k_norm remove the GL(D) "
                                    "symmetry of the q/k rows; replaced by the scale laws ||Q_i||_F^2, ||K_i||_F^2 "
                                    "(spec: breakers, QK-norm)"))
         qn, kn = norm_parts(attn.q_norm), norm_parts(attn.k_norm)
@@ -80,13 +100,14 @@ def attention_laws(c: Collector, path: str, attn, layer) -> list | None:
                                           vector(f"{path}.k_norm.bias", 0, d) if kn[1] else None],
                                    note="per head dim t: g_q[t]^2 + b_q[t]^2 - g_k[t]^2 - b_k[t]^2"))
         c.mark(f"{path}.q_norm", f"{path}.k_norm")
+    w = f"{qkv_path}.weight"
     for i in range(nh):
-        q_i = [rows(f"{qkv}.weight", qs, i * d, d), b(i * d)]
-        k_i = [rows(f"{qkv}.weight", qs, a + i * d, d), b(a + i * d)]
+        q_i = [rows(w, qs, q0 + i * d, d), b(q0 + i * d)]
+        k_i = [rows(w, qs, k0 + i * d, d), b(k0 + i * d)]
         if qk_norm and keep:
-            note = "QK-norm scale law" + ("" if eps == 0 else f" (approximate: eps={eps}, error O(eps / mean(q^2)))")
-            c.add(ScaleLaw.build(f"{path}/qk_scale/q_head{i}", layer, blocks=q_i, note=note),
-                  ScaleLaw.build(f"{path}/qk_scale/k_head{i}", layer, blocks=k_i, note=note))
+            law_note = "QK-norm scale law" + ("" if eps == 0 else f" (approximate: eps={eps}, error O(eps / mean(q^2)))")
+            c.add(ScaleLaw.build(f"{path}/qk_scale/q_head{i}", layer, blocks=q_i, note=law_note),
+                  ScaleLaw.build(f"{path}/qk_scale/k_head{i}", layer, blocks=k_i, note=law_note))
         elif qk_norm:
             for x in ("q", "k"):
                 c.declined.append(Declined(f"{path}/qk_scale/{x}_head{i}", "QK-norm scale law",
@@ -94,16 +115,57 @@ def attention_laws(c: Collector, path: str, attn, layer) -> list | None:
                                            "to O(eps / mean(q^2)), so ||Q||^2 drifts by that much; pass "
                                            "approximate=True to track it anyway"))
         else:
-            c.add(QKGram.build(f"{path}/qk/head{i}", layer, plus=q_i, minus=k_i, note="timm fused qkv"))
-        if not scale_norm:
-            c.add(VOGram.build(f"{path}/vo/head{i}", layer, plus=[rows(f"{qkv}.weight", qs, 2 * a + i * d, d), b(2 * a + i * d)],
-                               minus=[cols(f"{proj}.weight", ps, i * d, d)], note="timm fused qkv"))
-    if scale_norm:
-        c.declined.append(Declined(f"{path}.norm", "scale_norm", "a norm between the attention output and proj "
-                                   "breaks the VO law; its own gain law is read by proj"))
-        gain_law(c, f"{path}.norm", attn.norm, [linear_cols(proj, attn.proj)], layer, "attn.proj")
+            c.add(QKGram.build(f"{path}/qk/head{i}", layer, plus=q_i, minus=k_i, note=note))
+        if proj is not None:
+            pw, ps, p0 = proj
+            c.add(VOGram.build(f"{path}/vo/head{i}", layer, plus=[rows(w, qs, v0 + i * d, d), b(v0 + i * d)],
+                               minus=[cols(pw, ps, p0 + i * d, d)], note=note))
+
+
+def parallel_block_laws(c: Collector, path: str, blk, layer) -> None:
+    """timm ``ParallelScalingBlock`` (ViT-22B): ``y = in_proj(in_norm(x))`` split by rows into
+    ``[mlp (M) | q (C) | k (C) | v (C)]``; attention as in ``head_laws`` on those row blocks, output by
+    ``attn_out_proj`` (or columns ``[0, C)`` of a fused ``out_proj``); MLP ``mlp_out_proj(act(x_mlp +
+    mlp_bias))`` (columns ``[C, C + M)`` of a fused ``out_proj``): ReLU unit law, none for GELU/SiLU;
+    ``in_norm`` gain law read by every column of ``in_proj``; LayerScale ``ls`` on the sum of both outputs:
+    ``gamma_c^2`` minus row c of both output maps (and their biases)."""
+    lin, C, M = blk.in_proj, blk.num_heads * blk.head_dim, blk.in_split[0]
+    if list(blk.in_split) != [M, C, C, C] or not isinstance(lin, nn.Linear):
+        c.decline(path, "ParallelScalingBlock", f"in_proj split {blk.in_split} is not [mlp | q | k | v]: no law")
+        return
+    ip = f"{path}.in_proj"
+    bias = f"{ip}.bias" if lin.bias is not None else None
+    fused = blk.out_proj is not None
+    if fused:
+        outs = [(f"{path}.out_proj", blk.out_proj)]
+        attn_proj = (f"{path}.out_proj.weight", blk.out_proj.weight.shape, 0)
+        down = (f"{path}.out_proj.weight", blk.out_proj.weight.shape, C)
+    else:
+        outs = [(f"{path}.attn_out_proj", blk.attn_out_proj), (f"{path}.mlp_out_proj", blk.mlp_out_proj)]
+        attn_proj = (f"{path}.attn_out_proj.weight", blk.attn_out_proj.weight.shape, 0)
+        down = (f"{path}.mlp_out_proj.weight", blk.mlp_out_proj.weight.shape, 0)
+    head_laws(c, path, blk, layer, qkv=(ip, lin, bias), starts=(M, M + C, M + 2 * C), proj=attn_proj,
+              note="timm ParallelScalingBlock in_proj rows [mlp | q | k | v]")
+    act = blk.mlp_act
+    up_b = vector(bias, 0, M) if bias else (vector(f"{path}.mlp_bias", 0, M) if blk.mlp_bias is not None else None)
+    if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
+        c.add(ReLUUnit.build(f"{path}/mlp/unit", layer, up=rows(f"{ip}.weight", lin.weight.shape, 0, M), up_bias=up_b,
+                             down=cols(down[0], down[1], down[2], M), note=f"in_proj rows [0, {M}), {type(act).__name__}"))
+    else:
+        c.decline(f"{path}.mlp_act", f"{type(act).__name__} MLP of the parallel block", NO_LAW_ACT)
+    gain_law(c, f"{path}.in_norm", blk.in_norm, [linear_cols(ip, lin)], layer, "in_proj (mlp, q, k, v)")
+    if not isinstance(blk.ls, nn.Identity):
+        if _is(blk.ls, "LayerScale") and isinstance(getattr(blk.ls, "gamma", None), nn.Parameter):
+            readers = []
+            for op, o in outs:
+                readers.append(rows(f"{op}.weight", o.weight.shape, 0, C))
+                if o.bias is not None:
+                    readers.append(vector(f"{op}.bias", 0, C))
+            c.add(LayerScaleBalance.build(f"{path}.ls/layer_scale", layer, gain=vector(f"{path}.ls.gamma", 0, C),
+                                          readers=readers, note="LayerScale gamma times the rows of both output maps"))
+        else:
+            c.decline(f"{path}.ls", type(blk.ls).__name__, "residual scale not recognised: no law detected")
     c.mark(path)
-    return [linear_cols(qkv, attn.qkv)]
 
 
 def mlp_laws(c: Collector, path: str, mlp, layer) -> list | None:
@@ -129,19 +191,46 @@ def mlp_laws(c: Collector, path: str, mlp, layer) -> list | None:
             c.declined.append(Declined(f"{path}.fc1_x", "SwiGLU with a hidden norm", "the norm between fc1 and fc2 "
                                        "breaks the per-unit law; its gain law is read by fc2"))
             gain_law(c, f"{path}.norm", mlp.norm, [linear_cols(f"{path}.fc2", mlp.fc2)], layer, "mlp.fc2")
-        elif isinstance(mlp.act, nn.SiLU):
+        elif _elementwise(mlp.act):
             n = mlp.fc1_x.out_features
             c.add(SwiGLUUnit.build(f"{path}/unit", layer, up=rows(f"{path}.fc1_x.weight", mlp.fc1_x.weight.shape, 0, n),
                                    up_bias=vector(f"{path}.fc1_x.bias", 0, n) if mlp.fc1_x.bias is not None else None,
                                    down=cols(f"{path}.fc2.weight", mlp.fc2.weight.shape, 0, n),
-                                   note="timm SwiGLU: up = fc1_x (gate fc1_g not involved)"))
+                                   note=f"timm SwiGLU ({type(mlp.act).__name__} gate): up = fc1_x (gate fc1_g not "
+                                        "involved)"))
         else:
-            c.declined.append(Declined(path, f"GLU with {type(mlp.act).__name__}", "gated unit with a non-SiLU "
-                                       "gate: not recognised, no law detected"))
+            c.declined.append(Declined(path, f"GLU with {type(mlp.act).__name__}", "gate activation not "
+                                       "recognised as elementwise: no law detected"))
         c.mark(path)
         return [linear_cols(f"{path}.fc1_g", mlp.fc1_g), linear_cols(f"{path}.fc1_x", mlp.fc1_x)]
+    if _is(mlp, "GluMlp") and isinstance(mlp.fc1, nn.Linear) and isinstance(mlp.fc2, nn.Linear):
+        # fc1 rows [x1 | x2]; gate_last: x1 * act(x2), else act(x1) * x2 (SwiGLUPacked); the un-gated half is "up"
+        n = mlp.fc1.out_features // 2
+        up0 = 0 if mlp.gate_last else n
+        if hidden_norm:
+            c.declined.append(Declined(f"{path}.fc1", "GluMlp with a hidden norm", "the norm between fc1 and fc2 "
+                                       "breaks the per-unit law; its gain law is read by fc2"))
+            gain_law(c, f"{path}.norm", mlp.norm, [linear_cols(f"{path}.fc2", mlp.fc2)], layer, "mlp.fc2")
+        elif _elementwise(mlp.act):
+            c.add(SwiGLUUnit.build(f"{path}/unit", layer, up=rows(f"{path}.fc1.weight", mlp.fc1.weight.shape, up0, n),
+                                   up_bias=vector(f"{path}.fc1.bias", up0, n) if mlp.fc1.bias is not None else None,
+                                   down=cols(f"{path}.fc2.weight", mlp.fc2.weight.shape, 0, n),
+                                   note=f"timm GluMlp ({type(mlp.act).__name__} gate on fc1 rows "
+                                        f"[{n - up0}, {2 * n - up0})): up = fc1 rows [{up0}, {up0 + n})"))
+        else:
+            c.declined.append(Declined(path, f"GluMlp with {type(mlp.act).__name__}", "gate activation not "
+                                       "recognised as elementwise: no law detected"))
+        c.mark(path)
+        return [linear_cols(f"{path}.fc1", mlp.fc1)]
     c.decline(path, type(mlp).__name__, "MLP variant not recognised: no law detected")
     return None
+
+
+def _elementwise(act) -> bool:
+    """An elementwise activation module (so ``act(g) * u`` is per unit and the gate is not in the law)."""
+    from .torchnn import NO_SYMMETRY, POSITIVE_HOMOGENEOUS
+
+    return isinstance(act, NO_SYMMETRY + POSITIVE_HOMOGENEOUS) or any(_is(act, n) for n in ("GELU", "GELUTanh", "QuickGELU"))
 
 
 def layer_scale_law(c: Collector, path: str, ls, lin_path: str, lin: nn.Linear, layer) -> None:
@@ -159,6 +248,9 @@ def layer_scale_law(c: Collector, path: str, ls, lin_path: str, lin: nn.Linear, 
 
 
 def block_laws(c: Collector, path: str, blk, layer) -> None:
+    if _is(blk, "ParallelScalingBlock"):
+        parallel_block_laws(c, path, blk, layer)
+        return
     pre = _is(blk, "Block")
     post = _is(blk, "ResPostBlock")
     if not (pre or post):

@@ -230,5 +230,16 @@ class LayerScaleBalance(GainBalance):
     source = "derived (diagonal rescaling, as the spec's deep-linear row)"
 
 
+class NormScaleLaw(ScaleLaw):
+    """``||W||_F^2 + ||b||^2`` of a Linear whose whole output is normalised by a following RMSNorm /
+    LayerNorm (a post-norm on a block output, Gemma2/3, OLMo2): ``norm(c y) = norm(y)`` for eps = 0, so
+    scaling W and b by c is a symmetry (the QK-norm argument, applied to the block output). Built with
+    ``NormScaleLaw.build(name, layer, blocks=[rows of W, b])``."""
+
+    family = "norm_scale"
+    source = "derived (spec: QK-norm breaker, applied to a post-norm)"
+
+
 FAMILIES = {c.family: c for c in (SwiGLUUnit, ReLUUnit, QKGram, VOGram, RopePassGram, DeepLinearGram, RopePairs,
-                                  RouterSum, Translation, GainBalance, ScaleLaw, QKNormGain, LayerScaleBalance)}
+                                  RouterSum, Translation, GainBalance, ScaleLaw, QKNormGain, LayerScaleBalance,
+                                  NormScaleLaw)}

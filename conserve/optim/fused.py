@@ -168,6 +168,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         self._check_group(self.param_groups[-1])
+        if getattr(self, "_tracking_ready", False):  # not during __init__ (later groups still to come)
+            self.tracker.check_optimizer(self)
+
+    def _ready_tracking(self) -> None:
+        """After ``__init__``: compare the laws with the param_groups (``Tracker.check_optimizer``)."""
+        self._tracking_ready = self.tracker is not None
+        if self._tracking_ready:
+            self.tracker.check_optimizer(self)
 
     def _check_group(self, group: Mapping) -> None:
         name = type(self).__name__
@@ -371,6 +379,7 @@ class FusedAdam(_FusedOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay)
         self._setup_tracking(track, laws, named_params, tracker_kwargs)
         super().__init__(params, defaults)
+        self._ready_tracking()
 
     def _hyper(self, group) -> K.Hyper:
         self._check_group(group)
@@ -451,6 +460,7 @@ class FusedSGD(_FusedOptimizer):
                         maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused)
         self._setup_tracking(track, laws, named_params, tracker_kwargs)
         super().__init__(params, defaults)
+        self._ready_tracking()
 
     def _hyper(self, group) -> K.Hyper:
         self._check_group(group)

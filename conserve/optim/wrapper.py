@@ -5,28 +5,86 @@ The returned ``TrackedOptimizer`` is a ``torch.optim.Optimizer`` that shares ``p
 ``zero_grad`` drive the inner one. ``step()`` snapshots the tracked weights, steps the inner
 optimizer, then evaluates the laws and drift terms (``conserve.tracker.Tracker``).
 ``state_dict()`` is the inner state dict plus a ``"conserve"`` entry (ignored by torch optimizers).
+
+It runs ``torch.optim.Optimizer``'s own machinery: step pre/post hooks and state-dict hooks
+registered on it fire, ``copy.deepcopy`` copies optimizer and tracker together, GradScaler's
+``_step_supports_amp_scaling`` / ``grad_scale`` / ``found_inf`` reach the inner optimizer, and
+other attributes of the inner optimizer are readable on the wrapper. The zero-lr step that
+``torch.distributed.checkpoint.state_dict`` runs to initialise an empty optimizer state is not
+booked as a training step. For DCP, ``OptimizerState(model, opt)`` is the ``Stateful`` that
+carries the tracker state next to the optimizer state (``get_optimizer_state_dict`` keeps only
+``state`` and ``param_groups``).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import functools
+import sys
+import warnings
 
 import torch
 
 from ..tracker import Tracker
 
+__all__ = ["TrackedOptimizer", "OptimizerState", "track", "unwrap_optimizer", "attach"]
+
+# attributes GradScaler sets on / reads from the optimizer it steps: they belong to the inner one
+_FORWARDED = ("grad_scale", "found_inf")
+
+
+def _in_dcp_state_init(depth: int = 8) -> bool:
+    """True inside ``torch.distributed.checkpoint.state_dict._init_optim_state`` (its zero-lr step)."""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        f = f.f_back
+        if f is None:
+            return False
+        if f.f_code.co_name == "_init_optim_state" and \
+                f.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            return True
+    return False
+
+
+def _books_training_steps(step):
+    """Step the inner optimizer only (nothing booked) for DCP's zero-lr state initialisation; count
+    the steps that reach the tracker (``record`` uses the count to detect skipped steps)."""
+    @functools.wraps(step)
+    def wrapper(self, closure=None):
+        if _in_dcp_state_init():
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
+        return step(self, closure)
+    return wrapper
+
+
+def _check_trackable(optimizer) -> None:
+    """Refuse what ``TrackedOptimizer`` cannot wrap correctly, before a tracker (and its sinks) is built."""
+    if isinstance(optimizer, TrackedOptimizer):
+        raise ValueError("this optimizer is already tracked; pass the inner optimizer (`opt.optimizer`)")
+    if unwrap_optimizer(optimizer) is not optimizer:  # the decay factor would be read off the wrapper
+        raise ValueError(f"conserve.track got {type(optimizer).__name__}, a framework's wrapper: track the optimizer "
+                         "before wrapping it (opt = conserve.track(opt, model); then accelerator.prepare(model, opt)),"
+                         " or use conserve.integrations.hf / .lightning ConserveCallback")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"conserve.track needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                        "pass the torch optimizer itself")
+
 
 class TrackedOptimizer(torch.optim.Optimizer):
-    """Wraps ``optimizer``; ``tracker`` (a ``Tracker``) sees every step. See ``conserve.track``."""
+    """Wraps ``optimizer``; ``tracker`` (a ``Tracker``) sees every step. See ``conserve.track``.
+
+    A context manager: ``with conserve.track(opt, model) as opt:`` closes the tracker at the end
+    (flushing its rows). Raises ``ValueError`` for a framework's wrapper (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: track the optimizer inside it) and
+    ``TypeError`` if ``optimizer`` is not a ``torch.optim.Optimizer``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, tracker: Tracker):
-        if isinstance(optimizer, TrackedOptimizer):
-            raise ValueError("this optimizer is already tracked; pass the inner optimizer (`opt.optimizer`)")
-        self.optimizer, self.tracker = optimizer, tracker
-        # the hook tables torch.optim.Optimizer.__init__ would create (we do not copy param_groups)
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
+        _check_trackable(optimizer)
+        self.__dict__.update(optimizer=optimizer, tracker=tracker, _building=True)
+        try:  # Optimizer's own setup (hook tables, the hooked step); the shared attributes stay the inner's
+            torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        finally:
+            self.__dict__["_building"] = False
+        tracker.check_optimizer(optimizer)  # laws whose parameters the param_groups treat differently
 
     # shared with the inner optimizer, so schedulers and GradScaler act on it
     @property
@@ -35,7 +93,8 @@ class TrackedOptimizer(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, value):
-        self.optimizer.param_groups = value
+        if not self._building:
+            self.optimizer.param_groups = value
 
     @property
     def state(self):
@@ -43,7 +102,8 @@ class TrackedOptimizer(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value):
-        self.optimizer.state = value
+        if not self._building:
+            self.optimizer.state = value
 
     @property
     def defaults(self):
@@ -51,8 +111,48 @@ class TrackedOptimizer(torch.optim.Optimizer):
 
     @defaults.setter
     def defaults(self, value):
-        self.optimizer.defaults = value
+        if not self._building:
+            self.optimizer.defaults = value
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return getattr(self.optimizer, "_step_supports_amp_scaling", False)
+
+    def __getattr__(self, name):
+        # only reached when normal lookup fails: the inner optimizer's own attributes (e.g. a
+        # schedule-free optimizer's train()/eval(), GradScaler's grad_scale/found_inf)
+        inner = self.__dict__.get("optimizer")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __setattr__(self, name, value):
+        if name in _FORWARDED:
+            setattr(self.optimizer, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if name in _FORWARDED:
+            delattr(self.optimizer, name)
+        else:
+            super().__delattr__(name)
+
+    # copy.deepcopy / pickle: the whole wrapper (Optimizer.__getstate__ keeps only the shared attributes)
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._patch_step_function()
+
+    def __enter__(self) -> "TrackedOptimizer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.tracker.__exit__(exc_type, exc, tb)
+
+    @_books_training_steps
     def step(self, closure=None):
         """Step the inner optimizer, then evaluate the laws (no host sync unless a flush is due)."""
         self.tracker.before_step(self.optimizer)
@@ -64,21 +164,59 @@ class TrackedOptimizer(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
-        self.optimizer.add_param_group(param_group)
+        if not self._building:  # Optimizer.__init__ re-adds the inner's groups: they are there already
+            self.optimizer.add_param_group(param_group)
+            self.tracker.check_optimizer(self.optimizer)
 
     def state_dict(self) -> dict:
-        return {**self.optimizer.state_dict(), "conserve": self.tracker.state_dict()}
+        """The inner optimizer's state dict plus ``"conserve"`` (the tracker state; pending rows are
+        flushed first). State-dict hooks registered on this optimizer run as for any optimizer."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = {**self.optimizer.state_dict(), "conserve": self.tracker.state_dict()}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            got = post_hook(self, sd)
+            if got is not None:
+                sd = got
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict`` (with or without ``"conserve"``: a plain torch state dict loads the
+        inner optimizer and leaves the tracker as it is)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            got = pre_hook(self, state_dict)
+            if got is not None:
+                state_dict = got
         state_dict = dict(state_dict)
         tracked = state_dict.pop("conserve", None)
         self.optimizer.load_state_dict(state_dict)
         if tracked is not None:
             self.tracker.load_state_dict(tracked)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def record(self, **scalars) -> None:
-        """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row."""
+        """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row.
+
+        A key recorded again before the next step (the step was skipped, e.g. by ``GradScaler`` on
+        inf/NaN gradients) keeps the value of the step it belongs to; the later value is not booked
+        (one warning)."""
+        steps = self.__dict__.get("_steps", 0)
+        seen = self.__dict__.get("_recorded")
+        if seen is None or seen[0] != steps:
+            seen = self.__dict__["_recorded"] = (steps, set())
+        again = [k for k in scalars if k in seen[1]]
+        if again:
+            if not self.__dict__.get("_warned_skip"):
+                self.__dict__["_warned_skip"] = True
+                warnings.warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
+                              "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
+                              "the later ones are not booked", RuntimeWarning, stacklevel=2)
+            scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
+            if not scalars:
+                return
         self.tracker.record(**scalars)
+        seen[1].update(scalars)
 
     def flush(self):
         return self.tracker.flush()
@@ -90,6 +228,113 @@ class TrackedOptimizer(torch.optim.Optimizer):
         return f"TrackedOptimizer({self.optimizer!r}, laws={len(self.tracker.laws)})"
 
 
+class OptimizerState:
+    """A ``torch.distributed.checkpoint`` ``Stateful`` for a tracked optimizer: the optimizer state by
+    parameter name (``get_optimizer_state_dict``, which reshards under FSDP) plus the tracker state
+    under ``"conserve"`` (``get_optimizer_state_dict`` alone keeps only ``state`` and ``param_groups``).
+
+    Args:
+        model: the module the optimizer steps (as given to ``get_optimizer_state_dict``).
+        optimizer: a ``TrackedOptimizer`` or a fused conserve optimizer built with ``track=``.
+        options: ``torch.distributed.checkpoint.state_dict.StateDictOptions`` (optional).
+
+    Example::
+
+        state = {"model": model.state_dict(), "optim": conserve.optim.OptimizerState(model, opt)}
+        dcp.save(state, checkpoint_id=path)
+        ...
+        dcp.load(state, checkpoint_id=path)  # loads the optimizer and the tracker in place
+
+    Raises ``TypeError`` if the optimizer has no tracker.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options=None):
+        if getattr(optimizer, "tracker", None) is None:
+            raise TypeError(f"OptimizerState needs a tracked optimizer (conserve.track(...)); got "
+                            f"{type(optimizer).__name__}")
+        self.model, self.optimizer, self.options = model, optimizer, options
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {"optim": get_optimizer_state_dict(self.model, self.optimizer, options=self.options),
+                "conserve": self.optimizer.tracker.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict["optim"], options=self.options)
+        self.optimizer.tracker.load_state_dict(state_dict["conserve"])
+
+
+def unwrap_optimizer(optimizer):
+    """Strip the pass-through wrappers training frameworks put around a torch optimizer: accelerate's
+    ``AcceleratedOptimizer`` (``.optimizer``) and Lightning's ``LightningOptimizer`` (``._optimizer``).
+    Optimizers that change the update (Lookahead, ZeRO, a ``TrackedOptimizer``) are returned as they are."""
+    while True:
+        name = type(optimizer).__name__
+        if name == "AcceleratedOptimizer" and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        elif name == "LightningOptimizer" and getattr(optimizer, "_optimizer", None) is not None:
+            optimizer = optimizer._optimizer
+        else:
+            return optimizer
+
+
+class _Attached:
+    """The step hooks ``attach`` registered (``steps``: how many steps they booked); ``remove()``
+    takes them off."""
+
+    def __init__(self, optimizer, tracker):
+        self.optimizer, self.tracker, self.steps, self._handles = optimizer, tracker, 0, []
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
+    """Drive ``tracker`` from ``optimizer``'s own step hooks, without wrapping it (the optimizer
+    object a framework holds stays the same). Each ``optimizer.step()`` that runs is booked; a step
+    GradScaler skips never runs, so it is not booked; DCP's zero-lr state initialisation is not.
+
+    Returns a handle with ``remove()``. Raises ``ValueError`` for an optimizer that tracks already
+    (``TrackedOptimizer``, fused conserve optimizer with ``track=``): use its ``tracker``."""
+    if getattr(optimizer, "tracker", None) is not None:
+        raise ValueError(f"{type(optimizer).__name__} tracks its laws already: use its `.tracker`")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+    handle = _Attached(optimizer, tracker)
+
+    def pre(opt, args, kwargs):
+        if not _in_dcp_state_init():
+            tracker.before_step(opt)
+
+    def post(opt, args, kwargs):
+        if not _in_dcp_state_init():
+            tracker.after_step()
+            handle.steps += 1
+
+    handle._handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+    return handle
+
+
+def make_tracker(model=None, laws=None, **tracker_kwargs) -> Tracker:
+    """The tracker ``track`` builds: a ``DistributedTracker`` for DTensor/FSDP/DDP models under
+    ``torch.distributed``, else a ``Tracker`` (keyword arguments as ``Tracker``)."""
+    if model is None and laws is None:
+        raise ValueError("track() needs the model (or explicit laws) to know which laws to evaluate")
+    from ..tracking.distributed import DistributedTracker, wants_distributed
+
+    policy = tracker_kwargs.pop("on_nonfinite", "raise")
+    cls = DistributedTracker if wants_distributed(model, tracker_kwargs.get("params")) else Tracker
+    tracker = cls(model, laws, **tracker_kwargs)
+    tracker.on_nonfinite = policy
+    return tracker
+
+
 def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwargs) -> torch.optim.Optimizer:
     """Track the conservation laws of ``model`` through ``optimizer``'s steps.
 
@@ -99,24 +344,21 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
         model: the module (HF, timm, torch.nn or a conserve reference model); its laws come from
             ``model.conservation_laws()`` or ``conserve.detect(model)``.
         laws: explicit laws instead of detection.
-        **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``fp64``, ``backend``, ``monitors``
-            (see ``conserve.tracker.Tracker``).
+        **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``fp64``, ``backend``, ``monitors``,
+            ``on_nonfinite`` (see ``conserve.tracker.Tracker``).
 
     Returns:
         a ``TrackedOptimizer`` (a ``torch.optim.Optimizer``).
 
     Example::
 
-        opt = conserve.track(torch.optim.AdamW(model.parameters(), lr=1e-3), model,
-                             sinks=[conserve.JSONLSink("metrics.jsonl")], every=50)
+        with conserve.track(torch.optim.AdamW(model.parameters(), lr=1e-3), model,
+                            sinks=[conserve.JSONLSink("metrics.jsonl")], every=50) as opt:
+            ...  # train; the rows are flushed when the block ends (or at exit if close() is forgotten)
     """
     from .fused import _FusedOptimizer
 
     if isinstance(optimizer, _FusedOptimizer) and getattr(optimizer, "tracker", None) is not None:
         return optimizer  # it measures inside its own step
-    if model is None and laws is None:
-        raise ValueError("track() needs the model (or explicit laws) to know which laws to evaluate")
-    from ..tracking.distributed import DistributedTracker, wants_distributed
-
-    cls = DistributedTracker if wants_distributed(model, tracker_kwargs.get("params")) else Tracker
-    return TrackedOptimizer(optimizer, cls(model, laws, **tracker_kwargs))
+    _check_trackable(optimizer)
+    return TrackedOptimizer(optimizer, make_tracker(model, laws, **tracker_kwargs))

@@ -1,4 +1,5 @@
-"""Triton path of ``evaluate`` / ``bilinear``: every term of a Plan in a handful of launches.
+"""Launch side of the Triton path (``evaluate`` / ``bilinear`` / ``drift``): every term of a Plan in a
+handful of launches.
 
 Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)`` *group*):
 
@@ -8,15 +9,16 @@ Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)
 
 On CUDA the Gram launches (1, 3a) run on a side stream concurrently with the norm launches (2, 3b).
 ``drift_triton`` (DRIFT mode): one ``_gram_kernel`` pass over old AND new weights per D for the four
-Gram pieces of the drift identity + one 4-plane ``_gram_finish`` per D (README "DRIFT mode").
+Gram pieces of the drift identity + one ``_gram_finish`` per D over 4 planes (3 with ``decay=False``:
+the decay dots are compiled out; README "DRIFT mode").  ``config.Config`` selects the fp32 dot
+precision (``"ieee"`` / ``"tf32x3"``), the Gram tile cap, the norm pipelining and the stream overlap.
 
 No host synchronisation, no atomics (bitwise deterministic for fixed tensors).  The work tables are
 built once per (plan, dtypes/shapes/strides) and re-bound only when ``data_ptr``s change
-(``prepare``); see ``launch.py`` for the table layout and ``README.md`` for what is fused.
+(``prepare``); see ``launch.py`` / ``tables.py`` for the table layout and ``README.md`` for what is fused.
 """
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -26,8 +28,11 @@ import numpy as np
 import torch
 
 from . import launch as L
-from .dispatch import check_triton_device
-from .plan import Plan, _check_drift_inputs, drift_compose, drift_factors
+from .config import Config, check_triton_device, interpreting
+from .plan import Plan
+from .tables import GRAM_TERM as GT
+from .tables import REGION as RG
+from .reference import check_drift_inputs, drift_compose, drift_factors
 
 __all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare", "Prepared", "clear_cache"]
 
@@ -36,10 +41,6 @@ DRIFT_WARPS = 4  # DRIFT mode (64 x 64 tiles, 4 accumulators): see README "DRIFT
 _CACHE: "OrderedDict[tuple, Prepared]" = OrderedDict()
 _CACHE_MAX = 32
 _LOCK = threading.Lock()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _fingerprint(plan: Plan):
@@ -59,7 +60,8 @@ class Prepared:
     the launches alone.
     """
 
-    def __init__(self, plan: Plan, xs, ys, fp64: bool, cfg: L.Config | None = None, drift: bool = False):
+    def __init__(self, plan: Plan, xs, ys, fp64: bool, cfg: L.Tiles | None = None, drift: bool = False,
+                 config: Config | None = None):
         if len(xs) == 0 and (plan.grams or plan.norms or plan.sums):
             raise ValueError("the plan has terms but no tensors were given")
         given = [t for t in xs if t is not None]
@@ -69,7 +71,7 @@ class Prepared:
             if t is not None and t.device != self.device:
                 raise ValueError(f"tensor {i % max(1, len(xs))} is on {t.device}, expected {self.device}; "
                                  "move all tensors to one device")
-        self.cfg = cfg or L.Config.for_device(self.device)
+        self.cfg = cfg or L.Tiles.for_device(self.device, config)
         self.fp64 = fp64
         self.acc = torch.float64 if fp64 else torch.float32
         self.drift = drift
@@ -105,9 +107,9 @@ class Prepared:
         self.part = {b.D: torch.empty(planes * max(1, b.n_items) * b.BT * b.BT, device=self.device, dtype=acc)
                      for b in st.gram}
         # CUDA: the (compute-bound, fp32) Gram launches run on a side stream, concurrently with the
-        # (bandwidth-bound) norm launches; CONSERVE_OVERLAP=0 serialises them (for comparison).
+        # (bandwidth-bound) norm launches; Config(overlap=False) serialises them (for comparison).
         self.side = None
-        if self.device.type == "cuda" and st.gram and st.norm and os.environ.get("CONSERVE_OVERLAP", "1") != "0":
+        if self.device.type == "cuda" and st.gram and st.norm and self.cfg.overlap:
             self.side = torch.cuda.Stream(self.device)
 
     def _bind(self, xs, ys):
@@ -130,23 +132,23 @@ class Prepared:
             for l in b.launches:
                 xd, yd = deltas[l.group]
                 terms = l.terms.copy()
-                terms[:, 0] = L.offsets(l.terms[:, 0], l.x_tensor, xd)
-                terms[:, 5] = L.offsets(l.terms[:, 5], l.y_tensor, yd) if ys is not None else 0
-                hint = list(terms[:, 0]) + list(terms[:, 5])
-                for (xo, rs, cs, n, lay, yo, yrs, ycs) in terms:
-                    hint += [cs, ycs] if lay == 1 else [rs, yrs]  # gram._strides hints the slow stride
+                terms[:, GT.X_OFF] = L.offsets(l.terms[:, GT.X_OFF], l.x_tensor, xd)
+                terms[:, GT.Y_OFF] = L.offsets(l.terms[:, GT.Y_OFF], l.y_tensor, yd) if ys is not None else 0
+                hint = list(terms[:, GT.X_OFF]) + list(terms[:, GT.Y_OFF])
+                for row in terms:  # gram._strides hints the slow stride
+                    hint += [row[GT.X_CS], row[GT.Y_CS]] if row[GT.LAYOUT] == 1 else [row[GT.X_RS], row[GT.Y_RS]]
                 lb.append((self._dev(terms), self._align(l.group, hint)))
             self.gram_bound.append(lb)
         self.norm_bound = []
         for l in st.norm:
             xd, yd = deltas[l.group]
             regs = l.regions.copy()
-            regs[:, 0] = L.offsets(l.regions[:, 0], l.x_tensor, xd)
-            regs[:, 9] = L.offsets(l.regions[:, 9], l.y_tensor, yd) if ys is not None else 0
-            hint = list(regs[:, 0]) + list(regs[:, 9])
+            regs[:, RG.X_OFF] = L.offsets(l.regions[:, RG.X_OFF], l.x_tensor, xd)
+            regs[:, RG.Y_OFF] = L.offsets(l.regions[:, RG.Y_OFF], l.y_tensor, yd) if ys is not None else 0
+            hint = list(regs[:, RG.X_OFF]) + list(regs[:, RG.Y_OFF])
             for row in regs:
-                if row[5] == 0:
-                    hint += [row[1], row[10]]
+                if row[RG.LAYOUT] == 0:
+                    hint += [row[RG.SS], row[RG.YSS]]
             self.norm_bound.append((self._dev(regs), self._align(l.group, hint)))
         self._ptrs = ptrs
 
@@ -194,10 +196,10 @@ class Prepared:
                 _gram_kernel[(len(l.items),)](
                     xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], ls["signs"], 0,
                     D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=bil, FP64=fp64,
-                    UPCAST=_upcast(l.group), FOLD=l.fold, num_warps=warps)
+                    UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, num_warps=warps)
             if len(b.groups):
                 _gram_finish[(len(b.groups), 1)](part, bs["order"], bs["groups"], grams[b.D], 0, 0,
-                                                 D=b.D, BT=b.BT, FP64=fp64, num_warps=4)
+                                                 D=b.D, BT=b.BT, FP64=fp64, SKIP1=False, num_warps=4)
 
     # ---- DRIFT mode ----------------------------------------------------------------------------
     def _factors(self, a):
@@ -219,32 +221,44 @@ class Prepared:
             self._fac, self._a_key = out, key
         return self._fac
 
-    def run_drift(self, olds, news, a):
+    def run_drift(self, olds, news, a, decay: bool = True):
         """DRIFT pass: ``[h_new, decay, bil, h_delta]`` Gram dicts ``{D: (slots, D, D)}`` in fp32 (one
-        ``_gram_kernel`` launch per (D, dtype group) + one ``_gram_finish`` per D)."""
+        ``_gram_kernel`` launch per (D, dtype group) + one ``_gram_finish`` per D).  ``decay=False``:
+        the decay dots, stores and finishing plane are compiled out / not launched (DECAY constexpr)
+        and its entry is None; with ``decay`` and every ``a_t == 1`` of a launch, the same (zeros)."""
         from .gram import _gram_finish, _gram_kernel
 
         st = self.st
         self._bind(olds, news)
-        fac = iter(self._factors(a))
+        fac = self._factors(a)
         out = {d: torch.zeros(4, n, d, d, device=self.device, dtype=torch.float32)
                for d, n in sorted(st.gram_slots.items())}
+        i = 0
         for b, bs, lb in zip(st.gram, self.gram_static, self.gram_bound):
             part = self.part[b.D]
             plane = max(1, b.n_items) * b.BT * b.BT
-            for l, ls, (terms, align) in zip(b.launches, bs["launches"], lb):
-                f, decay = next(fac)
+            flags = [decay and fl for _, fl in fac[i:i + len(b.launches)]]
+            bucket_decay = any(flags)  # the finishing pass reads the decay plane of every item
+            for l, ls, (terms, align), (f, _), dec in zip(b.launches, bs["launches"], lb, fac[i:], flags):
                 if len(l.items) == 0:
                     continue
                 xb, yb = self.bases[l.group]
+                if bucket_decay and not dec:  # these items store no decay partial: zeros
+                    part[plane + l.item_base * b.BT * b.BT: plane + (l.item_base + len(l.items)) * b.BT * b.BT].zero_()
                 _gram_kernel[(len(l.items),)](
                     xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], f, plane,
                     D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=True, FP64=False,
-                    UPCAST=_upcast(l.group), FOLD=l.fold, DRIFT=True, DECAY=decay, num_warps=DRIFT_WARPS)
-            if len(b.groups):
-                _gram_finish[(len(b.groups), 4)](part, bs["order"], bs["groups"], out[b.D], plane,
-                                                 out[b.D][0].numel(), D=b.D, BT=b.BT, FP64=False, num_warps=4)
-        return [{d: g[p] for d, g in out.items()} for p in range(4)]
+                    UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, DRIFT=True, DECAY=dec,
+                    num_warps=DRIFT_WARPS)
+            i += len(b.launches)
+            if len(b.groups):  # planes h_new, [decay], bil, h_delta
+                _gram_finish[(len(b.groups), 4 if bucket_decay else 3)](
+                    part, bs["order"], bs["groups"], out[b.D], plane, out[b.D][0].numel(), D=b.D, BT=b.BT,
+                    FP64=False, SKIP1=not bucket_decay, num_warps=4)
+        res = [{d: g[p] for d, g in out.items()} for p in range(4)]
+        if not decay:
+            res[1] = None
+        return res
 
     def _run_norm(self, bil):
         from .norms import _finish_rows, _gather, _rowcol_kernel
@@ -272,7 +286,7 @@ class Prepared:
 
 def _upcast(group) -> bool:
     """bf16 tiles under the interpreter (its dot multiplies raw bits) and mixed x/y dtypes: fp32 dots."""
-    return (_interpreting() and torch.bfloat16 in group) or group[0] != group[1]
+    return (interpreting() and torch.bfloat16 in group) or group[0] != group[1]
 
 
 def clear_cache():
@@ -282,21 +296,23 @@ def clear_cache():
 
 
 def prepare(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None = None, *,
-            fp64: bool = False, drift: bool = False) -> Prepared:
-    """The cached ``Prepared`` for this plan object and these tensors' dtypes/shapes/strides/device.
+            fp64: bool = False, drift: bool = False, config: Config | None = None) -> Prepared:
+    """The cached ``Prepared`` for this plan object, these tensors' dtypes/shapes/strides/device and
+    ``config`` (default ``Config()``).
 
     Keyed on the plan's identity (plus a fingerprint of its sizes) -- a Plan must not be edited after
     its first evaluation (``clear_cache()`` if it is).  ``ys``: the second argument of ``bilinear``
     (``drift``: ``xs`` old and ``ys`` new weights, DRIFT mode).
     """
-    key = (id(plan), _fingerprint(plan), ys is not None, fp64, drift, _layout_key(xs),
+    config = config or Config()
+    key = (id(plan), _fingerprint(plan), ys is not None, fp64, drift, config, _layout_key(xs),
            _layout_key(ys) if ys is not None else None)
     with _LOCK:
         p = _CACHE.get(key)
         if p is not None:
             _CACHE.move_to_end(key)
             return p
-    p = Prepared(plan, xs, ys, fp64, drift=drift)
+    p = Prepared(plan, xs, ys, fp64, drift=drift, config=config)
     with _LOCK:
         _CACHE[key] = p
         evicted = [_CACHE.popitem(last=False) for _ in range(len(_CACHE) - _CACHE_MAX)]
@@ -312,43 +328,49 @@ def _forget(pid: int):
     del dropped  # outside the lock (see ``prepare``)
 
 
-def evaluate_triton(plan: Plan, tensors: Sequence[torch.Tensor], fp64: bool = False):
-    """Triton twin of ``plan.evaluate_reference``: ``(vec (vec_size,), {D: (slots, D, D)})`` in fp32
+def evaluate_triton(plan: Plan, tensors: Sequence[torch.Tensor], fp64: bool = False, config: Config | None = None):
+    """Triton twin of ``reference.evaluate_reference``: ``(vec (vec_size,), {D: (slots, D, D)})`` in fp32
     (fp64 if ``fp64``), for fp32/bf16/fp16 tensors of any strides, on CUDA (or CPU under the
     interpreter).  Raises ``ValueError`` for views outside their tensor or unreserved slots/entries."""
     tensors = list(tensors)
-    return prepare(plan, tensors, fp64=fp64).run(tensors)
+    return prepare(plan, tensors, fp64=fp64, config=config).run(tensors)
 
 
-def bilinear_triton(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], fp64: bool = False):
-    """Triton twin of ``plan.bilinear_reference``: Gram ``sign*(X Y^T + Y X^T)/2``, Norm
+def bilinear_triton(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], fp64: bool = False,
+                    config: Config | None = None):
+    """Triton twin of ``reference.bilinear_reference``: Gram ``sign*(X Y^T + Y X^T)/2``, Norm
     ``sign*sum X*Y`` (shift must be 0), Sum terms 0.  ``xs[i]`` and ``ys[i]`` must have equal shapes."""
     xs, ys = list(xs), list(ys)
-    return prepare(plan, xs, ys, fp64=fp64).run(xs, ys)
+    return prepare(plan, xs, ys, fp64=fp64, config=config).run(xs, ys)
 
 
-def drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, fp64: bool = False):
-    """Triton twin of ``plan.drift_reference``: ``[h_new, decay, bil, h_delta]``, each ``(vec, {D: grams})``.
+def drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, fp64: bool = False,
+                 decay: bool = True, config: Config | None = None):
+    """Triton twin of ``reference.drift_reference``: ``[h_new, decay, bil, h_delta]``, each
+    ``(vec, {D: grams})`` (decay None when ``decay=False``).
 
     Gram terms: ONE pass of ``gram._gram_kernel`` (DRIFT mode) per (D, dtype group) reads each tile of
-    old and new weights once and accumulates the four Grams (64 x 64 output tiles), + one finishing
-    launch per D.  Vector terms (NormTerm/SumTerm: rare in the optimizer's rest plan, e.g. Gemma-shifted
-    gains, unmapped views) and ``fp64=True`` use the standalone composition ``plan.drift_compose``
-    (evaluate/bilinear over materialised ``a*old`` and ``Delta``).  CUDA tensors, or CPU under
-    ``TRITON_INTERPRET=1``; fp32/bf16/fp16 inputs.  Raises ``ValueError`` like ``drift_reference``."""
+    old and new weights once and accumulates the Grams (64 x 64 output tiles; decay ``s (a^2-1) O O^T``
+    only if ``decay``), + one finishing launch per D.  Vector terms (NormTerm/SumTerm: rare in the
+    optimizer's rest plan, e.g. Gemma-shifted gains, unmapped views) and ``fp64=True`` use the
+    standalone composition ``reference.drift_compose`` (Triton evaluate/bilinear over materialised
+    ``a*old`` and ``Delta``; their decay is the closed form ``reference.decay_reference`` in torch on
+    the same device).  CUDA tensors, or CPU under ``TRITON_INTERPRET=1``; fp32/bf16/fp16 inputs.
+    Raises ``ValueError`` like ``drift_reference``."""
     olds, news = list(olds), list(news)
-    _check_drift_inputs(plan, olds, news)
+    check_drift_inputs(plan, olds, news)
     a = drift_factors(a, len(news))
     acc = torch.float64 if fp64 else torch.float32
+    ev = lambda p, xs: evaluate_triton(p, xs, fp64=fp64, config=config)  # noqa: E731
+    bl = lambda p, xs, ys: bilinear_triton(p, xs, ys, fp64=fp64, config=config)  # noqa: E731
     if fp64 or not plan.grams:
-        return drift_compose(plan, olds, news, a, fp64, lambda p, xs: evaluate_triton(p, xs, fp64=fp64),
-                             lambda p, xs, ys: bilinear_triton(p, xs, ys, fp64=fp64))
-    pr = prepare(plan, olds, news, drift=True)
-    grams = pr.run_drift(olds, news, a)
+        return list(drift_compose(plan, olds, news, a, fp64, ev, bl, decay=decay))
+    pr = prepare(plan, olds, news, drift=True, config=config)
+    grams = pr.run_drift(olds, news, a, decay)
     if pr.vec_plan is not None:
-        vecs = [v for v, _ in drift_compose(pr.vec_plan, olds, news, a, False,
-                                            lambda p, xs: evaluate_triton(p, xs),
-                                            lambda p, xs, ys: bilinear_triton(p, xs, ys))]
+        vecs = [None if r is None else r[0] for r in drift_compose(pr.vec_plan, olds, news, a, False, ev, bl,
+                                                                   decay=decay)]
     else:
-        vecs = [torch.zeros(plan.vec_size, device=pr.device, dtype=acc) for _ in range(4)]
-    return list(zip(vecs, grams))
+        vecs = [torch.zeros(plan.vec_size, device=pr.device, dtype=acc) if decay or k != 1 else None
+                for k in range(4)]
+    return [None if g is None else (v, g) for v, g in zip(vecs, grams)]

@@ -1,49 +1,21 @@
-"""Detector for HF ``transformers`` models: every law with the exact rows/columns it reads.
-
-Detection is structural: the family comes from ``config.model_type`` (a whitelist of families whose
-modeling code was read, see ``_FAMILIES``), the blocks from the module classes and the parameter shapes,
-the RoPE pairing and rotary width from the model's own ``apply_rotary_pos_emb`` (probed with basis
-vectors), the MLP kind from its ``forward`` source and the MoE gating from the router's ``forward``.
-What is not understood is listed in ``Detection.undetected``; blocks with no law carry the reason in
-``Detection.declined``. Math: ``shared/spec/laws.md`` (rows named in each law's note).
-
-Layouts handled (verified against transformers 5.x modeling code):
-
-* separate ``q/k/v/o_proj`` (Llama, Mistral, Qwen2/3, Gemma, Mixtral, Qwen2-MoE, OLMoE); GQA group j is
-  query heads ``[j*rep, (j+1)*rep)`` (``repeat_kv``);
-* Phi-3 ``qkv_proj`` rows ``[Q | K | V]`` and ``gate_up_proj`` rows ``[gate | up]``;
-* GPT-NeoX ``query_key_value`` per head ``[q_h | k_h | v_h]`` (``view(..., nH, 3D)``);
-* Falcon: multi-query ``[Q_0..Q_{nH-1} | K | V]``, classic per head ``[q_h k_h v_h]`` and the new
-  decoder architecture's per kv group ``[q.. (rep heads) | k_j | v_j]``;
-* GPT-2 ``Conv1D`` (weights stored ``(in, out)``), fused ``c_attn`` columns ``[Q | K | V]``;
-* fused 3-D experts ``gate_up_proj (E, 2I, H)`` / ``down_proj (E, H, I)`` (``is_transposed`` swaps the
-  last two dims), and ``nn.ModuleList`` experts of gated MLPs (transformers < 5 layout).
-
-Options (``conserve.detect(model, **options)``):
-    rope_layout: 'half' | 'interleaved' overrides what the model's code says.
-    require_rope_layout: True for weights whose row order may not follow HF's code (a raw checkpoint):
-        a RoPE model then needs ``rope_layout`` (UsageError otherwise).
-    loss: the training loss of the logits; the translation law is only kept for 'ce' (default 'ce').
-    approximate: True keeps QK-norm scale laws when the norm has eps > 0 (then conserved only up to
-        O(eps / mean(q^2))); default False declines them with that reason.
-"""
+"""Building blocks of the HF detector: weights in Linear convention (``W``, GPT-2 ``Conv1D`` transposed,
+expert lead dims), the detection context, attention (q/k/v/o layouts, GQA groups, RoPE, QK-norm), norms
+(pre-norm gains, post-norms read from the layer's forward), MLPs (gated, plain, fused experts, routers,
+MoE blocks) and the embedding / head laws. The family handlers in ``families.py`` compose them."""
 from __future__ import annotations
 
 import inspect
 import re
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-import torch
 from torch import nn
 
-from ..errors import UsageError
-from ..laws import (Declined, GainBalance, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit,
-                    Term, Translation, VOGram, cols, rows, vector)
-from .core import Detection, finish, register
+from ...errors import UsageError
+from ...laws import (Declined, GainBalance, NormScaleLaw, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram,
+                     RouterSum, ScaleLaw, SwiGLUUnit, Term, Translation, VOGram, cols, rows, vector)
+from .rope import _rope_layout, _rotary_dim
 
-LAYOUTS = ("half", "interleaved")
 NO_EMBED = "input embedding: no law (no parameter on the other side of it)"
 
 
@@ -119,74 +91,6 @@ def _linear_like(mod) -> bool:
     return isinstance(mod, nn.Linear) or _is_conv1d(mod)
 
 
-# ------------------------------------------------------------------------------------------------ RoPE
-def probe_rope(fn, head_dim: int, rotary_dim: int) -> str | None:
-    """RoPE pairing of an ``apply_rotary_pos_emb(q, k, cos, sin)`` function, found by running it.
-
-    With ``cos = 0`` and ``sin = 1`` each basis vector ``e_t`` of a head is sent to +-``e_partner(t)``;
-    'half' pairs ``{p, p + R/2}`` (HF rotate_half), 'interleaved' pairs ``{2p, 2p+1}``. Returns None when
-    the function cannot be run this way or rotates a set of dims other than ``[0, rotary_dim)``."""
-    d, r = head_dim, rotary_dim
-    eye = torch.eye(d, dtype=torch.float64, device="cpu").view(d, 1, 1, d)
-    cos = torch.zeros(1, 1, r, dtype=torch.float64, device="cpu")
-    sin = torch.ones(1, 1, r, dtype=torch.float64, device="cpu")
-    try:
-        out = fn(eye, eye.clone(), cos, sin)[0].reshape(d, d)
-    except Exception:
-        return None
-    partner = []
-    for t in range(d):
-        nz = (out[t].abs() > 0.5).nonzero().flatten().tolist()
-        if len(nz) != 1:
-            return None
-        partner.append(nz[0])
-    rotated = [t for t in range(d) if partner[t] != t]
-    if rotated != list(range(r)):
-        return None
-    h = r // 2
-    if all(partner[p] == p + h and partner[p + h] == p for p in range(h)):
-        return "half"
-    if all(partner[2 * p] == 2 * p + 1 and partner[2 * p + 1] == 2 * p for p in range(h)):
-        return "interleaved"
-    return None
-
-
-def _rotary_dim(config, head_dim: int, rotary_emb) -> int:
-    """Rotary width R from the config (partial_rotary_factor / rotary_pct), checked against the
-    ``inv_freq`` buffer of the model's rotary embedding (R/2 frequencies; shape only: meta-safe)."""
-    rp = getattr(config, "rope_parameters", None) or {}
-    factor = rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if factor is None:
-        factor = getattr(config, "rotary_pct", 1.0)
-    r = int(head_dim * factor)
-    inv = getattr(rotary_emb, "inv_freq", None) if rotary_emb is not None else None
-    if inv is not None and 2 * inv.shape[-1] != r:
-        raise UsageError(f"rotary width mismatch: config says {r} rotary dims of head_dim={head_dim}, the model's "
-                         f"inv_freq has {inv.shape[-1]} frequencies; report this model (config.model_type="
-                         f"{config.model_type!r})")
-    return r
-
-
-def _rope_layout(ctx: "_Ctx", attn: nn.Module, head_dim: int, r: int) -> str:
-    opt = ctx.options.get("rope_layout")
-    if opt is not None:
-        if opt not in LAYOUTS:
-            raise UsageError(f"rope_layout must be one of {LAYOUTS}, got {opt!r}")
-        return opt
-    if ctx.options.get("require_rope_layout"):
-        raise UsageError("the RoPE pairing cannot be known from a checkpoint's shapes (HF's converter permutes the "
-                         "q/k rows of Meta checkpoints, so both layouts have the same shapes): pass "
-                         "--rope-layout half (HF rotate_half, NeoX) or --rope-layout interleaved (GPT-J, Meta)")
-    key = type(attn)
-    if key not in ctx.rope_cache:
-        fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
-        ctx.rope_cache[key] = probe_rope(fn, head_dim, r) if fn is not None else None
-    lay = ctx.rope_cache[key]
-    if lay is None:
-        raise UsageError(f"cannot tell the RoPE pairing of {type(attn).__name__} from its code: pass "
-                         "rope_layout='half' (HF rotate_half, NeoX) or 'interleaved' (GPT-J, Meta checkpoints)")
-    return lay
-
 
 # ------------------------------------------------------------------------------------------- context
 @dataclass
@@ -225,7 +129,7 @@ class _Attn:
     k_starts: list
     v_starts: list
     rope: tuple | None = None  # (rotary_dim, layout)
-    qk_norm: tuple | None = None  # ('head'|'all', q_norm path, k_norm path, eps)
+    qk_norm: tuple | None = None  # ('head'|'all', q_norm path, k_norm path, eps, gain shift)
 
     @property
     def rep(self) -> int:
@@ -273,7 +177,7 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
     """QK-norm (spec breakers): the QK Gram / RoPE-pair laws of q_proj/k_proj are replaced by scale laws
     (``||Q_i||^2``, ``||K_j||^2`` per head for a per-head norm; ``||W_q||^2``, ``||W_k||^2`` for a norm over
     all heads) and the norm gains carry a RoPE-pair law ``sum_{t in p} g_q[t]^2 - g_k[t]^2``."""
-    kind, qn, kn, eps = a.qk_norm
+    kind, qn, kn, eps, shift = a.qk_norm
     d, rep, laws = a.d, a.rep, []
     ctx.decline(f"{a.path}.q_proj", "QK-norm: QK Gram / RoPE-pair laws of q_proj, k_proj",
                 f"{qn} and {kn} normalise q and k ({'per head' if kind == 'head' else 'over all heads at once'}), so "
@@ -317,13 +221,13 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
         for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0)):
             for s in starts:
                 for off, step in members:
-                    terms.append(Term("norm", vector(vec, s + off, half, step=step), sign))
+                    terms.append(Term("norm", vector(vec, s + off, half, step=step), sign, shift=shift))
         if a.rope is None:  # no RoPE: every dim is its own "pair"; members overlap -> use one member of size d
-            terms = [Term("norm", vector(vec, s, d), sign) for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0))
-                     for s in starts]
+            terms = [Term("norm", vector(vec, s, d), sign, shift=shift)
+                     for vec, starts, sign in ((qg, qs, +1.0), (kg, ks, -1.0)) for s in starts]
         laws.append(QKNormGain(f"{a.path}/qk_norm_gain/group{g}", a.layer, terms, half if a.rope else d,
                               note=f"{qn}/{kn} gains, {'shared by all heads' if kind == 'head' else 'per kv group'}"
-                                   f"; layout {layout!r}"))
+                                   f"; layout {layout!r}" + ("; gains stored as (1 + w)" if shift else "")))
     return laws
 
 
@@ -365,9 +269,10 @@ def _qkvo_attn(ctx, path, attn, layer, config, nh, nkv, d, rope_emb, *, rope=Tru
         else:
             return None
         eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", None))
-        if _norm_kind(qn) != ("rms", 0.0) or eps is None:
+        nk = _norm_kind(qn)
+        if nk is None or nk[0] != "rms" or _norm_kind(kn) != nk or eps is None:
             return None
-        a.qk_norm = (kind, f"{path}.q_norm", f"{path}.k_norm", float(eps))
+        a.qk_norm = (kind, f"{path}.q_norm", f"{path}.k_norm", float(eps), nk[1])
     return a
 
 
@@ -619,250 +524,59 @@ def _head_dim(config):
     return d if d else config.hidden_size // config.num_attention_heads
 
 
-def _llama_like(ctx: _Ctx):
-    """Pre-norm decoders with ``model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp}``:
-    Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3."""
-    model, config = ctx.model, ctx.config
-    base_path = model.base_model_prefix if hasattr(model, model.base_model_prefix or "") else ""
-    base = getattr(model, base_path) if base_path else model
-    pre = f"{base_path}." if base_path else ""
-    nh = config.num_attention_heads
-    nkv, d = _num_kv(config, nh), _head_dim(config)
-    rope_emb = getattr(base, "rotary_emb", None)
-    for i, layer in enumerate(base.layers):
-        lp = f"{pre}layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        ap, mp = f"{lp}.self_attn", f"{lp}.mlp"
-        if hasattr(attn, "kv_a_proj_with_mqa"):  # DeepSeek MLA
-            ctx.decline(ap, "multi-head latent attention (MLA)",
-                        "q and k are built from low-rank latents through RMSNorms (q_a_layernorm, kv_a_layernorm), "
-                        "k_nope and v share kv_b_proj and one decoupled RoPE key is shared by all heads: the spec's "
-                        "per-head QK/VO rows do not apply as written (spec breakers: MLA, decline with a reason)")
-            a_readers = [_w(f"{ap}.{n}", getattr(attn, n)).in_cols() for n in ("q_a_proj", "kv_a_proj_with_mqa")
-                         if _linear_like(getattr(attn, n, None))] if hasattr(attn, "q_a_proj") else None
-            if a_readers is not None and len(a_readers) == 2:
-                _gain(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, a_readers, "q_a_proj, kv_a_proj_with_mqa")
-            else:
-                ctx.decline(f"{lp}.input_layernorm", "norm before MLA", "readers not recognised: no gain law")
-        else:
-            a = _qkvo_attn(ctx, ap, attn, i, config, nh, nkv, d, rope_emb)
-            if a is None:
-                ctx.decline(f"{lp}.input_layernorm", "norm before an unrecognised attention", "no gain law")
-            else:
-                ctx.laws.extend(_attn_laws(ctx, a))
-                _gain(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, _attn_readers(a), "q, k, v")
-        m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else _gated_mlp(ctx, mp, mlp, i)
-        if m is None:
-            ctx.decline(f"{lp}.post_attention_layernorm", "norm before an unrecognised MLP", "no gain law")
-        else:
-            ctx.laws.extend(m.laws)
-            _gain(ctx, f"{lp}.post_attention_layernorm", layer.post_attention_layernorm, i, m.readers, m.what)
-    _embed_and_head(ctx, [f"{pre}embed_tokens"], f"{pre}norm")
-
-
-def _gpt2(ctx: _Ctx):
-    """GPT-2: Conv1D weights (in, out); c_attn output columns [Q | K | V]; learned absolute positions
-    (QK Gram laws hold, with biases); pre-LN blocks ln_1 -> attn, ln_2 -> mlp."""
-    model, config = ctx.model, ctx.config
-    tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
-    for i, blk in enumerate(tr.h):
-        lp = f"transformer.h.{i}"
-        if getattr(blk, "crossattention", None) is not None:
-            ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
-        at = blk.attn
-        c = _w(f"{lp}.attn.c_attn", at.c_attn)
-        o = _w(f"{lp}.attn.c_proj", at.c_proj)
-        a = _Attn(f"{lp}.attn", i, c, c, c, o, d, nh, nh, [x * d for x in range(nh)],
-                  [h + x * d for x in range(nh)], [2 * h + x * d for x in range(nh)])
-        ctx.laws.extend(_attn_laws(ctx, a))
-        _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, [c.in_cols()], "c_attn (q, k, v)")
-        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "c_fc", "c_proj", blk.mlp.act)
-        ctx.laws.extend(m.laws)
-        _gain(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, "c_fc")  # holds whatever the activation
-    _embed_and_head(ctx, ["transformer.wte", "transformer.wpe"], "transformer.ln_f")
-
-
-def _neox(ctx: _Ctx):
-    """GPT-NeoX: ``query_key_value`` per head [q_h | k_h | v_h] (view(..., nH, 3D).chunk(3)); partial
-    rotary; parallel residual: attention reads input_layernorm, the MLP post_attention_layernorm (both
-    from the same residual input), so each norm has its own gain law."""
-    model, config = ctx.model, ctx.config
-    base = model.gpt_neox
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
-    for i, layer in enumerate(base.layers):
-        lp = f"gpt_neox.layers.{i}"
-        at = layer.attention
-        qkv = _w(f"{lp}.attention.query_key_value", at.query_key_value)
-        o = _w(f"{lp}.attention.dense", at.dense)
-        a = _Attn(f"{lp}.attention", i, qkv, qkv, qkv, o, d, nh, nh, [x * 3 * d for x in range(nh)],
-                  [x * 3 * d + d for x in range(nh)], [x * 3 * d + 2 * d for x in range(nh)])
-        if getattr(at, "rotary_ndims", None) is not None and at.rotary_ndims != _rotary_dim(config, d, base.rotary_emb):
-            raise UsageError(f"{lp}: rotary_ndims={at.rotary_ndims} disagrees with the config")
-        r = _rotary_dim(config, d, base.rotary_emb)
-        a.rope = (r, _rope_layout(ctx, at, d, r))
-        ctx.laws.extend(_attn_laws(ctx, a))
-        _gain(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, [qkv.in_cols()], "query_key_value")
-        m = _plain_mlp(ctx, f"{lp}.mlp", layer.mlp, i, "dense_h_to_4h", "dense_4h_to_h", layer.mlp.act)
-        ctx.laws.extend(m.laws)
-        _gain(ctx, f"{lp}.post_attention_layernorm", layer.post_attention_layernorm, i, m.readers, m.what)
-    _embed_and_head(ctx, ["gpt_neox.embed_in"], "gpt_neox.final_layer_norm")
-
-
-def _falcon(ctx: _Ctx):
-    """Falcon: fused ``query_key_value``: multi-query [Q_0..Q_{nH-1} | K | V]; classic per head
-    [q_h k_h v_h]; new decoder architecture per kv group [q (rep heads) | k_j | v_j]. RoPE (rotate_half)
-    or ALiBi (no RoPE: QK Gram laws). Parallel attention: one norm read by attention and MLP."""
-    model, config = ctx.model, ctx.config
-    tr = model.transformer
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
-    for i, blk in enumerate(tr.h):
-        lp = f"transformer.h.{i}"
-        at = blk.self_attention
-        qkv = _w(f"{lp}.self_attention.query_key_value", at.query_key_value)
-        o = _w(f"{lp}.self_attention.dense", at.dense)
-        if config.new_decoder_architecture:
-            nkv = config.num_kv_heads
-            rep = nh // nkv
-            blk_rows = (rep + 2) * d
-            qs = [(x // rep) * blk_rows + (x % rep) * d for x in range(nh)]
-            ks = [j * blk_rows + rep * d for j in range(nkv)]
-            vs = [j * blk_rows + (rep + 1) * d for j in range(nkv)]
-        elif config.multi_query:
-            nkv = 1
-            qs, ks, vs = [x * d for x in range(nh)], [nh * d], [(nh + 1) * d]
-        else:
-            nkv = nh
-            qs, ks, vs = ([x * 3 * d + s * d for x in range(nh)] for s in range(3))
-        if qkv.n_out != (nh + 2 * nkv) * d:
-            raise UsageError(f"{lp}: query_key_value has {qkv.n_out} rows, expected {(nh + 2 * nkv) * d}")
-        a = _Attn(f"{lp}.self_attention", i, qkv, qkv, qkv, o, d, nh, nkv, qs, ks, vs)
-        if not config.alibi:
-            r = _rotary_dim(config, d, getattr(tr, "rotary_emb", None))
-            a.rope = (r, _rope_layout(ctx, at, d, r))
-        ctx.laws.extend(_attn_laws(ctx, a))
-        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "dense_h_to_4h", "dense_4h_to_h", blk.mlp.act)
-        ctx.laws.extend(m.laws)
-        if hasattr(blk, "ln_attn"):
-            _gain(ctx, f"{lp}.ln_attn", blk.ln_attn, i, [qkv.in_cols()], "query_key_value")
-            _gain(ctx, f"{lp}.ln_mlp", blk.ln_mlp, i, m.readers, m.what)
-        elif hasattr(blk, "post_attention_layernorm"):
-            _gain(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()], "query_key_value")
-            _gain(ctx, f"{lp}.post_attention_layernorm", blk.post_attention_layernorm, i, m.readers, m.what)
-        else:  # parallel attention, one norm read by both
-            _gain(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()] + m.readers,
-                  f"query_key_value and {m.what} (parallel attention)")
-    _embed_and_head(ctx, ["transformer.word_embeddings"], "transformer.ln_f")
-
-
-def _bert(ctx: _Ctx):
-    """BERT (post-LN): absolute positions, so per-head QK and VO Grams hold with biases; GELU FFN: none;
-    LayerNorms sit on the residual stream (post-LN): no gain law."""
-    model, config = ctx.model, ctx.config
-    bert = model.bert if hasattr(model, "bert") else model
-    pre = "bert." if bert is not model else ""
-    nh, h = config.num_attention_heads, config.hidden_size
-    d = h // nh
-    if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
-        raise UsageError(f"BERT with position_embedding_type={config.position_embedding_type!r} is not analysed")
-    for i, layer in enumerate(bert.encoder.layer):
-        lp = f"{pre}encoder.layer.{i}"
-        sa = layer.attention.self
-        q, k, v = (_w(f"{lp}.attention.self.{n}", getattr(sa, n)) for n in ("query", "key", "value"))
-        o = _w(f"{lp}.attention.output.dense", layer.attention.output.dense)
-        starts = [x * d for x in range(nh)]
-        ctx.laws.extend(_attn_laws(ctx, _Attn(f"{lp}.attention", i, q, k, v, o, d, nh, nh, starts, starts, starts)))
-        if getattr(layer, "crossattention", None) is not None:
-            ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
-        for p in (f"{lp}.attention.output.LayerNorm", f"{lp}.output.LayerNorm"):
-            ctx.decline(p, "post-LN LayerNorm",
-                        "no gain law: the normed vector is the residual stream itself (read by the skip connection, "
-                        "not only by linear maps) (spec breakers: post-LN)")
-        act = layer.intermediate.intermediate_act_fn
-        uw, dw = _w(f"{lp}.intermediate.dense", layer.intermediate.dense), _w(f"{lp}.output.dense", layer.output.dense)
-        if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-            n = uw.n_out
-            ctx.laws.append(ReLUUnit.build(f"{lp}.intermediate/unit", i, up=uw.out_rows(0, n), down=dw.in_cols(0, n),
-                                           up_bias=uw.b(0, n), note=f"{type(act).__name__} FFN"))
-            ctx.know(dw.bias)
-        else:
-            ctx.decline(f"{lp}.intermediate", f"{type(act).__name__} FFN",
-                        "no law beyond constants: the activation has no rescaling symmetry (spec: GELU FFN row)")
-            ctx.decline(f"{lp}.output.dense", f"{type(act).__name__} FFN output", "see the FFN above")
-    ctx.decline(f"{pre}embeddings", "embeddings + post-LN LayerNorm", NO_EMBED + "; its LayerNorm feeds the "
-                "residual stream (post-LN): no gain law")
-    if getattr(bert, "pooler", None) is not None:
-        ctx.decline(f"{pre}pooler", "tanh pooler", "no rescaling symmetry: no law")
-    for name, mod in model.named_children():
-        if name != "bert" and bert is not model:
-            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-            tied = head is not None and head.weight is model.get_input_embeddings().weight
-            ctx.decline(name, f"{type(mod).__name__} head",
-                        ("tied decoder: no translation law (spec breakers: tied embeddings); " if tied else "")
-                        + "the transform (dense -> GELU -> LayerNorm) has no law")
-
-
-_FAMILIES = {
-    "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "qwen3": _llama_like, "gemma": _llama_like,
-    "phi3": _llama_like, "mixtral": _llama_like, "qwen2_moe": _llama_like, "olmoe": _llama_like,
-    "deepseek_v3": _llama_like, "gpt2": _gpt2, "gpt_neox": _neox, "falcon": _falcon, "bert": _bert,
-}
-
-
-@register("hf")
-def detect_hf(model, config, **options):
-    """Laws of an HF ``PreTrainedModel`` (see the module docstring); None for other models."""
-    try:
-        import transformers
-    except ImportError:  # pragma: no cover - transformers is an optional dependency
+def _norm_roles(layer: nn.Module) -> dict[str, str] | None:
+    """Role of each norm of a decoder layer, read from the order of calls in its ``forward``:
+    ``pre_attn`` (called before ``self.self_attn(``), ``post_attn`` (after it, before the residual add),
+    ``pre_mlp`` (after that add, before ``self.mlp(``), ``post_mlp`` (after ``self.mlp(``, before its add).
+    Llama: input_layernorm = pre_attn, post_attention_layernorm = pre_mlp; Gemma2/3 add the post norms;
+    OLMo2 has only post norms. None when the source does not show this order."""
+    src = _fwd(layer)
+    a, m = src.find("self.self_attn("), src.find("self.mlp(")
+    if a < 0 or m < a:
         return None
-    if not isinstance(model, transformers.PreTrainedModel):
-        return None
-    config = config if config is not None else model.config
-    ctx = _Ctx(model, config, dict(options))
-    fam = _FAMILIES.get(getattr(config, "model_type", None))
-    if fam is None:
-        ctx.decline("", f"model_type={getattr(config, 'model_type', None)!r}",
-                    f"no HF family handler (known: {sorted(_FAMILIES)}); every parameterised module is listed as "
-                    "'no law detected'")
-        d = finish(model, [], [], detector="hf")
-        d.declined = ctx.declined
-        return d
-    fam(ctx)
-    return finish(model, ctx.laws, ctx.declined, ctx.understood, detector="hf")
-
-
-def _model_class(config):
-    import transformers
-
-    for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM, transformers.AutoModel):
-        try:
-            auto._model_mapping[type(config)]  # noqa: B018
-            return auto
-        except KeyError:
+    adds = [x.start() for x in re.finditer(r"residual\+", src)]
+    roles: dict[str, str] = {}
+    for name, mod in layer.named_children():
+        if name in ("self_attn", "mlp") or _norm_kind(mod) is None:
             continue
-    raise UsageError(f"transformers has no model class for config {type(config).__name__}")
+        calls = [x.start() for x in re.finditer(re.escape(f"self.{name}("), src)]
+        if len(calls) != 1:
+            return None
+        p = calls[0]
+        if p < a:
+            role = "pre_attn"
+        elif p < m:
+            role = "pre_mlp" if any(a < x < p for x in adds) else "post_attn"
+        elif any(m < x < p for x in adds):
+            return None
+        else:
+            role = "post_mlp"
+        if role in roles:
+            return None
+        roles[role] = name
+    return roles
 
 
-def detect_from_config(config, **options) -> Detection:
-    """Laws of the HF model a config describes, from shapes only (the model is built on the meta device:
-    no weights are allocated or read). ``config``: a ``transformers.PretrainedConfig`` (or a dict with
-    ``model_type``). For weights whose row order may differ from HF's code (raw checkpoints) pass
-    ``require_rope_layout=True`` and ``rope_layout=``. Raises UsageError when the model cannot be built."""
-    import transformers
+def _post_norm(ctx: _Ctx, path: str, norm, out, layer, what: str):
+    """A norm on a block's output (before the residual add): no gain law (its output goes to the residual
+    stream); the Linear ``out`` that feeds it is scale invariant: ``NormScaleLaw`` (eps = 0, or
+    ``approximate``), else declined with the reason."""
+    ctx.decline(path, "post-norm on the block output",
+                "no gain law: its output is added to the residual stream, read by every later layer and not only "
+                "by linear maps (spec breakers: post-LN)")
+    kind = _norm_kind(norm)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if out is None or kind is None or eps is None or norm.weight.shape[0] != out.n_out:
+        ctx.decline(f"{path}/norm_scale", "post-norm scale law", f"the map feeding {path} is not recognised: no law")
+        return
+    n = out.n_out
+    if float(eps) == 0 or ctx.options.get("approximate"):
+        ctx.laws.append(NormScaleLaw.build(f"{path}/norm_scale", layer, blocks=[out.out_rows(0, n), out.b(0, n)],
+                                           note=f"{what} output normalised by {path}"
+                                                + ("" if float(eps) == 0 else f" (approximate: eps={eps})")))
+    else:
+        ctx.decline(f"{path}/norm_scale", "post-norm scale law",
+                    f"the norm has eps={eps}: {what} is scale invariant only up to O(eps / mean(y^2)), so its "
+                    "||W||^2 drifts by that much; pass approximate=True to track it anyway")
 
-    if isinstance(config, dict):
-        config = transformers.AutoConfig.for_model(**config)
-    cls = _model_class(config)
-    with torch.device("meta"):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
-    from .core import detect
 
-    return detect(model, config, **options)

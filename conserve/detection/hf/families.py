@@ -1,0 +1,263 @@
+"""The HF family handlers and the ``model_type -> handler`` table (``FAMILIES``): each handler walks one
+architecture's module tree and composes the parts of ``parts.py``. A model_type is listed only when its
+modeling code was read (transformers 5.x); everything else is declined with the reason."""
+from __future__ import annotations
+
+from torch import nn
+
+from ...errors import UsageError
+from ...laws import ReLUUnit
+from .parts import (_Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
+                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _w, NO_EMBED)
+from .rope import _probe_gptj, _rope_layout, _rotary_dim
+
+
+def _llama_like(ctx: _Ctx):
+    """Decoders with ``model.layers[i].{self_attn, mlp}`` and norms whose roles come from the layer's
+    forward (``_norm_roles``): pre-norm (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE, DeepSeek-V3), sandwich (Gemma2, Gemma3: pre and post norms) and post-norm only
+    (OLMo2). Gemma2's attention-logit softcapping ``cap * tanh(s / cap)`` acts on the scores q.k, which the
+    QK/RoPE symmetries leave unchanged, so those laws hold; its final-logit softcapping breaks the
+    translation law (``_embed_and_head``)."""
+    model, config = ctx.model, ctx.config
+    base_path = model.base_model_prefix if hasattr(model, model.base_model_prefix or "") else ""
+    base = getattr(model, base_path) if base_path else model
+    pre = f"{base_path}." if base_path else ""
+    nh = config.num_attention_heads
+    nkv, d = _num_kv(config, nh), _head_dim(config)
+    rope_emb = getattr(base, "rotary_emb", None)
+    for i, layer in enumerate(base.layers):
+        lp = f"{pre}layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        ap, mp = f"{lp}.self_attn", f"{lp}.mlp"
+        roles = _norm_roles(layer)
+        if roles is None:
+            ctx.decline(lp, f"{type(layer).__name__}", "the order of its norms, attention and MLP could not be read "
+                        "from its forward: no law detected for this layer")
+            continue
+        norm = {r: (f"{lp}.{n}", getattr(layer, n)) for r, n in roles.items()}
+        a = None
+        if hasattr(attn, "kv_a_proj_with_mqa"):  # DeepSeek MLA
+            ctx.decline(ap, "multi-head latent attention (MLA)",
+                        "q and k are built from low-rank latents through RMSNorms (q_a_layernorm, kv_a_layernorm), "
+                        "k_nope and v share kv_b_proj and one decoupled RoPE key is shared by all heads: the spec's "
+                        "per-head QK/VO rows do not apply as written (spec breakers: MLA, decline with a reason)")
+            a_readers = [_w(f"{ap}.{n}", getattr(attn, n)).in_cols() for n in ("q_a_proj", "kv_a_proj_with_mqa")
+                         if _linear_like(getattr(attn, n, None))] if hasattr(attn, "q_a_proj") else None
+            if "pre_attn" in norm:
+                if a_readers is not None and len(a_readers) == 2:
+                    _gain(ctx, *norm["pre_attn"], i, a_readers, "q_a_proj, kv_a_proj_with_mqa")
+                else:
+                    ctx.decline(norm["pre_attn"][0], "norm before MLA", "readers not recognised: no gain law")
+        else:
+            # SmolLM3-style NoPE layers skip the rotation (``if self.use_rope:`` in the attention's forward)
+            nope = "ifself.use_rope:" in _fwd(attn) and not attn.use_rope
+            a = _qkvo_attn(ctx, ap, attn, i, config, nh, nkv, d, rope_emb, rope=not nope)
+            if a is None:
+                ctx.decline(ap, type(attn).__name__, "attention layout not recognised: no law detected")
+                if "pre_attn" in norm:
+                    ctx.decline(norm["pre_attn"][0], "norm before an unrecognised attention", "no gain law")
+            else:
+                ctx.laws.extend(_attn_laws(ctx, a))
+                if "pre_attn" in norm:
+                    _gain(ctx, *norm["pre_attn"], i, _attn_readers(a), "q, k, v")
+                else:
+                    ctx.know(*(ref.param for ref in _attn_readers(a)))
+        if "post_attn" in norm:
+            _post_norm(ctx, *norm["post_attn"], a.o if a is not None else None, i, "o_proj")
+        m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else _gated_mlp(ctx, mp, mlp, i)
+        if m is None:
+            ctx.decline(mp, type(mlp).__name__, "MLP layout not recognised: no law detected")
+            if "pre_mlp" in norm:
+                ctx.decline(norm["pre_mlp"][0], "norm before an unrecognised MLP", "no gain law")
+        else:
+            ctx.laws.extend(m.laws)
+            if "pre_mlp" in norm:
+                _gain(ctx, *norm["pre_mlp"], i, m.readers, m.what)
+            else:  # no norm before it (OLMo2): the gate reads the residual stream and is in no law
+                ctx.know(*(ref.param for ref in m.readers))
+        if "post_mlp" in norm:
+            down = getattr(mlp, "down_proj", None) if m is not None and not hasattr(mlp, "experts") else None
+            _post_norm(ctx, *norm["post_mlp"], _w(f"{mp}.down_proj", down) if _linear_like(down) else None, i,
+                       "down_proj")
+    _embed_and_head(ctx, [f"{pre}embed_tokens"], f"{pre}norm")
+
+
+def _gptj(ctx: _Ctx):
+    """GPT-J: separate ``q/k/v_proj`` and ``out_proj`` (no biases); rotary on the first ``rotary_dim``
+    dims of each head, pairs ``{2p, 2p+1}`` (``rotate_every_two``; probed from the model's code), the
+    other dims pass through (their own Gram law); parallel block: ``ln_1`` feeds the attention and the
+    MLP ``fc_in -> gelu -> fc_out`` (no law of its own), so its gain law is read by q, k, v and fc_in."""
+    model, config = ctx.model, ctx.config
+    tr = model.transformer
+    nh, h = config.num_attention_heads, config.hidden_size
+    d = h // nh
+    r = config.rotary_dim or d
+    for i, blk in enumerate(tr.h):
+        lp = f"transformer.h.{i}"
+        at = blk.attn
+        q, k, v = (_w(f"{lp}.attn.{n}", getattr(at, n)) for n in ("q_proj", "k_proj", "v_proj"))
+        o = _w(f"{lp}.attn.out_proj", at.out_proj)
+        starts = [x * d for x in range(nh)]
+        a = _Attn(f"{lp}.attn", i, q, k, v, o, d, nh, nh, starts, starts, starts)
+        a.rope = (r, _rope_layout(ctx, at, d, r, probe=_probe_gptj))
+        ctx.laws.extend(_attn_laws(ctx, a))
+        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "fc_in", "fc_out", blk.mlp.act)
+        ctx.laws.extend(m.laws)
+        _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, _attn_readers(a) + m.readers, "q, k, v and fc_in (parallel block)")
+    _embed_and_head(ctx, ["transformer.wte"], "transformer.ln_f")
+
+
+def _gpt2(ctx: _Ctx):
+    """GPT-2: Conv1D weights (in, out); c_attn output columns [Q | K | V]; learned absolute positions
+    (QK Gram laws hold, with biases); pre-LN blocks ln_1 -> attn, ln_2 -> mlp."""
+    model, config = ctx.model, ctx.config
+    tr = model.transformer
+    nh, h = config.num_attention_heads, config.hidden_size
+    d = h // nh
+    for i, blk in enumerate(tr.h):
+        lp = f"transformer.h.{i}"
+        if getattr(blk, "crossattention", None) is not None:
+            ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
+        at = blk.attn
+        c = _w(f"{lp}.attn.c_attn", at.c_attn)
+        o = _w(f"{lp}.attn.c_proj", at.c_proj)
+        a = _Attn(f"{lp}.attn", i, c, c, c, o, d, nh, nh, [x * d for x in range(nh)],
+                  [h + x * d for x in range(nh)], [2 * h + x * d for x in range(nh)])
+        ctx.laws.extend(_attn_laws(ctx, a))
+        _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, [c.in_cols()], "c_attn (q, k, v)")
+        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "c_fc", "c_proj", blk.mlp.act)
+        ctx.laws.extend(m.laws)
+        _gain(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, "c_fc")  # holds whatever the activation
+    _embed_and_head(ctx, ["transformer.wte", "transformer.wpe"], "transformer.ln_f")
+
+
+def _neox(ctx: _Ctx):
+    """GPT-NeoX: ``query_key_value`` per head [q_h | k_h | v_h] (view(..., nH, 3D).chunk(3)); partial
+    rotary; parallel residual: attention reads input_layernorm, the MLP post_attention_layernorm (both
+    from the same residual input), so each norm has its own gain law."""
+    model, config = ctx.model, ctx.config
+    base = model.gpt_neox
+    nh, h = config.num_attention_heads, config.hidden_size
+    d = h // nh
+    for i, layer in enumerate(base.layers):
+        lp = f"gpt_neox.layers.{i}"
+        at = layer.attention
+        qkv = _w(f"{lp}.attention.query_key_value", at.query_key_value)
+        o = _w(f"{lp}.attention.dense", at.dense)
+        a = _Attn(f"{lp}.attention", i, qkv, qkv, qkv, o, d, nh, nh, [x * 3 * d for x in range(nh)],
+                  [x * 3 * d + d for x in range(nh)], [x * 3 * d + 2 * d for x in range(nh)])
+        if getattr(at, "rotary_ndims", None) is not None and at.rotary_ndims != _rotary_dim(config, d, base.rotary_emb):
+            raise UsageError(f"{lp}: rotary_ndims={at.rotary_ndims} disagrees with the config")
+        r = _rotary_dim(config, d, base.rotary_emb)
+        a.rope = (r, _rope_layout(ctx, at, d, r))
+        ctx.laws.extend(_attn_laws(ctx, a))
+        _gain(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, [qkv.in_cols()], "query_key_value")
+        m = _plain_mlp(ctx, f"{lp}.mlp", layer.mlp, i, "dense_h_to_4h", "dense_4h_to_h", layer.mlp.act)
+        ctx.laws.extend(m.laws)
+        _gain(ctx, f"{lp}.post_attention_layernorm", layer.post_attention_layernorm, i, m.readers, m.what)
+    _embed_and_head(ctx, ["gpt_neox.embed_in"], "gpt_neox.final_layer_norm")
+
+
+def _falcon(ctx: _Ctx):
+    """Falcon: fused ``query_key_value``: multi-query [Q_0..Q_{nH-1} | K | V]; classic per head
+    [q_h k_h v_h]; new decoder architecture per kv group [q (rep heads) | k_j | v_j]. RoPE (rotate_half)
+    or ALiBi (no RoPE: QK Gram laws). Parallel attention: one norm read by attention and MLP."""
+    model, config = ctx.model, ctx.config
+    tr = model.transformer
+    nh, h = config.num_attention_heads, config.hidden_size
+    d = h // nh
+    for i, blk in enumerate(tr.h):
+        lp = f"transformer.h.{i}"
+        at = blk.self_attention
+        qkv = _w(f"{lp}.self_attention.query_key_value", at.query_key_value)
+        o = _w(f"{lp}.self_attention.dense", at.dense)
+        if config.new_decoder_architecture:
+            nkv = config.num_kv_heads
+            rep = nh // nkv
+            blk_rows = (rep + 2) * d
+            qs = [(x // rep) * blk_rows + (x % rep) * d for x in range(nh)]
+            ks = [j * blk_rows + rep * d for j in range(nkv)]
+            vs = [j * blk_rows + (rep + 1) * d for j in range(nkv)]
+        elif config.multi_query:
+            nkv = 1
+            qs, ks, vs = [x * d for x in range(nh)], [nh * d], [(nh + 1) * d]
+        else:
+            nkv = nh
+            qs, ks, vs = ([x * 3 * d + s * d for x in range(nh)] for s in range(3))
+        if qkv.n_out != (nh + 2 * nkv) * d:
+            raise UsageError(f"{lp}: query_key_value has {qkv.n_out} rows, expected {(nh + 2 * nkv) * d}")
+        a = _Attn(f"{lp}.self_attention", i, qkv, qkv, qkv, o, d, nh, nkv, qs, ks, vs)
+        if not config.alibi:
+            r = _rotary_dim(config, d, getattr(tr, "rotary_emb", None))
+            a.rope = (r, _rope_layout(ctx, at, d, r))
+        ctx.laws.extend(_attn_laws(ctx, a))
+        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "dense_h_to_4h", "dense_4h_to_h", blk.mlp.act)
+        ctx.laws.extend(m.laws)
+        if hasattr(blk, "ln_attn"):
+            _gain(ctx, f"{lp}.ln_attn", blk.ln_attn, i, [qkv.in_cols()], "query_key_value")
+            _gain(ctx, f"{lp}.ln_mlp", blk.ln_mlp, i, m.readers, m.what)
+        elif hasattr(blk, "post_attention_layernorm"):
+            _gain(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()], "query_key_value")
+            _gain(ctx, f"{lp}.post_attention_layernorm", blk.post_attention_layernorm, i, m.readers, m.what)
+        else:  # parallel attention, one norm read by both
+            _gain(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()] + m.readers,
+                  f"query_key_value and {m.what} (parallel attention)")
+    _embed_and_head(ctx, ["transformer.word_embeddings"], "transformer.ln_f")
+
+
+def _bert(ctx: _Ctx):
+    """BERT (post-LN): absolute positions, so per-head QK and VO Grams hold with biases; GELU FFN: none;
+    LayerNorms sit on the residual stream (post-LN): no gain law."""
+    model, config = ctx.model, ctx.config
+    bert = model.bert if hasattr(model, "bert") else model
+    pre = "bert." if bert is not model else ""
+    nh, h = config.num_attention_heads, config.hidden_size
+    d = h // nh
+    if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
+        raise UsageError(f"BERT with position_embedding_type={config.position_embedding_type!r} is not analysed")
+    for i, layer in enumerate(bert.encoder.layer):
+        lp = f"{pre}encoder.layer.{i}"
+        sa = layer.attention.self
+        q, k, v = (_w(f"{lp}.attention.self.{n}", getattr(sa, n)) for n in ("query", "key", "value"))
+        o = _w(f"{lp}.attention.output.dense", layer.attention.output.dense)
+        starts = [x * d for x in range(nh)]
+        ctx.laws.extend(_attn_laws(ctx, _Attn(f"{lp}.attention", i, q, k, v, o, d, nh, nh, starts, starts, starts)))
+        if getattr(layer, "crossattention", None) is not None:
+            ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
+        for p in (f"{lp}.attention.output.LayerNorm", f"{lp}.output.LayerNorm"):
+            ctx.decline(p, "post-LN LayerNorm",
+                        "no gain law: the normed vector is the residual stream itself (read by the skip connection, "
+                        "not only by linear maps) (spec breakers: post-LN)")
+        act = layer.intermediate.intermediate_act_fn
+        uw, dw = _w(f"{lp}.intermediate.dense", layer.intermediate.dense), _w(f"{lp}.output.dense", layer.output.dense)
+        if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
+            n = uw.n_out
+            ctx.laws.append(ReLUUnit.build(f"{lp}.intermediate/unit", i, up=uw.out_rows(0, n), down=dw.in_cols(0, n),
+                                           up_bias=uw.b(0, n), note=f"{type(act).__name__} FFN"))
+            ctx.know(dw.bias)
+        else:
+            ctx.decline(f"{lp}.intermediate", f"{type(act).__name__} FFN",
+                        "no law beyond constants: the activation has no rescaling symmetry (spec: GELU FFN row)")
+            ctx.decline(f"{lp}.output.dense", f"{type(act).__name__} FFN output", "see the FFN above")
+    ctx.decline(f"{pre}embeddings", "embeddings + post-LN LayerNorm", NO_EMBED + "; its LayerNorm feeds the "
+                "residual stream (post-LN): no gain law")
+    if getattr(bert, "pooler", None) is not None:
+        ctx.decline(f"{pre}pooler", "tanh pooler", "no rescaling symmetry: no law")
+    for name, mod in model.named_children():
+        if name != "bert" and bert is not model:
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            tied = head is not None and head.weight is model.get_input_embeddings().weight
+            ctx.decline(name, f"{type(mod).__name__} head",
+                        ("tied decoder: no translation law (spec breakers: tied embeddings); " if tied else "")
+                        + "the transform (dense -> GELU -> LayerNorm) has no law")
+
+
+FAMILIES = {
+    "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "qwen3": _llama_like, "gemma": _llama_like,
+    "phi3": _llama_like, "mixtral": _llama_like, "qwen2_moe": _llama_like, "olmoe": _llama_like,
+    "deepseek_v3": _llama_like, "qwen3_moe": _llama_like, "gemma2": _llama_like, "gemma3_text": _llama_like,
+    "olmo2": _llama_like, "olmo3": _llama_like, "exaone4": _llama_like, "granite": _llama_like,
+    "seed_oss": _llama_like, "arcee": _llama_like, "glm": _llama_like, "smollm3": _llama_like, "gptj": _gptj, "gpt2": _gpt2, "gpt_neox": _neox, "falcon": _falcon, "bert": _bert,
+}
+

@@ -1,0 +1,130 @@
+"""``ConserveCallback`` for Lightning (``lightning`` or ``pytorch_lightning``): one callback, conserve's
+metrics in the Trainer's loggers.
+
+    trainer = lightning.Trainer(callbacks=[ConserveCallback()], ...)
+
+At ``on_fit_start`` it detects the LightningModule's laws and tracks the Trainer's optimizer through its
+step hooks (``LightningOptimizer`` is looked through; steps a GradScaler skips are not booked).
+After each batch that stepped, the step's ``loss`` (from ``training_step``'s output) is attached to
+the row; at Lightning's logging steps (``log_every_n_steps``) the latest row is logged with
+``pl_module.log_dict`` under ``conserve/<key>`` (family keys ``eps/<family>``,
+``drift/<family>/<term>``, ``conserve/step`` = the tracker's step), so every logger (CSV,
+TensorBoard, W&B...) gets it and ``ModelCheckpoint``/``EarlyStopping`` can monitor it. Every row
+also goes to the callback's sinks: by default ``<trainer.log_dir>/conserve/metrics.jsonl``
+(global rank 0). The tracker state is the callback's ``state_dict`` in Lightning checkpoints, so
+``fit(ckpt_path=...)`` continues the series (the JSONL file drops the rows after the checkpoint).
+``on_train_end`` (and ``on_exception``) flush and close the sinks.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the standalone package
+    try:
+        from pytorch_lightning import Callback
+    except ImportError:
+        raise ImportError("conserve.integrations.lightning needs Lightning: pip install 'torch-conserve[lightning]'") \
+            from None
+
+from ..errors import UsageError
+from ..tracking.sinks import JSONLSink
+from ._run import TrackedRun
+
+__all__ = ["ConserveCallback"]
+
+
+class ConserveCallback(Callback):
+    """Track the conservation laws of a ``LightningModule`` (see the module docstring).
+
+    Args:
+        every: tracker flush period in steps (default ``trainer.log_every_n_steps``; the callback also
+            flushes at every logging step).
+        sinks: where every row goes (default ``None``: ``<log_dir>/conserve/metrics.jsonl`` on global
+            rank 0; ``[]`` for the loggers only).
+        laws: explicit laws instead of ``model.conservation_laws()`` / ``conserve.detect(model)``.
+        layers: also log the per-layer ``eps/<family>/layer<i>`` keys.
+        prefix: key prefix in the logs (default ``"conserve/"``).
+        record_loss: attach ``training_step``'s loss to each stepped row (default True).
+        **tracker_kwargs: ``drift``, ``fp64``, ``backend``, ``monitors``, ``on_nonfinite``.
+
+    After ``on_fit_start``, ``self.tracker`` is the ``conserve.Tracker``. Raises ``UsageError`` for a
+    module with several optimizers (track one model/optimizer pair per callback).
+    """
+
+    def __init__(self, *, every: int | None = None, sinks=None, laws=None, layers: bool = False,
+                 prefix: str = "conserve/", record_loss: bool = True, **tracker_kwargs):
+        self.every, self.sinks, self.laws, self.layers, self.prefix = every, sinks, laws, layers, prefix
+        self.record_loss, self.tracker_kwargs = record_loss, tracker_kwargs
+        self.run: TrackedRun | None = None
+        self._pending_state: dict | None = None
+        self._seen_steps = 0
+
+    @property
+    def tracker(self):
+        return None if self.run is None else self.run.tracker
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.run is not None:
+            self.run.close()
+        opts = trainer.optimizers
+        if len(opts) != 1:
+            raise UsageError(f"ConserveCallback tracks one optimizer; this module has {len(opts)}: configure one "
+                             "optimizer, or track each with conserve.track(optimizer, submodule)")
+        sinks = self.sinks
+        if sinks is None:
+            root = trainer.log_dir or trainer.default_root_dir
+            sinks = [JSONLSink(Path(root) / "conserve" / "metrics.jsonl")] if trainer.is_global_zero else []
+        every = self.every or max(1, int(trainer.log_every_n_steps or 50))
+        self.run = TrackedRun(pl_module, opts[0], prefix=self.prefix, layers=self.layers, laws=self.laws,
+                              every=every, sinks=list(sinks), **self.tracker_kwargs)
+        self._seen_steps = self._booked()
+        if self._pending_state is not None:  # restored before the optimizer existed
+            self.run.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    def _booked(self) -> int:
+        h = self.run._handle
+        return h.steps if h is not None else self.run.tracker.step_count
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.run is None:
+            return
+        booked = self._booked()
+        stepped, self._seen_steps = booked != self._seen_steps, booked
+        if stepped and self.record_loss:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if torch.is_tensor(loss) and loss.numel() == 1:
+                self.run.record(loss=loss.detach())
+        conn = getattr(trainer, "_logger_connector", None)
+        due = conn.should_update_logs if hasattr(conn, "should_update_logs") else \
+            trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+        if due:
+            scalars = self.run.scalars()
+            if scalars:
+                pl_module.log_dict(scalars, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
+
+    def state_dict(self) -> dict:
+        if self.run is not None:
+            return {"tracker": self.run.state_dict()}
+        return {"tracker": self._pending_state} if self._pending_state is not None else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = state_dict.get("tracker")
+        if state is None:
+            return
+        if self.run is not None:
+            self.run.load_state_dict(state)
+        else:
+            self._pending_state = state
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.run is not None:
+            self.run.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.run is not None:  # keep every row recorded before the failure
+            self.run.close()

@@ -1,0 +1,209 @@
+"""Optimizer configurations that break a law, and the decay factor of an optimizer's update rule.
+
+A law ``h(theta)`` is conserved by gradient flow because its parameters move with the SAME step size
+along the gradient (spec "Breakers"). The tracker therefore compares every law's parameters with the
+optimizer's ``param_groups`` and marks the law ``broken_by`` (it is still tracked) when
+
+* its parameters sit in groups with different ``lr`` ("different lr in one law: up_proj.weight 0.2,
+  down_proj.weight 0.1"): ``dh/dt = -2 lr_1 <W_1, g_1> + 2 lr_2 <W_2, g_2> != 0``;
+* weight decay differs inside the law ("weight decay on only part of one law: ..."): the decay
+  term of the drift identity is then not a common rescaling of the law;
+* some of its parameters are not held by the optimizer ("not held by the optimizer: ..."): they do
+  not move, the others do;
+* ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``) or ``maximize`` differ.
+
+``decay_factor(optimizer, group)`` is ``a`` in ``theta_{k+1} = a theta_k + Delta`` (spec "Discrete
+steps"), read from the group's hyper-parameters and the update rule of the optimizer's class found by
+``isinstance`` after removing wrappers (conserve's ``TrackedOptimizer``, HF accelerate's
+``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``), so subclasses and
+wrapped optimizers get their decay, never a class-name match.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Mapping
+
+import torch
+
+# (module, class, attribute holding the wrapped optimizer); checked only when the module is imported
+_WRAPPERS = (("conserve.optim.wrapper", "TrackedOptimizer", "optimizer"),
+             ("accelerate.optimizer", "AcceleratedOptimizer", "optimizer"),
+             ("lightning.pytorch.core.optimizer", "LightningOptimizer", "_optimizer"),
+             ("pytorch_lightning.core.optimizer", "LightningOptimizer", "_optimizer"))
+
+
+class BrokenLawWarning(UserWarning):
+    """A law whose parameters the optimizer treats differently (tracked anyway, marked ``broken_by``)."""
+
+
+def unwrap_optimizer(optimizer):
+    """The innermost optimizer under conserve / accelerate / Lightning wrappers (by ``isinstance``)."""
+    for _ in range(16):
+        for mod, cls, attr in _WRAPPERS:
+            c = getattr(sys.modules.get(mod), cls, None)
+            if c is not None and isinstance(optimizer, c) and getattr(optimizer, attr, None) is not None:
+                optimizer = getattr(optimizer, attr)
+                break
+        else:
+            return optimizer
+    return optimizer
+
+
+def _decoupled(opt, group: Mapping) -> bool:
+    """True when the update rule multiplies the weights by ``1 - lr * weight_decay`` before the step."""
+    O = torch.optim
+    if isinstance(opt, O.AdamW):
+        return True
+    if isinstance(opt, (O.Adam, O.NAdam, O.RAdam)):
+        return bool(group.get("decoupled_weight_decay", False))
+    from ..optim.fused import FusedAdam
+
+    return isinstance(opt, FusedAdam) and bool(group.get("decoupled_weight_decay", False))
+
+
+def decay_factor(optimizer, group: Mapping) -> float | torch.Tensor:
+    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for the parameters of ``group``.
+
+    * decoupled weight decay (``AdamW`` and subclasses; ``Adam``/``NAdam``/``RAdam`` and conserve's
+      ``FusedAdam`` with ``decoupled_weight_decay=True``): ``1 - lr * weight_decay``;
+    * ``SGD`` (and conserve's ``FusedSGD``) without momentum: the L2 term gives exactly
+      ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``;
+    * anything else (momentum, coupled L2 in Adam, unknown rules): 1, the decay is inside ``Delta``.
+
+    ``optimizer`` may be wrapped (see ``unwrap_optimizer``); ``lr`` may be a tensor (then so is ``a``)."""
+    opt = unwrap_optimizer(optimizer)
+    wd = group.get("weight_decay", 0.0) or 0.0
+    lr = group.get("lr", 0.0)
+    from ..optim.fused import FusedSGD
+
+    sgd = isinstance(opt, (torch.optim.SGD, FusedSGD)) and not group.get("momentum", 0.0)
+    if wd and (_decoupled(opt, group) or sgd):
+        return 1.0 - lr * wd
+    return 1.0
+
+
+def _num(x) -> float:
+    return float(x.detach().reshape(()).item()) if torch.is_tensor(x) else float(x)
+
+
+def _labels(names: list[str]) -> list[str]:
+    """Shortest distinct suffixes (``model.layers.0.mlp.up_proj.weight`` -> ``up_proj.weight``)."""
+    parts = [n.split(".") for n in names]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        lab = [".".join(p[-k:]) for p in parts]
+        if len(set(lab)) == len(lab):
+            return lab
+    return names
+
+
+def _describe(names: list[str], vals: list[float]) -> str:
+    return ", ".join(f"{lab} {v:g}" for lab, v in zip(_labels(names), vals))
+
+
+# group keys that must agree inside a law: the step size, the decay, the momentum (heavy ball scales the
+# effective step by 1 / (1 - momentum)) and the sign of the step (``maximize``)
+_COMPARED = (("lr", "different lr in one law"), ("weight_decay", "weight decay on only part of one law"),
+             ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"))
+
+
+def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str, str]:
+    """``{law name: reason}`` for every law that ``optimizer``'s ``param_groups`` break (module docstring).
+
+    ``named``: parameter name -> tensor (the names the laws use). Parameters are matched to groups by
+    identity. A law none of whose parameters the optimizer holds is reported too (it cannot move)."""
+    opt = unwrap_optimizer(optimizer)
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    out: dict[str, str] = {}
+    for law in laws:
+        ps = [p for p in law.params if p in named]
+        groups = [group_of.get(id(named[p])) for p in ps]
+        missing = [p for p, g in zip(ps, groups) if g is None]
+        if missing:
+            out[law.name] = ("none of its parameters is held by the optimizer (nothing moves it)"
+                             if len(missing) == len(ps) else
+                             f"not held by the optimizer: {', '.join(_labels(ps)[ps.index(m)] for m in missing)} "
+                             "(they do not move while the rest of the law does)")
+            continue
+        reasons = []
+        for key, what in _COMPARED:
+            if not any(key in g for g in groups):
+                continue
+            vals = [_num(g.get(key, 0.0) or 0.0) for g in groups]
+            if len(set(vals)) > 1:
+                reasons.append(f"{what}: {_describe(ps, vals)}")
+        if reasons:
+            out[law.name] = "; ".join(reasons)
+    return out
+
+
+class BrokenMonitor:
+    """Tracker monitor: ``broken/<family>`` = number of that family's laws marked ``broken_by``."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def update(self) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        fam = {l.name: l.family for l in self.tracker.laws}
+        out = {f"broken/{f}": 0.0 for f in sorted(set(fam.values()))}
+        for name in self.tracker.broken_by:
+            out[f"broken/{fam[name]}"] += 1.0
+        return out
+
+
+def _signature(opt) -> tuple:
+    """Which groups agree on each compared key, and their sizes: a law's breakers can only change when this
+    does (a scheduler scaling every group alike leaves it unchanged). Tensor values (capturable lr) count by
+    identity, so reading them never syncs the device."""
+    out = []
+    for key, _ in _COMPARED:
+        vals = [g.get(key, 0.0) for g in opt.param_groups]
+        vals = [id(v) if torch.is_tensor(v) else float(v or 0.0) for v in vals]
+        first = {}
+        out.append(tuple(first.setdefault(v, len(first)) for v in vals))
+    out.append(tuple(len(g["params"]) for g in opt.param_groups))
+    return tuple(out)
+
+
+def _watch(tracker, optimizer) -> None:
+    """Re-check before every step of the innermost optimizer when its groups stop agreeing the way they
+    did (e.g. a LambdaLR with one lambda per group), via ``register_step_pre_hook``: O(groups) per step."""
+    opt = unwrap_optimizer(optimizer)
+    if tracker.__dict__.get("_broken_watch") is opt or not hasattr(opt, "register_step_pre_hook"):
+        return
+    state = {"sig": _signature(opt)}
+
+    def hook(o, args, kwargs):
+        sig = _signature(o)
+        if sig != state["sig"]:
+            state["sig"] = sig
+            check_optimizer(tracker, o, _watching=True)
+
+    tracker._broken_watch = opt
+    tracker._broken_hook = opt.register_step_pre_hook(hook)
+
+
+def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str, str]:
+    """Set ``tracker.broken_by`` from ``optimizer`` (at construction and after ``add_param_group``, and
+    before any step at which the groups' lr / weight_decay / momentum / maximize stop agreeing as they
+    did); warn once per (law, reason) (``BrokenLawWarning``, one warning per call listing the new ones); add
+    the ``broken/<family>`` metrics (``BrokenMonitor``) the first time a law is broken. Returns the dict."""
+    if not _watching:
+        _watch(tracker, optimizer)
+    named = dict(zip(tracker.compiled.names, tracker.params))
+    found = law_breakers(tracker.laws, named, optimizer)
+    warned = tracker.__dict__.setdefault("_broken_warned", set())
+    new = [(n, r) for n, r in found.items() if (n, r) not in warned]
+    tracker.broken_by = found
+    if new:
+        warned.update(new)
+        shown = "; ".join(f"{n}: {r}" for n, r in new[:3]) + (f"; ... ({len(new) - 3} more)" if len(new) > 3 else "")
+        warnings.warn(f"conserve: {len(new)} law(s) broken by the optimizer's param_groups (still tracked, marked "
+                      f"broken_by; put each law's parameters in one group to conserve it): {shown}",
+                      BrokenLawWarning, stacklevel=3)
+        if not any(isinstance(m, BrokenMonitor) for m in tracker.monitors):
+            tracker.monitors.append(BrokenMonitor(tracker))
+    return found

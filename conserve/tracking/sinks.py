@@ -1,0 +1,221 @@
+"""Where tracked metrics go: a JSONL file (always), TensorBoard and W&B when installed.
+
+A sink has ``write(step: int, metrics: dict[str, float])`` and ``close()``; optionally
+``resume(step)``, called by ``Tracker.load_state_dict`` with the last step the restored run had
+written, so a resumed run continues one series: the JSONL file drops its rows after that step and
+TensorBoard purges its events from the next step on. A sink that gets its first row without a
+``resume`` does the same at that row's step (a re-run into the same file restarts the series
+instead of appending a second one). Rows a sink fails to write are kept by the tracker and retried
+(``Tracker`` docstring), so a sink should write a row completely or not at all.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+
+from ..errors import UsageError
+from ..report import json_safe
+from .lock import RunDirLock
+
+__all__ = ["JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "RunDirLock", "tensorboard_available"]
+
+_STEP = re.compile(rb'^\{"step": (-?\d+)[,}]')
+
+
+def _line_step(line: bytes) -> int | None:
+    """The ``step`` of one JSONL line (None for a line that is not a complete record)."""
+    m = _STEP.match(line)
+    if m:
+        return int(m.group(1))
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+class JSONLSink:
+    """One JSON object per step, appended with one ``write(2)`` per row (a crash keeps what was written).
+
+    Non-finite floats are written as ``null``. The file is locked for this process (``RunDirLock`` on
+    ``<dir>/.<name>.lock``): a second process writing the same file is refused. At the first row
+    (or at ``resume(step)``) rows left by an earlier run at or after that step are cut off, with a
+    warning naming how many. A failed write leaves no partial line (the file is cut back to its
+    previous length), so the tracker's retry writes each row exactly once.
+
+    Args:
+        path: the ``.jsonl`` file (its directory is created).
+        lock: take the per-file lock (default True).
+
+    Raises:
+        UsageError: the file cannot be opened, or another process writes it.
+    """
+
+    def __init__(self, path: str | Path, *, lock: bool = True):
+        self.path = Path(path)
+        self._lock = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if lock:
+                self._lock = RunDirLock(self.path.parent, name=f".{self.path.name}.lock",
+                                        hint=f"write the metrics to another file than {self.path}").acquire()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            self._release()
+            raise UsageError(f"cannot write metrics to {self.path}: {e.strerror}; choose a writable --out directory") from None
+        self._started = False
+
+    def resume(self, step: int) -> None:
+        """Keep the rows up to ``step`` (the last step of the restored run); cut off the rest."""
+        self._cut(step + 1)
+
+    def _cut(self, first_new: int) -> None:
+        """Truncate the file at its first line whose step is >= ``first_new`` (or that is incomplete)."""
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            size = 0
+        if size == 0 or not self.path.is_file():
+            self._started = True
+            return
+        offset, cut, dropped = 0, None, 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                step = _line_step(line)
+                if cut is None and (step is None or step >= first_new or not line.endswith(b"\n")):
+                    cut = offset
+                if cut is not None:
+                    dropped += 1
+                offset += len(line)
+        if cut is not None:
+            os.ftruncate(self._fd, cut)
+            warnings.warn(f"conserve: {self.path} held {dropped} row(s) from step {first_new} on, left by an earlier "
+                          f"run; they were cut off so the series continues from step {first_new}", RuntimeWarning,
+                          stacklevel=3)
+        self._started = True
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self._started:
+            self._cut(step)
+        data = (json.dumps(json_safe(metrics)) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError:
+            try:  # no partial line: the retry writes the whole row again
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise
+
+    def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __repr__(self) -> str:
+        return f"JSONLSink({str(self.path)!r})"
+
+
+class MemorySink:
+    """Keeps the records in ``self.records`` (for notebooks and tests); ``resume(step)`` drops later ones."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def resume(self, step: int) -> None:
+        self.records = [r for r in self.records if r.get("step", 0) <= step]
+
+    def write(self, step: int, metrics: dict) -> None:
+        self.records.append(dict(metrics))
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """Scalars under the same keys, prefixed ``conserve/``. Needs ``tensorboard`` (pip extra ``tensorboard``).
+
+    The event writer opens at the first row (or ``resume``) with ``purge_step`` at that step, so
+    events an earlier run left at or after it are discarded by TensorBoard: one series per tag,
+    no duplicated steps."""
+
+    def __init__(self, log_dir: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UsageError("TensorBoard is not installed: pip install 'torch-conserve[tensorboard]'") from None
+        self._cls, self.log_dir, self._w = SummaryWriter, str(log_dir), None
+
+    def _open(self, purge_step: int):
+        if self._w is None:
+            self._w = self._cls(self.log_dir, purge_step=purge_step)
+        return self._w
+
+    def resume(self, step: int) -> None:
+        self._open(step + 1)
+
+    def write(self, step: int, metrics: dict) -> None:
+        w = self._open(step)
+        for k, v in metrics.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                w.add_scalar(f"conserve/{k}", v, step)
+
+    def close(self) -> None:
+        w, self._w = self._w, None
+        if w is not None:
+            w.flush()
+            w.close()
+
+
+class WandbSink:
+    """Logs to the active W&B run (``wandb.init`` first). Needs ``wandb`` (pip extra ``wandb``).
+
+    Rows are logged against their own x-axis ``conserve/step`` (``run.define_metric("conserve/*",
+    step_metric="conserve/step")``), never with ``step=``: W&B drops a row whose ``step=`` is below
+    its current step, which the user's own ``wandb.log`` calls advance. Log your own metrics
+    without ``step=`` too (or against your own ``define_metric`` axis): W&B keeps one increasing
+    history step per run, and conserve's rows take their places in it."""
+
+    def __init__(self, run=None, *, prefix: str = "conserve/"):
+        try:
+            import wandb
+        except ImportError:
+            raise UsageError("wandb is not installed: pip install 'torch-conserve[wandb]'") from None
+        self._run = run or wandb.run
+        if self._run is None:
+            raise UsageError("no active W&B run: call wandb.init(...) before creating WandbSink")
+        self.prefix = prefix
+        self.step_metric = f"{prefix}step"
+        self._run.define_metric(self.step_metric, hidden=True)
+        self._run.define_metric(f"{prefix}*", step_metric=self.step_metric)
+
+    def write(self, step: int, metrics: dict) -> None:
+        row = {f"{self.prefix}{k}": v for k, v in metrics.items() if k != "step"}
+        row[self.step_metric] = step
+        self._run.log(row)
+
+    def close(self) -> None:
+        pass
+
+
+def tensorboard_available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,110 @@
+"""timm coverage (conserve/detection/timm_models.py): ``ParallelScalingBlock`` (fused ``in_proj`` rows
+[mlp | q | k | v], ``attn_out_proj`` / fused ``out_proj``, ``in_norm``, LayerScale) and the SwiGLU MLPs
+(``SwiGLU`` with any elementwise gate, ``GluMlp`` / ``SwiGLUPacked`` with fc1 rows [x | gate] or [gate | x]).
+
+Every detected law passes the spec's first-order check in float64 (``conserve.verify.first_order``) and
+planted wrong laws (the MLP rows read as queries, the keys read as values, the gate half as up) fail it."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+try:
+    import timm.layers as timm_layers
+    import timm.models.vision_transformer as timm_vit
+except Exception as e:  # noqa: BLE001 - timm missing, or its torchvision import broken
+    pytest.skip(f"timm not importable: {e}", allow_module_level=True)
+
+from conserve.detection import detect  # noqa: E402
+from conserve.laws import QKGram, SwiGLUUnit, VOGram, cols, rows  # noqa: E402
+from conserve.verify import TOL, first_order  # noqa: E402
+
+PSB = timm_vit.ParallelScalingBlock
+
+
+def vit(**kw):
+    base = dict(img_size=8, patch_size=4, embed_dim=8, depth=1, num_heads=2, mlp_ratio=2, num_classes=3)
+    base.update(kw)
+    torch.manual_seed(0)
+    m = timm_vit.VisionTransformer(**base).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5
+                    + (1.0 if name.endswith(("norm.weight", "gamma")) else 0.0))
+    return m
+
+
+def images():
+    return torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+
+def worst(m, laws):
+    return {l.name: first_order(m, l, images(), trials=2) for l in laws}
+
+
+CASES = {
+    "psb_gelu": (dict(block_fn=PSB), {"qk": 2, "vo": 2, "gain": 2, "translation": 1}),
+    "psb_relu_bias_ls": (dict(block_fn=PSB, act_layer=nn.ReLU, qkv_bias=True, init_values=0.5),
+                         {"qk": 2, "vo": 2, "relu": 1, "layer_scale": 1, "gain": 2, "translation": 1}),
+    "psb_fused_out_proj": (dict(block_fn=functools.partial(PSB, fuse_out_proj=True), act_layer=nn.ReLU, init_values=0.5),
+                           {"qk": 2, "vo": 2, "relu": 1, "layer_scale": 1, "gain": 2, "translation": 1}),
+    "psb_qk_norm": (dict(block_fn=PSB, qk_norm=True), {"qk_norm_gain": 1, "vo": 2, "gain": 2, "translation": 1}),
+    "swiglu_packed": (dict(mlp_layer=timm_layers.SwiGLUPacked, act_layer=nn.SiLU, mlp_ratio=4),
+                      {"qk": 2, "vo": 2, "swiglu": 1, "gain": 3, "translation": 1}),
+    "glu_gate_last": (dict(mlp_layer=timm_layers.GluMlp, mlp_ratio=4), {"qk": 2, "vo": 2, "swiglu": 1, "gain": 3,
+                                                                        "translation": 1}),
+    "swiglu_gelu_gate": (dict(mlp_layer=timm_layers.SwiGLU, act_layer=nn.GELU),
+                         {"qk": 2, "vo": 2, "swiglu": 1, "gain": 3, "translation": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_laws_hold(case):
+    kw, fams = CASES[case]
+    m = vit(**kw)
+    d = detect(m)
+    assert d.detector == "timm" and d.families() == fams and d.undetected == [], (d.families(), d.undetected)
+    bad = {k: v for k, v in worst(m, d.laws).items() if v > TOL}
+    assert not bad, bad
+
+
+def test_parallel_block_rows_reasons_and_planted_wrong_laws():
+    m = vit(block_fn=PSB)
+    d = detect(m)
+    by = {l.name: l for l in d.laws}
+    M, C, D = 16, 8, 4  # mlp hidden, width, head_dim
+    ip = "blocks.0.in_proj.weight"
+    q1 = by["blocks.0/qk/head1"].terms[0].ref
+    assert (q1.param, q1.start, q1.rows) == (ip, (M + D, 0), D)
+    v0 = by["blocks.0/vo/head0"].terms[0].ref
+    assert v0.start == (M + 2 * C, 0)
+    assert [x for x in d.declined if x.module == "blocks.0.mlp_act" and "rescaling" in x.reason]
+    shape = (M + 3 * C, C)
+    planted = [QKGram.build("bad", 0, plus=[rows(ip, shape, 0, D)], minus=[rows(ip, shape, M + C, D)]),  # mlp rows as q
+               VOGram.build("bad", 0, plus=[rows(ip, shape, M + C, D)],  # keys as values
+                            minus=[cols("blocks.0.attn_out_proj.weight", (C, C), 0, D)])]
+    for law in planted:
+        assert first_order(m, law, images(), trials=2) > 1e-6, law
+
+
+def test_parallel_block_qk_norm_eps_and_approximate():
+    m = vit(block_fn=PSB, qk_norm=True)
+    d = detect(m)
+    assert [x for x in d.declined if x.block == "QK-norm scale law" and "eps=1e-06" in x.reason]
+    approx = [l for l in detect(m, approximate=True).laws if l.family == "qk_scale"]
+    assert len(approx) == 4
+    assert first_order(m, approx[0], images(), trials=2) > 1e-12  # only approximate: the check sees the eps
+
+
+def test_packed_glu_reads_the_ungated_half():
+    for layer, act, up0 in ((timm_layers.SwiGLUPacked, nn.SiLU, 16), (timm_layers.GluMlp, nn.Sigmoid, 0)):
+        m = vit(mlp_layer=layer, act_layer=act, mlp_ratio=4)
+        unit = next(l for l in detect(m).laws if l.family == "swiglu")
+        assert unit.terms[0].ref.start == (up0, 0)
+        wrong = SwiGLUUnit.build("bad", 0, up=rows("blocks.0.mlp.fc1.weight", (32, 8), 16 - up0, 16),
+                                 down=cols("blocks.0.mlp.fc2.weight", (8, 16), 0, 16))
+        assert first_order(m, wrong, images(), trials=2) > 1e-6

@@ -1,0 +1,215 @@
+"""HF Trainer and Lightning with nothing but conserve's callback: the metrics reach the framework's
+logs, the tracker state follows the framework's checkpoints, rows are flushed at the end."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------- HF
+def _hf():
+    try:
+        import transformers
+        from transformers import Trainer, TrainingArguments  # noqa: F401
+        from transformers.utils import is_accelerate_available
+    except Exception as e:  # noqa: BLE001 - absent, or broken by its own dependencies
+        pytest.skip(f"transformers Trainer unavailable: {e}")
+    if not is_accelerate_available():
+        pytest.skip("the Trainer needs accelerate (pip install 'torch-conserve[hf]')")
+    return transformers
+
+
+class _TokenData(torch.utils.data.Dataset):
+    def __init__(self, n=40, t=8, vocab=17, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, vocab, (n, t), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _hf_trainer(out, callbacks, max_steps=10, report_to="none", **args):
+    T = _hf()
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                        intermediate_size=12, num_hidden_layers=2, vocab_size=17)
+    model = T.LlamaForCausalLM(cfg)
+    targs = T.TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+                                learning_rate=1e-2, weight_decay=0.1, logging_steps=2, save_steps=5,
+                                save_strategy="steps", report_to=report_to, use_cpu=True, disable_tqdm=True,
+                                dataloader_num_workers=0, seed=0, **args)
+    return T.Trainer(model=model, args=targs, train_dataset=_TokenData(), callbacks=callbacks)
+
+
+def test_hf_trainer_logs_checkpoints_and_resumes(tmp_path):
+    from conserve.integrations.hf import ConserveCallback
+
+    cb = ConserveCallback()
+    trainer = _hf_trainer(tmp_path, [cb], report_to=["tensorboard"])
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "conserve/eps/vo" in h]
+    assert [h["step"] for h in logged] == [2, 4, 6, 8, 10]
+    assert all(h["conserve/step"] == h["step"] for h in logged)
+    assert all(math.isfinite(h["conserve/eps/vo"]) and "conserve/drift/vo/first" in h for h in logged)
+    assert not any(k.startswith("conserve/eps/vo/layer") for h in logged for k in h)  # family keys only
+    # report_to got them too: the TensorBoard integration ran after the callback's on_log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = [EventAccumulator(str(p.parent)).Reload() for p in tmp_path.rglob("events.out.tfevents.*")]
+    tags = {t for e in ev for t in e.Tags()["scalars"]}
+    assert "train/conserve/eps/vo" in tags
+    # every row flushed at the end to the default JSONL sink, and the tracker state is in the checkpoints
+    jsonl = tmp_path / "conserve" / "metrics.jsonl"
+    full = _rows(jsonl)
+    assert [r["step"] for r in full] == list(range(1, 11))
+    assert [r["step"] for r in full if "loss" in r] == [2, 4, 6, 8, 10]  # the Trainer's logged loss
+    assert full[1]["loss"] == pytest.approx(trainer.state.log_history[0]["loss"])
+    assert (tmp_path / "checkpoint-5" / "conserve_tracker.pt").is_file()
+    assert cb.tracker._closed
+
+    # resume from step 5: the series continues, no step is written twice, values match the first run
+    cb2 = ConserveCallback()
+    trainer2 = _hf_trainer(tmp_path, [cb2])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    assert any("cut off" in str(x.message) for x in w)  # rows 6..10 of the first run were dropped
+    again = _rows(jsonl)
+    assert [r["step"] for r in again] == list(range(1, 11))
+    assert cb2.tracker.step_count == 10
+    for a, b in zip(full[5:], again[5:]):
+        assert b["eps/vo"] == pytest.approx(a["eps/vo"], rel=1e-4, abs=1e-7)
+    logged2 = [h for h in trainer2.state.log_history if "conserve/eps/vo" in h]
+    assert [h["conserve/step"] for h in logged2 if h["step"] > 5] == [6, 8, 10]
+
+
+def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
+    import conserve
+    from conserve.integrations.hf import ConserveCallback
+
+    trainer = _hf_trainer(tmp_path, [ConserveCallback(sinks=[])], max_steps=4)
+    sink = conserve.MemorySink()
+    opt = conserve.track(torch.optim.AdamW(trainer.model.parameters(), lr=1e-2), trainer.model, every=50,
+                         sinks=[sink])
+    trainer.optimizer = opt
+    trainer.train()
+    assert opt.tracker.step_count == 4  # booked once per step, not twice
+    assert [r["step"] for r in sink.records] == [1, 2, 3, 4]
+    assert [h["conserve/step"] for h in trainer.state.log_history if "conserve/step" in h] == [2, 4]
+    opt.close()
+
+
+def test_hf_gradient_accumulation_books_one_row_per_optimizer_step(tmp_path):
+    from conserve.integrations.hf import ConserveCallback
+
+    cb = ConserveCallback(sinks=[], layers=True)
+    trainer = _hf_trainer(tmp_path, [cb], max_steps=4, gradient_accumulation_steps=2)
+    trainer.train()
+    assert cb.tracker.step_count == 4
+    logged = [h for h in trainer.state.log_history if "conserve/step" in h]
+    assert [h["conserve/step"] for h in logged] == [2, 4]
+    assert "conserve/eps/vo/layer1" in logged[0]
+
+
+# ------------------------------------------------------------------------------------ Lightning
+def _lightning():
+    errors = []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return __import__(name, fromlist=["Trainer"])
+        except Exception as e:  # noqa: BLE001 - absent, or broken by its own dependencies
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    pytest.skip(f"lightning unavailable (pip install 'torch-conserve[lightning]'): {errors[0][:200]}")
+
+
+def _lit_module(L):
+    class Tiny(L.LightningModule):  # a 4 -> 8 -> 3 ReLU MLP
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def train_dataloader(self):  # 5 batches an epoch: the step-5 checkpoint is at an epoch boundary
+            g = torch.Generator().manual_seed(0)
+            ds = torch.utils.data.TensorDataset(torch.randn(20, 4, generator=g), torch.randint(0, 3, (20,), generator=g))
+            return torch.utils.data.DataLoader(ds, batch_size=4)
+
+    return Tiny()
+
+
+def _lit_trainer(L, root, cb, max_steps, ckpt=None):
+    callbacks = [cb] + ([ckpt] if ckpt is not None else [])
+    return L.Trainer(default_root_dir=str(root), max_steps=max_steps, log_every_n_steps=2, accelerator="cpu",
+                     devices=1, logger=L.loggers.CSVLogger(str(root), name="csv", version=0), callbacks=callbacks,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     enable_checkpointing=ckpt is not None)
+
+
+def test_lightning_logs_checkpoints_and_resumes(tmp_path):
+    L = _lightning()
+    import csv
+
+    from conserve.integrations.lightning import ConserveCallback
+
+    ckpt = L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=5, save_top_k=-1)
+    cb = ConserveCallback()
+    trainer = _lit_trainer(L, tmp_path, cb, 10, ckpt)
+    trainer.fit(_lit_module(L))
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        table = [r for r in csv.DictReader(f) if r.get("conserve/eps/relu")]
+    assert [int(float(r["conserve/step"])) for r in table] == [2, 4, 6, 8, 10]
+    assert all(math.isfinite(float(r["conserve/eps/relu"])) for r in table)
+    assert "conserve/loss" in table[0] and float(table[0]["conserve/loss"]) > 0  # the step's loss, recorded
+    jsonl = Path(trainer.log_dir) / "conserve" / "metrics.jsonl"
+    full = _rows(jsonl)
+    assert [r["step"] for r in full] == list(range(1, 11))  # flushed at the end
+    assert cb.tracker._closed
+
+    cb2 = ConserveCallback()
+    trainer2 = _lit_trainer(L, tmp_path, cb2, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer2.fit(_lit_module(L), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=5.ckpt"))
+    again = _rows(jsonl)
+    assert [r["step"] for r in again] == list(range(1, 11))
+    for a, b in zip(full[5:], again[5:]):
+        assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-4, abs=1e-7)
+
+
+def test_lightning_standalone_package_name(tmp_path):
+    try:
+        import pytorch_lightning as PL
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"pytorch_lightning unavailable: {e}")
+    from conserve.integrations.lightning import ConserveCallback
+
+    cb = ConserveCallback(sinks=[])
+    trainer = PL.Trainer(default_root_dir=str(tmp_path), max_steps=4, log_every_n_steps=2, accelerator="cpu",
+                         logger=PL.loggers.CSVLogger(str(tmp_path), name="csv", version=0), callbacks=[cb],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_lit_module(PL))
+    assert cb.tracker.step_count == 4
+    text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    assert "conserve/eps/relu" in text.splitlines()[0]

@@ -1,0 +1,158 @@
+"""The command line around a run: fast --help, python -m conserve, conserve report on any metrics file,
+verdicts, divergence / Ctrl-C / out-of-memory stops, plain progress lines off a terminal."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import conserve
+from conserve.cli import main
+from conserve.report import verdict
+
+FAST = ["--size", "tiny", "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--batch-size", "2", "--seq-len", "16",
+        "--every", "2"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def _one_line(capsys):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_help_imports_no_torch_and_python_m_works():
+    code = ("import sys; from conserve.cli import main\n"
+            "try: main(['--help'])\nexcept SystemExit: pass\n"
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 0 and r.stdout.strip().endswith("False"), r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "conserve", "--help"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 0 and "report" in r.stdout and "run" in r.stdout
+
+
+def test_report_from_a_users_own_loop(tmp_path, capsys):
+    """A metrics.jsonl written by conserve.Tracker in a plain loop becomes a summary, verdicts and plots."""
+    from conserve.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP([6, 8, 3])
+    opt = conserve.track(torch.optim.SGD(model.parameters(), lr=0.05), model, every=3,
+                         sinks=[conserve.JSONLSink(tmp_path / "mine" / "metrics.jsonl")])
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    for _ in range(7):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        opt.record(loss=loss.detach())
+    opt.close()
+    assert main(["report", str(tmp_path / "mine" / "metrics.jsonl"), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "rep" / "summary.json").read_text())
+    assert summary["steps"] == 7 and summary["final_loss"] is not None
+    fam = summary["families"]["relu"]
+    # full-batch GD on a ReLU MLP: the unit laws hold, their drift is the second-order term (Noether)
+    assert fam["verdict_key"] in ("holds", "holds_rounding"), fam
+    assert "relu" in out and fam["verdict"] in out
+    for f in ("eps.png", "drift.png", "layers.png", "summary.md"):
+        assert (tmp_path / "rep" / f).stat().st_size > 0, f
+
+
+def test_report_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "not found" in _one_line(capsys)
+    (tmp_path / "m.jsonl").write_text('{"hello": 1}\nnot json\n')
+    assert main(["report", str(tmp_path / "m.jsonl")]) == 2
+    assert "no records" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("stats,key", [
+    (dict(eps_final=0.3, sum_measured=1.0, sum_decay=0.0, sum_first=1e-7, sum_second=1.0), "holds"),
+    (dict(eps_final=0.3, sum_measured=1.0, sum_decay=0.0, sum_first=0.9, sum_second=0.1), "first_order"),
+    (dict(eps_final=0.3, sum_measured=1.0, sum_decay=0.8, sum_first=0.1, sum_second=0.1), "weight_decay"),
+    (dict(eps_final=3e-7, sum_measured=1e-8, sum_decay=0.0, sum_first=1e-8, sum_second=0.0), "holds_rounding"),
+    (dict(eps_final=0.9, guarded=1.0, total_drift_measured=1e-3), "h0_zero"),
+    (dict(eps_final=0.2), "not_decomposed"),
+])
+def test_verdicts(stats, key):
+    assert verdict(stats)[0] == key
+    assert verdict(stats, ["different lr in one law: up 0.2, down 0.1"]) == \
+        ("broken_by", "broken_by: different lr in one law: up 0.2, down 0.1")
+
+
+def test_divergence_stops_names_the_step_and_writes_the_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "30", "--lr", "1e4"]) == 2
+    err = _one_line(capsys)
+    assert "diverged at step" in err and "--lr" in err
+    step = int(err.split("at step ")[1].split(":")[0])
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, step + 1))
+    summary = json.loads((out / "summary.json").read_text())
+    assert "diverged" in summary["stopped"]
+    assert (out / "eps.png").exists()
+
+
+def test_ctrl_c_keeps_summary_and_plots(tmp_path, capsys, monkeypatch):
+    from conserve import data
+
+    calls = {"n": 0}
+    orig = data.Batches.__next__
+
+    def interrupting(self):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise KeyboardInterrupt
+        return orig(self)
+
+    monkeypatch.setattr(data.Batches, "__next__", interrupting)
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "50"]) == 130
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 5 and "interrupted" in summary["stopped"]
+    assert (out / "eps.png").exists() and (out / "summary.md").exists()
+
+
+def test_out_of_memory_sizes_are_refused_in_one_line(tmp_path, capsys):
+    assert main(["run", "--out", str(tmp_path / "o"), *FAST, "--no-progress", "--steps", "1",
+                 "--seq-len", "100000", "--batch-size", "64"]) == 2
+    assert "--seq-len" in _one_line(capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_plain_progress_lines_off_a_terminal_and_tensorboard_rerun(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    for _ in range(2):  # a re-run into the same directory keeps one series
+        assert main(["run", "--out", str(out), *FAST, "--steps", "4", "--tensorboard"]) == 0
+    text = capsys.readouterr().out
+    assert "step 4/4" in text and "worst eps" in text and "\x1b[" not in text
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1
+
+
+def test_control_monitor_is_a_real_baseline(tmp_path):
+    """The all-signs-+ control moves under training while the law it shadows does not (float64, small lr)."""
+    from conserve.models import MLP
+    from conserve.tracking.control import ControlMonitor
+
+    torch.manual_seed(0)
+    model = MLP([5, 7, 3]).double()
+    laws = model.conservation_laws()[0]
+    mon = ControlMonitor(laws, dict(model.named_parameters()), fp64=True)
+    sink = conserve.MemorySink()
+    opt = conserve.track(torch.optim.SGD(model.parameters(), lr=1e-3), model, every=5, sinks=[sink], fp64=True,
+                         monitors=[mon])
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    for _ in range(10):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.close()
+    last = sink.records[-1]
+    assert last["control/relu"] > 1e-4  # the weights move at first order
+    assert last["eps/relu"] < 1e-2 * last["control/relu"]  # the law only at second order (lr^2)
+    assert verdict(dict(eps_final=0.1, control_final=0.12, sum_measured=1.0, sum_decay=0.0, sum_first=0.0,
+                        sum_second=1.0))[0] == "step_size"

@@ -1,0 +1,285 @@
+"""Sinks never lose a row: W&B with the user's own wandb.log calls, a failing sink isolated and
+retried, JSONL/TensorBoard cut back to the resumed step, one process per run directory."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import conserve
+from conserve.errors import UsageError
+from conserve.models import MLP
+from conserve.tracking.sinks import JSONLSink, RunDirLock, TensorBoardSink
+
+
+def _run(sinks, steps, every=4, state=None, save_at=None, seed=0):
+    """Train a tiny MLP for ``steps`` steps (resuming from ``state``); returns the rows it flushed
+    and, with ``save_at``, the checkpoint (model + optimizer) taken after that step."""
+    torch.manual_seed(seed)
+    m = MLP([4, 8, 3])
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=every, sinks=sinks)
+    start = 0
+    if state is not None:
+        m.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+    rows, saved = [], None
+    for i in range(start, steps):
+        g = torch.Generator().manual_seed(i)
+        opt.zero_grad()
+        loss = F.cross_entropy(m(torch.randn(6, 4, generator=g)), torch.randint(0, 3, (6,), generator=g))
+        loss.backward()
+        opt.step()
+        opt.record(loss=loss.detach())
+        if save_at == i + 1:
+            buf = io.BytesIO()
+            torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "step": i + 1}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=False)
+    rows += opt.tracker.flush()
+    opt.close()
+    return opt, saved
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------ W&B
+def _wandb_records(path: Path) -> list:
+    """The protobuf Records of an offline W&B run file (a LevelDB-style log: 7-byte header, 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    out, pos, buf, block = [], 7, b"", 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if n == 0 and kind == 0:
+            break
+        buf, pos = buf + data[pos:pos + n], pos + n
+        if kind in (1, 4):  # FULL or LAST
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            out.append(rec)
+    return out
+
+
+def _wandb_history(run_dir: Path, timeout: float = 60.0) -> list[dict]:
+    """History rows of a finished offline W&B run (wandb-core may still be writing after finish():
+    wait for its exit record)."""
+    import time
+
+    path, t0 = next(run_dir.glob("run-*.wandb")), time.time()
+    while True:
+        recs = _wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in recs) or time.time() - t0 > timeout:
+            break
+        time.sleep(0.2)
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in recs if r.WhichOneof("record_type") == "history"]
+
+
+def test_wandb_keeps_every_row_when_the_user_logs_too(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    quiet = dict(console="off", x_disable_stats=True, x_disable_meta=True, disable_git=True, disable_code=True)
+    try:
+        settings = wandb.Settings(**quiet)
+    except Exception:  # noqa: BLE001 - an older wandb without some of these settings
+        settings = None
+    run = wandb.init(project="conserve-test", dir=str(tmp_path), settings=settings)
+    try:
+        torch.manual_seed(0)
+        m = MLP([4, 8, 3])
+        opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=4,
+                             sinks=[conserve.WandbSink(run)])
+        for i in range(10):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(torch.randn(5, 4)), torch.randint(0, 3, (5,)))
+            loss.backward()
+            opt.step()
+            wandb.log({"user/loss": loss.item()})  # the user's own rows advance W&B's step
+        opt.close()
+    finally:
+        run.finish()
+    hist = _wandb_history(Path(run.dir).parent)
+    conserve_steps = [h["conserve/step"] for h in hist if "conserve/step" in h]
+    assert conserve_steps == list(range(1, 11))
+    assert all("conserve/eps/relu" in h for h in hist if "conserve/step" in h)
+    assert sum("user/loss" in h for h in hist) == 10
+
+
+# ------------------------------------------------------------------------------- failing sinks
+class _Flaky:
+    """Raises OSError for the steps in ``bad`` while ``broken`` is set; records what it wrote."""
+
+    def __init__(self, bad):
+        self.bad, self.broken, self.records, self.closed = set(bad), True, [], False
+
+    def write(self, step, metrics):
+        if self.broken and step in self.bad:
+            raise OSError(28, "No space left on device")
+        self.records.append(step)
+
+    def close(self):
+        self.closed = True
+
+    def __repr__(self):
+        return "Flaky()"
+
+
+def test_a_failing_sink_is_isolated_and_retried():
+    mem, flaky = conserve.MemorySink(), _Flaky(bad={3, 4, 5})
+    torch.manual_seed(0)
+    m = MLP([4, 8, 3])
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=2, sinks=[flaky, mem])
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(m(torch.randn(5, 4)), torch.randint(0, 3, (5,))).backward()
+        opt.step()
+
+    with pytest.warns(RuntimeWarning, match=r"sink Flaky\(\) failed at step 3 \(OSError.*No space left"):
+        for _ in range(5):
+            step()
+        opt.flush()
+    assert [r["step"] for r in mem.records] == [1, 2, 3, 4, 5]  # the other sink got every row
+    assert flaky.records == [1, 2]
+    assert opt.tracker.step_count == 5  # the steps are booked
+    assert [r["step"] for r in opt.tracker.unwritten[flaky]] == [3, 4, 5]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one line per failure spell, not per flush
+        step()
+        opt.flush()
+    flaky.broken = False
+    step()
+    opt.close()
+    assert flaky.records == [1, 2, 3, 4, 5, 6, 7]  # retried in order, each row once
+    assert opt.tracker.unwritten == {} and flaky.closed
+    assert [r["step"] for r in mem.records] == list(range(1, 8))
+
+
+def test_dev_full_keeps_the_rows_in_memory_and_other_sinks_written(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    full, good = JSONLSink("/dev/full", lock=False), JSONLSink(tmp_path / "m.jsonl")
+    with pytest.warns(RuntimeWarning) as w:
+        opt, _ = _run([full, good], steps=6, every=4)
+    msgs = [str(x.message) for x in w]
+    assert any("failed at step 1" in s and "No space left" in s for s in msgs)
+    assert any("could not write 6 row(s) (steps 1..6)" in s for s in msgs)
+    assert [r["step"] for r in _lines(tmp_path / "m.jsonl")] == list(range(1, 7))
+    assert [r["step"] for r in opt.tracker.unwritten[full]] == list(range(1, 7))
+
+
+def test_jsonl_failed_write_leaves_no_partial_line(tmp_path, monkeypatch):
+    import conserve.tracking.sinks as sinks_mod
+
+    sink = JSONLSink(tmp_path / "m.jsonl")
+    real, calls = os.write, []
+
+    def half_then_fail(fd, data):
+        calls.append(1)
+        if len(calls) == 2:  # the second row: half of it reaches the file, then the disk is full
+            real(fd, bytes(data[: len(data) // 2]))
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(sinks_mod.os, "write", half_then_fail)
+    with pytest.warns(RuntimeWarning, match="failed at step 2"):
+        _run([sink], steps=3, every=1)
+    rows = _lines(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------ resume truncation
+def test_jsonl_and_tensorboard_resume_to_the_checkpoint_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path, tb = tmp_path / "m.jsonl", tmp_path / "tb"
+    _, ck = _run([JSONLSink(path), TensorBoardSink(tb)], steps=8, every=3, save_at=5)
+    first = _lines(path)
+    assert [r["step"] for r in first] == list(range(1, 9))
+    # resume from the step-5 checkpoint: steps 6..8 are computed again and must not be duplicated
+    with pytest.warns(RuntimeWarning, match="3 row\\(s\\) from step 6 on"):
+        _run([JSONLSink(path), TensorBoardSink(tb)], steps=8, every=3, state=ck)
+    again = _lines(path)
+    assert [r["step"] for r in again] == list(range(1, 9))
+    for a, b in zip(first, again):
+        assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-5, abs=1e-9)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    events = acc.Scalars("conserve/eps/relu")
+    assert [e.step for e in events] == list(range(1, 9))  # one series: the first run's 6..8 purged
+    assert [e.value for e in events] == pytest.approx([r["eps/relu"] for r in again], rel=1e-5, abs=1e-9)
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 2
+
+
+def test_jsonl_rerun_into_the_same_file_restarts_the_series(tmp_path):
+    path = tmp_path / "m.jsonl"
+    _run([JSONLSink(path)], steps=6)
+    with path.open("a") as f:
+        f.write('{"step": 7, "eps/re')  # a crash mid-line
+    with pytest.warns(RuntimeWarning, match="held 7 row"):
+        _run([JSONLSink(path)], steps=3)
+    assert [r["step"] for r in _lines(path)] == [1, 2, 3]
+
+
+def test_jsonl_resume_drops_a_torn_last_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    _, ck = _run([JSONLSink(path)], steps=4, every=1, save_at=4)
+    with path.open("a") as f:
+        f.write('{"step": 5, "eps/re')
+    with pytest.warns(RuntimeWarning, match="1 row"):
+        _run([JSONLSink(path)], steps=6, every=1, state=ck)
+    assert [r["step"] for r in _lines(path)] == list(range(1, 7))
+
+
+# ---------------------------------------------------------------------------------------- lock
+_HOLD = textwrap.dedent("""
+    import sys
+    from conserve.tracking.sinks import RunDirLock, JSONLSink
+    lock = RunDirLock(sys.argv[1]).acquire()
+    sink = JSONLSink(sys.argv[1] + "/metrics.jsonl")
+    print("held", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_second_process_on_the_same_run_directory_is_refused(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=rf"is in use by another conserve process \(pid {p.pid}\): wait for it "
+                                             "to finish or pass another --out"):
+            RunDirLock(tmp_path, hint="pass another --out").acquire()
+        with pytest.raises(UsageError, match=r"in use.*write the metrics to another file"):
+            JSONLSink(tmp_path / "metrics.jsonl")
+        JSONLSink(tmp_path / "other.jsonl").close()  # another file in the same directory is fine
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+    with RunDirLock(tmp_path) as lock:  # released when the holder exits
+        with RunDirLock(tmp_path):  # re-entrant within one process
+            assert lock.held
+        assert lock.held
+    assert not lock.held
