@@ -67,7 +67,8 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
     ap.add_argument("--every", type=int, default=50, help="flush period in steps")
     ap.add_argument("--layers", type=int, default=LLAMA3_70B["num_hidden_layers"])
-    ap.add_argument("--max-pending", type=int, default=256 << 20, help="max_pending_bytes of the old implementation")
+    ap.add_argument("--max-pending", type=int, default=256 << 20, help="max_pending_bytes (both implementations)")
+    ap.add_argument("--drift-every", type=int, default=1, help="drift terms on every N-th step (the new tracker)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -82,7 +83,7 @@ def main(argv=None):
     b, k = 4, args.every  # fp32 values and rows
     print(f"Llama-3-70B layout, {args.layers} layers: {len(laws)} laws, {len(plan.grams)} Gram / {len(plan.norms)} "
           f"norm / {len(plan.sums)} sum terms, {P / 1e6:.2f} M law scalars per step; every={k}, fp32, drift terms "
-          f"every step\n")
+          f"every {args.drift_every} step(s) (the old columns: every step)\n")
     head = ("placement", "ranks", "straddles", "split", "per step", "h-only step", "all_reduce", "calls at 256 MiB",
             "rows in (max)", "old all_gather in", "old all_reduce")
     rows = []
@@ -91,7 +92,8 @@ def main(argv=None):
         for w in args.ranks:
             dims = [f(n, s) for n, s in zip(compiled.names, shapes)]
             sched = comm_schedule(compiled, shard_layouts(shapes, dims, w), dtypes)
-            recv, _ = sched.row_traffic(True)
+            recv, _ = sched.row_traffic(True)  # per drift step (new and old rows); other steps: new rows only
+            recv_h, _ = sched.row_traffic(False)
             # the previous implementation: per step an all_gather of 2 blocks (theta_{k+1}, a theta_k) of the
             # largest per-rank straddle count from every rank, and the packed values (4 blocks) all-reduced
             count = [0] * w
@@ -99,10 +101,19 @@ def main(argv=None):
                 for r, n in enumerate(s.sizes()):
                     count[r] += n
             old_gather = k * w * 2 * max(count) * b if sched.straddles else 0
-            step = sched.step_scalars(True) * b
-            calls = -(-k // max(1, min(k, args.max_pending // step)))  # all-reduces per flush under the default cap
+            step, h_only = sched.step_scalars(True) * b, sched.step_scalars(False, True) * b
+            # the tracker's rule: reduce when the next step's pack would not fit max_pending_bytes
+            calls, pending, total, rows_in = 1, 0, 0, 0
+            for i in range(k):
+                drift = i % args.drift_every == 0
+                nxt = step if drift else h_only
+                rows_in += max(recv if drift else recv_h) * b
+                if pending and pending + nxt > args.max_pending:
+                    calls, pending = calls + 1, 0
+                pending += nxt
+                total += nxt
             rows.append((rule, str(w), str(len(sched.straddles)), f"{sched.split_size / 1e6:.2f} M", _fmt(step),
-                         _fmt(sched.step_scalars(False, True) * b), _fmt(k * step), str(calls), _fmt(k * max(recv) * b),
+                         _fmt(h_only), _fmt(total), str(calls), _fmt(rows_in),
                          _fmt(old_gather), _fmt(k * 4 * P * b)))
     width = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print(" | ".join(h.ljust(x) for h, x in zip(head, width)))

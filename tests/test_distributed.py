@@ -9,10 +9,15 @@ the straddling Gram terms give the global plan, for every shard dimension, uneve
 
 Spawns (the cost of this file is process start-up): one of 3 ranks (FSDP2 with kv heads straddling
 shards and an empty shard, DDP, a resume from torch.distributed.checkpoint) and one of 2 ranks
-(FSDP2, tensor parallel, DDP). Every spawn has a timeout, so a hang fails instead of blocking.
+(FSDP2 aligned, FSDP2 with a straddling kv head, FSDP2 with a ``shard_placement_fn``, tensor
+parallel, DDP, a NaN stop, and the torch.distributed calls the tracker makes: one all-reduce per
+flush, straddling rows to their owner only, bytes checked against the laws' views). Each comparison
+runs at ``drift_every`` 1 and 2. Every spawn has a timeout, so a hang fails instead of blocking.
 """
 from __future__ import annotations
 
+import inspect
+import math
 import os
 import random
 import socket
@@ -34,12 +39,15 @@ import torch.distributed.tensor.parallel  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 from conserve import kernels
-from conserve.distributed import DistributedTracker, _Layout, _localize, flush_bytes, track, wants_distributed
+from conserve.distributed import (DistributedTracker, _Layout, _localize, comm_schedule, flush_bytes, shard_layouts,
+                                  track, wants_distributed)
 from conserve.models import DecoderLM, LMConfig
 from conserve.sinks import MemorySink
 from conserve.tracker import Tracker
 
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
+# the drift cadence (drift_every, snapshot_budget) of conserve.tracking.drift, compared when the Tracker has it
+CADENCE = "drift_every" in inspect.signature(Tracker).parameters
 STEPS, EVERY = 5, 2
 LR, WD = 2.0 ** -6, 2.0 ** -3  # a = 1 - lr*wd = 1 - 2^-9: exact in fp32 (the kernels round a to fp32)
 
@@ -281,6 +289,9 @@ def _check_rows(got, want, what, rtol=1e-6, atol=1e-12):
         assert a.keys() == b.keys(), what
         for k in b:
             x, y = float(a[k]), float(b[k])
+            if math.isnan(y):  # a drift column of a step that did not decompose the drift
+                assert math.isnan(x), f"{what} step {b['step']} {k}: {x} != nan"
+                continue
             assert abs(x - y) <= rtol * abs(y) + atol, f"{what} step {b['step']} {k}: {x} != {y}"
 
 
@@ -332,10 +343,11 @@ def _fsdp(cfg, world, seed=0, dim1=()):
 
 
 def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
-    """Two distributed trackers (fp64 with drift terms; fp32 without) against two single-process
-    references. SGD with weight decay: the decay factor a = 1 - lr*wd enters the drift terms."""
+    """Three distributed trackers (fp64 with drift terms at every step; fp32 without; fp64 with the drift
+    on every 2nd step) against three single-process references. SGD with weight decay: the decay factor
+    a = 1 - lr*wd enters the drift terms."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
-    sinks = [MemorySink(), MemorySink()]
+    sinks = [MemorySink(), MemorySink(), MemorySink()]
     trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]], monitors=[_Counter()]),
                 DistributedTracker(model, laws, every=2 * EVERY, fp64=False, drift=False, sinks=[sinks[1]],
                                    backend="torch", max_pending_bytes=1)]  # all-reduce at every step
@@ -343,6 +355,10 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
         assert trackers[0]._reduce_every == EVERY and trackers[1]._reduce_every == 1
     refs = [_Reference(cfg, laws, torch.float64, every=EVERY, fp64=True, monitors=[_Counter()]),
             _Reference(cfg, laws, every=2 * EVERY, fp64=False, drift=False)]
+    if CADENCE:
+        trackers.append(DistributedTracker(model, laws, every=EVERY + 1, fp64=True, drift_every=2, sinks=[sinks[2]],
+                                           snapshot_budget=None))
+        refs.append(_Reference(cfg, laws, torch.float64, every=EVERY + 1, fp64=True, drift_every=2))
     full = _full(model)
     for r in refs:
         r.start(full)
@@ -354,6 +370,9 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
     _train(model, opt, trackers, refs, STEPS, rank if data_rank is None else data_rank, cfg["vocab_size"])
     _check_values(trackers[0].values(), refs[0].tracker.values(), 1e-12, what + " fp64")
     _check_values(trackers[1].values(), refs[1].tracker.values(), 1e-6, what + " fp32")
+    if CADENCE:
+        _check_values(trackers[2].values(), refs[2].tracker.values(), 1e-12, what + " drift_every=2")
+    assert all(t._prev is None for t in trackers if t._comm)  # the shard copies are dropped after each step
     for k in ("decay", "first", "second"):
         _check_values(dict(enumerate(trackers[0].cumulative[k].grams.values())),
                       dict(enumerate(refs[0].tracker.cumulative[k].grams.values())), 1e-9, f"{what} cumulative {k}")
@@ -365,10 +384,13 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
         # fp32 rows: eps_i = |h_i - h0_i| / |h0_i| divides fp32 rounding (~1e-7 |terms|) by entries that may
         # be 1e-4 of their terms, so two summation orders agree to ~1e-3 only (the values above: 1e-6)
         _check_rows(sinks[1].records, refs[1].sink.records, what + " fp32", rtol=1e-2, atol=1e-6)
+        if CADENCE:
+            _check_rows(sinks[2].records, refs[2].sink.records, what + " drift_every=2")
+            assert [math.isnan(r["drift/vo/first"]) for r in sinks[2].records] == [k % 2 == 0 for k in range(1, STEPS + 1)]
         assert len(sinks[0].records) == STEPS and "eps/vo" in sinks[0].records[0]
         assert sinks[0].records[-1]["monitor/updates"] == STEPS
     else:
-        assert sinks[0].records == [] and sinks[1].records == [], "only rank 0 writes"
+        assert sinks[0].records == sinks[1].records == sinks[2].records == [], "only rank 0 writes"
     return trackers[0]
 
 
@@ -378,6 +400,13 @@ def _scenario_fsdp(rank, world, cfg, tmpdir, dim1=()):
     model, laws = _fsdp(cfg, world, dim1=dim1)
     assert wants_distributed(model)
     t = _compare_run(rank, world, model, laws, cfg, f"fsdp{world}")
+    # the planner bench/dist_bytes.py uses (torch.chunk layouts, no process group) sees what FSDP2 built
+    named = dict(model.named_parameters())
+    shapes = [tuple(named[n].shape) for n in t.compiled.names]
+    dims = [1 if len(sh) == 2 and set(n.split(".")) & set(dim1) else 0 for n, sh in zip(t.compiled.names, shapes)]
+    plan = comm_schedule(t.compiled, shard_layouts(shapes, dims, world), [torch.float32] * len(shapes))
+    assert plan.split_size == t._split.size and len(plan.straddles) == len(t._straddles)
+    assert [s.owner for s in plan.straddles] == [s.owner for s in t._straddles]
     info = {"straddles": len(t._straddles), "comm": t._comm, "bytes": flush_bytes(t),
             "split": t._split.size if t._comm else 0,
             "straddling": sorted({t.compiled.names[s.term.view.tensor] for s in t._straddles}) if t._comm else [],
@@ -568,9 +597,15 @@ def _scenario_collectives(rank, world, cfg):
         mine = sum(lo <= v.start[v.row_dim] + i * v.row_step < hi for i in range(v.rows))
         want += (v.rows - mine) * v.cols * 4
         assert names[v.tensor].split(".")[-2] in ("k_proj", "v_proj"), names[v.tensor]  # weights and biases
+    from conserve.errors import UsageError
+
+    with pytest.raises(UsageError, match="sharded"):  # full values cannot be booked as partial sums
+        t.record_step(t.h0)
     got = sum(c[1] for c in log.calls if c[0] == "irecv")
     assert got == 2 * STEPS * want and t.comm_bytes["rows_received"] == (2 * STEPS + 1) * want
     assert flush_bytes(t, STEPS)["rows_received"] == 2 * STEPS * want
+    recvs = [c for c in log.calls if c[0] == "irecv"]
+    assert len(recvs) == flushes * len({c[2] for c in recvs})  # one message per peer per flush
     t.close()
     return {"straddles": len(t._straddles), "received": got, "owned": sum(s.owner == rank for s in t._straddles),
             "irecv_peers": sorted({c[2] for c in log.calls if c[0] == "irecv"})}
@@ -651,3 +686,14 @@ def test_two_ranks_fsdp_tensor_parallel_and_ddp():
     assert any(n.endswith("v_proj.weight") for n in straddled["straddling"])
     total = lambda info: sum(res[r][info]["bytes"]["rows_received"] for r in (0, 1))  # noqa: E731
     assert 0 < total("placed") < total("straddle") / 10
+
+
+def test_dist_bytes_bench_prints_the_table(capsys):
+    """``python -m bench.dist_bytes`` (the docs' table), one 70B layer on 2 and 16 ranks: the straddles
+    appear at 16 ranks under FSDP2's default placement and vanish with ``v_proj`` on ``Shard(1)``."""
+    from bench.dist_bytes import main
+
+    main(["--layers", "1", "--ranks", "2", "16"])
+    rows = {tuple(c.strip() for c in line.split("|")[:3]) for line in capsys.readouterr().out.splitlines() if "|" in line}
+    assert ("fsdp2-default", "16", "8") in rows and ("fsdp2-default", "2", "0") in rows  # 8 value heads straddle
+    assert ("v:1", "16", "0") in rows

@@ -455,7 +455,7 @@ class DistributedTracker(Tracker):
         recv, sent = sched.row_traffic(self.drift)
         row_bytes = max((a + b for a, b in zip(recv, sent)), default=0) * self._xdtype.itemsize  # the same on every rank
         cap = self._max_pending_bytes
-        self._reduce_every = max(1, min(self.every, cap // max(1, step_bytes)))
+        self._reduce_every = max(1, min(self.every, cap // max(1, step_bytes)))  # at most (drift at every step)
         self._exchange_every = max(1, min(self._reduce_every, cap // max(1, row_bytes)))
         # NCCL only moves CUDA tensors: parameters kept on the CPU (FSDP2 offload) reduce through the GPU
         nccl = dist.get_backend() == "nccl"
@@ -642,17 +642,16 @@ class DistributedTracker(Tracker):
             p.pack[r: r + add.numel()] += add
 
     # ------------------------------------------------------------------------------------- steps
+    @torch.compiler.disable
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Snapshot this rank's shard of ``theta_k`` and each parameter's decay factor ``a``."""
+        """Copy this rank's shards of ``theta_k`` (dropped after the step) and take each parameter's
+        decay factor ``a``."""
+        self._prev = None
         if not self.drift:
             return
-        local = [_local(p) for p in self.params]
-        if self._prev is None or any(p.shape != t.shape for p, t in zip(self._prev, local)):
-            self._prev = [t.clone() for t in local]
-        else:
-            for p, t in zip(self._prev, local):
-                p.copy_(t)
+        self._prev = [_local(p).clone() for p in self.params]
+        self._a = [1.0] * len(self.params)
         if optimizer is not None:
             group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
             self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.params]
@@ -679,20 +678,25 @@ class DistributedTracker(Tracker):
                     parts.append(self._sq_bins(self._masked(v), self._vec_fam, self._gram_fam, nf))
         return torch.cat(parts)
 
+    @torch.compiler.disable
     @torch.no_grad()
     def after_step(self) -> None:
         """Evaluate this rank's terms at ``theta_{k+1}`` (and the drift terms when ``before_step`` ran)
         and keep the step pending on the device. Collective only when a reduction is due."""
+        prev, self._prev = self._prev, None
         if self._comm:
             if self._straddles and sum(p.held is not None for p in self._pend) >= self._exchange_every:
                 self._exchange_pending()
-            if len(self._pend) >= self._reduce_every:
+            # reduce when `every` steps are pending or this step's pack would not fit max_pending_bytes
+            # (the sizes are the same on every rank, so every rank decides the same)
+            nxt = self._schedule.step_scalars(prev is not None, self.drift) * self._pack_dtype.itemsize
+            pending = sum(p.pack.numel() for p in self._pend) * self._pack_dtype.itemsize
+            if self._pend and (len(self._pend) >= self.every or pending + nxt > self._max_pending_bytes):
                 self._sync()
                 if len(self._rows) >= self.every:
                     Tracker.flush(self)
         cur = [_local(p) for p in self.params]
         self.tensors = cur
-        prev = self._prev if self.drift and self._prev is not None else None
         if not self._comm:  # every rank holds every parameter: the single-process step, on every rank
             h1, terms = self._pieces(self.compiled.plan, cur, prev, self._a)
             Tracker.record_step(self, h1, terms)
@@ -777,6 +781,7 @@ class DistributedTracker(Tracker):
                              "use a torch optimizer with conserve.distributed.track (or Tracker.after_step)")
         super().record_step(h1, terms)
 
+    @torch.compiler.disable
     def record(self, **scalars) -> None:
         """Attach scalars to the current step's row (rank 0's values are the ones written)."""
         if self._pend:
