@@ -48,6 +48,7 @@ from conserve.tracker import Tracker
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
 # the drift cadence (drift_every, snapshot_budget) of conserve.tracking.drift, compared when the Tracker has it
 CADENCE = "drift_every" in inspect.signature(Tracker).parameters
+FULL = {"snapshot_budget": None} if CADENCE else {}  # every law decomposed on every drift step
 STEPS, EVERY = 5, 2
 LR, WD = 2.0 ** -6, 2.0 ** -3  # a = 1 - lr*wd = 1 - 2^-9: exact in fp32 (the kernels round a to fp32)
 
@@ -280,7 +281,7 @@ class _Reference:
 
     def start(self, full):
         self.load(full)
-        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], **self.kw)
+        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], **FULL, **self.kw)
 
 
 def _check_rows(got, want, what, rtol=1e-6, atol=1e-12):
@@ -348,7 +349,8 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
     a = 1 - lr*wd enters the drift terms."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
     sinks = [MemorySink(), MemorySink(), MemorySink()]
-    trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]], monitors=[_Counter()]),
+    trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]], monitors=[_Counter()],
+                                   **FULL),  # DDP: every law at every drift step, as the reference
                 DistributedTracker(model, laws, every=2 * EVERY, fp64=False, drift=False, sinks=[sinks[1]],
                                    backend="torch", max_pending_bytes=1)]  # all-reduce at every step
     if trackers[0]._comm:
