@@ -24,6 +24,14 @@ import warnings
 import torch
 
 from ..tracker import Tracker
+from ..tracking.breakers import unwrap_optimizer as _unwrap
+
+
+def unwrap_optimizer(optimizer):
+    """Strip the pass-through wrappers training frameworks put around a torch optimizer: accelerate's
+    ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer`` (a ``TrackedOptimizer`` and
+    optimizers that change the update are returned as they are)."""
+    return _unwrap(optimizer, frameworks_only=True)
 
 __all__ = ["TrackedOptimizer", "OptimizerState", "track", "unwrap_optimizer", "attach"]
 
@@ -60,10 +68,6 @@ def _check_trackable(optimizer) -> None:
     """Refuse what ``TrackedOptimizer`` cannot wrap correctly, before a tracker (and its sinks) is built."""
     if isinstance(optimizer, TrackedOptimizer):
         raise ValueError("this optimizer is already tracked; pass the inner optimizer (`opt.optimizer`)")
-    if unwrap_optimizer(optimizer) is not optimizer:  # the decay factor would be read off the wrapper
-        raise ValueError(f"conserve.track got {type(optimizer).__name__}, a framework's wrapper: track the optimizer "
-                         "before wrapping it (opt = conserve.track(opt, model); then accelerator.prepare(model, opt)),"
-                         " or use conserve.integrations.hf / .lightning ConserveCallback")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"conserve.track needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                         "pass the torch optimizer itself")
@@ -265,20 +269,6 @@ class OptimizerState:
 
         set_optimizer_state_dict(self.model, self.optimizer, state_dict["optim"], options=self.options)
         self.optimizer.tracker.load_state_dict(state_dict["conserve"])
-
-
-def unwrap_optimizer(optimizer):
-    """Strip the pass-through wrappers training frameworks put around a torch optimizer: accelerate's
-    ``AcceleratedOptimizer`` (``.optimizer``) and Lightning's ``LightningOptimizer`` (``._optimizer``).
-    Optimizers that change the update (Lookahead, ZeRO, a ``TrackedOptimizer``) are returned as they are."""
-    while True:
-        name = type(optimizer).__name__
-        if name == "AcceleratedOptimizer" and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer
-        elif name == "LightningOptimizer" and getattr(optimizer, "_optimizer", None) is not None:
-            optimizer = optimizer._optimizer
-        else:
-            return optimizer
 
 
 class _Attached:

@@ -37,10 +37,14 @@ class BrokenLawWarning(UserWarning):
     """A law whose parameters the optimizer treats differently (tracked anyway, marked ``broken_by``)."""
 
 
-def unwrap_optimizer(optimizer):
-    """The innermost optimizer under conserve / accelerate / Lightning wrappers (by ``isinstance``)."""
+def unwrap_optimizer(optimizer, *, frameworks_only: bool = False):
+    """The innermost optimizer under conserve / accelerate / Lightning wrappers (by ``isinstance``);
+    ``frameworks_only``: strip only the frameworks' pass-through wrappers (accelerate, Lightning) and
+    stop at a ``TrackedOptimizer``. Optimizers that change the update (Lookahead, ZeRO) are returned as
+    they are."""
+    wrappers = _WRAPPERS[1:] if frameworks_only else _WRAPPERS
     for _ in range(16):
-        for mod, cls, attr in _WRAPPERS:
+        for mod, cls, attr in wrappers:
             c = getattr(sys.modules.get(mod), cls, None)
             if c is not None and isinstance(optimizer, c) and getattr(optimizer, attr, None) is not None:
                 optimizer = getattr(optimizer, attr)
