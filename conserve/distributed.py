@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from .optim.wrapper import TrackedOptimizer
-from .tracking.distributed import (CommSchedule, DistributedTracker, _Layout, _localize, comm_schedule, flush_bytes,
-                                   shard_layouts, wants_distributed)
+from .tracking.distributed import DistributedTracker, flush_bytes, wants_distributed
+from .tracking.shard_plan import CommSchedule, _Layout, _localize, comm_schedule, shard_layouts
 
 __all__ = ["DistributedTracker", "track", "wants_distributed", "flush_bytes", "comm_schedule", "shard_layouts",
            "CommSchedule"]
