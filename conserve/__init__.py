@@ -28,6 +28,7 @@ _EXPORTS = {
     "WandbSink": ("conserve.sinks", "WandbSink"),
     "detect": ("conserve.detection", "detect"),
     "count": ("conserve.counting", "count_laws"),
+    "discover": ("conserve.analysis.discover", "discover"),
 }
 
 __all__ = list(_EXPORTS)

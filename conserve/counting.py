@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 
-__all__ = ["LawCount", "count_laws", "lie_bracket", "numerical_rank"]
+__all__ = ["LawCount", "count_laws", "lie_bracket", "numerical_rank", "gap_rank"]
 
 
 @dataclass
@@ -109,10 +109,17 @@ def numerical_rank(mat: torch.Tensor) -> tuple[int, torch.Tensor, float, float]:
         ``eps * s_max * max(n, m)``, and the largest ratio at any other position.
     """
     s = torch.linalg.svdvals(mat)
+    r, gap_ratio, second = gap_rank(s, tuple(mat.shape))
+    return r, s, gap_ratio, second
+
+
+def gap_rank(s: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, float, float]:
+    """The rule of :func:`numerical_rank` applied to given singular values ``s`` (descending) of a
+    matrix of ``shape``: ``(rank, gap_ratio, second_gap_ratio)``."""
     if s.numel() == 0 or float(s[0]) == 0.0:
-        return 0, s, math.inf, 1.0
-    eps = torch.finfo(mat.dtype).eps
-    floor = float(s[0]) * eps * max(mat.shape)
+        return 0, math.inf, 1.0
+    eps = torch.finfo(s.dtype).eps
+    floor = float(s[0]) * eps * max(shape)
     ext = torch.cat([s, s.new_tensor([floor])]).clamp_min(floor)
     logs = ext.log()
     gaps = logs[:-1] - logs[1:]
@@ -120,7 +127,7 @@ def numerical_rank(mat: torch.Tensor) -> tuple[int, torch.Tensor, float, float]:
     gap_ratio = float(s[r - 1] / (s[r] if r < len(s) else floor))
     others = torch.cat([gaps[: r - 1], gaps[r:]])
     second = float(others.max().exp()) if others.numel() else 1.0
-    return r, s, gap_ratio, second
+    return r, gap_ratio, second
 
 
 def lie_bracket(
