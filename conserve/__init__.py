@@ -21,7 +21,7 @@ _EXPORTS = {
     "Declined": ("conserve.laws", "Declined"),
     "compile_laws": ("conserve.laws", "compile_laws"),
     "evaluate_laws": ("conserve.laws", "evaluate_laws"),
-    "verify": ("conserve.verify", "verify"),
+    "verify": ("conserve.analysis.verify", "verify"),
     "JSONLSink": ("conserve.sinks", "JSONLSink"),
     "MemorySink": ("conserve.sinks", "MemorySink"),
     "TensorBoardSink": ("conserve.sinks", "TensorBoardSink"),

@@ -25,7 +25,7 @@ from conserve.detection.hf import detect_from_config, probe_rope  # noqa: E402
 from conserve.errors import UsageError  # noqa: E402
 from conserve.laws import (GainBalance, QKGram, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram,  # noqa: E402
                            cols, rows, vector)
-from conserve.verify import TOL, first_order  # noqa: E402
+from conserve.analysis.verify import TOL, first_order  # noqa: E402
 
 TINY = dict(hidden_size=16, num_attention_heads=4, intermediate_size=12, num_hidden_layers=1, vocab_size=17)
 MOE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "qwen3_moe")

@@ -20,7 +20,7 @@ except Exception as e:  # noqa: BLE001 - timm missing, or its torchvision import
 
 from conserve.detection import detect  # noqa: E402
 from conserve.laws import QKGram, SwiGLUUnit, VOGram, cols, rows  # noqa: E402
-from conserve.verify import TOL, first_order  # noqa: E402
+from conserve.analysis.verify import TOL, first_order  # noqa: E402
 
 PSB = timm_vit.ParallelScalingBlock
 

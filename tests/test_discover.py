@@ -4,7 +4,7 @@ Every block is tiny (seconds on 2 cores) and float64. For each block the discove
 exactly with the catalogue (spec ``shared/spec/laws.md``): the family (``match``), the fibers and the
 coefficients of every law, the first-order check (spec check 1) and the completeness against
 ``conserve.count`` (spec check 4). Laws are then tracked (``conserve.track``) and re-checked with
-``conserve.verify.first_order`` (an independent path), and corrupted laws must fail it.
+``conserve.analysis.verify.first_order`` (an independent path), and corrupted laws must fail it.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.nn import functional as F
 import conserve
 from conserve.analysis.discover import BlockTooLarge, Discovery
 from conserve.toyblocks import FFN, MoE, Attention, SwiGLU
-from conserve.verify import first_order as verify_first_order
+from conserve.analysis.verify import first_order as verify_first_order
 
 
 def _x(*shape, seed=0):
@@ -330,7 +330,7 @@ def test_discovered_laws_are_tracked_and_verified():
     model, x = _make(_TemperatureAttention), _x(3, 4, 4)
     res = conserve.discover(model, x, ansatz="structured", count=False)
     laws = res.tracked_laws()
-    from conserve.verify import verify
+    from conserve.analysis.verify import verify
 
     checks = verify(model, laws, _x(3, 4, 4, seed=9))  # spec checks 1 (first order) and 2 (symmetry action)
     assert len(checks) == len(laws) == 5 and all(c.ok for c in checks), checks

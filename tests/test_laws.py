@@ -5,7 +5,7 @@ import torch
 
 from conserve.laws import QKGram, RopePairs, compile_laws, evaluate_laws, rows
 from conserve.models import MLP, DecoderLM, LMConfig, ViT, ViTConfig
-from conserve.verify import TOL, example_inputs, first_order, symmetry, verify
+from conserve.analysis.verify import TOL, example_inputs, first_order, symmetry, verify
 
 TINY = dict(vocab_size=11, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=8,
             num_hidden_layers=1)

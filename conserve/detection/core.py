@@ -10,7 +10,8 @@ from torch import nn
 from ..laws import Declined, Law
 
 # detector modules, imported lazily in this order (each calls @register at import)
-_MODULES = ("conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models", "conserve.detection.torchnn")
+_MODULES = ("conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models",
+            "conserve.detection.torchnn", "conserve.detection.graph")
 _DETECTORS: list[tuple[str, Callable]] = []
 _loaded = False
 
@@ -60,6 +61,12 @@ def _load():
         _loaded = True
 
 
+def _ordered() -> list[tuple[str, Callable]]:
+    """Detectors in ``_MODULES`` order whatever order their modules were imported in (others last)."""
+    rank = {m: i for i, m in enumerate(_MODULES)}
+    return sorted(_DETECTORS, key=lambda d: rank.get(d[1].__module__, len(rank)))
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip torch.compile (``_orig_mod``) and DDP/DataParallel (``module``) wrappers."""
     from ..tracker import _unwrap
@@ -67,67 +74,164 @@ def unwrap(model: nn.Module) -> nn.Module:
     return _unwrap(model)
 
 
-def detect(model: nn.Module, config=None, **options) -> Detection:
+def detect(model: nn.Module, config=None, *, structural: bool = False, **options) -> Detection:
     """Every law of ``model`` with the rows/columns it reads, the declined blocks and the unrecognised ones.
 
+    The name/type-based detectors (reference models, HF transformers, timm, torch.nn modules) are the fast
+    path; any model (or part of one) they do not explain goes to structural detection
+    (``conserve.detection.graph.detect_graph``: the laws found from what the traced graph computes, each
+    passing the spec's first-order check in float64, every other block declined with the reason).
+
     Args:
-        model: an ``nn.Module`` (HF transformers, timm, torch.nn, conserve reference models); wrappers
-            from torch.compile and DDP are removed; meta-device models work (shapes only).
+        model: an ``nn.Module`` (HF transformers, timm, torch.nn, plain torch code, conserve reference
+            models); wrappers from torch.compile and DDP are removed; meta-device models work for the
+            name-based detectors (shapes only).
         config: the model config if it is not ``model.config`` (HF).
+        structural: True skips the name-based detectors and runs structural detection only.
         **options: detector options, e.g. ``rope_layout='half'|'interleaved'`` where the layout cannot be
-            known from the model, ``loss='ce'`` (the translation law needs softmax cross-entropy).
+            known from the model, ``loss='ce'`` (the translation law needs softmax cross-entropy),
+            ``example_inputs=`` (structural detection: what ``forward`` takes, when it cannot be synthesised).
 
     Raises:
-        conserve.errors.UnsupportedModelError: no detector recognises the model at all.
+        conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
     """
     _load()
     model = unwrap(model)
     config = config if config is not None else getattr(model, "config", None)
-    for name, fn in _DETECTORS:
+    from ..errors import UnsupportedModelError
+
+    if structural:
+        from .graph import detect_graph
+
+        return detect_graph(model, **options)
+    for name, fn in _ordered():
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
+            if name == "torch.nn" and found.undetected:
+                found = _with_structural(model, found, options)
             return found
-    from ..errors import UnsupportedModelError
+    last = getattr(dict(_DETECTORS).get("graph"), "last", None)
+    why = "; ".join(f"{d.module}: {d.reason}" for d in (last.declined if last else [])[:3])
+    raise UnsupportedModelError(f"no detector recognises {type(model).__name__}"
+                                + (f" (structural detection: {why})" if why else "")
+                                + "; pass explicit laws (conserve.laws) to track it, or example_inputs= if forward "
+                                "needs a particular input")
 
-    raise UnsupportedModelError(f"no detector recognises {type(model).__name__}; pass explicit laws "
-                                "(conserve.laws) to track it, or open an issue with the model's config")
+
+def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:
+    """Structural detection for the modules a type-based detector left undetected, merged into ``found``."""
+    from .graph import detect_graph
+
+    left = set(found.undetected)
+    skip = [k for k, _ in model.named_parameters() if (k.rsplit(".", 1)[0] if "." in k else k) not in left]
+    g = detect_graph(model, skip_params=skip, **options)
+    have = {(law.family, frozenset(law.params)) for law in found.laws}
+    laws = found.laws + [law for law in g.laws if (law.family, frozenset(law.params)) not in have]
+    declined = found.declined + g.declined
+    return Detection(laws, declined, [m for m in g.undetected if m in left], f"{found.detector}+graph")
+
+
+class Collector:
+    """The one accumulator every detector uses: laws, declined blocks, what is accounted for, and the
+    single frozen / tied / undetected filter (``finish``).
+
+    Args:
+        model: the unwrapped model (parameter names are ``model.named_parameters()`` names).
+        options: the detector options given to ``detect`` (e.g. ``loss``, ``rope_layout``).
+        config: the model config (HF), or None.
+
+    ``seen`` holds module (or parameter) paths accounted for (a law or a decline covers everything under
+    them); ``understood`` holds parameter names known to carry no law of their own (e.g. an output bias);
+    ``rope_cache`` is scratch space for detectors (RoPE layouts probed per attention class).
+    """
+
+    def __init__(self, model: nn.Module, options: dict | None = None, *, config=None):
+        self.model = model
+        self.config = config
+        self.options = dict(options or {})
+        self.laws: list[Law] = []
+        self.declined: list[Declined] = []
+        self.seen: set[str] = set()
+        self.understood: set[str] = set()
+        self.rope_cache: dict = {}
+
+    def covered(self, path: str) -> bool:
+        """True when ``path`` (a module or parameter path) is under a path already accounted for."""
+        if path in self.understood:
+            return True
+        parts = path.split(".") if path else []
+        return "" in self.seen or any(".".join(parts[:k]) in self.seen for k in range(1, len(parts) + 1))
+
+    def mark(self, *paths: str) -> None:
+        self.seen.update(paths)
+
+    def know(self, *names) -> None:
+        """Parameters understood to carry no law of their own (e.g. an output bias); None is ignored."""
+        self.understood.update(n for n in names if n)
+
+    def decline(self, module: str, block: str, reason: str) -> None:
+        """Record a block with no law and why; everything under ``module`` counts as accounted for."""
+        self.declined.append(Declined(module, block, reason))
+        self.seen.add(module)
+
+    def add(self, *laws: Law) -> None:
+        self.laws.extend(laws)
+
+    def finish(self, detector: str = "") -> Detection:
+        """The shared last step of every detector.
+
+        * every law's refs are checked against the parameter shapes (``compile_laws``; ValueError naming
+          the law otherwise), so a wrong row/column range fails here, never silently later;
+        * laws reading a frozen (``requires_grad=False``) parameter move to ``declined``: frozen parameters
+          do not follow the gradient flow, so the law is not conserved;
+        * laws reading a parameter shared with another module (tied) move to ``declined``: the other use
+          breaks the law's symmetry;
+        * every parameter no law reads, that is not ``understood`` and not under a declined or marked
+          path, is listed (its module path) in ``undetected``, in ``named_parameters`` order.
+        """
+        from ..laws import compile_laws
+
+        every = dict(self.model.named_parameters(remove_duplicate=False))  # tied parameters under every name
+        compile_laws(self.laws, {k: tuple(v.shape) for k, v in every.items()})
+        params = every
+        aliases: dict[int, list[str]] = {}
+        for name, p in every.items():
+            aliases.setdefault(id(p), []).append(name)
+        kept = []
+        for law in self.laws:
+            frozen = [p for p in law.params if p in params and not params[p].requires_grad]
+            tied = {p: [a for a in aliases[id(params[p])] if a != p] for p in law.params if p in params}
+            tied = {p: a for p, a in tied.items() if a}
+            if frozen:
+                self.declined.append(Declined(law.name, f"{law.family} law", f"reads frozen parameter(s) {frozen} "
+                                              "(requires_grad=False): they do not move with the gradient flow, so the "
+                                              "law is not conserved; unfreeze them or track the trainable part with "
+                                              "explicit laws"))
+            elif tied:
+                p, a = next(iter(tied.items()))
+                self.declined.append(Declined(law.name, f"{law.family} law", f"{p!r} is shared with {a} (tied): the "
+                                              "other use breaks the law's symmetry"))
+            else:
+                kept.append(law)
+        covered = set(self.understood)
+        for law in self.laws:
+            covered.update(law.params)
+        undetected: list[str] = []
+        for name, _ in self.model.named_parameters():
+            if name in covered or self.covered(name):
+                continue
+            owner = name.rsplit(".", 1)[0] if "." in name else name
+            if owner not in undetected:
+                undetected.append(owner)
+        return Detection(kept, self.declined, undetected, detector)
 
 
 def finish(model: nn.Module, laws: list[Law], declined: list[Declined], understood=(), detector: str = "") -> Detection:
-    """Shared last step of a detector (added for the HF detector; usable by every detector).
-
-    * Laws that read a frozen parameter (``requires_grad=False``) move to ``declined`` with the reason:
-      frozen parameters do not follow the gradient flow, so the law's Noether identity fails.
-    * Every parameterised module with a parameter that no law reads, that is not under a declined
-      module path and that is not in ``understood`` (parameter names known to carry no law, e.g. an
-      output bias) is listed in ``undetected`` ("no law detected"), in ``named_parameters`` order.
-    * All refs are checked against the parameter shapes (``compile_laws``), so a wrong row/column
-      range fails loudly here, never silently later.
-    """
-    from ..laws import compile_laws
-
-    params = dict(model.named_parameters())
-    compile_laws(laws, {k: tuple(v.shape) for k, v in params.items()})
-    kept, declined = [], list(declined)
-    for law in laws:
-        frozen = [p for p in law.params if not params[p].requires_grad]
-        if frozen:
-            declined.append(Declined(law.name, f"{law.family} law",
-                                     f"reads frozen parameters {frozen} (requires_grad=False): they do not move with "
-                                     "the gradient flow, so the law is not conserved; unfreeze them or track the "
-                                     "trainable part with explicit laws"))
-        else:
-            kept.append(law)
-    covered = set(understood)
-    for law in laws:
-        covered.update(law.params)
-    paths = [d.module for d in declined]
-    undetected: list[str] = []
-    for name in params:
-        if name in covered or any(name.startswith(p + ".") for p in paths):
-            continue
-        mod = name.rsplit(".", 1)[0] if "." in name else ""
-        if mod not in undetected:
-            undetected.append(mod)
-    return Detection(kept, declined, undetected, detector)
+    """``Collector.finish`` for detectors that gathered ``laws`` / ``declined`` themselves (the HF detector):
+    declined module paths count as accounted for, ``understood`` parameters carry no law of their own."""
+    c = Collector(model)
+    c.laws, c.declined = list(laws), list(declined)
+    c.know(*understood)
+    c.mark(*(d.module for d in declined if d.module))
+    return c.finish(detector)

@@ -30,7 +30,10 @@ from torch import nn
 
 from ..laws import (Declined, DeepLinearGram, GainBalance, Law, QKGram, ReLUUnit, Translation, VOGram, cols, rows,
                     vector)
-from .core import Detection, register
+from . import builders
+from .core import Collector, Detection, register
+
+__all__ = ["Collector", "gain_law", "linear_cols", "norm_parts", "unit_law", "mha_laws", "walk", "layer_index"]
 
 # elementwise maps through which the per-unit positive rescaling passes (f(c x) = c f(x), c > 0)
 POSITIVE_HOMOGENEOUS = (nn.ReLU, nn.LeakyReLU, nn.Dropout, nn.Identity)
@@ -56,63 +59,6 @@ def _label(path: str) -> str:
     return path or "model"
 
 
-class Collector:
-    """Accumulates laws and declined blocks for one model, then checks them against the model.
-
-    ``seen`` holds the module (or parameter) paths a detector has accounted for (a law or a decline);
-    ``finish`` lists every parameter-holding module not under one of them as ``undetected``."""
-
-    def __init__(self, model: nn.Module, options: dict | None = None):
-        self.model = model
-        self.options = dict(options or {})
-        self.laws: list[Law] = []
-        self.declined: list[Declined] = []
-        self.seen: set[str] = set()
-
-    def covered(self, path: str) -> bool:
-        parts = path.split(".") if path else []
-        return "" in self.seen or any(".".join(parts[:k]) in self.seen for k in range(1, len(parts) + 1))
-
-    def mark(self, *paths: str) -> None:
-        self.seen.update(paths)
-
-    def decline(self, module: str, block: str, reason: str) -> None:
-        self.declined.append(Declined(module, block, reason))
-        self.seen.add(module)
-
-    def add(self, *laws: Law) -> None:
-        self.laws.extend(laws)
-
-    def finish(self, detector: str) -> Detection:
-        """Drop (and declare) laws on frozen or tied parameters; list unaccounted modules."""
-        params = dict(self.model.named_parameters())
-        aliases: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        kept = []
-        for law in self.laws:
-            frozen = [p for p in law.params if p in params and not params[p].requires_grad]
-            tied = {p: [a for a in aliases[id(params[p])] if a != p] for p in law.params if p in params}
-            tied = {p: a for p, a in tied.items() if a}
-            if frozen:
-                self.declined.append(Declined(law.name, law.family, f"skipped: reads frozen parameter(s) {frozen} "
-                                              "(requires_grad=False); unfreeze them to track this law"))
-            elif tied:
-                p, a = next(iter(tied.items()))
-                self.declined.append(Declined(law.name, law.family, f"{p!r} is shared with {a} (tied): the other "
-                                              "use breaks the law's symmetry"))
-            else:
-                kept.append(law)
-        undetected: list[str] = []
-        for name, _ in self.model.named_parameters():
-            if self.covered(name):
-                continue
-            owner = name.rsplit(".", 1)[0] if "." in name else name
-            if owner not in undetected:
-                undetected.append(owner)
-        return Detection(kept, self.declined, undetected, detector)
-
-
 # ------------------------------------------------------------------------------------------- helpers
 def norm_parts(norm: nn.Module) -> tuple[str, str | None] | None:
     """(weight, bias-or-None) attribute names of an affine LayerNorm/RMSNorm, or None if not one."""
@@ -131,24 +77,22 @@ def gain_law(c: Collector, path: str, norm: nn.Module, readers: list, layer, not
         c.decline(path, type(norm).__name__, "not an affine LayerNorm/RMSNorm with a per-feature gain: no gain law")
         return
     w, b = parts
-    h = getattr(norm, w).shape[0]
-    c.add(GainBalance.build(f"{path}/gain", layer, gain=vector(_p(path, w), 0, h),
-                            beta=vector(_p(path, b), 0, h) if b else None, readers=readers, note=f"readers: {note}"))
+    c.add(builders.gain_law(f"{path}/gain", layer, _p(path, w), getattr(norm, w).shape[0], readers=readers,
+                            bias=_p(path, b) if b else None, note=f"readers: {note}"))
     c.mark(path)
 
 
 def linear_cols(path: str, lin: nn.Linear):
     """Every input feature of a Linear as one row (its weight column)."""
-    return cols(_p(path, "weight"), lin.weight.shape, 0, lin.in_features)
+    return builders.in_cols(_p(path, "weight"), lin.weight.shape)
 
 
 def unit_law(c: Collector, name: str, up_path: str, up: nn.Linear, down_path: str, down: nn.Linear, layer,
              note: str = "") -> None:
     """ReLU-type unit balance between ``up`` (rows, bias) and ``down`` (columns): spec ReLU row."""
-    n = up.out_features
-    c.add(ReLUUnit.build(name, layer, up=rows(_p(up_path, "weight"), up.weight.shape, 0, n),
-                         up_bias=vector(_p(up_path, "bias"), 0, n) if up.bias is not None else None,
-                         down=cols(_p(down_path, "weight"), down.weight.shape, 0, n), note=note))
+    c.add(builders.unit_law(ReLUUnit, name, layer, up=_p(up_path, "weight"), up_shape=up.weight.shape,
+                            units=range(up.out_features), down=_p(down_path, "weight"), down_shape=down.weight.shape,
+                            up_bias=_p(up_path, "bias") if up.bias is not None else None, note=note))
 
 
 # ---------------------------------------------------------------------------------------------- MHA

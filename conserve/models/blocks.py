@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..detection import builders
 from ..laws import (Declined, GainBalance, QKGram, ReLUUnit, RopePairs, RopePassGram, RouterSum, SwiGLUUnit,
                     Translation, VOGram, cols, rows, vector)
 
@@ -43,15 +44,14 @@ def make_norm(kind: str, hidden_size: int) -> nn.Module:
 
 def gain_law(prefix: str, norm: nn.Module, layer, readers: list, name: str):
     """Pre-norm gain law of ``norm`` read by the ``readers`` (column refs); spec: pre-norm gain row."""
-    h = norm.weight.shape[0]
-    beta = vector(f"{prefix}.bias", 0, h) if getattr(norm, "bias", None) is not None else None
-    return GainBalance.build(f"{prefix}/gain", layer, gain=vector(f"{prefix}.weight", 0, h), beta=beta,
-                             readers=readers, note=f"readers: {name}")
+    return builders.gain_law(f"{prefix}/gain", layer, f"{prefix}.weight", norm.weight.shape[0], readers=readers,
+                             bias=f"{prefix}.bias" if getattr(norm, "bias", None) is not None else None,
+                             note=f"readers: {name}")
 
 
 def linear_cols(prefix: str, lin: nn.Linear):
     """Column view (one row per input feature) of a Linear's weight."""
-    return cols(f"{prefix}.weight", lin.weight.shape, 0, lin.in_features)
+    return builders.in_cols(f"{prefix}.weight", lin.weight.shape)
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -182,11 +182,11 @@ class FFN(nn.Module):
             return [], [Declined(prefix, f"{self.activation.upper()} FFN",
                                  "no law beyond constants: the activation has no rescaling symmetry (seed paper)")]
         up, down = self.up_proj, self.down_proj
-        n = up.out_features
         cls = SwiGLUUnit if self.activation == "swiglu" else ReLUUnit
-        law = cls.build(f"{prefix}/unit", layer, up=rows(f"{prefix}.up_proj.weight", up.weight.shape, 0, n),
-                        down=cols(f"{prefix}.down_proj.weight", down.weight.shape, 0, n),
-                        up_bias=vector(f"{prefix}.up_proj.bias", 0, n) if up.bias is not None else None)
+        law = builders.unit_law(cls, f"{prefix}/unit", layer, up=f"{prefix}.up_proj.weight", up_shape=up.weight.shape,
+                                units=range(up.out_features), down=f"{prefix}.down_proj.weight",
+                                down_shape=down.weight.shape,
+                                up_bias=f"{prefix}.up_proj.bias" if up.bias is not None else None)
         return [law], []
 
     def readers(self, prefix: str):

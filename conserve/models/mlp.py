@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..detection import builders
 from ..laws import Declined, DeepLinearGram, ReLUUnit, cols, rows, vector
 
 
@@ -40,8 +41,9 @@ class MLP(nn.Module):
                 laws.append(DeepLinearGram.build(f"layers.{l}-{l + 1}/gram", l, plus=[rows(wa, a.weight.shape, 0, n), ba],
                                                  minus=[cols(wb, b.weight.shape, 0, n)]))
             elif self.activation == "relu":
-                laws.append(ReLUUnit.build(f"layers.{l}-{l + 1}/unit", l, up=rows(wa, a.weight.shape, 0, n),
-                                           up_bias=ba, down=cols(wb, b.weight.shape, 0, n)))
+                laws.append(builders.unit_law(ReLUUnit, f"layers.{l}-{l + 1}/unit", l, up=wa, up_shape=a.weight.shape,
+                                              units=range(n), down=wb, down_shape=b.weight.shape,
+                                              up_bias=f"layers.{l}.bias" if a.bias is not None else None))
             else:
                 declined.append(Declined(f"layers.{l}", "GELU MLP", "no law beyond constants (seed paper)"))
         return laws, declined

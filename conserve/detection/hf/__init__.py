@@ -38,6 +38,8 @@ Options (``conserve.detect(model, **options)``):
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ...errors import UsageError
@@ -53,14 +55,15 @@ _FAMILIES = FAMILIES
 @register("hf")
 def detect_hf(model, config, **options):
     """Laws of an HF ``PreTrainedModel`` (see the module docstring); None for other models."""
+    transformers = sys.modules.get("transformers")  # an HF model's class comes from it: already imported
     try:
-        import transformers
-    except ImportError:  # pragma: no cover - transformers is an optional dependency
-        return None
-    if not isinstance(model, transformers.PreTrainedModel):
+        base = transformers.PreTrainedModel if transformers is not None else None
+    except Exception:  # noqa: BLE001 - transformers present but not importable (broken optional dependency)
+        base = None
+    if base is None or not isinstance(model, base):
         return None
     config = config if config is not None else model.config
-    ctx = _Ctx(model, config, dict(options))
+    ctx = _Ctx(model, options, config=config)
     fam = _FAMILIES.get(getattr(config, "model_type", None))
     if fam is None:
         ctx.decline("", f"model_type={getattr(config, 'model_type', None)!r}",
@@ -70,7 +73,7 @@ def detect_hf(model, config, **options):
         d.declined = ctx.declined
         return d
     fam(ctx)
-    return finish(model, ctx.laws, ctx.declined, ctx.understood, detector="hf")
+    return ctx.finish("hf")
 
 
 def _model_class(config):

@@ -14,6 +14,7 @@ from torch import nn
 from ...errors import UsageError
 from ...laws import (Declined, GainBalance, NormScaleLaw, QKGram, QKNormGain, ReLUUnit, RopePairs, RopePassGram,
                      RouterSum, ScaleLaw, SwiGLUUnit, Term, Translation, VOGram, cols, rows, vector)
+from ..core import Collector
 from .rope import _rope_layout, _rotary_dim
 
 NO_EMBED = "input embedding: no law (no parameter on the other side of it)"
@@ -93,22 +94,7 @@ def _linear_like(mod) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- context
-@dataclass
-class _Ctx:
-    model: nn.Module
-    config: object
-    options: dict
-    laws: list = field(default_factory=list)
-    declined: list = field(default_factory=list)
-    understood: set = field(default_factory=set)
-    rope_cache: dict = field(default_factory=dict)
-
-    def decline(self, module: str, block: str, reason: str):
-        self.declined.append(Declined(module, block, reason))
-
-    def know(self, *names):
-        """Parameters understood to carry no law of their own (e.g. an output bias)."""
-        self.understood.update(n for n in names if n)
+_Ctx = Collector  # the one detector toolkit accumulator (core.Collector: decline / know / options / config)
 
 
 # ------------------------------------------------------------------------------------------- attention

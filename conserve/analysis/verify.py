@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from .kernels import evaluate_reference
-from .laws import Law, Translation, compile_laws
+from ..kernels import evaluate_reference
+from ..laws import Law, Translation, compile_laws
 
 TOL = 1e-10
 
@@ -149,7 +149,7 @@ def verify(model: nn.Module, laws: Sequence[Law | Callable] | None = None, input
         if hasattr(model, "conservation_laws"):
             laws = model.conservation_laws()[0]
         else:
-            from .detection import detect
+            from ..detection import detect
 
             laws = detect(model).laws
     g = torch.Generator().manual_seed(seed)

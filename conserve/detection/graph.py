@@ -1,0 +1,1477 @@
+"""Structural detection: the catalogue's blocks found by what the model's graph computes, whatever the names.
+
+``detect_graph(model, example_inputs=None, **options) -> Detection`` (also the fallback of
+``conserve.detect`` for any model no name-based detector knows, and ``detect(model, structural=True)``).
+
+How it works (spec ``shared/spec/laws.md``; each law's row is named in its note):
+
+1. Probe: a float64 copy of the model with random parameters (N(0, 1/fan_in) matrices, gains 1 +- 0.3,
+   biases +- 0.3), in eval mode, and an example input (``example_inputs``, else synthesised from the
+   first parameterised module: token ids for an ``nn.Embedding``, ``(2, 6, in_features)`` floats for an
+   ``nn.Linear``). The user's model is never modified.
+2. Trace: ``torch.fx.symbolic_trace`` (``nn.Linear``, norms, ``nn.Embedding``, GPT-2 ``Conv1D`` are
+   leaves); when that fails (data-dependent Python control flow, e.g. an ``assert`` on a shape), the
+   probe is traced with ``torch.export`` on the example input. Casts to float32/16 in the graph are made
+   float64 (precision choices, not part of the function) and the trace must reproduce the model's output
+   (rtol 1e-4) or nothing is claimed. Every intermediate value of one run is recorded.
+3. Blocks, found from the graph and the recorded values:
+
+   * attention: every ``softmax(f(X @ Y))`` followed by ``@ V`` (any element-wise f: scale, mask, ALiBi,
+     soft-capping) and every ``scaled_dot_product_attention``. The nearest linear projections of X, Y, V and
+     the linear that reads the attention output are found in the graph; which of their rows (columns for
+     the output projection) form head i, dim d, is read off the exact linear maps between them
+     (basis-vector probes through the recorded graph: any fused qkv split by columns or per head,
+     reshape, transpose, GQA ``repeat_interleave`` / ``expand``). A probe at another position shows which
+     dims are rotated together: RoPE by rotate_half (pairs ``{p, p + R/2}``) or by complex multiplication
+     of adjacent pairs (``view_as_complex``, pairs ``{2p, 2p+1}``), partial rotary (pass-through dims).
+     Laws: QK Gram per kv group (no RoPE) or RoPE pairs (+ pass-through Gram), VO Gram per kv group.
+     Attention written with ``einsum`` is rewritten as permute -> matmul -> permute first (re-checked).
+     A q/k path that is not linear (QK-norm) gets no QK law (declined with the reason); VO is kept, and
+     a per-feature gain on each of the q and k paths gets the QK-norm gain law (per dim, or per rotary
+     pair; one law for gains shared by all heads, one per kv group for a norm over all heads; ``1 + w``
+     gains too). The ``||Q||^2`` scale laws are not built structurally.
+   * element-wise MLPs ``down(act(up x))``: ReLU / leaky-ReLU unit laws; GELU, SiLU, tanh, ... declined
+     (spec: GELU / SiLU FFN row); ``down(up x)`` with nothing between: deep-linear Gram.
+   * gated MLPs ``down(g * up x)`` where ``up x`` reaches the product through index operations only (any
+     gate g: SwiGLU, GeGLU, fused ``gate_up`` chunks): SwiGLU unit law on up rows and down columns.
+   * gains: every per-feature scale ``g * x (+ beta)`` (LayerNorm / RMSNorm modules, ``F.layer_norm``,
+     hand-written RMSNorms, Gemma's ``(1 + w)``) whose output is read only by linear maps (through
+     dropout, casts, reshapes, token indexing or pooling): gain law with every reader. A scale whose
+     output also feeds anything else (the residual stream: post-LN) is declined.
+   * LayerScale: a per-feature scale of a linear's output (``gamma * (W x + b)``) whose result feeds
+     anything (the residual): ``gamma_c^2 - ||W[c,:]||^2 - b_c^2`` (family ``layer_scale``).
+   * routers: a linear whose output is only read by ``softmax`` (directly or after ``topk``): router sum
+     (spec: MoE router, softmax, any top-k, renormalised or not); a sigmoid router is declined (spec
+     open row). Expert MLPs are found as MLPs above.
+   * output layer: a linear whose output reaches the model output through index operations only gets
+     the translation law when the loss is softmax cross-entropy (``loss='ce'``, or ``F.cross_entropy``
+     of it inside the graph); declined otherwise (a soft-cap or other op before the output breaks it).
+4. Check: every candidate law must pass the spec's first-order check (float64, the traced probe, random
+   output projections, cross-entropy for translation laws, relative violation <= ``conserve.analysis.verify.TOL``)
+   before it is claimed; a law that fails is declined with its measured violation. Embeddings and every
+   parameterised module no block explains are declined with the reason (never the whole model).
+   Frozen / tied parameters go through the one ``Collector`` filter.
+
+Options: ``example_inputs`` (a tensor or tuple for ``forward``), ``loss`` ('ce' for the translation law),
+``max_probe_params`` (default 3e8: larger models are declined with a reason rather than copied).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.node import map_arg
+
+from ..analysis.verify import TOL  # the spec's first-order tolerance
+from ..laws import (Declined, DeepLinearGram, LayerScaleBalance, Law, QKGram, ReLUUnit, RopePassGram, RouterSum, SwiGLUUnit,
+                    Translation, VOGram, rows, vector)
+from . import builders
+from .core import Collector, Detection, register
+from .torchnn import layer_index
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+ALIAS = {"_softmax": "softmax", "bmm": "matmul", "mm": "matmul", "scaled_dot_product_attention": "sdpa",
+         "truediv": "div", "relu_": "relu", "mul_": "mul", "add_": "add", "leaky_relu_": "leaky_relu",
+         "gelu_": "gelu", "silu_": "silu", "native_dropout": "dropout", "dropout_": "dropout",
+         "_to_copy": "to", "type_as": "to", "float": "to", "double": "to", "half": "to", "bfloat16": "to",
+         "_unsafe_view": "view", "masked_fill_": "masked_fill", "__getitem__": "getitem", "rms_norm": "rms_norm"}
+POSITIVE = {"relu", "leaky_relu"}
+NO_LAW = {"gelu", "silu", "tanh", "sigmoid", "elu", "selu", "celu", "mish", "softplus", "hardswish", "hardsigmoid",
+          "hardtanh", "relu6", "softsign", "glu", "logsigmoid", "erf"}
+# ops that move or copy features without mixing them (a reader behind them still reads the same feature)
+PASS = {"dropout", "to", "contiguous", "clone", "view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze",
+        "getitem", "index_select", "index", "expand", "mean", "sum", "alias", "identity", "repeat",
+        "repeat_interleave", "cat", "stack", "permute", "transpose", "split", "chunk", "split_with_sizes",
+        "narrow", "slice", "select", "t", "movedim", "type", "lift_fresh_copy", "dropout1d", "dropout2d"}
+SCORE_OPS = {"mul", "div", "add", "sub", "masked_fill", "to", "tanh", "where", "dropout", "float", "permute", "transpose",
+             "contiguous", "view", "reshape"}
+ELEMENTWISE = POSITIVE | NO_LAW | {"pow", "square", "abs", "exp", "sin", "cos", "sqrt", "log", "neg", "sign", "clamp",
+                                    "clamp_min", "where"}
+SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "size", "dim",
+              "sym_size", "_assert_tensor_metadata"}
+NO_LAW_ACT = "no law beyond constants: the activation has no continuous rescaling symmetry (spec: GELU / SiLU FFN row)"
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer that keeps norms, embeddings and GPT-2 ``Conv1D`` as leaves (plus torch.nn's own leaves)."""
+
+    def is_leaf_module(self, m, qualname):
+        if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers"):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+@dataclass
+class Lin:
+    """A linear map ``y = x W^T + b`` in the graph (``t``: W stored ``(in, out)``, GPT-2 Conv1D / addmm)."""
+
+    node: fx.Node
+    x: fx.Node
+    w: str
+    b: str | None
+    shape: tuple
+    t: bool = False
+
+    @property
+    def n_out(self):
+        return self.shape[-1] if self.t else self.shape[-2]
+
+    @property
+    def n_in(self):
+        return self.shape[-2] if self.t else self.shape[-1]
+
+    @property
+    def module(self):
+        return self.w.rsplit(".", 1)[0] if "." in self.w else ""
+
+    def reader(self):
+        return builders.in_cols(self.w, self.shape, transposed=self.t)
+
+
+def _like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` laid out with ``ref``'s strides (graph paths may rely on them, e.g. ``view`` after ``transpose``)."""
+    out = torch.empty_strided(ref.shape, ref.stride(), dtype=value.dtype)
+    return out.copy_(value)
+
+
+class Graph:
+    """A traced probe: the GraphModule, its recorded values and the graph queries the detectors need."""
+
+    def __init__(self, gm: fx.GraphModule, inputs: tuple, params: dict, kwargs: dict | None = None):
+        self.gm, self.inputs, self.params, self.kwargs = gm, inputs, params, dict(kwargs or {})
+        self.nodes = list(gm.graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.env: dict = {}
+        self._paths: dict = {}  # (sources, targets) -> the nodes between them, in graph order
+        self._record()
+        self.lins = {}
+        for n in self.nodes:
+            lin = self._lin(n)
+            if lin is not None:
+                self.lins[n] = lin
+
+    # ------------------------------------------------------------------ execution
+    def _exec(self, n: fx.Node, args, kwargs):
+        if n.op == "call_function":
+            return n.target(*args, **kwargs)
+        if n.op == "call_method":
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        if n.op == "call_module":
+            return self.gm.get_submodule(n.target)(*args, **kwargs)
+        if n.op == "get_attr":
+            obj = self.gm
+            for a in n.target.split("."):
+                obj = getattr(obj, a)
+            return obj
+        raise RuntimeError(n.op)
+
+    @torch.no_grad()
+    def _record(self):
+        it = iter(self.inputs)
+        for n in self.nodes:
+            if n.op == "placeholder":
+                try:
+                    self.env[n] = next(it)
+                except StopIteration:
+                    self.env[n] = n.args[0] if n.args else None
+            elif n.op == "output":
+                self.env[n] = map_arg(n.args[0], lambda a: self.env[a])
+            else:
+                args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.env[a])
+                self.env[n] = self._exec(n, args, kwargs)
+
+    def ancestors(self, targets: Iterable[fx.Node]) -> set:
+        seen, stack = set(), list(targets)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+        return seen
+
+    def descendants(self, srcs: Iterable[fx.Node]) -> set:
+        seen, stack = set(), list(srcs)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(n.users)
+        return seen
+
+    @torch.no_grad()
+    def run(self, subs: dict, targets: list):
+        """Values of ``targets`` when the nodes in ``subs`` take the given values (the rest as recorded)."""
+        key = (tuple(subs), tuple(targets))
+        order = self._paths.get(key)
+        if order is None:
+            need = self.ancestors(targets) & self.descendants(subs)
+            order = [n for n in self.nodes if n in need and n not in subs and n.op != "output"]
+            self._paths[key] = order
+        vals = dict(subs)
+        for n in order:
+            args, kwargs = map_arg((n.args, n.kwargs), lambda a: vals[a] if a in vals else self.env[a])
+            vals[n] = self._exec(n, args, kwargs)
+        return [vals.get(t, self.env[t]) for t in targets]
+
+    # ------------------------------------------------------------------ queries
+    def op(self, n: fx.Node) -> str:
+        if n.op == "call_module":
+            m = self.gm.get_submodule(n.target)
+            if isinstance(m, (nn.Dropout, nn.Identity)):
+                return "dropout"
+            if isinstance(m, nn.ReLU):
+                return "relu"
+            if isinstance(m, nn.LeakyReLU):
+                return "leaky_relu"
+            name = type(m).__name__.lower()
+            return name
+        if n.op == "call_function":
+            t = n.target
+            name = t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+            if name.endswith("_") and not name.startswith("_"):
+                name = name[:-1]  # in-place variants (div_, mul_, ...)
+            return ALIAS.get(name, name)
+        if n.op == "call_method":
+            return ALIAS.get(n.target, n.target)
+        return n.op
+
+    def is_tensor(self, n) -> bool:
+        """A node carrying a tensor (or a tuple of tensors: split / chunk / topk), not a size or a constant."""
+        if not isinstance(n, fx.Node):
+            return False
+        v = self.env.get(n)
+        if isinstance(v, (tuple, list)):
+            return bool(v) and all(isinstance(t, torch.Tensor) for t in v)
+        return isinstance(v, torch.Tensor)
+
+    def param_of(self, n) -> str | None:
+        """Parameter name when ``n`` is a get_attr of a parameter."""
+        if isinstance(n, fx.Node) and n.op == "get_attr" and n.target in self.params:
+            return n.target
+        return None
+
+    def _lin(self, n: fx.Node) -> Lin | None:
+        if n.op == "call_module":
+            m = self.gm.get_submodule(n.target)
+            if isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and hasattr(m, "nf")):
+                t = not isinstance(m, nn.Linear)
+                b = f"{n.target}.bias" if getattr(m, "bias", None) is not None else None
+                return Lin(n, n.args[0], f"{n.target}.weight", b, tuple(m.weight.shape), t)
+            return None
+        o = self.op(n)
+        if o == "linear" and n.op == "call_function":
+            args = list(n.args) + [n.kwargs.get("weight"), n.kwargs.get("bias")]
+            w = self.param_of(args[1])
+            b = self.param_of(args[2]) if len(n.args) > 2 else self.param_of(n.kwargs.get("bias"))
+            if w is not None and self.params[w].dim() == 2:
+                return Lin(n, n.args[0], w, b, tuple(self.params[w].shape))
+        if o == "matmul" and len(n.args) == 2 and isinstance(n.args[1], fx.Node) \
+                and self.op(n.args[1]) in ("t", "numpy_T", "transpose", "T"):
+            w = self.param_of(n.args[1].args[0]) if n.args[1].args else None
+            if w is not None and self.params[w].dim() == 2:
+                return Lin(n, n.args[0], w, None, tuple(self.params[w].shape))
+        if o == "addmm" and len(n.args) >= 3:
+            w, b = self.param_of(n.args[2]), self.param_of(n.args[0])
+            if w is not None and self.params[w].dim() == 2:
+                return Lin(n, n.args[1], w, b, tuple(self.params[w].shape), True)
+        return None
+
+    def lin_of_x(self, n: fx.Node) -> list:
+        """Linear maps reading ``n`` as their input."""
+        return [self.lins[u] for u in n.users if u in self.lins and self.lins[u].x is n]
+
+    def back_pass(self, n, ops=None):
+        """Follow ``n`` back through single-input pass ops (dropout, casts) to the first other node."""
+        ops = ops or {"dropout", "to", "contiguous", "clone", "alias", "identity"}
+        while isinstance(n, fx.Node) and self.op(n) in ops and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        return n
+
+    def nearest_lins(self, n: fx.Node) -> set:
+        """Linear nodes reached walking back from ``n`` over tensor values, not past a linear."""
+        if n in self.lins:
+            return {n}
+        seen, out, stack = set(), set(), [n]
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m in self.lins and m is not n:
+                out.add(m)
+                continue
+            for a in m.all_input_nodes:
+                if self.is_tensor(a) and a.op not in ("get_attr", "placeholder"):
+                    stack.append(a)
+        return out
+
+    def feature_map(self, src: fx.Node, dst: fx.Node) -> list | None:
+        """For each last-dim feature of ``dst``, the last-dim feature of ``src`` it is (index ops only; -1:
+        not from ``src``), the same at every position; None when the path mixes or rescales features."""
+        sv = self.env[src]
+        n = sv.shape[-1]
+        idx = torch.arange(1, n + 1, dtype=torch.float64).expand(sv.shape).clone()
+        try:
+            out = self.run({src: _like(sv, idx.to(sv.dtype) if sv.is_floating_point() else idx)}, [dst])[0]
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
+            return None
+        flat = out.reshape(-1, out.shape[-1]).to(torch.float64)
+        if not torch.equal(flat, flat[:1].expand_as(flat)) or not torch.equal(flat[0], flat[0].round()):
+            return None
+        f = flat[0].long() - 1
+        if (f < -1).any() or (f >= n).any():
+            return None
+        return f.tolist()
+
+    def clean_map(self, src: fx.Node, dst: fx.Node, lead: int):
+        """``linear_map`` in 3 runs when every entry of ``dst`` reads at most one row of ``src`` at ``lead`` (an
+        index map up to scale, e.g. a head split, GQA repeat, RoPE at position 0); None otherwise (not linear, or
+        rows mixed). Rows are encoded as values (r + 1), decoded as ratios and confirmed with random values."""
+        sv = self.env[src]
+        n = sv.shape[-1]
+        if not sv.is_floating_point():
+            return None
+        gen = torch.Generator().manual_seed(7)
+        codes = torch.arange(1, n + 1, dtype=sv.dtype)
+        rnd = torch.rand(n, generator=gen, dtype=torch.float64).to(sv.dtype) + 0.5
+
+        def run(vals):
+            e = torch.zeros(sv.shape, dtype=sv.dtype)
+            e.view(-1, n)[lead] = vals
+            return self.run({src: _like(sv, e)}, [dst])[0]
+
+        try:
+            z = run(torch.zeros(n, dtype=sv.dtype))
+            if not isinstance(z, torch.Tensor) or z.numel() == 0 or not torch.isfinite(z).all() or z.abs().max() > 0:
+                return None
+            a, b, c = (run(v) for v in (codes, torch.ones(n, dtype=sv.dtype), rnd))
+        except Exception:  # noqa: BLE001
+            return None
+        if not isinstance(b, torch.Tensor) or b.is_complex():
+            return None
+        a, b, c = a.reshape(-1), b.reshape(-1), c.reshape(-1)
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        out: dict = {r: {} for r in range(n)}
+        if scale == 0:
+            return out
+        nz = (b.abs() > 1e-9 * scale).nonzero().flatten()
+        if nz.numel() == 0 or not torch.isfinite(a[nz]).all():
+            return None
+        ratio = a[nz] / b[nz]
+        row = ratio.round()
+        if (ratio - row).abs().max() > 1e-6 or (row < 1).any() or (row > n).any():
+            return None
+        row = row.long() - 1
+        if not torch.allclose(c[nz], b[nz] * rnd[row], rtol=1e-9, atol=1e-12 * scale):
+            return None
+        for i, r in zip(nz.tolist(), row.tolist()):
+            out[r][i] = float(b[i])
+        return out
+
+    def linear_map(self, src: fx.Node, dst: fx.Node, lead: int, rows_: Iterable[int] | None = None):
+        """The exact linear map from row r of ``src`` at flattened lead ``lead`` to ``dst``: ``{r: {flat index of
+        dst: coefficient}}`` (nonzeros only), or None when the path is not linear in ``src`` there."""
+        sv = self.env[src]
+        n = sv.shape[-1]
+        zero = torch.zeros(sv.shape, dtype=sv.dtype)
+        try:
+            base = self.run({src: _like(sv, zero)}, [dst])[0]
+        except Exception:
+            return None
+        if not isinstance(base, torch.Tensor) or base.numel() == 0 or not torch.isfinite(base).all() \
+                or base.abs().max() > 0:
+            return None  # affine, not linear (an offset independent of src), or undefined at 0 (a norm)
+        out = {}
+        scale = 0.0
+        rows_ = range(n) if rows_ is None else rows_
+        vals = {}
+        for r in rows_:
+            e = zero.clone()
+            e.view(-1, n)[lead, r] = 1.0
+            y = self.run({src: _like(sv, e)}, [dst])[0]
+            if y.is_complex():
+                return None
+            vals[r] = y.reshape(-1)
+            scale = max(scale, float(y.abs().max()))
+        if scale == 0:
+            return {r: {} for r in vals}
+        for r, y in vals.items():
+            nz = (y.abs() > 1e-9 * scale).nonzero().flatten().tolist()
+            out[r] = {i: float(y[i]) for i in nz}
+        # linearity: f(2 e_r) = 2 f(e_r) and f(e_r + e_s) = f(e_r) + f(e_s) on a few rows
+        some = list(vals)[:2]
+        e = zero.clone()
+        for r in some:
+            e.view(-1, n)[lead, r] = 2.0
+        y = self.run({src: _like(sv, e)}, [dst])[0].reshape(-1)
+        ref = sum(2 * vals[r] for r in some)
+        if (y - ref).abs().max() > 1e-9 * max(scale, 1e-300):
+            return None
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- probe
+def _randomize(model: nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) / max(p.shape[-1], 1) ** 0.5)
+            else:
+                base = 1.0 if name.endswith("weight") else 0.0
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3 + base)
+
+
+def make_probe(model: nn.Module, max_params: float) -> nn.Module:
+    """float64 CPU copy with random parameters, eval mode (raises ValueError with the reason if impossible)."""
+    n = sum(p.numel() for p in model.parameters())
+    if n > max_params:
+        raise ValueError(f"the model has {n:.3g} parameters, above max_probe_params={max_params:.3g}: the float64 "
+                         "probe would be too large; detect a reduced-width instance or raise max_probe_params")
+    meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    probe = copy.deepcopy(model)
+    if meta:
+        if any(b.is_floating_point() or b.is_complex() for b in model.buffers()):
+            raise ValueError("meta-device model with floating buffers (e.g. RoPE frequencies): their values are "
+                             "unknown, so the probe cannot run; build the model on CPU (a reduced width works)")
+        probe = probe.to_empty(device="cpu")
+    probe = probe.double()  # floating tensors only (Module.to(float64) would drop complex RoPE buffers' imaginary part)
+    with torch.no_grad():
+        for mod in probe.modules():
+            for k, b in list(mod._buffers.items()):
+                if b is not None and b.is_complex():
+                    mod._buffers[k] = b.to(torch.complex128)
+    _randomize(probe)
+    return probe.eval()
+
+
+def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tuple:
+    """The probe's positional inputs: ``given`` (floats cast to float64), else synthesised from the first
+    parameterised module (see the module docstring). Raises ValueError naming the fix."""
+    if given is not None:
+        given = given if isinstance(given, tuple) else (given,)
+        return tuple(x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                     for x in given)
+    g = torch.Generator().manual_seed(1)
+    cands = []
+    emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if emb:
+        cands.append((torch.randint(0, min(e.num_embeddings for e in emb), (2, 6), generator=g),))
+    for m in model.modules():
+        width = None
+        if isinstance(m, nn.Linear):
+            width = m.in_features
+        elif type(m).__name__ == "Conv1D" and hasattr(m, "nf"):
+            width = m.weight.shape[0]
+        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and m.normalized_shape and len(m.normalized_shape) == 1:
+            width = m.normalized_shape[0]
+        elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
+            shape = (2, m.in_channels) + (8,) * (1 if isinstance(m, nn.Conv1d) else 2)
+            cands.append((torch.randn(shape, generator=g, dtype=torch.float64),))
+        if width is not None:
+            cands += [(torch.randn(2, 6, width, generator=g, dtype=torch.float64),),
+                      (torch.randn(4, width, generator=g, dtype=torch.float64),)]
+        if len(cands) >= 6:
+            break
+    for x in cands:
+        try:
+            with torch.no_grad():
+                model(*x, **(kwargs or {}))
+            return x
+        except Exception:  # noqa: BLE001 - try the next shape
+            continue
+    raise ValueError("cannot synthesise an input for this model: pass example_inputs=(...) (what forward takes)")
+
+
+def _flat(out) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _flat(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _flat(v)]
+    if hasattr(out, "to_tuple"):
+        return _flat(out.to_tuple())
+    return []
+
+
+def _to64(gm: fx.GraphModule) -> None:
+    """Make the graph's casts to float32/16 float64 and drop export's dtype assertions (precision only)."""
+    for n in list(gm.graph.nodes):
+        name = str(n.target)
+        if "_assert_tensor_metadata" in name or name == "_guards_fn":
+            n.args, n.kwargs = (), {}
+            if not n.users:
+                gm.graph.erase_node(n)
+            continue
+        if n.op == "call_method" and n.target in ("float", "half", "bfloat16"):
+            n.target = "double"
+        n.args = tuple(_swap(a) for a in n.args)
+        n.kwargs = {k: _swap(v) for k, v in n.kwargs.items()}
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _einsum_to_matmul(gm: fx.GraphModule) -> None:
+    """Rewrite two-operand einsums with one free index per operand and one contracted index (attention's
+    'bhqd,bhkd->bhqk' and 'bhqk,bhkd->bhqd', any index order) as permute -> matmul -> permute, so attention
+    written with einsum is found like ``q @ k.transpose``. The trace is then re-checked against the model."""
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_function" and n.target is torch.einsum):
+            continue
+        eq, *ops = n.args
+        if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+            ops = list(ops[0])
+        if not isinstance(eq, str) or len(ops) != 2 or "..." in eq or "->" not in eq:
+            continue
+        ins, out = eq.replace(" ", "").split("->")
+        xs, ys = ins.split(",")
+        if any(len(set(t)) != len(t) for t in (xs, ys, out)):
+            continue
+        batch = [i for i in xs if i in ys and i in out]
+        xf = [i for i in xs if i in out and i not in ys]
+        yf = [i for i in ys if i in out and i not in xs]
+        cc = [i for i in xs if i in ys and i not in out]
+        if len(xf) != 1 or len(yf) != 1 or len(cc) != 1 or len(batch) + 2 != len(out) or \
+                len(xs) != len(batch) + 2 or len(ys) != len(batch) + 2:
+            continue
+        with gm.graph.inserting_before(n):
+            xp = gm.graph.call_method("permute", (ops[0], *[xs.index(i) for i in batch + xf + cc]))
+            yp = gm.graph.call_method("permute", (ops[1], *[ys.index(i) for i in batch + cc + yf]))
+            mm = gm.graph.call_function(torch.matmul, (xp, yp))
+            mid = batch + xf + yf
+            res = gm.graph.call_method("permute", (mm, *[mid.index(i) for i in out]))
+        n.replace_all_uses_with(res)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _swap(a):
+    if isinstance(a, torch.dtype) and a in FLOATS:
+        return torch.float64
+    if isinstance(a, (tuple, list)):
+        return type(a)(_swap(x) for x in a)
+    return a
+
+
+def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[fx.GraphModule, str]:
+    """fx symbolic trace, else torch.export on ``inputs``; checked to reproduce the probe's output.
+    ``kwargs``: constant keyword arguments of ``forward`` (e.g. ``use_cache=False``), baked into the graph."""
+    errors = []
+    gm = None
+    kwargs = dict(kwargs or {})
+    try:
+        graph = _Tracer().trace(probe, concrete_args=kwargs or None)
+        gm = fx.GraphModule(probe, graph)
+        how = "torch.fx"
+    except Exception as e:  # noqa: BLE001 - any trace failure falls back to export
+        errors.append(f"torch.fx: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if gm is not None:
+        try:
+            _einsum_to_matmul(gm)
+            _to64(gm)
+            _same(probe, gm, inputs, kwargs)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"torch.fx trace does not run like the model: {e}")
+            gm = None
+    if gm is None:
+        try:
+            gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
+            how = "torch.export"
+            _einsum_to_matmul(gm)
+            _to64(gm)
+            _same(probe, gm, inputs, kwargs, export=True)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"torch.export: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            raise ValueError("; ".join(errors)) from None
+    return gm, how
+
+
+@torch.no_grad()
+def _same(probe, gm, inputs, kwargs, export=False):
+    a = _flat(probe(*inputs, **kwargs))
+    b = _flat(gm(*inputs, **kwargs) if export else gm(*inputs))
+    a = [t for t in a if t.is_floating_point()]
+    b = [t for t in b if t.is_floating_point()]
+    if len(a) != len(b) or not a or any(x.shape != y.shape or not torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+                                        for x, y in zip(a, b)):
+        raise ValueError("the traced graph does not reproduce the model's output")
+
+
+# ------------------------------------------------------------------------------------------- detection
+class _Found:
+    """Candidate laws and declines gathered from the graph, before the first-order check."""
+
+    def __init__(self, g: Graph, c: Collector):
+        self.g, self.c = g, c
+        self.used: set = set()  # linear nodes explained by a block
+        self.cands: list[tuple[Law, str]] = []  # (law, block description)
+        self.heads: dict[str, fx.Node] = {}  # translation law name -> head output node
+        self.explained: set = set()  # parameters of candidate laws (claimed or declined with a reason)
+
+    def add(self, law: Law | None, what: str):
+        if law is not None:
+            self.cands.append((law, what))
+
+
+def _layer(path: str):
+    return layer_index(path)
+
+
+def _common(paths: list[str]) -> str:
+    parts = [p.split(".") for p in paths if p]
+    if not parts:
+        return ""
+    out = []
+    for xs in zip(*parts):
+        if len(set(xs)) != 1:
+            break
+        out.append(xs[0])
+    return ".".join(out)
+
+
+def _heads(m: dict, shape: tuple, contract_last: bool):
+    """From ``linear_map`` output {r: {flat: c}} into a tensor of ``shape`` (leads..., a, b), the clean map
+    {(lead, pos, d): r} with the feature dim d = last (contract_last) or second-last; None if not clean."""
+    a, b = shape[-2], shape[-1]
+    clean = {}
+    for r, nz in m.items():
+        for flat in nz:  # one row may feed several heads (GQA repeat / expand); one entry reads one row
+            lead, rest = divmod(flat, a * b)
+            i, j = divmod(rest, b)
+            key = (lead, i, j) if contract_last else (lead, j, i)
+            if key in clean:
+                return None
+            clean[key] = r
+    return clean
+
+
+def _by_head(clean: dict, d: int) -> dict | None:
+    """{lead: [row for dim 0..d-1]} at a single position; None when incomplete."""
+    out: dict = {}
+    poss = {k[1] for k in clean}
+    if len(poss) != 1:
+        return None
+    for (lead, _, dim), r in clean.items():
+        out.setdefault(lead, [None] * d)[dim] = r
+    if any(None in v for v in out.values()):
+        return None
+    return dict(sorted(out.items()))
+
+
+def _partners(g: Graph, src, dst, shape, contract_last, by_head, leads) -> dict | None:
+    """RoPE pairing {d: d'} seen at other positions (dims rotated together), {} when none. One run per head dim
+    and lead: the rows of dim t of every head are set at once; the dims they reach are t and its partner."""
+    a, b = shape[-2], shape[-1]
+    sv = g.env[src]
+    n = sv.shape[-1]
+    by_dim: dict = {}
+    for rows_ in by_head.values():
+        for dim, r in enumerate(rows_):
+            by_dim.setdefault(dim, set()).add(r)
+    partner: dict = {}
+    seen_leads = 0
+    for k in leads:
+        if k >= sv.numel() // n:
+            break
+        before = dict(partner)
+        for dim, rs in by_dim.items():
+            e = torch.zeros(sv.shape, dtype=sv.dtype)
+            e.view(-1, n)[k, sorted(rs)] = 1.0
+            try:
+                y = g.run({src: _like(sv, e)}, [dst])[0]
+            except Exception:  # noqa: BLE001
+                return None
+            if not isinstance(y, torch.Tensor) or y.is_complex() or not torch.isfinite(y).all():
+                return None
+            y = y.reshape(-1)
+            sc = float(y.abs().max()) if y.numel() else 0.0
+            if sc == 0:
+                continue
+            for flat in (y.abs() > 1e-9 * sc).nonzero().flatten().tolist():
+                _, rest = divmod(flat, a * b)
+                i, j = divmod(rest, b)
+                other = j if contract_last else i
+                if other != dim:
+                    if partner.get(dim, other) != other:
+                        return None
+                    partner[dim] = other
+        if partner:
+            seen_leads += 1
+            if seen_leads >= 2 and partner == before:
+                break  # two rotated positions agree: the pairing is complete
+    if any(partner.get(v) != k for k, v in partner.items()):
+        return None
+    return partner
+
+
+def _attention(f: _Found):
+    g, c = f.g, f.c
+    for n in g.nodes:
+        o = g.op(n)
+        if o == "sdpa":
+            x, y, v = n.args[:3]
+            out, y_last, site = n, True, n
+        elif o == "softmax":
+            s = n.args[0]
+            while isinstance(s, fx.Node) and g.op(s) in SCORE_OPS and g.op(s) != "matmul":
+                nxt = [a for a in s.all_input_nodes if g.is_tensor(a) and g.ancestors([a]) & set(g.lins)]
+                if len(nxt) != 1:
+                    break
+                s = nxt[0]
+            if not (isinstance(s, fx.Node) and g.op(s) == "matmul"):
+                continue
+            x, y = s.args[:2]
+            p_ops = {"dropout", "to", "contiguous", "clone", "alias", "identity", "permute", "transpose", "view", "reshape"}
+            users = [u for u in g.descendants([n]) if g.op(u) == "matmul" and g.back_pass(u.args[0], p_ops) is n]
+            if len(users) != 1:
+                continue
+            out, y_last, site = users[0], False, n
+            v = out.args[1]
+        else:
+            continue
+        try:
+            _one_attention(f, site, x, y, v, out, y_last)
+        except Exception as e:  # noqa: BLE001 - this attention block only
+            f.c.decline(f"attention at graph node {site.name}", "structural analysis error",
+                        f"{type(e).__name__}: {e}: no law claimed for this block (report this model)")
+
+
+def _one_attention(f: _Found, site, x, y, v, out, y_last):
+    g, c = f.g, f.c
+    lq, lk, lv = (g.nearest_lins(t) for t in (x, y, v))
+    where = f"attention at graph node {site.name}"
+    if not (len(lq) == len(lk) == len(lv) == 1):
+        c.decline(where, "attention", "q, k and v are not each one linear projection of the input: not analysed")
+        return
+    lq, lk, lv = (g.lins[next(iter(s))] for s in (lq, lk, lv))
+    # the output projection: the one linear reading the attention output through index ops
+    cur, lo = out, None
+    for _ in range(12):
+        readers = g.lin_of_x(cur)
+        if readers:
+            lo = readers[0] if len(readers) == 1 else None
+            break
+        nxt = [u for u in cur.users if g.op(u) in PASS]
+        if len(nxt) != 1 or len(cur.users) != 1:
+            break
+        cur = nxt[0]
+    xs, ys, vs, os_ = (tuple(g.env[t].shape) for t in (x, y, v, out))
+    d = xs[-1]
+    name = _common([lq.module, lk.module, lv.module] + ([lo.module] if lo else [])) or lq.module
+    layer = _layer(name)
+    f.used.update({lq.node, lk.node, lv.node})
+    # query heads and their rows, at the first lead whose map is clean (RoPE is the identity at position 0)
+    nlead = g.env[lq.node].numel() // lq.n_out
+    qmap = None
+    for k0 in range(min(nlead, 3)):
+        m = g.clean_map(lq.node, x, k0)
+        if m is None:
+            continue
+        clean = _heads(m, xs, True)
+        qmap = _by_head(clean, d) if clean else None
+        if qmap:
+            break
+    kmap = None
+    if qmap:
+        mk = g.clean_map(lk.node, y, k0)
+        ck = _heads(mk, ys, y_last) if mk is not None else None  # manual: Y = K^T (..., D, S)
+        kmap = _by_head(ck, d) if ck else None
+    mv = g.clean_map(lv.node, v, 0)
+    cv = _heads(mv, vs, True) if mv is not None else None
+    vmap = _by_head(cv, vs[-1]) if cv else None
+    qk_reason = None
+    if qmap is None or kmap is None:
+        qk_reason = ("the q/k paths are not linear index maps of the projections (QK-norm or another "
+                     "normalisation, or an unrecognised layout): no QK Gram / RoPE law (spec breakers: QK-norm)")
+    nq = len(qmap) if qmap else 0
+    # kv lead of query head lead l (sdpa GQA broadcasts fewer kv heads)
+
+    def kv_lead(l, mp, shp):
+        if not mp or len(mp) == nq:
+            return l
+        rep = nq // len(mp)
+        return sorted(mp)[0] + (l - sorted(qmap)[0]) // rep if rep else None
+
+    # RoPE pairing from other positions
+    pairs = passd = None
+    if qk_reason is None:
+        leads = [k for k in range(1, min(nlead, 5)) if k != k0]
+        pq = _partners(g, lq.node, x, xs, True, qmap, leads)
+        pk = _partners(g, lk.node, y, ys, y_last, kmap, leads)
+        if pq is None or pk is None or pq != pk:
+            qk_reason = "q and k are mixed across dims in a way that is not a RoPE pairing: no QK law"
+        elif pq:
+            pairs = sorted({tuple(sorted(p)) for p in pq.items()})
+            passd = [t for t in range(d) if t not in pq]
+    groups: dict = {}
+    if qmap:
+        for l in qmap:
+            kl = kv_lead(l, kmap, ys)
+            key = tuple(kmap[kl]) if kmap and kl in kmap else None
+            groups.setdefault(key, []).append(l)
+    lab = name or "model"
+    if qk_reason is None:
+        for j, (krows, heads) in enumerate(groups.items()):
+            note = f"structural: query heads {list(range(len(heads)))} of group {j} read kv rows of {lk.w}"
+            if pairs is None:
+                law = builders.head_gram(QKGram, f"{lab}/qk/group{j}", layer,
+                                         [builders.block(lq.w, lq.shape, qmap[l], transposed=lq.t, bias=lq.b) for l in heads],
+                                         [builders.block(lk.w, lk.shape, list(krows), transposed=lk.t, bias=lk.b)],
+                                         note=note + " (spec: MHA / GQA rows)")
+                if law is None:
+                    c.decline(f"{lab}/qk/group{j}", "QK Gram", "head rows are not a strided block of the weight")
+                f.add(law, "QK Gram")
+            else:
+                law = builders.rope_pair_law(
+                    f"{lab}/rope/group{j}", layer,
+                    q=[(lq.w, lq.shape, lq.b, qmap[l], lq.t) for l in heads], k=[(lk.w, lk.shape, lk.b, list(krows), lk.t)],
+                    pairs=pairs, note=note + f"; RoPE pairs {pairs[:3]}... of head_dim {d} (spec: RoPE rows)")
+                f.add(law, "RoPE pairs")
+                if passd:
+                    law = builders.head_gram(
+                        RopePassGram, f"{lab}/rope_pass/group{j}", layer,
+                        [builders.block(lq.w, lq.shape, [qmap[l][t] for t in passd], transposed=lq.t, bias=lq.b)
+                         for l in heads],
+                        [builders.block(lk.w, lk.shape, [krows[t] for t in passd], transposed=lk.t, bias=lk.b)],
+                        note=f"pass-through dims {passd} (spec: partial rotary)")
+                    if law is None:
+                        c.decline(f"{lab}/rope_pass/group{j}", "partial rotary Gram", "pass-through rows not strided")
+                    f.add(law, "partial rotary Gram")
+    else:
+        qkn = _qk_norm(f, lq, lk, x, y, y_last, lab, layer)
+        c.decline(f"{lab}/qk", "QK laws", qkn or qk_reason)
+    # VO
+    if lo is None:
+        c.decline(f"{lab}/vo", "VO laws", "the attention output is not read by one linear projection: no VO law")
+        return
+    f.used.add(lo.node)
+    c.know(lo.b)
+    omap = None
+    if vmap:
+        # every (head lead l, dim t) of the attention output at position 0 encoded as one value: the output
+        # projection's input columns at batch 0 / position 0 read them one to one
+        on = g.env[out]
+        nl, dd = on.numel() // (os_[-2] * os_[-1]), os_[-1]
+
+        def orun(vals):
+            e = torch.zeros(on.shape, dtype=on.dtype)
+            e.view(-1, os_[-2], dd)[:, 0, :] = vals.view(nl, dd)
+            return g.run({out: _like(on, e)}, [lo.x])[0].reshape(-1, lo.n_in)
+
+        codes = torch.arange(1, nl * dd + 1, dtype=on.dtype)
+        rnd = torch.rand(nl * dd, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(on.dtype) + 0.5
+        ya, yb, yc = orun(codes), orun(torch.ones_like(codes)), orun(rnd)
+        omap = {}
+        sc = float(yb.abs().max())
+        for col in range(lo.n_in):
+            if sc == 0 or abs(float(yb[0, col])) <= 1e-9 * sc:
+                continue
+            ratio = float(ya[0, col] / yb[0, col])
+            code = round(ratio)
+            if abs(ratio - code) > 1e-6 or not 1 <= code <= nl * dd or \
+                    abs(float(yc[0, col]) - float(yb[0, col]) * float(rnd[code - 1])) > 1e-9 * sc:
+                omap = None
+                break
+            l, t = divmod(code - 1, dd)
+            omap.setdefault(l, [None] * dd)[t] = col
+        if omap is not None and any(None in cols_ for cols_ in omap.values()):
+            omap = None
+        if omap is not None and (not omap or len(omap) % len(vmap)):
+            omap = None
+    if omap is None or vmap is None:
+        c.decline(f"{lab}/vo", "VO laws", "the value / output paths are not linear index maps: no VO law")
+        return
+    vgroups: dict = {}
+    vleads, rep = sorted(vmap), len(omap) // len(vmap)
+    for i, l in enumerate(sorted(omap)):
+        vgroups.setdefault(tuple(vmap[vleads[i // rep]]), []).append(l)
+    for j, (vrows, heads) in enumerate(vgroups.items()):
+        law = builders.head_gram(VOGram, f"{lab}/vo/group{j}", layer,
+                                 [builders.block(lv.w, lv.shape, list(vrows), transposed=lv.t, bias=lv.b)],
+                                 [builders.block(lo.w, lo.shape, omap[l], kind="cols", transposed=lo.t) for l in heads],
+                                 note=f"structural: {len(heads)} query head(s) read these value rows (spec: MHA value/"
+                                      "output row)")
+        if law is None:
+            c.decline(f"{lab}/vo/group{j}", "VO Gram", "value rows / output columns are not strided blocks")
+        f.add(law, "VO Gram")
+
+
+def _qk_norm(f: _Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str | None:
+    """QK-norm (a per-feature gain on each of the q and k paths after a normalisation): the QK Gram / RoPE laws
+    are gone; scaling dim t of the q gain by c and of the k gain by 1/c (equally within a rotary pair) keeps
+    every score, which gives the ``qk_norm_gain`` law. Returns the decline reason for the QK laws, or None
+    when no QK-norm gain was found."""
+    g = f.g
+    pts = _scale_points(g)
+
+    def on(src, dst):
+        between = g.ancestors([dst]) & g.descendants([src])
+        return [p for p in pts if p[0] in between]
+
+    sq, sk = on(lq.node, x), on(lk.node, y)
+    if len(sq) != 1 or len(sk) != 1:
+        return None
+    (nq, wq, bq, shq, _), (nk, wk, bk, shk, _) = sq[0], sk[0]
+    if shq != shk:
+        return None
+    f.explained.update({lq.w, lk.w} | ({lq.b} if lq.b else set()) | ({lk.b} if lk.b else set()))
+    reason = (f"QK-norm ({wq.rsplit('.', 1)[0]}, {wk.rsplit('.', 1)[0]}): q and k are normalised, so the QK Gram / "
+              "RoPE-pair symmetries of the q/k rows are gone (spec breakers: QK-norm); the VO laws are kept, the "
+              "gains get a qk_norm_gain law; the ||Q||^2 scale laws are not built structurally")
+    xs, ys = tuple(g.env[x].shape), tuple(g.env[y].shape)
+
+    def gain_map(src, dst, shp, last):
+        """{head lead: [gain index for head dim 0..D-1]} at position 0, and the RoPE partners."""
+        n_src = g.env[src].numel() // g.env[src].shape[-1]
+        for k0 in range(min(n_src, 2)):
+            m = g.clean_map(src, dst, k0)
+            clean = _heads(m, shp, last) if m is not None else None
+            bh = _by_head(clean, shp[-1] if last else shp[-2]) if clean else None
+            if bh:
+                part = _partners(g, src, dst, shp, last, bh, range(k0 + 1, min(n_src, 4 * len(bh) + 4)))
+                return bh, part
+        return None, None
+
+    mq, pq = gain_map(nq, x, xs, True)
+    mk, pk = gain_map(nk, y, ys, y_last)
+    if not mq or not mk or pq is None or pk is None or pq != pk:
+        return reason.replace("the gains get a qk_norm_gain law", "the gains' layout is not recognised (no gain law)")
+    d = xs[-1]
+    pairs = sorted({tuple(sorted(p)) for p in pq.items()}) if pq else [(t,) for t in range(d)]
+    if pq and len(pairs) * 2 != d:
+        return reason.replace("the gains get a qk_norm_gain law", "partial rotary with QK-norm: no gain law")
+    lq_, lk_ = sorted(mq), sorted(mk)
+    if g.params[wq].numel() == d and g.params[wk].numel() == d:  # one gain shared by all heads (per-head norm)
+        groups = [([lq_[0]], [lk_[0]])]
+    else:  # a norm over all heads: one law per kv group (the query heads reading the same k gains)
+        if len(lk_) % len(lq_) and len(lq_) % len(lk_):
+            return reason
+        rep = max(len(lq_) // len(lk_), 1)
+        by_k: dict = {}
+        for i, l in enumerate(lq_):
+            kl = lk_[i] if len(lk_) == len(lq_) else lk_[i // rep]
+            by_k.setdefault(tuple(mk[kl]), ([], [kl]))[0].append(l)
+        groups = list(by_k.values())
+    for j, (qh, kh) in enumerate(groups):
+        qe = [[mq[l][t] for l in qh for t in pair] for pair in pairs]
+        ke = [[mk[l][t] for l in kh for t in pair] for pair in pairs]
+        f.add(builders.qk_norm_gain_law(f"{lab}/qk_norm_gain/group{j}", layer, q_gain=wq, k_gain=wk, entries=qe,
+                                        k_entries=ke, q_bias=bq, k_bias=bk, shift=shq,
+                                        note=f"structural: QK-norm gains, {'RoPE pairs' if pq else 'per dim'} "
+                                             "(spec: QK-norm breaker + RoPE row)"), "QK-norm gain")
+    return reason
+
+
+def _mlps(f: _Found):
+    g, c = f.g, f.c
+    for n, down in g.lins.items():
+        if n in f.used:
+            continue
+        u = g.back_pass(down.x)
+        o = g.op(u)
+        if u in g.lins and u not in f.used and len(u.users) == 1:
+            up = g.lins[u]
+            fm = g.feature_map(u, down.x)
+            if fm and -1 not in fm:
+                f.add(builders.head_gram(DeepLinearGram, f"{up.module}-{down.module}/gram", _layer(up.module),
+                                         [builders.block(up.w, up.shape, fm, transposed=up.t, bias=up.b)],
+                                         [builders.block(down.w, down.shape, range(len(fm)), kind="cols", transposed=down.t)],
+                                         note="structural: two linear maps with nothing but index ops between (spec: "
+                                              "deep linear row)"), "deep linear")
+                f.used.update({u, n})
+            continue
+        chain, src = [], u
+        while isinstance(src, fx.Node) and src not in g.lins and g.op(src) in ELEMENTWISE and src.args \
+                and isinstance(src.args[0], fx.Node) and len(src.users) == 1:
+            chain.append(g.op(src))
+            src = g.back_pass(src.args[0])
+        if chain and src in g.lins and src not in f.used:
+            up = g.lins[src]
+            kinds = "-".join(reversed(chain))
+            if all(o_ in POSITIVE for o_ in chain):
+                fm = g.feature_map(src, down.x)
+                if not fm or -1 in fm:
+                    c.decline(up.module, f"Linear-{kinds}-Linear", "the units between the two maps are not an index map")
+                    continue
+                f.add(builders.unit_law(ReLUUnit, f"{up.module}/unit", _layer(up.module), up=up.w, up_shape=up.shape,
+                                        units=fm, down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t,
+                                        down_t=down.t, note=f"structural: Linear-{kinds}-Linear (spec: ReLU row)"),
+                      "ReLU unit")
+                c.know(down.b)
+            elif any(o_ in NO_LAW for o_ in chain) and len(chain) == 1:
+                c.decline(up.module, f"Linear-{kinds.upper()}-Linear", NO_LAW_ACT)
+                c.decline(down.module, f"Linear-{kinds.upper()}-Linear output", "see the MLP's input layer")
+            else:
+                c.decline(up.module, f"Linear-{kinds}-Linear", f"the element-wise map {kinds!r} is not in the catalogue "
+                          "(no rescaling symmetry is known for it): no law")
+                c.decline(down.module, f"Linear-{kinds}-Linear output", "see the MLP's input layer")
+            f.used.update({src, n})
+        elif o != "mul" and _generic_act(f, n, down):
+            continue
+        elif o == "mul":
+            ops = [a for a in u.args if isinstance(a, fx.Node)]
+            if len(ops) != 2:
+                continue
+            for i in (1, 0):
+                cand = ops[i]
+                lins = g.nearest_lins(cand)
+                if len(lins) != 1:
+                    continue
+                src = next(iter(lins))
+                if src in f.used:
+                    continue
+                fm = g.feature_map(src, cand)
+                if not fm or -1 in fm:
+                    continue
+                other = ops[1 - i]
+                gate = g.op(g.back_pass(other))
+                up = g.lins[src]
+                f.add(builders.unit_law(SwiGLUUnit, f"{up.module}/unit" if up.module != down.module else f"{down.module}/unit",
+                                        _layer(up.module), up=up.w, up_shape=up.shape, units=fm, down=down.w,
+                                        down_shape=down.shape, up_bias=up.b, up_t=up.t, down_t=down.t,
+                                        note=f"structural: down({gate} gate * up x); the gate is not involved (spec: "
+                                             "SwiGLU row)"), "gated unit")
+                c.know(down.b)
+                f.used.update({n, src} | {x for x in g.nearest_lins(other)})
+                break
+
+
+def _elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> str | None:
+    """'positive' when ``dst = f(src)`` element-wise with f(c z) = c f(z) for c > 0 (ReLU-like), 'none' for any
+    other element-wise f, None when the map is not element-wise (checked on the recorded values)."""
+    z, y = g.env[src], g.env[dst]
+    if not (isinstance(z, torch.Tensor) and isinstance(y, torch.Tensor)) or z.shape != y.shape or not z.is_floating_point():
+        return None
+    n = z.shape[-1]
+    try:
+        for r in (0, n // 2, n - 1):
+            z2 = z.detach().clone().contiguous()
+            z2.view(-1, n)[0, r] += 0.37
+            d = (g.run({src: _like(z, z2)}, [dst])[0] - y).reshape(-1, n)
+            d[0, r] = 0.0
+            if d.abs().max() > 0:
+                return None
+        hom = all(torch.allclose(g.run({src: _like(z, c * z)}, [dst])[0], c * y, rtol=1e-12, atol=1e-12)
+                  for c in (2.5, 0.3))
+    except Exception:  # noqa: BLE001
+        return None
+    return "positive" if hom else "none"
+
+
+def _generic_act(f: _Found, n: fx.Node, down: Lin) -> bool:
+    """``down(act(up x))`` for an element-wise act written with several ops (GPT-2's tanh GELU, torch.where
+    ReLU...): ReLU unit law when act is positively homogeneous, declined otherwise (numerically decided)."""
+    g, c = f.g, f.c
+    lins = g.nearest_lins(down.x)
+    if len(lins) != 1:
+        return False
+    src = next(iter(lins))
+    if src in f.used or src is n:
+        return False
+    kind = _elementwise(g, src, down.x)
+    if kind is None:
+        return False
+    up = g.lins[src]
+    if kind == "positive":
+        f.add(builders.unit_law(ReLUUnit, f"{up.module}/unit", _layer(up.module), up=up.w, up_shape=up.shape,
+                                units=range(up.n_out), down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t,
+                                down_t=down.t, note="structural: positively homogeneous element-wise activation "
+                                "(spec: ReLU row)"), "ReLU unit")
+        c.know(down.b)
+    else:
+        c.decline(up.module, "Linear-activation-Linear", NO_LAW_ACT + " (element-wise, not positively homogeneous)")
+        c.decline(down.module, "Linear-activation-Linear output", "see the MLP's input layer")
+    f.used.update({src, n})
+    return True
+
+
+def _routers(f: _Found):
+    g, c = f.g, f.c
+    for n, r in g.lins.items():
+        if n in f.used:
+            continue
+        ends, stack, ok = [], [n], True
+        while stack:
+            m = stack.pop()
+            for u in m.users:
+                o = g.op(u)
+                if o in ("softmax", "sigmoid", "log_softmax"):
+                    ends.append(u)
+                elif o == "topk":
+                    vals = [w for w in u.users if g.op(w) == "getitem" and w.args[1] == 0]
+                    stack.extend(vals)
+                elif o in ("to", "dropout", "view", "reshape"):
+                    stack.append(u)
+                elif o == "getitem" and m is not n:
+                    stack.append(u)
+                else:
+                    ok = False
+        if not ok or not ends:
+            continue
+        kinds = {g.op(e) for e in ends}
+        gated = any(g.op(w) != "output" for e in ends for w in g.descendants([e]) if w is not e)
+        if not gated:
+            continue
+        e_n = r.n_out
+        if kinds == {"softmax"}:
+            f.add(RouterSum.build(f"{r.module}/router", _layer(r.module),
+                                  weight=builders.out_rows(r.w, r.shape, 0, e_n, transposed=r.t),
+                                  bias=vector(r.b, 0, e_n) if r.b else None,
+                                  note="structural: softmax gating (top-k, renormalised or not) (spec: MoE router row)"),
+                  "router")
+        elif "sigmoid" in kinds:
+            c.decline(r.module, "sigmoid router", "sum_e W_router[e,:] is NOT conserved for normalised sigmoid gating "
+                      "with top-k >= 2 (spec: MoE router, normalised sigmoid: open row)")
+        else:
+            continue
+        f.used.add(n)
+
+
+def _scale_points(g: Graph):
+    """(out node, gain param, bias param, shift, what) of every per-feature scale ``g * x (+ beta)``."""
+    out = []
+    for n in g.nodes:
+        if n.op == "call_module":
+            m = g.gm.get_submodule(n.target)
+            w = getattr(m, "weight", None)
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or type(m).__name__.endswith(("Norm", "RMSNorm")):
+                if isinstance(w, nn.Parameter) and w.dim() == 1 and not g.lins.get(n):
+                    b = getattr(m, "bias", None)
+                    out.append((n, f"{n.target}.weight", f"{n.target}.bias" if isinstance(b, nn.Parameter) else None,
+                                0.0, type(m).__name__))
+            continue
+        o = g.op(n)
+        if o in ("layer_norm", "rms_norm") and n.op == "call_function":
+            args = list(n.args)
+            w = g.param_of(args[2]) if len(args) > 2 else g.param_of(n.kwargs.get("weight"))
+            b = g.param_of(args[3]) if o == "layer_norm" and len(args) > 3 else None
+            if w is not None:
+                out.append((n, w, b, 0.0, o))
+        elif o == "mul" and n.op == "call_function":
+            for i, a in enumerate(n.args[:2]):
+                a0 = g.back_pass(a) if isinstance(a, fx.Node) else a
+                shift = 0.0
+                if isinstance(a0, fx.Node) and g.op(a0) == "add" and g.param_of(g.back_pass(_other(a0, None)[0])):
+                    p_node, const = _other(a0, None)
+                    if isinstance(const, (int, float)):
+                        shift, a0 = float(const), g.back_pass(p_node)
+                p = g.param_of(a0)
+                if p is not None and g.params[p].dim() == 1:
+                    nxt = [u for u in n.users]
+                    beta = None
+                    if len(nxt) == 1 and g.op(nxt[0]) == "add":
+                        q = [g.param_of(x) for x in nxt[0].args if isinstance(x, fx.Node)]
+                        q = [x for x in q if x and g.params[x].dim() == 1 and g.params[x].shape == g.params[p].shape]
+                        if q:
+                            beta, n2 = q[0], nxt[0]
+                            out.append((n2, p, beta, shift, "scale"))
+                            break
+                    out.append((n, p, beta, shift, "scale"))
+                    break
+    return out
+
+
+def _other(add_node, _):
+    """(tensor operand, constant operand) of a binary add."""
+    a, b = (list(add_node.args) + [None, None])[:2]
+    return (a, b) if isinstance(a, fx.Node) else (b, a)
+
+
+def _gains(f: _Found):
+    g, c = f.g, f.c
+    claimed = {p for law, _ in f.cands for p in law.params}
+    for n, w, b, shift, what in _scale_points(g):
+        if w in claimed:  # e.g. a QK-norm gain, already in a law
+            continue
+        h = g.params[w].shape[0]
+        path = w.rsplit(".", 1)[0] if "." in w else w
+        readers, bad, stack, seen = [], [], [n], set()
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            for u in m.users:
+                if u in g.lins and g.lins[u].x is m:
+                    readers.append(g.lins[u])
+                elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
+                        and g.op(u) not in ("transpose", "permute", "movedim", "t"):
+                    stack.append(u)
+                elif g.op(u) not in SHAPE_ONLY:
+                    bad.append(u)
+        what_ = what if what != "scale" else "per-feature scale"
+        if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
+            continue
+        if bad or not readers:
+            uses = sorted({g.op(u) for u in bad}) or ["nothing"]
+            c.decline(path, what_, f"the scaled output is also read by {uses}, not only by linear maps (the residual "
+                      "stream in a post-LN block, attention scores after a QK-norm, or an unrecognised module): no gain "
+                      "law (spec: pre-norm gain row; breakers: post-LN)")
+            continue
+        maps = [g.feature_map(n, r.x) for r in readers]
+        if any(m != list(range(h)) for m in maps):
+            c.decline(path, what_, "its readers do not read the features one to one: no gain law")
+            continue
+        f.add(builders.gain_law(f"{path}/gain", _layer(path), w, h, readers=[r.reader() for r in readers], bias=b,
+                                shift=shift, note="structural: readers " + ", ".join(dict.fromkeys(r.module for r in readers))
+                                + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
+              "gain")
+
+
+def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
+    """LayerScale ``gamma * (W x + b)`` (the scale reads a linear's output feature by feature): the catalogue's
+    diagonal-rescaling law ``gamma_c^2 - ||W[c,:]||^2 - b_c^2``. True when built."""
+    g = f.g
+    arg = next((a for a in n.args[:2] if isinstance(a, fx.Node) and g.param_of(g.back_pass(a)) != w), None)
+    src = g.back_pass(arg) if arg is not None else None
+    if src not in g.lins or len(src.users) != 1:
+        return False
+    lin = g.lins[src]
+    if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
+        return False
+    path = w.rsplit(".", 1)[0] if "." in w else w
+    f.add(LayerScaleBalance.build(f"{path}/layer_scale", _layer(path), gain=vector(w, 0, h),
+                                  readers=[builders.out_rows(lin.w, lin.shape, 0, h, transposed=lin.t)]
+                                  + ([vector(lin.b, 0, h)] if lin.b else []),
+                                  note=f"structural: {path} scales the output features of {lin.module} (diagonal "
+                                       "rescaling, as the spec's deep-linear row)"), "LayerScale")
+    return True
+
+
+def _output_layers(f: _Found):
+    g, c = f.g, f.c
+    loss = c.options.get("loss")
+    for n, lin in g.lins.items():
+        stack, to_out, ce, other = [n], False, False, set()
+        seen = set()
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            for u in m.users:
+                o = g.op(u)
+                if o == "output":
+                    to_out = True
+                elif o == "cross_entropy" and u.args[0] is m:
+                    ce = True
+                elif o in ("view", "reshape", "getitem", "to", "contiguous", "flatten", "squeeze", "unsqueeze"):
+                    stack.append(u)
+                elif o in ("mul", "div") and len(u.args) == 2 and isinstance(u.args[1], (int, float)) and u.args[1]:
+                    stack.append(u)  # a constant logit scale (Granite): shifting every logit commutes with it
+                else:
+                    other.add(o)
+        if not (to_out or ce):
+            continue
+        if other:
+            c.decline(lin.module, "output layer", f"its logits also go through {sorted(other)} before the output (e.g. a "
+                      "soft-cap): no translation law (spec breakers)")
+        elif ce or loss == "ce":
+            law = Translation.build(f"{lin.module}/translation", None,
+                                    weight=builders.out_rows(lin.w, lin.shape, 0, lin.n_out, transposed=lin.t),
+                                    bias=vector(lin.b, 0, lin.n_out) if lin.b else None,
+                                    note="structural: softmax cross-entropy only (spec: untied softmax output row)")
+            f.add(law, "translation")
+            f.heads[law.name] = n
+        else:
+            c.decline(lin.module, "output layer", "the translation law holds only for softmax cross-entropy: pass "
+                      f"loss='ce' if the model is trained with it (got loss={loss!r})")
+
+
+# ------------------------------------------------------------------------------------------- the check
+def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int = 0) -> dict[str, float]:
+    """Spec check 1 for every law on the traced probe (``conserve.analysis.verify.first_order``'s measure, the model
+    gradients shared by all laws): worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` (float64)."""
+    from ..kernels import evaluate_reference
+    from ..laws import compile_laws
+    from torch.func import functional_call
+
+    gen = torch.Generator().manual_seed(seed)
+    names = [k for k, _ in g.gm.named_parameters()]
+    params = {k: g.params[k].detach().clone().requires_grad_(True) for k in names}
+    buffers = dict(g.gm.named_buffers())
+    plist = list(params.values())
+
+    def flat(grads):
+        return {k: (t if t is not None else torch.zeros_like(p)) for (k, p), t in zip(params.items(), grads)}
+
+    raw, ce = [], []
+    for _ in range(trials):
+        outs = [t for t in _flat(functional_call(g.gm, {**params, **buffers}, g.inputs, g.kwargs))
+                if t.is_floating_point() and t.requires_grad]
+        obj = sum((torch.randn(t.shape, generator=gen, dtype=t.dtype) * t).sum() for t in outs)
+        raw.append(flat(torch.autograd.grad(obj, plist, retain_graph=True, allow_unused=True)))
+        if heads:
+            logits = [t for t in outs if t.dim() >= 1 and t.shape[-1] > 1]
+            lo = sum(F.cross_entropy(t.reshape(-1, t.shape[-1]),
+                                     torch.randint(0, t.shape[-1], (t.numel() // t.shape[-1],), generator=gen))
+                     for t in logits)
+            ce.append(flat(torch.autograd.grad(lo, plist, allow_unused=True)))
+    norms = [torch.sqrt(sum((v * v).sum() for v in b.values())) for b in raw]
+    cnorms = [torch.sqrt(sum((v * v).sum() for v in b.values())) for b in ce]
+    out = {}
+    for law in laws:
+        if any(p not in params for p in law.params):
+            out[law.name] = float("nan")
+            continue
+        comp = compile_laws([law], {k: tuple(params[k].shape) for k in law.params})
+        vec, grams = evaluate_reference(comp.plan, [params[k] for k in comp.names], fp64=True)
+        h = comp.split(vec, grams)[0].reshape(-1)
+        worst = 0.0
+        use = (ce, cnorms) if isinstance(law, Translation) else (raw, norms)
+        for b, bn in zip(*use):
+            s = torch.randn(h.shape, generator=gen, dtype=torch.float64)
+            ga = torch.autograd.grad((s * h).sum(), [params[k] for k in comp.names], retain_graph=True, allow_unused=True)
+            a = {k: t for k, t in zip(comp.names, ga) if t is not None}
+            an = torch.sqrt(sum((t * t).sum() for t in a.values()))
+            if an == 0:  # h does not move with any parameter here: constant, nothing to track
+                worst = -1.0
+                break
+            if bn == 0:
+                continue
+            dot = sum((a[k] * b[k]).sum() for k in a)
+            worst = max(worst, float(dot.abs() / (an * bn)))
+        out[law.name] = worst
+    return out
+
+
+# ------------------------------------------------------------------------------------------- entry point
+def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict | None = None, loss: str | None = None, max_probe_params: float = 3e8,
+                 skip_params: Iterable[str] = (), **options) -> Detection:
+    """Structural detection (module docstring): every catalogue law the graph of ``model`` computes, each
+    passing the spec's first-order check in float64, and every other parameterised block declined with the
+    reason. Never raises for an unknown block; a model that cannot be probed or traced gets one decline per
+    parameterised module naming the fix.
+
+    Args:
+        model: any ``nn.Module`` (wrappers removed by ``conserve.detect``); it is copied, never modified.
+        example_inputs: positional input(s) of ``forward`` (a tensor or a tuple); synthesised when None for
+            models starting with an ``nn.Embedding`` / ``nn.Linear`` / norm.
+        loss: 'ce' when trained with softmax cross-entropy (the translation law needs it).
+        max_probe_params: larger models are declined (the float64 probe copy would be too large).
+        skip_params: parameters already explained by another detector: no law reading only them is built and
+            they are not declined (a law reading them and others, e.g. a gain read by their Linear, is).
+    Returns:
+        ``Detection`` with ``detector='graph'``.
+    """
+    c = Collector(model, {**options, "loss": loss})
+    skip = set(skip_params)
+    try:
+        probe = make_probe(model, max_probe_params)
+        kwargs = dict(forward_kwargs or {})
+        try:
+            if "use_cache" in inspect.signature(model.forward).parameters:
+                kwargs.setdefault("use_cache", False)  # a KV cache is inference state, not part of the function
+        except (TypeError, ValueError):
+            pass
+        inputs = synth_inputs(probe, example_inputs, kwargs)
+        gm, how = trace(probe, inputs, kwargs)
+        g = Graph(gm, inputs, dict(probe.named_parameters(remove_duplicate=False)),
+                  kwargs if how == "torch.export" else {})
+    except Exception as e:  # noqa: BLE001 - the reason is reported per module, nothing is claimed
+        reason = f"structural detection could not run: {e}"
+        for mod in _param_modules(model, skip):
+            c.decline(mod, "not analysed", reason)
+        return c.finish("graph")
+    f = _Found(g, c)
+    for step in (_attention, _routers, _mlps, _gains, _output_layers):
+        try:
+            step(f)
+        except Exception as e:  # noqa: BLE001 - one block kind failing never fails the whole model
+            c.decline(f"<{step.__name__.strip('_')}>", "structural analysis error",
+                      f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
+    cands = [(law, what) for law, what in f.cands if not set(law.params) <= skip]  # something new to say
+    viol = check_laws(g, [law for law, _ in cands], f.heads)
+    aliases: dict = {}
+    for k, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(k)
+    tied = {k for ks in aliases.values() if len(ks) > 1 for k in ks}
+    for law, what in cands:
+        v = viol[law.name]
+        f.explained.update(law.params)
+        if v < 0:
+            c.decline(law.name, f"{law.family} law ({what})", "identically constant on this model (zero gradient, e.g. "
+                      "q and k from the same rows): nothing to track")
+        elif v <= TOL or (v != v and set(law.params) & tied):  # tied: declined by the Collector's filter below
+            c.add(law)
+        elif v != v:
+            c.decline(law.name, f"{law.family} law ({what})", "reads a parameter the traced graph does not use: "
+                      "not checked, not claimed")
+        else:
+            c.decline(law.name, f"{law.family} law ({what})",
+                      f"found in the graph but fails the first-order check in float64 (relative violation {v:.2e} > "
+                      f"{TOL:g}): not claimed")
+    _decline_rest(f, model, skip, how)
+    return c.finish("graph")
+
+
+def _param_modules(model: nn.Module, skip) -> list[str]:
+    out = []
+    for name, _ in model.named_parameters():
+        if name in skip:
+            continue
+        mod = name.rsplit(".", 1)[0] if "." in name else name
+        if mod not in out:
+            out.append(mod)
+    return out
+
+
+def _decline_rest(f: _Found, model: nn.Module, skip, how: str):
+    """Embeddings and every parameterised module no block explains: declined with what the graph does."""
+    g, c = f.g, f.c
+    covered = set(skip) | set(c.understood) | f.explained
+    for law in c.laws:
+        covered.update(law.params)
+    used = {}
+    for n in g.nodes:
+        if n.op == "call_module":
+            used[n.target] = g.op(n)
+        elif n.op == "get_attr" and n.target in g.params:
+            owner = n.target.rsplit(".", 1)[0] if "." in n.target else n.target
+            for u in n.users:
+                used.setdefault(owner, g.op(u))
+    for mod in _param_modules(model, skip):
+        names = [k for k, _ in model.named_parameters() if (k.rsplit(".", 1)[0] if "." in k else k) == mod]
+        if all(k in covered for k in names) or c.covered(mod):
+            continue
+        m = model.get_submodule(mod) if mod and _is_module(model, mod) else None
+        if isinstance(m, nn.Embedding) or used.get(mod) == "embedding":
+            c.decline(mod, "input embedding", "no law: no parameter on the other side of it")
+        elif mod not in used and not any(k in g.params and any(n.op == "get_attr" and n.target == k for n in g.nodes)
+                                         for k in names):
+            c.decline(mod, type(m).__name__ if m is not None else "parameter",
+                      f"not used by the traced forward ({how}): no law")
+        else:
+            kind = type(m).__name__ if m is not None else "parameter"
+            c.decline(mod, kind, f"no catalogue block reads it this way (used by {used.get(mod, '?')!r} in the "
+                      f"{how} graph): no law detected")
+
+
+def _is_module(model, path):
+    try:
+        return isinstance(model.get_submodule(path), nn.Module)
+    except AttributeError:
+        return False
+
+
+@register("graph")
+def detect_graph_fallback(model: nn.Module, config, **options):
+    """Registry entry: structural detection for any model no earlier detector answered. Returns None when it
+    finds no catalogue block at all (then ``detect`` raises UnsupportedModelError with the reasons)."""
+    d = detect_graph(model, **options)
+    if not d.laws and all(x.block in ("not analysed",) or "no catalogue block" in x.reason or "not used" in x.reason
+                          for x in d.declined):
+        detect_graph_fallback.last = d
+        return None
+    return d
