@@ -20,6 +20,7 @@ COMMANDS = {
     "inspect": ("conserve.commands.inspect", "list the laws of a checkpoint (HF directory or .safetensors)"),
     "continuity": ("conserve.commands.continuity", "geometric continuity across layers of a checkpoint"),
     "experiment": ("conserve.experiments", "reproduce an experiment: scaling, optimizers, continuity"),
+    "reproduce": ("conserve.commands.reproduce", "every claim of both papers beside ours, over seeds: reproduce.md/json"),
     "discover": ("conserve.commands.discover", "find the conservation laws of a new block: discover MODULE:FACTORY"),
 }
 

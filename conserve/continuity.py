@@ -52,6 +52,10 @@ __all__ = [
     "continuity_report",
     "ContinuityMonitor",
     "METRICS",
+    "random_quantile",
+    "subspace_overlap",
+    "centred_gram_alignment",
+    "snapshot",
 ]
 
 METRICS = ("v1", "u1", "align_in", "align_out", "coherence")
@@ -560,3 +564,140 @@ class ContinuityMonitor:
                     self.sums[i].copy_(src)
         self.num_updates = int(state.get("num_updates", 0))
         self.num_power = int(state.get("num_power", 0))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# nulls and checkpoint snapshots (exact SVD): what the ablation experiments log at log-spaced steps
+# ----------------------------------------------------------------------------------------------------------
+def random_quantile(d: int, n_pairs: int = 1, q: float = 0.99, draws: int = 20000, seed: int = 0) -> float:
+    """The ``q``-quantile of the MEAN over ``n_pairs`` independent ``|cos|`` of independent uniform unit
+    vectors in ``d`` dims (``cos^2 ~ Beta(1/2, (d-1)/2)``), by Monte Carlo (``draws`` samples, seeded).
+
+    This is the statistical basis of the 'low' label: a mean adjacent-layer continuity of ``n_pairs`` pairs
+    below this value is what independent random directions give in a fraction ``q`` of cases (the weights at
+    a random init are exactly that null). Deterministic for a given ``seed``."""
+    if d < 2 or n_pairs < 1:
+        raise ValueError(f"random_quantile needs d >= 2 and n_pairs >= 1, got d={d}, n_pairs={n_pairs}")
+    g = torch.Generator().manual_seed(seed)
+    beta = torch.distributions.Beta(torch.tensor(0.5, dtype=torch.float64), torch.tensor((d - 1) / 2, dtype=torch.float64))
+    torch_state = torch.random.get_rng_state()
+    try:  # torch.distributions samples from the global generator: seed it and restore it afterwards
+        torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,), generator=g)))
+        x = beta.sample((draws, n_pairs)).sqrt().mean(1)
+    finally:
+        torch.random.set_rng_state(torch_state)
+    return float(torch.quantile(x, q))
+
+
+def subspace_overlap(va: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
+    """``||Va^T Vb||_F^2 / k`` for orthonormal columns ``Va, Vb`` of shape ``(d, k)``: the mean squared cosine
+    of the principal angles between the two top-k subspaces. In [0, 1]; random expectation ``k / d``."""
+    k = va.shape[-1]
+    return (va.transpose(-1, -2) @ vb).square().sum((-1, -2)) / k
+
+
+def centred_gram_alignment(wa: torch.Tensor, wb: torch.Tensor, space: str = "input") -> torch.Tensor:
+    """Frobenius cosine of the TRACELESS parts of the Grams, ``G - (tr G / n) I`` (``G = W^T W`` input space,
+    ``W W^T`` output space), computed in float64.
+
+    Why: the raw sigma^2-weighted alignment ``gram_alignment`` is dominated by the isotropic part of ``G`` (a
+    random matrix has ``G ~ c I + noise``), so it sits at ``m/(m+n)`` (0.5 for square weights) for independent
+    random matrices and moves little in training. Removing the identity part leaves the anisotropy, whose
+    cosine is ~0 (order ``1/n``) for independent random weights and 1 when both layers stretch the same
+    directions by proportional amounts. Signed, in [-1, 1]."""
+    wa, wb = wa.double(), wb.double()
+    if space == "input":
+        ga, gb = wa.transpose(-1, -2) @ wa, wb.transpose(-1, -2) @ wb
+    elif space == "output":
+        ga, gb = wa @ wa.transpose(-1, -2), wb @ wb.transpose(-1, -2)
+    else:
+        raise ValueError(f"space must be 'input' or 'output', not {space!r}")
+    if ga.shape != gb.shape:
+        raise ValueError(f"{space}-space alignment needs equal Gram sizes, got {tuple(ga.shape)} and {tuple(gb.shape)}")
+    n = ga.shape[-1]
+    eye = torch.eye(n, dtype=ga.dtype, device=ga.device)
+    ca = ga - ga.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] / n * eye
+    cb = gb - gb.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] / n * eye
+    return gram_cosine(ca, cb)
+
+
+def _off_span(v: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``v`` with its component in the column span of ``basis`` (d, r) removed, normalised."""
+    q = torch.linalg.qr(basis).Q
+    r = v - q @ (q.T @ v)
+    return r / torch.linalg.vector_norm(r).clamp_min(_TINY)
+
+
+def snapshot(weights: Mapping[str, list[torch.Tensor]], *, init: Mapping[str, list[torch.Tensor]] | None = None,
+             input_means: Mapping[str, list[torch.Tensor]] | None = None, top_k: int = 4) -> dict[str, dict]:
+    """Exact-SVD continuity metrics of every type: ``weights[type]`` = the matrices of consecutive layers
+    (``(out, in)`` each, any float dtype; computed in float64 on their device).
+
+    Per type, means over adjacent pairs (per-pair lists under ``pairs/<metric>``):
+
+    - ``v1``, ``u1``: ``|cos|`` of the leading right / left singular vectors;
+    - ``sub_in``, ``sub_out``: top-``top_k`` subspace overlap (``subspace_overlap``; random ``k/d``);
+    - ``align_in``, ``align_out``: raw sigma^2-weighted alignment (``gram_alignment``; random ~``m/(m+n)``);
+      ``calign_in``, ``calign_out``: the centred replacement (``centred_gram_alignment``; random ~0);
+    - with ``init`` (the same matrices at step 0): ``dw_rel`` = mean over layers of ``||W - W_0||_2 /
+      ||W_0||_2``, and ``dw_v1``, ``dw_u1``: continuity of the leading singular vectors of ``W - W_0``;
+    - with ``input_means`` (each layer's mean input vector, length ``in``): ``v1_perp`` = ``v1`` continuity after
+      projecting both layers' ``v1`` off the span of the two mean-input directions (the null for ReLU nets,
+      whose inputs are positive and share a large mean direction that can align ``v1`` by itself),
+      ``v1_mean`` = ``|cos(v1, mean input)|`` averaged over layers;
+    - ``s1_s2``: mean over layers of ``sigma_1 / sigma_2`` (spectral gap: how well ``v1`` is defined).
+
+    Returns ``{type: {metric: float, "pairs/<metric>": [float, ...], "dims": [in, out], "n_pairs": int}}``.
+    Raises ``ValueError`` for a type with fewer than two matrices."""
+    out: dict[str, dict] = {}
+    for type_, ws in weights.items():
+        if len(ws) < 2:
+            raise ValueError(f"snapshot: type {type_!r} has {len(ws)} matrix; need two or more layers")
+        svd = []
+        for w in ws:
+            U, S, Vh = torch.linalg.svd(as_matrix(w).detach().double(), full_matrices=False)
+            svd.append((U, S, Vh))
+        per: dict[str, list[float]] = defaultdict(list)
+        k = max(1, min(top_k, *(s.numel() for _, s, _ in svd)))
+        for (Ua, Sa, Vha), (Ub, Sb, Vhb), wa, wb in zip(svd, svd[1:], ws, ws[1:]):
+            if Vha.shape[1] == Vhb.shape[1]:
+                per["v1"].append(float(abs_cos(Vha[0], Vhb[0])))
+                per["sub_in"].append(float(subspace_overlap(Vha[:k].T, Vhb[:k].T)))
+                per["align_in"].append(float(gram_alignment(wa.detach().double(), wb.detach().double(), "input")))
+                per["calign_in"].append(float(centred_gram_alignment(wa.detach(), wb.detach(), "input")))
+            if Ua.shape[0] == Ub.shape[0]:
+                per["u1"].append(float(abs_cos(Ua[:, 0], Ub[:, 0])))
+                per["sub_out"].append(float(subspace_overlap(Ua[:, :k], Ub[:, :k])))
+                per["align_out"].append(float(gram_alignment(wa.detach().double(), wb.detach().double(), "output")))
+                per["calign_out"].append(float(centred_gram_alignment(wa.detach(), wb.detach(), "output")))
+        for _, S, _ in svd:
+            per["s1_s2"].append(float(S[0] / S[1].clamp_min(_TINY)) if S.numel() > 1 else float("nan"))
+        if init is not None:
+            dsvd = []
+            for w, w0 in zip(ws, init[type_]):
+                d = as_matrix(w).detach().double() - as_matrix(w0).detach().double()
+                w0n = torch.linalg.matrix_norm(as_matrix(w0).double(), ord=2)
+                U, S, Vh = torch.linalg.svd(d, full_matrices=False)
+                per["dw_rel"].append(float(S[0] / w0n.clamp_min(_TINY)))
+                dsvd.append((U[:, 0], S[0], Vh[0]))
+            for (ua, sa, va), (ub, sb, vb) in zip(dsvd, dsvd[1:]):
+                if sa > 0 and sb > 0 and va.shape == vb.shape:
+                    per["dw_v1"].append(float(abs_cos(va, vb)))
+                if sa > 0 and sb > 0 and ua.shape == ub.shape:
+                    per["dw_u1"].append(float(abs_cos(ua, ub)))
+        if input_means is not None and type_ in input_means:
+            ms = [m.detach().double().reshape(-1) for m in input_means[type_]]
+            for (_, _, Vh), m in zip(svd, ms):
+                per["v1_mean"].append(float(abs_cos(Vh[0], m)))
+            for (_, _, Vha), (_, _, Vhb), ma, mb in zip(svd, svd[1:], ms, ms[1:]):
+                if Vha.shape[1] == Vhb.shape[1] == ma.numel() == mb.numel():
+                    basis = torch.stack([ma, mb], 1)
+                    per["v1_perp"].append(float(abs_cos(_off_span(Vha[0], basis), _off_span(Vhb[0], basis))))
+        rec: dict = {"dims": [int(ws[0].shape[1]) if ws[0].dim() == 2 else int(as_matrix(ws[0]).shape[1]),
+                              int(ws[0].shape[0])], "n_pairs": len(ws) - 1, "top_k": k}
+        for key, xs in per.items():
+            good = [x for x in xs if x == x]
+            rec[key] = sum(good) / len(good) if good else float("nan")
+            rec[f"pairs/{key}"] = xs
+        out[type_] = rec
+    return out

@@ -111,7 +111,7 @@ def plot_eps(records: list[dict], path: Path, title: str = "") -> Path:
         bx = axes[0, 1]
         bx.plot(lx, ly, "k-", lw=1)
         bx.set_xlabel("optimizer step k")
-        bx.set_ylabel("training loss (nats/token)")
+        bx.set_ylabel("training loss")
         bx.set_title("loss", fontsize=10)
         bx.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -234,9 +234,10 @@ def verdict(stats: dict, broken_by: list[str] | None = None) -> tuple[str, str]:
     if ctrl:  # read the law against its non-conserved control (conserve.tracking.control)
         ratio = eps / ctrl
         if ratio > 0.5:
-            return "step_size", (f"conserved by the flow, but at this step size the second-order drift moves it "
-                                 f"as much as a non-conserved control (eps {ratio:.0%} of the control's): lower the lr")
-        text += f"; eps {ratio:.0e} x the non-conserved control's"
+            return "step_size", (f"conserved by the flow; at this learning rate its second-order drift (O(lr^2) per "
+                                 f"step) is {ratio:.0%} of a non-conserved control's motion: a smaller lr conserves "
+                                 "it better")
+        text += f"; eps {ratio:.0e} x the control's"
     bal = stats.get("balance")
     if eps > 0.05 and bal is not None and bal < 0.1:
         text += f"; eps is large because h_0 is small (|h_0| = {bal:.0e} of its magnitude)"
@@ -284,11 +285,13 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
                "final_loss": next((r["loss"] for r in reversed(records) if isinstance(r.get("loss"), (int, float))), None),
                "families": fams, **({"totals": totals} if totals else {}), **(extra or {})}
     Path(run_dir, "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
-    opt = config.get("optimizer", "?")
-    lines = [f"# {config.get('command', 'conserve')}: {summary['steps']} steps, optimizer {opt}", ""]
+    lm = config.get("command") == "conserve run"
+    lines = [f"# {config.get('command', 'conserve')}: {summary['steps']} steps"
+             + (f", optimizer {config['optimizer']}" if config.get("optimizer") else ""), ""]
     if extra and extra.get("stopped"):
         lines += [f"**Stopped early:** {extra['stopped']}", ""]
-    lines += [f"data: {config.get('data_source', '?')}; final loss {_fmt(summary['final_loss'])} nats/token", "",
+    lines += [f"data: {config.get('data_source', '?')}; final loss {_fmt(summary['final_loss'])}"
+              + (" nats/token" if lm else ""), "",
               "## Verdicts", "", "| family | verdict | eps final |", "|---|---|---|"]
     lines += [f"| {f} | {r['verdict']} | {_fmt(r['eps_final'])} |" for f, r in fams.items()]
     lines += ["", "## Drift", "",
@@ -298,16 +301,20 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
         lines.append(f"| {f} | {_fmt(r['eps_max'])} | {_fmt(r['max_step_drift'])} | {_fmt(r['sum_decay'])} | "
                      f"{_fmt(r['sum_first'])} | {_fmt(r['sum_second'])} | {_fmt(r.get('total_drift_measured'))} | "
                      f"{_fmt(r.get('total_drift_predicted'))} | {_fmt(r.get('predicted_gd'))} |")
-    lines += ["", "How to read it. eps is the paper's error (spec 'The paper's error metric'): the mean over a family's",
-              "laws of |h(k) - h(0)| / |h(0)|. Each step's change splits exactly into decay (weight decay), first order",
+    lines += ["", "How to read it. eps is the error of Tran et al. 2026: the mean over a family's laws of",
+              "|h(k) - h(0)| / |h(0)|. Each step's change splits exactly into decay (weight decay), first order",
               "(the optimizer's update direction; zero for gradient descent by Noether's theorem) and second order",
-              "(the discretisation, O(lr^2) per step), spec 'Discrete steps'. A law 'holds' when its drift is the",
+              "(the discretisation, O(lr^2) per step; README 'Use it in a training loop'). The control of a family",
+              "is the same quadratic with every sign + (e.g. |W_up[u,:]|^2 + |W_down[:,u]|^2): it is not conserved, so",
+              "a law whose eps approaches its control's is not conserved at that step size. A law 'holds' when its drift is the",
               "discretisation alone; 'broken by the optimizer' when the first-order term dominates (Adam, sign",
               "methods); 'broken by weight decay' when decay does. A family whose h_0 is ~0 (e.g. vo at a balanced",
               "init) has a large relative eps even when its absolute drift is tiny: read its drift columns instead.",
               "Drift columns: Euclidean norms over the family's entries (Frobenius for Gram laws); totals are norms",
               "of h_K - h_0 and of the summed terms (equal by the identity). float32 rounding (~1e-7 relative) is",
-              "the whole drift of the linear laws (router_sum, translation); `--fp64-laws` pushes it down.", "",
+              "the whole drift of the linear laws (router_sum, translation); `--fp64-laws` pushes it down.",
+              "The 'total' and 'prediction' columns need the live tracker (conserve run); from a metrics file alone",
+              "they are '-'.", "",
               "Plots: `eps.png` (eps beside the loss), `drift.png` (per-step terms), `layers.png` (eps per layer)."]
     if extra and extra.get("declined"):
         lines += ["", "## Blocks without a law", ""] + [f"- `{d['module']}` ({d['block']}): {d['reason']}"

@@ -491,6 +491,9 @@ class Tracker:
             print(f"conserve: flushing an unclosed tracker failed: {type(e).__name__}: {e}", file=sys.stderr)
 
     def __del__(self):
+        if _tracing():  # collected while torch.compile traces (fake tensors): flush at exit instead
+            _DEFERRED.append(self)
+            return
         self._close_at_exit()
 
     def __deepcopy__(self, memo) -> "Tracker":
@@ -539,12 +542,23 @@ class Tracker:
 
 
 _LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()  # trackers not closed yet
+_DEFERRED: list = []  # unclosed trackers collected during a torch.compile trace, closed at exit
+
+
+def _tracing() -> bool:
+    """True while torch.compile traces (a flush there would see fake tensors)."""
+    try:
+        from torch._guards import detect_fake_mode
+
+        return bool(torch.compiler.is_compiling() or detect_fake_mode() is not None)
+    except Exception:  # noqa: BLE001 - older torch: no tracing to detect
+        return False
 
 
 @atexit.register
 def _close_live_trackers() -> None:
     """At interpreter exit, flush and close every tracker nobody closed (rows are not lost)."""
-    for t in list(_LIVE):
+    for t in list(_LIVE) + _DEFERRED:
         t._close_at_exit()
 
 

@@ -399,3 +399,27 @@ def test_timm_heads_declined():
     assert_all_hold(m, f, images())
     f = detect(vit(), loss="mse")
     assert "translation" not in f.families() and "cross-entropy" in reasons(f)["head"]
+
+
+def test_sequential_inside_a_layer_stack_takes_the_block_index():
+    """QA: laws of a Sequential MLP inside ``layers.<i>`` are binned under layer i (not the Linear's position)."""
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Blk(), Blk()])
+
+        def forward(self, x):
+            for b in self.layers:
+                x = b(x)
+            return x
+
+    laws = [l for l in detect(M()).laws if l.family == "relu"]
+    assert sorted((l.name.split(".")[1], l.layer) for l in laws) == [("0", 0), ("1", 1)]

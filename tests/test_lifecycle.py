@@ -285,6 +285,19 @@ def test_attach_drives_a_tracker_from_the_optimizer_hooks():
         conserve.optim.attach(ref, tracker)
 
 
+def test_attach_checks_the_param_groups_like_track():
+    """The callbacks drive the tracker through attach(): laws the param_groups break are named there too."""
+    from conserve.tracking.breakers import BrokenLawWarning
+
+    m = _model()
+    groups = [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+              {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+    tracker = conserve.Tracker(m, every=50)
+    with pytest.warns(BrokenLawWarning, match="weight decay on only part of one law"):
+        conserve.optim.attach(torch.optim.AdamW(groups, lr=1e-2), tracker)
+    assert tracker.broken_by and all("weight decay" in r for r in tracker.broken_by.values())
+
+
 def test_accelerate_prepare_after_track_keeps_the_decay_term():
     accelerate = pytest.importorskip("accelerate")
     from accelerate.optimizer import AcceleratedOptimizer

@@ -156,3 +156,21 @@ def test_control_monitor_is_a_real_baseline(tmp_path):
     assert last["eps/relu"] < 1e-2 * last["control/relu"]  # the law only at second order (lr^2)
     assert verdict(dict(eps_final=0.1, control_final=0.12, sum_measured=1.0, sum_decay=0.0, sum_first=0.0,
                         sum_second=1.0))[0] == "step_size"
+
+
+def test_a_locked_run_directory_is_refused_before_anything_in_it_is_touched(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "config.json").write_text("{}")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from conserve.tracking.lock import RunDirLock; "
+                               f"lock = RunDirLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "2"]) == 2
+        assert "in use by another conserve process" in _one_line(capsys)
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and (out / "config.json").read_text() == "{}"
+    finally:
+        holder.kill()
+        holder.wait()

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from ..report import json_safe
-from ..continuity import continuity_report, group_projections, random_baseline
+from ..continuity import continuity_report, group_projections, random_baseline, random_quantile
 from ..checkpoint import describe_nonfinite, nonfinite
 from ..errors import NonFiniteError, UsageError
 
 PAPER = {"q_proj": "v1", "k_proj": "v1", "gate_proj": "v1", "up_proj": "v1", "o_proj": "u1", "down_proj": "u1",
          "v_proj": "low"}
-FACTOR = 3.0  # 'continuous' = mean |cos| above FACTOR x the random baseline sqrt(2/(pi d))
+LOW_Q = 0.99  # 'continuous' = mean |cos| above the 99% quantile of the same mean for random unit vectors
 
 
 def add_arguments(p) -> None:
@@ -98,14 +98,16 @@ def _loader(index):
     return load
 
 
-def observed(v1: float, u1: float, d_in: int, d_out: int) -> str:
-    """'v1', 'u1' or 'low': the space with the larger mean |cos|, if it exceeds FACTOR x its random baseline
-    ``sqrt(2/(pi d))`` (``d_in`` for v1, ``d_out`` for u1); '-' when neither was measured."""
-    cands = [(x, s, d) for x, d, s in ((v1, d_in, "v1"), (u1, d_out, "u1")) if x == x]
+def observed(v1: float, u1: float, d_in: int, d_out: int, n_pairs: int = 1) -> str:
+    """'v1', 'u1' or 'low': the space whose mean |cos| over ``n_pairs`` adjacent pairs exceeds the ``LOW_Q``
+    quantile of that mean for independent random unit vectors (``random_quantile(d, n_pairs)``, ``d_in`` for
+    v1, ``d_out`` for u1) by the larger factor; 'low' when neither does; '-' when neither was measured."""
+    cands = [(x / random_quantile(d, n_pairs, LOW_Q), s) for x, d, s in ((v1, d_in, "v1"), (u1, d_out, "u1"))
+             if x == x and d >= 2]
     if not cands:
         return "-"
-    x, s, d = max(cands)
-    return s if x > FACTOR * random_baseline(d) else "low"
+    r, s = max(cands)
+    return s if r > 1 else "low"
 
 
 def _fmt(x: float) -> str:
@@ -119,7 +121,8 @@ def table_rows(reports) -> list[dict]:
         row = {"type": rep.type, "shape": [m, n], "pairs": len(rep.pairs),
                **{k: rep.mean(k) for k in rep.values},
                "baseline_v1": random_baseline(n), "baseline_u1": random_baseline(m)}
-        row["observed"] = observed(row["v1"], row["u1"], n, m)
+        row["observed"] = observed(row["v1"], row["u1"], n, m, max(1, len(rep.pairs)))
+        row["low_v1"], row["low_u1"] = (random_quantile(d, max(1, len(rep.pairs)), LOW_Q) for d in (n, m))
         row["paper"] = PAPER.get(rep.type.split(".")[-1], "")
         rows.append(row)
     return rows
@@ -140,8 +143,9 @@ def markdown(rows, title: str) -> str:
     if checked:
         ok = sum(r["observed"] == r["paper"] for r in checked)
         lines.append(f"\nPaper pattern (q, k, gate, up: v1; o, down: u1; v: low): {ok}/{len(checked)} types match.")
-    lines.append(f"\nMeans of |cos| over adjacent-layer pairs. 'observed': the space (v1 or u1) with the larger "
-                 f"continuity, if above {FACTOR:g}x its random baseline sqrt(2/(pi d)); else 'low'. Random baseline "
+    lines.append(f"\nMeans of |cos| over adjacent-layer pairs. 'observed': the space (v1 or u1) whose mean exceeds the "
+                 f"{100 * LOW_Q:g}% quantile of the same mean for independent random unit vectors (same d and number of "
+                 "pairs; `conserve.continuity.random_quantile`) by the larger factor; else 'low'. Random baseline "
                  "of the alignments: about m/(m+n) (align_in) and n/(m+n) (align_out) for i.i.d. m x n weights.")
     return "\n".join(lines)
 

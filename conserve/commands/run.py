@@ -82,6 +82,38 @@ def add_arguments(p) -> None:
     m.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax")
     m.add_argument("--shared-expert", action="store_true")
     m.add_argument("--tie-embeddings", action="store_true")
+    # --- presets (papers worktree): named defaults, each overridable by its own flag ---------------------
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="wikitext2: the laws at training scale: the largest reference LM this 2-core CPU trains in "
+                   "minutes (hidden 128, 6 layers, 8 heads / 4 kv) on WikiText-2 (--data: your WikiText-103 files) "
+                   "with AdamW lr 1e-3, weight decay 0.1, 1000 steps of 16 x 128 bytes; explicit flags win")
+    p.set_defaults(_preset_defaults={k: p.get_default(k) for k in PRESET_KEYS})
+
+
+PRESETS = {"wikitext2": {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1, "size": "base", "layers": 6,
+                         "steps": 1000, "batch_size": 16, "seq_len": 128, "every": 25, "fp64_laws": True,
+                         "data": "wikitext-2"}}
+PRESET_KEYS = sorted({k for v in PRESETS.values() for k in v})
+
+
+def apply_preset(args) -> None:
+    """Fill the options the user left at their defaults from ``--preset``; ``data`` 'wikitext-2' resolves to
+    ``$CONSERVE_DATA`` or ``/work/shared/data`` + ``wikitext-2/wiki.train.tokens.gz`` (``UsageError`` naming
+    ``--data`` when absent)."""
+    import os
+
+    if not getattr(args, "preset", None):
+        return
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k) == args._preset_defaults.get(k):
+            setattr(args, k, v)
+    if args.data == "wikitext-2":
+        root = Path(os.environ.get("CONSERVE_DATA") or "/work/shared/data")
+        path = root / "wikitext-2" / "wiki.train.tokens.gz"
+        if not path.is_file():
+            raise UsageError(f"--preset {args.preset}: WikiText-2 not found at {path}; pass --data FILE_OR_DIR "
+                             "(e.g. your WikiText-103 wiki.train.tokens) or set CONSERVE_DATA")
+        args.data = str(path)
 
 
 def out_dir(arg) -> Path:
@@ -192,6 +224,7 @@ def main(args) -> int:
 def _main(args) -> int:
     import torch
 
+    apply_preset(args)
     from .. import JSONLSink, track
     from ..data import Batches, load_tokens
     from ..models import DecoderLM
@@ -216,6 +249,10 @@ def _main(args) -> int:
     opt, lr = make_optimizer(args.optimizer, model.parameters(), args.lr, args.weight_decay, args.momentum)
     batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
     out = out_dir(args.out)  # created only once the inputs are known to be good
+    from ..tracking.lock import RunDirLock
+
+    # one writer per run directory, taken before anything in it is touched (a second process is refused)
+    lock = RunDirLock(out, hint="wait for it to finish or pass another --out").acquire()
     config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()), "optimizer": args.optimizer,
               "lr": lr, "weight_decay": args.weight_decay, "momentum": args.momentum if args.optimizer == "momentum" else 0.0,
               "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
@@ -272,8 +309,12 @@ def _main(args) -> int:
                   broken() if callable(broken) else None)
     if records:
         plot_all(records, out, f"{args.optimizer}, lr={lr:g}, {source.split('/')[-1]}")
+    lock.release()
     if code == 2:
         raise UsageError(stopped)
+    if not records:
+        raise UsageError(f"no metrics were recorded in {out}/metrics.jsonl (the summary is empty); check that the disk "
+                         "is writable and run again")
     print(f"wrote {out}/: config.json metrics.jsonl summary.md summary.json eps.png drift.png layers.png")
     text = (out / "summary.md").read_text()
     print(text.split("\n## Drift")[0].rstrip())

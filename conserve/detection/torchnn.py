@@ -177,7 +177,8 @@ def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, 
         between = [m for _, m in ch[a + 1: b]]
         pa, pb = _p(path, na), _p(path, nb)
         name = f"{path}.{na}-{nb}" if path else f"{na}-{nb}"
-        layer = int(na) if na.isdigit() else None
+        # the block's index when the Sequential sits in a layer stack (layers.3.mlp), else the Linear's position
+        layer = layer_index(path) if layer_index(path) is not None else (int(na) if na.isdigit() else None)
         if any(isinstance(m, NO_SYMMETRY) for m in between):
             act = next(type(m).__name__ for m in between if isinstance(m, NO_SYMMETRY))
             c.decline(pa, f"Linear-{act}-Linear", NO_LAW_ACT)

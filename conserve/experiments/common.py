@@ -162,7 +162,7 @@ class Task:
     name: str
     source: str
     build: Callable[[], torch.nn.Module]
-    batches: Callable[[bool, int], object]  # (fixed, seed) -> iterator of (inputs, targets)
+    batches: Callable[..., object]  # (fixed, seed, size=None) -> iterator of (inputs, targets); size: batch size
     loss_fn: Callable
     config: dict
 
@@ -183,7 +183,7 @@ def make_tasks(models: Sequence[str], *, data, images, batch_size: int, seq_len:
             torch.manual_seed(seed)
             return DecoderLM(cfg).to(device=device, dtype=dtype)
 
-        tasks.append(Task("lm", source, build_lm, lambda fixed, s: Batches(tokens, batch_size, seq_len, seed=s, fixed=fixed),
+        tasks.append(Task("lm", source, build_lm, lambda fixed, s, n=None: Batches(tokens, n or batch_size, seq_len, seed=s, fixed=fixed),
                           lm_loss, {"model": cfg.to_dict(), "batch_size": batch_size, "seq_len": seq_len,
                                     "tokens": int(tokens.numel())}))
     if "vit" in models:
@@ -195,7 +195,7 @@ def make_tasks(models: Sequence[str], *, data, images, batch_size: int, seq_len:
             torch.manual_seed(seed)
             return ViT(cfg).to(device=device, dtype=dtype)
 
-        tasks.append(Task("vit", source, build_vit, lambda fixed, s: ImageBatches(x, y, image_batch, seed=s, fixed=fixed),
+        tasks.append(Task("vit", source, build_vit, lambda fixed, s, n=None: ImageBatches(x, y, n or image_batch, seed=s, fixed=fixed),
                           classifier_loss, {"model": vcfg.to_dict(), "batch_size": image_batch, "images": len(x)}))
     return tasks
 

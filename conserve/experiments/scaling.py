@@ -35,7 +35,10 @@ from ..train import add_threads_argument, torch_threads
 from .common import (DTYPES, MODELS, fit_pooled, fit_power, float_list, fmt, int_pair,
                      linear_families, log_steps, tasks_from_args, name_list)
 
-OPTIMIZERS = ("gd", "sgd")
+OPTIMIZERS = ("gd", "sgd", "fullgd")
+DEFAULT_OPTIMIZERS = ("gd", "sgd")
+DEFAULT_GD_SUBSET = 64
+BEND_SLOPE = 0.9  # the collapse curve 'bends' where its local log-log slope in t = lr k falls below this
 # The theory needs lr * k small enough that the gradients barely change. The ViT (torch's default init,
 # standardised pixels) moves ~10x faster per unit lr than the LM (init std 0.02): its gradient halves within
 # lr * k ~ 0.02, hence 10x smaller learning rates. With these, the lr exponent at k <= 30 is within ~0.1 of 2;
@@ -54,8 +57,12 @@ def add_arguments(p) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     o = p.add_argument_group("experiment")
     o.add_argument("--models", type=name_list(MODELS), default=MODELS, help="comma-separated: lm, vit (default both)")
-    o.add_argument("--optimizers", type=name_list(OPTIMIZERS), default=OPTIMIZERS,
-                   help="comma-separated: gd (full batch on one fixed batch), sgd (default both)")
+    o.add_argument("--optimizers", type=name_list(OPTIMIZERS), default=DEFAULT_OPTIMIZERS,
+                   help="comma-separated: gd (one fixed minibatch of --batch-size every step), sgd (fresh minibatches), "
+                   "fullgd (full-batch GD on a fixed subset of --gd-subset sequences / images, the same every step) "
+                   "(default gd,sgd)")
+    o.add_argument("--gd-subset", type=int, default=DEFAULT_GD_SUBSET,
+                   help=f"size of the fixed data subset of --optimizers fullgd (default {DEFAULT_GD_SUBSET} sequences or images)")
     o.add_argument("--lrs", type=float_list, default=None,
                    help="learning rates for the LM, 4 or more recommended, at least 2 "
                    f"(default {','.join(map(str, DEFAULT_LRS['lm']))})")
@@ -78,7 +85,7 @@ def add_arguments(p) -> None:
 
 
 def _check(args) -> None:
-    for name in ("steps", "batch_size", "seq_len", "image_batch", "image_limit", "hidden"):
+    for name in ("steps", "batch_size", "seq_len", "image_batch", "image_limit", "hidden", "gd_subset"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.steps < 2:
@@ -100,9 +107,10 @@ def _check(args) -> None:
 
 # ------------------------------------------------------------------------------------------------ runs
 def run_one(task, optimizer: str, lr: float, steps: int, checkpoints: list[int], *, seed: int, device: str = "cpu",
-            on_segment=None) -> dict:
+            on_segment=None, gd_subset: int = DEFAULT_GD_SUBSET) -> dict:
     """Train ``task``'s model from its fixed initialisation with plain SGD at ``lr`` (``optimizer`` 'gd': the
-    same fixed batch every step) and evaluate the laws at ``checkpoints`` only (float64 accumulation).
+    same fixed minibatch every step; 'fullgd': the same fixed subset of ``gd_subset`` sequences / images every
+    step, i.e. full-batch GD on that subset) and evaluate the laws at ``checkpoints`` only (float64 accumulation).
 
     Returns ``{"steps": [k...], "loss": [...], "eps": {family: [...]}, "linear": [families]}``.
     Raises ``UsageError`` if the loss or a law value becomes NaN/Inf (names the lr)."""
@@ -112,7 +120,7 @@ def run_one(task, optimizer: str, lr: float, steps: int, checkpoints: list[int],
     model = task.build()
     tracker = Tracker(model, every=len(checkpoints) + 1, drift=False, fp64=True)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    batches = task.batches(optimizer == "gd", seed)
+    batches = task.batches(True, seed, gd_subset) if optimizer == "fullgd" else task.batches(optimizer == "gd", seed)
     losses, prev = [], 0
     try:
         for k in checkpoints:
@@ -156,7 +164,8 @@ def fit_series(runs: dict[float, dict], fit_k: tuple[int, int], dtype: torch.dty
             why = f"eps at the smallest lr ({min(eps_k):.1e}) is at the rounding floor ~{floor:.0e} of {dtype}"
         else:
             why = None
-        fams[f] = {"lr_fit": lr_fit, "k_fit": {str(lr): v for lr, v in k_fits.items()},
+        fams_extra = {"collapse": collapse(runs, f), "exponent_vs_k": exponent_vs_k(runs, f)}
+        fams[f] = {**fams_extra, "lr_fit": lr_fit, "k_fit": {str(lr): v for lr, v in k_fits.items()},
                    "k_exponent": k_fits[lrs[0]]["exponent"], "lr_exponent": lr_fit["exponent"],
                    "lr_exponent_per_step": lr_per_k, "eps_at_k": eps_k, "included": why is None, "excluded_because": why}
     inc = [f for f in fams if fams[f]["included"]]
@@ -170,7 +179,95 @@ def fit_series(runs: dict[float, dict], fit_k: tuple[int, int], dtype: torch.dty
                         "k_exponent_per_lr": {lr: v["exponent"] for lr, v in overall_k.items()}}}
 
 
+def collapse(runs: dict[float, dict], family: str, points: int = 24) -> dict:
+    """The collapse of ``eps / lr`` onto one curve of ``t = lr * k`` (the drift identity along the gradient
+    flow: ``eps(k) ~ lr * F(lr k)``, with ``F(t) ~ C t`` while the gradients are constant).
+
+    On ``points`` log-spaced values of ``t`` inside the range every lr covers, ``log(eps/lr)`` of each lr is
+    interpolated linearly in ``log t``. Returns ``{"t": [...], "curve": [geometric mean of eps/lr over lrs],
+    "spread": [max/min - 1 over lrs at each t], "max_spread", "t_range": [lo, hi], "slope": [local d log F /
+    d log t], "bend_t": first t where the slope falls below BEND_SLOPE (None if it never does)}``; an empty
+    ``t`` when the lrs share no range of t or a value is not positive."""
+    import numpy as np
+
+    lrs = sorted(runs)
+    series = []
+    for lr in lrs:
+        k = np.asarray(runs[lr]["steps"], float)
+        e = np.asarray(runs[lr]["eps"][family], float)
+        ok = np.isfinite(e) & (e > 0)
+        if ok.sum() < 2:
+            return {"t": [], "curve": [], "spread": [], "max_spread": math.nan, "t_range": None, "slope": [], "bend_t": None}
+        series.append((np.log(lr * k[ok]), np.log(e[ok] / lr)))
+    lo, hi = max(s[0][0] for s in series), min(s[0][-1] for s in series)
+    if not hi > lo:
+        return {"t": [], "curve": [], "spread": [], "max_spread": math.nan, "t_range": None, "slope": [], "bend_t": None}
+    grid = np.linspace(lo, hi, points)
+    vals = np.stack([np.interp(grid, x, y) for x, y in series])  # (lrs, points), log(eps/lr)
+    spread = np.exp(vals.max(0) - vals.min(0)) - 1
+    curve = vals.mean(0)
+    slope = np.gradient(curve, grid)
+    below = np.nonzero(slope < BEND_SLOPE)[0]
+    return {"t": np.exp(grid).tolist(), "curve": np.exp(curve).tolist(), "spread": spread.tolist(),
+            "max_spread": float(spread.max()), "t_range": [float(math.exp(lo)), float(math.exp(hi))],
+            "slope": slope.tolist(), "bend_t": float(math.exp(grid[below[0]])) if below.size else None}
+
+
+def exponent_vs_k(runs: dict[float, dict], family: str) -> dict:
+    """The lr exponent fitted at every checkpoint k (least squares of log eps on log lr over all lrs):
+    ``{"k": [...], "exponent": [...], "lr_k_max": [largest lr * k at that k]}``. 2 while lr k is small; it
+    moves toward 1 as F(t) saturates."""
+    lrs = sorted(runs)
+    ks = runs[lrs[0]]["steps"]
+    ex = [fit_power(lrs, [runs[lr]["eps"][family][i] for lr in lrs])["exponent"] for i in range(len(ks))]
+    return {"k": list(ks), "exponent": ex, "lr_k_max": [lrs[-1] * k for k in ks]}
+
+
 # ----------------------------------------------------------------------------------------------- plots
+def _collapse_plot(out, name: str, runs: dict[float, dict], fit: dict) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lrs = fit["lrs"]
+    fams = [f for f in fit["families"] if fit["families"][f]["included"]] or list(fit["families"])
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(lrs)))
+    cols = min(4, len(fams)) + 1
+    fig, axes = plt.subplots(1, cols, figsize=(3.6 * cols, 3.3), squeeze=False)
+    for ax, f in zip(axes[0], fams):
+        for c, lr in zip(colors, lrs):
+            r = runs[lr]
+            t = np.asarray(r["steps"], float) * lr
+            ax.loglog(t, np.maximum(np.asarray(r["eps"][f], float) / lr, 1e-18), color=c, lw=1.2, label=f"lr={lr:g}")
+        col = fit["families"][f]["collapse"]
+        if col["bend_t"]:
+            ax.axvline(col["bend_t"], color="r", ls=":", lw=1)
+        ax.set_title(f"{f}: spread {100 * col['max_spread']:.1f}%" if col["t"] else f, fontsize=9)
+        ax.set_xlabel("t = lr k", fontsize=8)
+        ax.grid(True, which="both", alpha=0.25)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("eps / lr", fontsize=9)
+    axes[0][0].legend(fontsize=6)
+    ax = axes[0][-1]
+    for i, f in enumerate(fams):
+        ev = fit["families"][f]["exponent_vs_k"]
+        ax.semilogx(ev["k"], ev["exponent"], color=plt.cm.tab10(i % 10), lw=1.2, label=f)
+    ax.axhline(2, color="k", ls=":", lw=1)
+    ax.axhline(1, color="k", ls=":", lw=1)
+    ax.set_xlabel("step k", fontsize=8)
+    ax.set_title("fitted lr exponent vs k", fontsize=9)
+    ax.legend(fontsize=6)
+    for a in axes[0][len(fams):-1]:
+        a.axis("off")
+    fig.suptitle(f"{name}: eps/lr vs lr k (one curve = the drift identity along the flow; red: bend, slope < {BEND_SLOPE})",
+                 fontsize=9)
+    fig.tight_layout()
+    path = out / f"collapse_{name}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name
 def _plots(out, name: str, runs: dict[float, dict], fit: dict) -> list[str]:
     import matplotlib
 
@@ -245,6 +342,37 @@ def _plots(out, name: str, runs: dict[float, dict], fit: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- main
+def _pick_ks(ks: list[int]) -> list[int]:
+    want = [1, 3, 10, 30, 100, 300, 1000, 3000, 10000]
+    return sorted({min(ks, key=lambda k: abs(math.log(k / w))) for w in want if w <= 3 * ks[-1]})
+
+
+def collapse_markdown(fit: dict) -> str:
+    """The primary outputs: per family the collapse of eps/lr onto one curve of t = lr k, and the lr exponent
+    fitted at each k."""
+    fams = fit["families"]
+    ev0 = next(iter(fams.values()))["exponent_vs_k"]
+    ks = _pick_ks(ev0["k"])
+    idx = [ev0["k"].index(k) for k in ks]
+    lines = [f"Collapse of eps/lr onto one curve of t = lr k (lrs {', '.join(f'{x:g}' for x in fit['lrs'])}), and "
+             "the lr exponent fitted at each step k (over all lrs; 2 in the constant-gradient regime):", "",
+             "| family | t range shared by all lrs | max spread of eps/lr | bend at t (slope < "
+             f"{BEND_SLOPE}) | " + " | ".join(f"lr exp. k={k}" for k in ks) + " |",
+             "|" + "---|" * (4 + len(ks))]
+    for f, info in fams.items():
+        c, ev = info["collapse"], info["exponent_vs_k"]
+        rng = "-" if not c["t_range"] else f"{c['t_range'][0]:.2g} - {c['t_range'][1]:.2g}"
+        spread = "-" if not c["t"] else f"{100 * c['max_spread']:.1f}%"
+        bend = "-" if not c["t"] else ("none" if c["bend_t"] is None else f"{c['bend_t']:.3g}")
+        tag = "" if info["included"] else " (not fitted)"
+        lines.append(f"| {f}{tag} | {rng} | {spread} | {bend} | " +
+                     " | ".join(fmt(ev["exponent"][i], ".2f") for i in idx) + " |")
+    lrk = ", ".join(format(ev0["lr_k_max"][i], ".3g") for i in idx)
+    lines.append(f"\nlr k at these k for the largest lr: {lrk}. Plot: "
+                 "`collapse_<run>.png`.")
+    return "\n".join(lines)
+
+
 def _markdown(config: dict, results: dict) -> str:
     lines = ["# conserve experiment scaling", "",
              "Theory (spec 'Discrete steps'): GD/SGD change a quadratic law by exactly lr^2 g^T M g per step, so",
@@ -254,7 +382,9 @@ def _markdown(config: dict, results: dict) -> str:
         fit = r["fit"]
         lo, hi = fit["k_range"]
         lrs = fit["lrs"]
-        lines += [f"## {name}", "", f"data: {r['source']}; lrs {', '.join(f'{lr:g}' for lr in lrs)}; "
+        lines += [f"## {name}", "", collapse_markdown(fit), "",
+                  f"### Fixed-window fits (window: k in [{lo}, {hi}], lr fit at k = {fit['k_fixed']}, so lr k <= "
+                  f"{lrs[-1] * fit['k_fixed']:.3g})", "", f"data: {r['source']}; lrs {', '.join(f'{lr:g}' for lr in lrs)}; "
                   f"final loss at the smallest / largest lr: {fmt(r['runs'][lrs[0]]['loss'][-1], '.3f')} / "
                   f"{fmt(r['runs'][lrs[-1]]['loss'][-1], '.3f')}", "",
                   f"| family | lr exponent at k={fit['k_fixed']} | R^2 | k exponent, k in [{lo},{hi}], lr={lrs[0]:g} "
@@ -300,6 +430,7 @@ def _main(args) -> int:
     jobs = [(t, o, lr) for t in tasks for o in args.optimizers for lr in sorted(set(lrs_of[t.name]))]
     config = {"command": "conserve experiment scaling", "steps": args.steps, "fit_k": list(fit_k), "dtype": args.dtype,
               "optimizers": list(args.optimizers), "seed": args.seed, "device": args.device,
+              "gd_subset": args.gd_subset if "fullgd" in args.optimizers else None,
               "checkpoints": checkpoints, "models": {t.name: {"source": t.source, "lrs": sorted(set(lrs_of[t.name])),
                                                              **t.config} for t in tasks}}
     print(f"conserve experiment scaling: {len(jobs)} runs of {args.steps} steps "
@@ -311,7 +442,7 @@ def _main(args) -> int:
             done = bar.completed
             bar.describe(f"{t.name} {o} lr={lr:g}")
             all_runs.setdefault(f"{t.name}_{o}", {})[lr] = run_one(
-                t, o, lr, args.steps, checkpoints, seed=args.seed, device=args.device,
+                t, o, lr, args.steps, checkpoints, seed=args.seed, device=args.device, gd_subset=args.gd_subset,
                 on_segment=lambda k, d=done: bar.update(d + k))
     results, plots = {}, []
     for t in tasks:
@@ -319,7 +450,7 @@ def _main(args) -> int:
             name = f"{t.name}_{o}"
             fit = fit_series(all_runs[name], fit_k, dtype)
             results[name] = {"source": t.source, "runs": all_runs[name], "fit": fit}
-            plots += _plots(out, name, all_runs[name], fit)
+            plots += [_collapse_plot(out, name, all_runs[name], fit)] + _plots(out, name, all_runs[name], fit)
     summary = {"config": config, "seconds": round(time.time() - t0, 1),
                "results": {n: {"source": r["source"], "fit": r["fit"],
                                "runs": {str(lr): v for lr, v in r["runs"].items()}} for n, r in results.items()}}
@@ -328,8 +459,18 @@ def _main(args) -> int:
     print(f"wrote {out}/: results.md results.json {' '.join(plots)} ({summary['seconds']} s)")
     for name, r in results.items():
         ov = r["fit"]["overall"]
-        print(f"  {name}: lr exponent {fmt(ov['lr_exponent'], '.3f')} (theory 2), k exponent "
-              f"{fmt(ov['k_exponent'], '.3f')} (theory 1) over {', '.join(r['fit']['fitted_families'])}")
+        lo, hi = r["fit"]["k_range"]
+        print(f"  {name}: fit window k in [{lo}, {hi}], lr fit at k={r['fit']['k_fixed']}: lr exponent "
+              f"{fmt(ov['lr_exponent'], '.3f')} (theory 2), k exponent {fmt(ov['k_exponent'], '.3f')} (theory 1) over "
+              f"{', '.join(r['fit']['fitted_families'])}")
+        for f in r["fit"]["fitted_families"]:
+            info = r["fit"]["families"][f]
+            c, ev = info["collapse"], info["exponent_vs_k"]
+            if c["t"]:
+                bend = "no bend" if c["bend_t"] is None else f"bends at t={c['bend_t']:.3g}"
+                print(f"    {f}: eps/lr vs lr*k collapses within {100 * c['max_spread']:.1f}% over t in "
+                      f"[{c['t_range'][0]:.2g}, {c['t_range'][1]:.2g}], {bend}; lr exponent "
+                      f"{fmt(ev['exponent'][0], '.2f')} at k={ev['k'][0]} -> {fmt(ev['exponent'][-1], '.2f')} at k={ev['k'][-1]}")
     return 0
 
 

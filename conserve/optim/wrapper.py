@@ -296,6 +296,7 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
 
+    tracker.check_optimizer(optimizer)  # laws the param_groups break (as TrackedOptimizer does)
     handle = _Attached(optimizer, tracker)
 
     def pre(opt, args, kwargs):
