@@ -385,6 +385,15 @@ def test_cli_writes_markdown_and_json(tmp_path, monkeypatch, capsys):
     assert "unit balance" in md and "complete" in md
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["complete"] is True and len(data["laws"]) == 2 and data["laws"][0]["match"] == "unit balance"
+    # exactly PREFIX.md and PREFIX.json; a .md suffix is dropped; a directory gets discover.md / .json inside
+    (tmp_path / "d").mkdir()
+    for out, files in ((str(tmp_path / "s.md"), ["s.json", "s.md"]), (str(tmp_path / "d"), ["d/discover.json", "d/discover.md"]),
+                       (str(tmp_path / "new") + "/", ["new/discover.json", "new/discover.md"])):
+        before = {p for p in tmp_path.rglob("*") if p.is_file()}
+        assert main(["discover", "myblocks_discover:tiny", "--ansatz", "structured", "--no-count", "--out", out]) == 0
+        made = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and p not in before
+                      and "__pycache__" not in str(p))
+        assert made == files, (out, made)
     assert main(["discover", "myblocks_discover"]) == 2
     assert main(["discover", "no_such_module_xyz:f"]) == 2
     assert "MODULE:FACTORY" in capsys.readouterr().err
@@ -520,3 +529,73 @@ def test_sparse_forms_without_scipy(monkeypatch):
     want = sorted(tuple(sorted({(1.0, f"||{w}.weight[{u},:]||^2"), (-1.0, f"||w3.weight[:,{u}]||^2")}))
                   for w in ("w1", "w2") for u in range(2))
     assert got == want
+
+
+@pytest.mark.parametrize("solver", ["highs", "irls"])
+@pytest.mark.parametrize("mix", [False, True])
+def test_canonical_form_does_not_depend_on_the_l1_solver_or_the_svd_basis(monkeypatch, solver, mix):
+    """Regression: least L1 modulo the other laws has ties (``||u0|| = ||(u0 - u2) / 2||`` for balance laws
+    with disjoint supports), resolved differently by scipy's HiGHS (a vertex) and the IRLS fallback (a
+    midpoint: what CI, without scipy, ran). The canonical form must not depend on the solver, nor on the
+    basis the SVD returns for the null space (``mix``: the null-space basis multiplied by a random
+    orthogonal matrix)."""
+    import conserve.analysis.ansatz as ansatz
+    import conserve.analysis.discover as disc
+
+    if solver == "irls":
+        monkeypatch.setattr(ansatz, "_l1_linprog", lambda x, T: None)
+    else:
+        pytest.importorskip("scipy")
+    if mix:
+        orig = disc._nullspace
+
+        def mixed(A):
+            null, *rest = orig(A)
+            k = null.shape[1]
+            if k > 1:
+                q, _ = torch.linalg.qr(torch.randn(k, k, generator=torch.Generator().manual_seed(k), dtype=torch.float64))
+                null = null @ q
+            return (null, *rest)
+
+        monkeypatch.setattr(disc, "_nullspace", mixed)
+    res = conserve.discover(_make(_TinyLM), torch.tensor([[0, 4, 0, 4]] * 3), ansatz="structured", count=False)
+    assert [(d.match, _terms(d)) for d in res.laws] == [
+        ("deep linear / VO Gram", {(1.0, "embed_tokens.weight[:,0:2]"), (-1.0, "fc_in.weight[:,0:2]")})] + [
+        ("unit balance", {(1.0, f"||fc_in.weight[{u},:]||^2"), (-1.0, f"||fc_out.weight[:,{u}]||^2")}) for u in range(3)]
+
+
+def _qa_relu_block(bias0=None):
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 3, bias=False)).double()
+    if bias0 is not None:
+        with torch.no_grad():
+            block[0].bias[0] = bias0
+    return block, torch.randn(8, 3, dtype=torch.float64)
+
+
+def test_completeness_counts_on_enough_samples_and_never_advises_what_ran():
+    """QA regression: on 8 example rows (24 with the redrawn batches) a ReLU unit active on one sample made
+    ``conserve.count`` say 7 laws for this block (true: 4, one per unit), and the statement advised
+    ansatz='dense' although the dense ansatz had run. The count now runs on >= 4 P output rows, and is
+    redone on more samples while it exceeds the laws found."""
+    res = conserve.discover(*_qa_relu_block())
+    assert [d.match for d in res.laws] == ["unit balance"] * 4
+    assert res.count.count == 4 and res.complete and res.completeness().startswith("complete")
+    # the statement names what ran: after the dense ansatz, no advice to run it
+    res.independent = 3
+    assert "dense ansatz (every monomial) ran too" in res.completeness() and "try" not in res.completeness()
+    only = conserve.discover(*_qa_relu_block(), ansatz="structured")
+    only.independent = 3
+    assert "ansatz='dense'" in only.completeness()
+
+
+def test_dead_unit_makes_the_count_undecided_not_incomplete():
+    """A unit whose bias (-1.5) keeps it inactive on every sample of the count's batch at the block's
+    parameters: its weights get no gradient there, so conserve.count (10) is an upper bound, a property of
+    that batch. The statement says so and names the dead parameters; no spurious linear law is listed."""
+    res = conserve.discover(*_qa_relu_block(-1.5))
+    assert res.linear_dim == 0 and [d.match for d in res.laws] == ["unit balance"] * 4
+    assert res.count.count > res.independent == 4 and not res.complete
+    assert "0.bias[0]" in res.dead and "2.weight[0,0]" in res.dead
+    assert res.completeness().startswith("undecided") and "dense" not in res.completeness()
+    assert res.to_json()["dead"] == res.dead

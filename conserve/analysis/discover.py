@@ -41,7 +41,18 @@ Size: the SVD of one solve holds ~(1.2 N)^2 float64 for N unknowns and costs ~N^
 default 6,000); above it :class:`BlockTooLarge` says so and names the fix (a smaller width).
 
 Completeness: where ``conserve.count`` applies (``count_limit`` parameters), the number of functionally
-independent laws found (rank of their gradients at a random point) is compared with the full count.
+independent laws found (rank of their gradients at a random point) is compared with the full count, taken
+at the block's parameters on the example batch plus redrawn ones (at least ``4 P`` output rows; redone on
+4x more samples while it exceeds the laws found, the lowest kept: a ReLU unit active on few samples adds
+frozen directions, "laws" of that batch only). The statement is ``complete``, ``incomplete`` (naming what
+ran: after the dense ansatz the missing laws are not polynomial of the degree searched) or ``undecided``
+(parameters with no gradient on the count's batch, ``Discovery.dead``: dead units make it an upper bound).
+
+Canonical form: the RREF of a subspace is unique (columns in parameter order), but least-L1 choices are
+not (ties between laws with disjoint supports; scipy's HiGHS and the IRLS fallback pick different optima),
+so the laws left after the Gram laws are put in RREF again after the L1 passes, then made sparse modulo
+the vanishing combinations and the Gram entries only: the result does not depend on the null-space basis
+the SVD returns nor on the L1 solver.
 """
 from __future__ import annotations
 
@@ -167,6 +178,9 @@ class Discovery:
         independent: functionally independent laws found (rank of their gradients at a random point).
         count: the ``conserve.count`` result (``None`` above ``count_limit`` parameters or when skipped).
         complete: ``independent == count.count`` (``None`` without a count).
+        dead: parameter entries with zero gradient for every output on the count's batch, at the block's
+            parameters (only looked for when the count exceeds the laws found): dead units, whose frozen
+            directions make that count an upper bound.
     """
 
     laws: list[DiscoveredLaw]
@@ -179,6 +193,7 @@ class Discovery:
     independent: int
     count: LawCount | None
     notes: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool | None:
@@ -200,9 +215,26 @@ class Discovery:
         c = self.count.count
         if self.independent == c:
             return f"complete: the {self.independent} independent polynomial laws found are all {c} laws of the block"
+        if self.independent < c and self.dead:
+            shown = ", ".join(self.dead[:6]) + (", ..." if len(self.dead) > 6 else "")
+            return (f"undecided: {self.independent} independent laws found, conserve.count says {c}, but "
+                    f"{len(self.dead)} parameters get no gradient on the count's batch ({shown}): dead units "
+                    "(a ReLU unit never active) add frozen directions, laws of that batch only, so the count is "
+                    "an upper bound; give example inputs (and parameters) that activate every unit")
         if self.independent < c:
-            return (f"incomplete: {c - self.independent} of the block's {c} laws are not linear/quadratic in the ansatz "
-                    "(non-polynomial, higher degree, or outside the structured ansatz: try ansatz='dense')")
+            deg = max((s.degree for s in self.solves), default=2)
+            dense = any(s.ansatz == "dense" and s.degree == deg for s in self.solves)
+            kind = "linear" if deg == 1 else "linear or quadratic"
+            if dense:
+                why = f"the dense ansatz (every monomial) ran too: they are not {kind}"
+            elif any(n.startswith("dense cross-check skipped") for n in self.notes):
+                why = (f"not {kind} in the structured ansatz; the dense ansatz is too large for this block (see the "
+                       "notes): a smaller width lets it run")
+            else:
+                why = f"not {kind} in the structured ansatz: ansatz='dense' (tiny blocks) searches every monomial"
+            if deg == 1:
+                why += "; degree=2 also searches quadratic laws"
+            return f"incomplete: {c - self.independent} of the block's {c} laws (conserve.count) are not found: {why}"
         return (f"inconsistent: {self.independent} independent laws found but conserve.count says {c} "
                 f"(count gap {self.count.gap_ratio:.1e}): check the gaps")
 
@@ -223,7 +255,7 @@ class Discovery:
         return {"num_params": self.num_params, "linear_dim": self.linear_dim, "quadratic_dim": self.quadratic_dim,
                 "products": self.products, "outside_ansatz": self.outside_ansatz, "independent": self.independent,
                 "count": None if self.count is None else self.count.count, "complete": self.complete,
-                "completeness": self.completeness(), "solves": [vars(s) for s in self.solves],
+                "completeness": self.completeness(), "dead": self.dead, "solves": [vars(s) for s in self.solves],
                 "laws": [d.to_json() for d in self.laws], "notes": self.notes}
 
     def __str__(self) -> str:  # pragma: no cover - formatting only
@@ -274,7 +306,7 @@ class _Problem:
     def count_inputs(self, draws: int = 3):
         """The example batch and ``draws - 1`` redrawn ones, concatenated along dim 0 (for ``conserve.count``,
         which needs a generic batch); the example alone when inputs are not redrawn."""
-        if self._inputs(self.gen) is self.example:
+        if self._inputs(torch.Generator().manual_seed(0)) is self.example:
             return self.example
         g = torch.Generator().manual_seed(4321)
         batches = [self.example] + [self._inputs(g) for _ in range(draws - 1)]
@@ -465,7 +497,10 @@ def discover(
         setups.append((name, fibers, fams, quad))
     # rows each consumer needs (quadratic: one per gradient; linear family of length L: L per gradient)
     need_q = {name: q.n + extra(q.n) for name, _, _, q in setups if q is not None}
-    need_l = {(name, k): len(F.fibers) + extra(len(F.fibers)) for name, _, fams, _ in setups for k, F in enumerate(fams)}
+    # linear rows are cheap (n fibers unknowns, not n^2): 4x more, so that a unit active on few samples
+    # (ReLU) still spans its directions and gives no data-dependent "frozen" law
+    need_l = {(name, k): 4 * (len(F.fibers) + extra(len(F.fibers))) for name, _, fams, _ in setups
+              for k, F in enumerate(fams)}
     length = {(name, k): F.length for name, _, fams, _ in setups for k, F in enumerate(fams)}
     n_grad = max([*need_q.values(), *(math.ceil(v / length[key]) for key, v in need_l.items())])
     # gradients per random point: a point gives at most ~P independent rows, so a few per P/8 parameters
@@ -675,11 +710,11 @@ def _assemble(pb: _Problem, results, solves, notes, degree, count, count_limit, 
         d.first_order = _first_order(pb, d, seed)
     indep = _independent(pb, laws)
     want = (pb.P <= count_limit) if count is None else count
-    lc = count_laws(_count_block(pb), pb.count_inputs(), params=dict(pb.theta0), seed=seed) if want else None
+    lc, dead = _count(pb, indep, seed, notes) if want else (None, [])
     bad = [d.name for d in laws if not d.ok]
     if bad:
         notes.append(f"first-order check above {TOL:g} for {bad}: the rank decision may be wrong (see the gaps)")
-    return Discovery(laws, solves, pb.P, n_linear, quad_dim, products, outside, indep, lc, notes)
+    return Discovery(laws, solves, pb.P, n_linear, quad_dim, products, outside, indep, lc, notes, dead)
 
 
 def _linear_law(pb: _Problem, fibers, F: _Family, alpha, nz, gain: int, name: str) -> DiscoveredLaw:
@@ -704,6 +739,66 @@ def _linear_law(pb: _Problem, fibers, F: _Family, alpha, nz, gain: int, name: st
         why = "reads a 0-dim parameter (store it as shape (1,) to track it)"
     return DiscoveredLaw("", "linear", match, [(c, f.label()) for c, f in zip(co, fibs)], law, independent=gain,
                          why_no_law=why, value=_linear_value(pb, F, alpha))
+
+
+def _count(pb: _Problem, found: int, seed: int, notes: list[str]) -> tuple[LawCount, list[str]]:
+    """``conserve.count`` at the block's parameters on a batch of at least ``4 P`` output rows (the example
+    and redrawn batches). The count is a property of the data too: a ReLU unit active on too few samples of
+    the batch adds frozen directions, "laws" of that batch only. So while the count exceeds the ``found``
+    laws, it is redone on 4x more samples (up to twice); a count that drops was data-dependent and the
+    lowest is kept (more data can only lower it), with a note. Parameters that get no gradient on the
+    final batch are named in a note (dead units)."""
+    draws = min(64, max(3, math.ceil(4 * pb.P / max(pb.m, 1))))
+    block = _count_block(pb)
+    inputs = pb.count_inputs(draws)
+    lc = count_laws(block, inputs, params=dict(pb.theta0), seed=seed)
+    redrawn = inputs is not pb.example
+    history = [(_batch_rows(inputs), lc.count)]
+    while redrawn and lc.count > found and len(history) < 3:
+        draws *= 4
+        inputs = pb.count_inputs(draws)
+        more = count_laws(block, inputs, params=dict(pb.theta0), seed=seed)
+        history.append((_batch_rows(inputs), more.count))
+        if more.count >= lc.count:
+            break
+        lc = more
+    if len({c for _, c in history}) > 1:
+        notes.append("conserve.count is data-dependent here: " + ", ".join(f"{c} laws on {n} samples" for n, c in history)
+                     + f"; {lc.count} kept (more samples can only lower it: units active on few samples add "
+                       "frozen directions)")
+    dead = _dead_parameters(pb, inputs) if lc.count > found else []
+    if lc.count > found and not redrawn:
+        notes.append("the count used the example batch only (inputs not redrawn): a count above the laws "
+                     "found may be laws of that batch only")
+    return lc, dead
+
+
+def _batch_rows(inputs) -> int:
+    first = inputs[0] if isinstance(inputs, tuple) and inputs else inputs
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+def _dead_parameters(pb: _Problem, inputs) -> list[str]:
+    """Entries of theta (at the block's parameters) whose gradient is zero for every output on ``inputs``."""
+    theta = pb.flat(pb.theta0)
+    out, pull = vjp(lambda t: pb.f(t, inputs), theta)
+    r = torch.randn(min(out.numel(), 32), out.numel(), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    g = vmap(lambda v: pull(v)[0])(r).abs().amax(0)
+    scale = float(g.max()) if g.numel() else 0.0
+    names = []
+    for n, off, size, shape in zip(pb.names, pb.offsets, pb.sizes, pb.shapes):
+        for j in (g[off : off + size] <= 1e-12 * scale).nonzero().flatten().tolist():
+            idx = list(_unravel(j, shape))
+            names.append(f"{n}[{','.join(map(str, idx))}]" if shape else n)
+    return names
+
+
+def _unravel(j: int, shape) -> tuple[int, ...]:
+    out = []
+    for s in reversed(shape):
+        out.append(j % s)
+        j //= s
+    return tuple(reversed(out))
 
 
 def _count_block(pb: _Problem):
@@ -815,6 +910,15 @@ def _quadratic_laws(pb: _Problem, q: _Quadratic, rows_: torch.Tensor, name: str)
         for _ in range(2):
             for i in sorted(range(len(rest)), key=lambda i: int((rest[i] != 0).sum())):
                 rest[i] = _reduce_l1(rest[i], combos + rest[:i] + rest[i + 1:])
+    if rest:
+        # canonical basis of the rest: least L1 modulo the other laws has ties (laws with disjoint supports:
+        # ||u0|| = ||(u0 - u2) / 2|| in L1), resolved differently by each solver (HiGHS vertex, IRLS midpoint);
+        # the reduced row echelon form of the sparse representatives (columns in parameter order) is unique
+        # and splits disjoint supports; then each law is made sparse modulo the combinations alone (no tie
+        # between laws can arise there; only strict L1 improvements are taken)
+        rest = list(_rref(torch.stack(rest)))
+        if combos:
+            rest = [_reduce_l1(r, combos) for r in rest]
     out += [_single(pb, q, r, name) for r in rest]
     return out
 

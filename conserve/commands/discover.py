@@ -2,6 +2,11 @@
 
 ``FACTORY`` is a function of ``MODULE`` (imported from the current directory or the installed packages)
 returning ``(block, example_inputs)``; see ``conserve.discover``. Torch is imported only when it runs.
+
+Output: ``--out PREFIX`` (default ``discover``) writes exactly two files, ``PREFIX.md`` (the markdown table
+and the solves, also printed) and ``PREFIX.json`` (``Discovery.to_json``); a ``.md`` / ``.json`` suffix on
+``PREFIX`` is dropped, and an existing directory (or a path ending in ``/``) gets ``discover.md`` and
+``discover.json`` inside. Missing parent directories are created.
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-unknowns", type=int, default=6000, help="size limit of one solve (default 6000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-count", action="store_true", help="skip the comparison with conserve.count")
-    p.add_argument("--out", default="discover", help="output prefix: writes OUT.md and OUT.json (default: discover)")
+    p.add_argument("--out", default="discover", metavar="PREFIX",
+                   help="writes exactly PREFIX.md (the table, also printed) and PREFIX.json (default: discover, in "
+                        "the current directory); a .md/.json suffix is dropped; an existing directory or a path "
+                        "ending in / gets discover.md and discover.json inside")
 
 
 def main(args) -> int:
@@ -43,20 +51,35 @@ def main(args) -> int:
     if not (isinstance(made, tuple) and len(made) == 2):
         raise UsageError(f"{spec} must return a tuple (block, example_inputs), got {type(made).__name__}")
     block, inputs = made
-    out = Path(args.out)
-    try:
+    out = output_prefix(args.out)
+    md_path, json_path = Path(str(out) + ".md"), Path(str(out) + ".json")
+    try:  # fail before the (long) solve, leaving nothing behind
         out.parent.mkdir(parents=True, exist_ok=True)
-        Path(str(out) + ".md").touch()
+        existed = md_path.exists()
+        md_path.touch()
+        if not existed:
+            md_path.unlink()
     except OSError as e:
-        raise UsageError(f"cannot write {out}.md ({e}); pass --out to a writable place") from None
+        raise UsageError(f"cannot write {md_path} ({e}); pass --out to a writable place") from None
     try:
         res = discover(block, inputs, degree=args.degree, ansatz=args.ansatz, max_unknowns=args.max_unknowns,
                        seed=args.seed, count=False if args.no_count else None, progress=True)
     except (BlockTooLarge, TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     md = f"# conserve discover {spec}\n\n" + res.markdown()
-    Path(str(out) + ".md").write_text(md)
-    Path(str(out) + ".json").write_text(json.dumps(finite_json(res.to_json()), indent=1))
+    md_path.write_text(md)
+    json_path.write_text(json.dumps(finite_json(res.to_json()), indent=1))
     print(md)
-    print(f"wrote {out}.md and {out}.json")
+    print(f"wrote {md_path} and {json_path}")
     return 0
+
+
+def output_prefix(out: str):
+    """``--out`` -> the path prefix of the two files: a ``.md`` / ``.json`` suffix dropped; an existing
+    directory or a path ending in ``/`` -> ``DIR/discover``."""
+    from pathlib import Path
+
+    p = Path(out)
+    if out.endswith(("/", "\\")) or p.is_dir():
+        return p / "discover"
+    return p.with_suffix("") if p.suffix in (".md", ".json") else p
