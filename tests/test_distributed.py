@@ -9,10 +9,15 @@ the straddling Gram terms give the global plan, for every shard dimension, uneve
 
 Spawns (the cost of this file is process start-up): one of 3 ranks (FSDP2 with kv heads straddling
 shards and an empty shard, DDP, a resume from torch.distributed.checkpoint) and one of 2 ranks
-(FSDP2, tensor parallel, DDP). Every spawn has a timeout, so a hang fails instead of blocking.
+(FSDP2 aligned, FSDP2 with a straddling kv head, FSDP2 with a ``shard_placement_fn``, tensor
+parallel, DDP, a NaN stop, and the torch.distributed calls the tracker makes: one all-reduce per
+flush, straddling rows to their owner only, bytes checked against the laws' views). Each comparison
+runs at ``drift_every`` 1 and 2. Every spawn has a timeout, so a hang fails instead of blocking.
 """
 from __future__ import annotations
 
+import inspect
+import math
 import os
 import random
 import socket
@@ -34,14 +39,18 @@ import torch.distributed.tensor.parallel  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 from conserve import kernels
-from conserve.distributed import DistributedTracker, _Layout, _localize, flush_bytes, track, wants_distributed
+from conserve.distributed import (DistributedTracker, _Layout, _localize, comm_schedule, flush_bytes, shard_layouts,
+                                  track, wants_distributed)
 from conserve.models import DecoderLM, LMConfig
 from conserve.sinks import MemorySink
 from conserve.tracker import Tracker
 
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
+# the drift cadence (drift_every, snapshot_budget) of conserve.tracking.drift, compared when the Tracker has it
+CADENCE = "drift_every" in inspect.signature(Tracker).parameters
+FULL = {"snapshot_budget": None} if CADENCE else {}  # every law decomposed on every drift step
 STEPS, EVERY = 5, 2
-LR, WD = 2e-2, 0.1
+LR, WD = 2.0 ** -6, 2.0 ** -3  # a = 1 - lr*wd = 1 - 2^-9: exact in fp32 (the kernels round a to fp32)
 
 # heads of D=4: k_proj/v_proj have 8 rows (3/3/2 on 3 ranks: both kv heads straddle), q_proj 16
 # (6/6/4); the router has 2 rows (rank 2 of 3 holds none); layer 0 has no RoPE (QK Gram laws with
@@ -255,8 +264,10 @@ class _Counter:
 class _Reference:
     """A single-process ``Tracker`` on an unsharded copy, fed the gathered full parameters."""
 
-    def __init__(self, cfg, laws, **kw):
-        self.model = _model(cfg, seed=123)  # values are overwritten by the gathered ones
+    def __init__(self, cfg, laws, dtype=torch.float32, **kw):
+        # values are overwritten by the gathered ones; an fp64 copy makes the reference exact in fp64 mode
+        # (a Tracker on fp32 weights rounds a*theta_k to fp32 before its fp64 evaluation)
+        self.model = _model(cfg, seed=123).to(dtype)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, weight_decay=WD)  # decay factors only
         self.sink = MemorySink()
         self.named = dict(self.model.named_parameters())
@@ -270,7 +281,7 @@ class _Reference:
 
     def start(self, full):
         self.load(full)
-        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], snapshot_budget=None, drift_every=1, **self.kw)
+        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], **FULL, **self.kw)
 
 
 def _check_rows(got, want, what, rtol=1e-6, atol=1e-12):
@@ -279,6 +290,9 @@ def _check_rows(got, want, what, rtol=1e-6, atol=1e-12):
         assert a.keys() == b.keys(), what
         for k in b:
             x, y = float(a[k]), float(b[k])
+            if math.isnan(y):  # a drift column of a step that did not decompose the drift
+                assert math.isnan(x), f"{what} step {b['step']} {k}: {x} != nan"
+                continue
             assert abs(x - y) <= rtol * abs(y) + atol, f"{what} step {b['step']} {k}: {x} != {y}"
 
 
@@ -311,30 +325,42 @@ def _train(model, opt, trackers, refs, steps, rank, vocab, first=1):
             r.tracker.record(loss=loss.detach())
 
 
-def _fsdp(cfg, world, seed=0):
+def _fsdp(cfg, world, seed=0, dim1=()):
+    """FSDP2 per layer + root; the 2-D weights whose name has a part in ``dim1`` on ``Shard(1)`` (a
+    ``shard_placement_fn``, as docs/distributed.md recommends), the rest on the default ``Shard(0)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     model = _model(cfg, seed)
     laws, _ = model.conservation_laws()
     mesh = init_device_mesh("cpu", (world,))
+    names = {id(p): n for n, p in model.named_parameters()}
+    place = (lambda p: Shard(1) if p.ndim == 2 and set(names[id(p)].split(".")) & set(dim1) else None) if dim1 else None
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, shard_placement_fn=place)
+    fully_shard(model, mesh=mesh, shard_placement_fn=place)
     return model, laws
 
 
 def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
-    """Two distributed trackers (fp64 with drift terms; fp32 without) against two single-process
-    references. SGD with weight decay: the decay factor a = 1 - lr*wd enters the drift terms."""
+    """Three distributed trackers (fp64 with drift terms at every step; fp32 without; fp64 with the drift
+    on every 2nd step) against three single-process references. SGD with weight decay: the decay factor
+    a = 1 - lr*wd enters the drift terms."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
-    sinks = [MemorySink(), MemorySink()]
-    trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]], monitors=[_Counter()]),
+    sinks = [MemorySink(), MemorySink(), MemorySink()]
+    trackers = [DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sinks[0]], monitors=[_Counter()],
+                                   **FULL),  # DDP: every law at every drift step, as the reference
                 DistributedTracker(model, laws, every=2 * EVERY, fp64=False, drift=False, sinks=[sinks[1]],
                                    backend="torch", max_pending_bytes=1)]  # all-reduce at every step
-    assert trackers[0]._reduce_every == EVERY and trackers[1]._reduce_every == 1
-    refs = [_Reference(cfg, laws, every=EVERY, fp64=True, monitors=[_Counter()]),
+    if trackers[0]._comm:
+        assert trackers[0]._reduce_every == EVERY and trackers[1]._reduce_every == 1
+    refs = [_Reference(cfg, laws, torch.float64, every=EVERY, fp64=True, monitors=[_Counter()]),
             _Reference(cfg, laws, every=2 * EVERY, fp64=False, drift=False)]
+    if CADENCE:
+        trackers.append(DistributedTracker(model, laws, every=EVERY + 1, fp64=True, drift_every=2, sinks=[sinks[2]],
+                                           snapshot_budget=None))
+        refs.append(_Reference(cfg, laws, torch.float64, every=EVERY + 1, fp64=True, drift_every=2))
     full = _full(model)
     for r in refs:
         r.start(full)
@@ -346,6 +372,9 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
     _train(model, opt, trackers, refs, STEPS, rank if data_rank is None else data_rank, cfg["vocab_size"])
     _check_values(trackers[0].values(), refs[0].tracker.values(), 1e-12, what + " fp64")
     _check_values(trackers[1].values(), refs[1].tracker.values(), 1e-6, what + " fp32")
+    if CADENCE:
+        _check_values(trackers[2].values(), refs[2].tracker.values(), 1e-12, what + " drift_every=2")
+    assert all(t._prev is None for t in trackers if t._comm)  # the shard copies are dropped after each step
     for k in ("decay", "first", "second"):
         _check_values(dict(enumerate(trackers[0].cumulative[k].grams.values())),
                       dict(enumerate(refs[0].tracker.cumulative[k].grams.values())), 1e-9, f"{what} cumulative {k}")
@@ -357,20 +386,32 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
         # fp32 rows: eps_i = |h_i - h0_i| / |h0_i| divides fp32 rounding (~1e-7 |terms|) by entries that may
         # be 1e-4 of their terms, so two summation orders agree to ~1e-3 only (the values above: 1e-6)
         _check_rows(sinks[1].records, refs[1].sink.records, what + " fp32", rtol=1e-2, atol=1e-6)
+        if CADENCE:
+            _check_rows(sinks[2].records, refs[2].sink.records, what + " drift_every=2")
+            assert [math.isnan(r["drift/vo/first"]) for r in sinks[2].records] == [k % 2 == 0 for k in range(1, STEPS + 1)]
         assert len(sinks[0].records) == STEPS and "eps/vo" in sinks[0].records[0]
         assert sinks[0].records[-1]["monitor/updates"] == STEPS
     else:
-        assert sinks[0].records == [] and sinks[1].records == [], "only rank 0 writes"
+        assert sinks[0].records == sinks[1].records == sinks[2].records == [], "only rank 0 writes"
     return trackers[0]
 
 
 # --------------------------------------------------------------------------------------- scenarios
-def _scenario_fsdp(rank, world, cfg, tmpdir):
+def _scenario_fsdp(rank, world, cfg, tmpdir, dim1=()):
     """FSDP2 (fully_shard per layer + root) vs single process; then a DCP save/resume."""
-    model, laws = _fsdp(cfg, world)
+    model, laws = _fsdp(cfg, world, dim1=dim1)
     assert wants_distributed(model)
     t = _compare_run(rank, world, model, laws, cfg, f"fsdp{world}")
+    # the planner bench/dist_bytes.py uses (torch.chunk layouts, no process group) sees what FSDP2 built
+    named = dict(model.named_parameters())
+    shapes = [tuple(named[n].shape) for n in t.compiled.names]
+    dims = [1 if len(sh) == 2 and set(n.split(".")) & set(dim1) else 0 for n, sh in zip(t.compiled.names, shapes)]
+    plan = comm_schedule(t.compiled, shard_layouts(shapes, dims, world), [torch.float32] * len(shapes))
+    assert plan.split_size == t._split.size and len(plan.straddles) == len(t._straddles)
+    assert [s.owner for s in plan.straddles] == [s.owner for s in t._straddles]
     info = {"straddles": len(t._straddles), "comm": t._comm, "bytes": flush_bytes(t),
+            "split": t._split.size if t._comm else 0,
+            "straddling": sorted({t.compiled.names[s.term.view.tensor] for s in t._straddles}) if t._comm else [],
             "empty": [n for n, p in model.named_parameters() if p.to_local().numel() == 0]}
     if tmpdir is not None:
         info["resume"] = _resume(rank, world, cfg, tmpdir)
@@ -486,8 +527,125 @@ def _scenario_mismatch(rank, world, cfg):
         DistributedTracker(model, laws if rank == 0 else laws[:-1])
 
 
+# heads of D=4 on 2 ranks: k_proj/v_proj have 12 rows (6/6: kv head 1, rows 4..7, straddles), q_proj 24
+# (12/12: aligned); layer 0 (no RoPE) has QK Gram laws on k_proj too
+STRADDLE2 = {**CFG, "num_attention_heads": 6, "num_key_value_heads": 3}
+_COMM = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "broadcast_object_list",
+         "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "isend", "irecv", "send", "recv",
+         "batch_isend_irecv", "barrier", "gather", "scatter", "reduce")
+
+
+class _CommLog:
+    """Records every torch.distributed call made inside the ``with`` block: (name, bytes of its tensor, peer)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        self._saved = {n: getattr(dist, n) for n in _COMM if hasattr(dist, n)}
+        for n, f in self._saved.items():
+            setattr(dist, n, self._wrap(n, f))
+        return self
+
+    def _wrap(self, name, f):
+        def call(*args, **kw):
+            t = args[0] if args and torch.is_tensor(args[0]) else None
+            peer = kw.get("src", kw.get("dst", args[1] if len(args) > 1 and isinstance(args[1], int) else None))
+            self.calls.append((name, 0 if t is None else t.numel() * t.element_size(), peer))
+            return f(*args, **kw)
+        return call
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(dist, n, f)
+
+    def names(self):
+        return sorted({c[0] for c in self.calls})
+
+
+def _scenario_collectives(rank, world, cfg):
+    """Per flush: exactly one all-reduce, of the pending steps' packs (row partials + split partials), and
+    the straddling rows sent point to point to their owners only: each rank receives exactly the rows of
+    the terms it owns that it does not hold (checked against the laws' views, not the tracker's counts)."""
+    model, laws = _fsdp(cfg, world)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
+    t = DistributedTracker(model, laws, every=EVERY)
+    log = _CommLog()
+    for k in range(1, STEPS + 1):
+        opt.zero_grad()
+        _loss(model, _batch(k, rank, cfg["vocab_size"])).backward()
+        with log:
+            t.before_step(opt)
+        opt.step()
+        with log:
+            t.after_step()
+    with log:
+        t.flush()
+    flushes = -(-STEPS // EVERY)
+    reduces = [c for c in log.calls if c[0] == "all_reduce"]
+    assert len(reduces) == flushes, log.calls
+    assert set(log.names()) <= {"all_reduce", "isend", "irecv"}, log.names()
+    assert sum(c[1] for c in reduces) == t._schedule.step_scalars(True) * STEPS * 4  # drift terms at every step
+    # straddling rows this rank must receive, from the plan's views alone: the rows of each term it owns
+    # that lie in another rank's shard (2 blocks per step: new and old; 1 block at construction, for h_0)
+    names = t.compiled.names
+    want = 0
+    for s in t._straddles:
+        assert s.pieces[s.owner] is not None, "the owner holds some of the term's rows"
+        if s.owner != rank:
+            continue
+        v = s.term.view
+        lo, hi = t._layouts[v.tensor].ranges[rank][0], sum(t._layouts[v.tensor].ranges[rank])
+        mine = sum(lo <= v.start[v.row_dim] + i * v.row_step < hi for i in range(v.rows))
+        want += (v.rows - mine) * v.cols * 4
+        assert names[v.tensor].split(".")[-2] in ("k_proj", "v_proj"), names[v.tensor]  # weights and biases
+    from conserve.errors import UsageError
+
+    with pytest.raises(UsageError, match="sharded"):  # full values cannot be booked as partial sums
+        t.record_step(t.h0)
+    got = sum(c[1] for c in log.calls if c[0] == "irecv")
+    assert got == 2 * STEPS * want and t.comm_bytes["rows_received"] == (2 * STEPS + 1) * want
+    assert flush_bytes(t, STEPS)["rows_received"] == 2 * STEPS * want
+    recvs = [c for c in log.calls if c[0] == "irecv"]
+    assert len(recvs) == flushes * len({c[2] for c in recvs})  # one message per peer per flush
+    t.close()
+    return {"straddles": len(t._straddles), "received": got, "owned": sum(s.owner == rank for s in t._straddles),
+            "irecv_peers": sorted({c[2] for c in log.calls if c[0] == "irecv"})}
+
+
+def _scenario_nan(rank, world, cfg, tmpdir=None):
+    """A NaN in one rank's shard stops every rank at the flush, naming the step; rows before it are written."""
+    from conserve.errors import NonFiniteError
+
+    model, laws = _fsdp(cfg, world)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
+    sink = MemorySink()
+    t = DistributedTracker(model, laws, every=4, sinks=[sink])
+    for k in range(1, 4):
+        opt.zero_grad()
+        _loss(model, _batch(k, rank, cfg["vocab_size"])).backward()
+        t.before_step(opt)
+        opt.step()
+        if k == 3 and rank == 1:
+            with torch.no_grad():
+                w = dict(model.named_parameters())["layers.1.mlp.up_proj.weight"].to_local()
+                w[0, 0] = float("nan")
+        t.after_step()
+    with pytest.raises(NonFiniteError, match="step 3"):
+        t.flush()
+    if rank == 0:
+        assert [r["step"] for r in sink.records] == [1, 2]
+    else:
+        assert sink.records == []
+
+
 def _world2(rank, world):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, None)
+    info["aligned"] = _scenario_collectives(rank, world, CFG)
+    info["straddle"] = _scenario_fsdp(rank, world, STRADDLE2, None)
+    info["placed"] = _scenario_fsdp(rank, world, STRADDLE2, None, dim1=("v_proj", "k_proj", "down_proj"))
+    info["straddle_comm"] = _scenario_collectives(rank, world, STRADDLE2)
+    _scenario_nan(rank, world, CFG)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
     _scenario_ddp(rank, world, SMALL)
     _scenario_mismatch(rank, world, SMALL)
@@ -508,11 +666,36 @@ def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):
     res = _spawn(_world3, 3, str(tmp_path / "ckpt"))
     assert res[0]["straddles"] > 0 and res[0]["comm"]  # kv heads (and q heads) straddle 3/3/2 shards
     assert res[2]["empty"] == ["layers.1.mlp.router.weight"]  # dim 0 = 2 < 3 ranks: rank 2 holds nothing
-    assert res[0]["bytes"]["all_gather"] > 0
+    assert res[0]["bytes"]["rows_received"] + res[1]["bytes"]["rows_received"] > 0
     assert res[0]["resume"] == 3  # rows 1, 2 were flushed before the checkpoint; state_dict() wrote the pending step 3
 
 
 def test_two_ranks_fsdp_tensor_parallel_and_ddp():
     res = _spawn(_world2, 2)
     assert res[0]["comm"] and res[0]["straddles"] == 0  # 8 kv rows 4/4 and 16 q rows 8/8: heads aligned
-    assert res[0]["bytes"]["all_gather"] == 0 and res[0]["bytes"]["all_reduce"] > 0
+    assert res[0]["bytes"]["rows_received"] == 0 and res[0]["bytes"]["all_reduce"] > 0
+    assert all(res[r]["aligned"]["straddles"] == 0 and res[r]["aligned"]["received"] == 0 for r in (0, 1))
+    # kv head 1 of each layer's k_proj and v_proj straddles (4 terms, layer 0 also has QK Gram terms on k_proj);
+    # owners alternate, and each rank receives rows only from the other (its only peer)
+    st = [res[r]["straddle_comm"] for r in (0, 1)]
+    assert res[0]["straddle"]["straddles"] == st[0]["straddles"] > 0
+    assert st[0]["owned"] + st[1]["owned"] == st[0]["straddles"] and min(st[0]["owned"], st[1]["owned"]) > 0
+    assert all(s["received"] > 0 and s["irecv_peers"] == [1 - r] for r, s in enumerate(st))
+    # the same model with k/v_proj and down_proj on Shard(1): no weight row straddles (only the 1-D biases,
+    # which FSDP2 shards on dim 0: a few scalars travel); values still equal the single-process ones
+    placed, straddled = res[0]["placed"], res[0]["straddle"]
+    assert placed["straddling"] and all(n.endswith("_proj.bias") for n in placed["straddling"]), placed["straddling"]
+    assert any(n.endswith("v_proj.weight") for n in straddled["straddling"])
+    total = lambda info: sum(res[r][info]["bytes"]["rows_received"] for r in (0, 1))  # noqa: E731
+    assert 0 < total("placed") < total("straddle") / 10
+
+
+def test_dist_bytes_bench_prints_the_table(capsys):
+    """``python -m bench.dist_bytes`` (the docs' table), one 70B layer on 2 and 16 ranks: the straddles
+    appear at 16 ranks under FSDP2's default placement and vanish with ``v_proj`` on ``Shard(1)``."""
+    from bench.dist_bytes import main
+
+    main(["--layers", "1", "--ranks", "2", "16"])
+    rows = {tuple(c.strip() for c in line.split("|")[:3]) for line in capsys.readouterr().out.splitlines() if "|" in line}
+    assert ("fsdp2-default", "16", "8") in rows and ("fsdp2-default", "2", "0") in rows  # 8 value heads straddle
+    assert ("v:1", "16", "0") in rows

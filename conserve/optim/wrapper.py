@@ -321,7 +321,7 @@ def make_tracker(model=None, laws=None, **tracker_kwargs) -> Tracker:
     ``torch.distributed``, else a ``Tracker`` (keyword arguments as ``Tracker``)."""
     if model is None and laws is None:
         raise ValueError("track() needs the model (or explicit laws) to know which laws to evaluate")
-    from ..distributed import DistributedTracker, wants_distributed
+    from ..tracking.distributed import DistributedTracker, wants_distributed
 
     policy = tracker_kwargs.pop("on_nonfinite", "raise")
     cls = DistributedTracker if wants_distributed(model, tracker_kwargs.get("params")) else Tracker
