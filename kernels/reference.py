@@ -245,7 +245,7 @@ def _order(e):
 
 
 _CACHE: "OrderedDict[tuple, _Structure]" = OrderedDict()
-_CACHE_MAX = 64
+_CACHE_MAX = 512  # the drift sampler cycles through ~30-100 sub-plans, each with its own structures
 _LOCK = threading.Lock()
 
 

@@ -336,3 +336,14 @@ def test_param_groups_with_different_weight_decay_are_tracked():
         assert r["drift/relu/decay"] > 0
         assert abs(r["drift/relu/residual"]) <= 1e-4 * r["drift/relu/measured"] + 1e-9
     opt.close()
+
+
+def test_fused_optimizer_as_a_context_manager_with_a_nan_policy(tmp_path):
+    m = _model()
+    path = tmp_path / "m.jsonl"
+    with conserve.optim.FusedAdamW(m.parameters(), lr=1e-2, track=m, every=50, on_nonfinite="warn",
+                                   sinks=[conserve.JSONLSink(path)]) as opt:
+        for i in range(3):
+            _step(m, opt, i)
+        assert opt.tracker.on_nonfinite == "warn"
+    assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3]

@@ -58,7 +58,8 @@ from ..tracking.drift import Mask, Sampler, drift_pieces, make_mask
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
-_TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget")
+_TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
+                 "on_nonfinite")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
 # one tensor at a time) besides the sampled Gram-law views; between drift steps the statistics cost one
 # read of the new weights.  Every 10th step keeps a tracked CPU step within ~1.1-1.4x torch AdamW
@@ -244,6 +245,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         if self.tracker is not None:
             self.tracker.close()
+
+    def __enter__(self):
+        """``with FusedAdamW(..., track=model) as opt:`` closes the tracker (flushing its rows) at the end."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
 
     def _need_tracker(self) -> Tracker:
         if self.tracker is None:
