@@ -197,13 +197,16 @@ def _plots(out, name: str, runs: dict[str, dict]) -> list[str]:
             ys = [max(rec[f"eps/{f}"], 1e-18) for rec in r["records"] if rec.get(f"eps/{f}") is not None]
             ax.loglog(xs, ys, color=plt.cm.tab10(i), ls="--" if cfg.endswith("+wd") else "-", lw=1.2, label=cfg)
         ax.set_title(f, fontsize=9)
+        ax.set_xlabel("optimizer step k", fontsize=8)
+        ax.set_ylabel("eps (relative drift of the law)", fontsize=8)
         ax.grid(True, which="both", alpha=0.25)
         ax.tick_params(labelsize=7)
-    axes.flat[0].legend(fontsize=7)
     for ax in list(axes.flat)[len(fams):]:
         ax.axis("off")
-    fig.suptitle(f"{name}: eps per family vs step, per optimizer", fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=7, frameon=False)
+    fig.suptitle(f"{name}: eps per family vs step, per optimizer (dashed: with weight decay)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     p1 = out / f"eps_{name}.png"
     fig.savefig(p1, dpi=110)
     plt.close(fig)
@@ -220,13 +223,15 @@ def _plots(out, name: str, runs: dict[str, dict]) -> list[str]:
         ax.set_xticks(np.arange(len(cfgs)))
         ax.set_xticklabels(cfgs, rotation=45, ha="right", fontsize=7)
         ax.set_title(f, fontsize=9)
+        ax.set_ylabel("norm over the run (law units)", fontsize=8)
         ax.grid(True, axis="y", alpha=0.25)
-    axes.flat[0].legend(fontsize=7)
     for ax in list(axes.flat)[len(fams):]:
         ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, frameon=False)
     fig.suptitle(f"{name}: ||h_K - h_0|| (measured) vs the summed terms of the exact identity (exact zeros omitted)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     p2 = out / f"drift_{name}.png"
     fig.savefig(p2, dpi=110)
     plt.close(fig)
