@@ -119,7 +119,7 @@ def _row_sums(blocks, xs, ys, dtype, square: bool, shift=None) -> torch.Tensor:
         elif square:
             if shift is not None:
                 x = x + shift[r:r + b.count * b.rows].view(b.count, b.rows, 1)
-            v = (x * x).sum(-1)
+            v = torch.linalg.vector_norm(x, dim=-1).square()  # no (x * x) temporary the size of the view
         else:
             v = x.sum(-1)
         parts.append(v.reshape(-1))
