@@ -160,6 +160,15 @@ def _clean(n, s):
     return s if n > 1 else 0  # the stride of an extent-1 dimension is never used
 
 
+def _partner(ys, v, x):
+    """The view of ``ys`` paired with view ``v`` of ``x`` in a bilinear form, resolved (equal shapes)."""
+    yt = _tensor(ys, v.tensor)
+    if tuple(yt.shape) != tuple(x.shape):
+        raise ValueError(f"bilinear: xs[{v.tensor}] has shape {tuple(x.shape)} but ys[{v.tensor}] has "
+                         f"{tuple(yt.shape)}; pass tensors of equal shapes")
+    return v.resolve(yt)
+
+
 def _build(plan: Plan, xs, ys, bilinear: bool, acc, device) -> _Structure:
     check_slots(plan)
     ggroups: dict = {}
@@ -169,11 +178,7 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device) -> _Structure:
         xo, xrs, xcs = v.resolve(x)
         y = None
         if ys is not None:
-            yt = _tensor(ys, v.tensor)
-            if tuple(yt.shape) != tuple(x.shape):
-                raise ValueError(f"bilinear: xs[{v.tensor}] has shape {tuple(x.shape)} but ys[{v.tensor}] has "
-                                 f"{tuple(yt.shape)}; pass tensors of equal shapes")
-            yo, yrs, ycs = v.resolve(yt)
+            yo, yrs, ycs = _partner(ys, v, x)
             y = (yo, 0, _clean(v.rows, yrs), _clean(v.cols, ycs))
         if v.rows == 0 or v.cols == 0 or x.numel() == 0:
             continue
@@ -201,11 +206,7 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device) -> _Structure:
         xo, xrs, xcs = v.resolve(x)
         y = None
         if ys is not None:
-            yt = _tensor(ys, v.tensor)
-            if tuple(yt.shape) != tuple(x.shape):
-                raise ValueError(f"bilinear: xs[{v.tensor}] has shape {tuple(x.shape)} but ys[{v.tensor}] has "
-                                 f"{tuple(yt.shape)}; pass tensors of equal shapes")
-            y = v.resolve(yt)
+            y = _partner(ys, v, x)
         if square:  # rows r -> vec[index + r*index_stride], reduced over the view's columns
             rows, length, rs, ls = v.rows, v.cols, xrs, xcs
             out = t.index + t.index_stride * np.arange(rows, dtype=np.int64)
