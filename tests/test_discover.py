@@ -208,16 +208,21 @@ def test_deep_linear_gram_between_consecutive_layers():
 
 
 # ------------------------------------------------------------------------------ NOT in the catalogue
+def _mha_projections(m: nn.Module, hidden: int, heads: int, head_dim: int) -> None:
+    """q/k/v/o projections without bias (the attention blocks below add their extra parameter)."""
+    m.h, m.d = heads, head_dim
+    m.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+    m.k_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+    m.v_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+    m.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+
 class _TemperatureAttention(nn.Module):
     """MHA whose logits are multiplied by a learnable temperature ``tau`` (shape (1,))."""
 
     def __init__(self, hidden=4, heads=2, head_dim=2):
         super().__init__()
-        self.h, self.d = heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        _mha_projections(self, hidden, heads, head_dim)
         self.temperature = nn.Parameter(torch.ones(1))
 
     def forward(self, x):
@@ -289,11 +294,7 @@ class _GatedAttention(nn.Module):
 
     def __init__(self, hidden=4, heads=2, head_dim=2):
         super().__init__()
-        self.h, self.d = heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        _mha_projections(self, hidden, heads, head_dim)
         self.gate_proj = nn.Linear(hidden, heads * head_dim, bias=False)
 
     def forward(self, x):

@@ -119,24 +119,19 @@ def _split(plan: kernels.Plan, layouts: Sequence[_Layout], world: int, dtypes):
         else:
             for r in holders:
                 plans[r].grams.append(replace(t, view=parts[r][0]))
-    for t in plan.norms:
-        lay = layouts[t.view.tensor]
-        if lay.dim is None:
-            plans[owner_of_replicated()].norms.append(t)
-            continue
-        for r in range(world):
-            p = _local_view(t.view, lay, r)
-            if p is not None:
-                plans[r].norms.append(replace(t, view=p[0], index=t.index + p[1] * t.index_stride))
-    for t in plan.sums:
-        lay = layouts[t.view.tensor]
-        if lay.dim is None:
-            plans[owner_of_replicated()].sums.append(t)
-            continue
-        for r in range(world):
-            p = _local_view(t.view, lay, r)
-            if p is not None:
-                plans[r].sums.append(replace(t, view=p[0], index=t.index + p[2]))
+    # vector terms: a norm's local rows start at entry index + first_row * index_stride, a sum's local
+    # columns at index + first_col
+    for kind, terms, at in (("norms", plan.norms, lambda t, p: t.index + p[1] * t.index_stride),
+                            ("sums", plan.sums, lambda t, p: t.index + p[2])):
+        for t in terms:
+            lay = layouts[t.view.tensor]
+            if lay.dim is None:
+                getattr(plans[owner_of_replicated()], kind).append(t)
+                continue
+            for r in range(world):
+                p = _local_view(t.view, lay, r)
+                if p is not None:
+                    getattr(plans[r], kind).append(replace(t, view=p[0], index=at(t, p)))
     return plans, straddles
 
 
