@@ -68,15 +68,19 @@ def _tools():
     return tool
 
 
-def compile_kernel(fn, sig: dict, constexprs: dict, warps: int, arch: int = 90, stages: int = 3) -> tuple:
+def compile_kernel(fn, sig: dict, constexprs: dict, warps: int, arch: int = 90, stages: int = 3,
+                   aligned=None) -> tuple:
     """``(regs, spill bytes, shared bytes, SASS op counts, SASS text)`` of ``fn`` compiled for ``sm_{arch}``.
 
     ``sig``: every argument name -> Triton type (``"*fp32"``, ``"i64"``, ``"fp32"``, ``"constexpr"``), in
-    the kernel's order; pointer arguments are taken as 16-byte aligned (as the JIT specialises them)."""
+    the kernel's order; ``aligned``: the argument names the JIT would mark divisible by 16 (default:
+    every pointer, i.e. 16-byte aligned tensors)."""
     from triton.backends.compiler import GPUTarget
 
     names = list(sig)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    if aligned is None:
+        aligned = [n for n in names if sig[n].startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
     k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                        options={"num_warps": warps, "num_stages": stages})
     with tempfile.TemporaryDirectory() as tmp:
