@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import inspect
 import json
 import os
@@ -73,8 +74,10 @@ def _record(fn, args, kwargs, seen: dict):
     seen[key] = seen.get(key, 0) + 1
 
 
-def install_recorder(path: str):
-    """Wrap the interpreter's launch so that every launch's spec is counted; written to ``path`` at exit."""
+@contextlib.contextmanager
+def recording():
+    """Within the block, every interpreter launch's spec is counted in the yielded dict (spec JSON ->
+    launches); ``specs(seen)`` lists them.  Needs ``TRITON_INTERPRET=1``."""
     from triton.runtime.interpreter import InterpretedFunction
 
     seen: dict = {}
@@ -85,23 +88,33 @@ def install_recorder(path: str):
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
+    try:
+        yield seen
+    finally:
+        InterpretedFunction.run = run
 
-    def dump():
-        specs = [dict(json.loads(k), launches=n) for k, n in seen.items()]
-        with open(path, "w") as f:
-            json.dump(specs, f, indent=1, default=repr)
-        print(f"\nbench.compile_launches: {len(specs)} distinct launches ({sum(seen.values())} in all) -> {path}",
-              file=sys.stderr)
 
-    atexit.register(dump)
+def specs(seen: dict) -> list:
+    return [dict(json.loads(k), launches=n) for k, n in seen.items()]
 
 
 def pytest_configure(config):  # ``-p bench.compile_launches``: record only when asked
     path = os.environ.get(_ENV)
-    if path:
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            raise SystemExit(f"{_ENV} records interpreter launches: set TRITON_INTERPRET=1 as well")
-        install_recorder(path)
+    if not path:
+        return
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise SystemExit(f"{_ENV} records interpreter launches: set TRITON_INTERPRET=1 as well")
+    ctx = recording()
+    seen = ctx.__enter__()
+
+    def dump():
+        out = specs(seen)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1, default=repr)
+        print(f"\nbench.compile_launches: {len(out)} distinct launches ({sum(seen.values())} in all) -> {path}",
+              file=sys.stderr)
+
+    atexit.register(dump)
 
 
 # ---------------------------------------------------------------------------------- 2. compiling

@@ -96,7 +96,8 @@ def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexp
 
     bf16/fp16 tiles go to the tensor cores as they are (fp32 accumulate: products of half inputs are
     exact in fp32).  UPCAST (set only under TRITON_INTERPRET=1 for bf16, whose interpreter dot
-    multiplies the raw bits, and for mixed x/y dtypes): fp32.  fp64 never comes here (``_fp64_term``)."""
+    multiplies the raw bits, for mixed x/y dtypes and for fp64 inputs, which ``tl.dot`` does not compile
+    into an fp32 accumulator): fp32.  An fp64 accumulation never comes here (``_fp64_term``)."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)

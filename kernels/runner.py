@@ -285,8 +285,10 @@ class Prepared:
 
 
 def _upcast(group) -> bool:
-    """bf16 tiles under the interpreter (its dot multiplies raw bits) and mixed x/y dtypes: fp32 dots."""
-    return (interpreting() and torch.bfloat16 in group) or group[0] != group[1]
+    """fp32 dots for bf16 tiles under the interpreter (its dot multiplies raw bits), mixed x/y dtypes and
+    fp64 inputs (of an fp32 accumulation: ``tl.dot`` compiles no fp64 operands into an fp32 accumulator;
+    fp64 accumulation never reaches ``tl.dot``, ``gram._fp64_term``)."""
+    return (interpreting() and torch.bfloat16 in group) or group[0] != group[1] or torch.float64 in group
 
 
 def clear_cache():
