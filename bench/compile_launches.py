@@ -29,6 +29,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 _ENV = "CONSERVE_RECORD_LAUNCHES"
+_SESSION = None
 _TORCH_TYPES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16", "int64": "i64",
                 "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
 
@@ -104,8 +105,9 @@ def pytest_configure(config):  # ``-p bench.compile_launches``: record only when
         return
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise SystemExit(f"{_ENV} records interpreter launches: set TRITON_INTERPRET=1 as well")
-    ctx = recording()
-    seen = ctx.__enter__()
+    global _SESSION
+    _SESSION = recording()  # held for the whole session: a collected generator would restore the launch
+    seen = _SESSION.__enter__()
 
     def dump():
         out = specs(seen)
