@@ -30,6 +30,7 @@ import weakref
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,6 +42,7 @@ from .tracking.drift import Assembly, Mask, Sampler, drift_pieces
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
+CUMULATIVE = TERMS[:4]  # the terms ``cumulative`` sums
 NONFINITE_POLICIES = ("raise", "warn", "skip")
 DRIFT_EVERY = 1  # default drift cadence (see Tracker)
 SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
@@ -75,6 +77,16 @@ class Values:
         return cls(s["vec"].to(device), {int(k[4:]): v.to(device) for k, v in s.items() if k.startswith("gram")})
 
 
+class NotKept(dict):
+    """``Tracker.last`` of a tracker built without ``keep_last``: empty, and reading a term raises a
+    ``KeyError`` that names the fix (no stale terms are ever returned)."""
+
+    def __missing__(self, key):
+        raise KeyError(f"tracker.last[{key!r}]: the tracker does not keep the per-entry drift terms; build it "
+                       "with keep_last=True (conserve.track(..., keep_last=True) or the fused optimizer's "
+                       "keep_last=True)")
+
+
 class Tracker:
     """Evaluate laws after every optimizer step; keep ``h_0``, ``eps`` and the drift terms on the device.
 
@@ -100,6 +112,10 @@ class Tracker:
             ``totals()`` sums the terms over the decomposed (entry, step) pairs and says how many.  No
             weight-sized buffer is held between steps.
         fp64: accumulate in float64.
+        keep_last: keep the last drift step's per-entry terms in ``last`` (``{"measured", "decay", "first",
+            "second", "residual"}``, each a ``Values``; 5 law-sized copies held between steps).  Default
+            False: ``last`` is an empty ``NotKept`` dict whose items raise a ``KeyError`` naming this
+            option; the metric rows, ``cumulative`` and ``totals()`` are the same either way.
         backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
         on_nonfinite: what a flush does with a row whose law values are NaN/Inf (the parameters
@@ -133,7 +149,7 @@ class Tracker:
                  sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
                  monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None,
                  on_nonfinite: str = "raise", drift_every: int = DRIFT_EVERY,
-                 snapshot_budget: float | None = SNAPSHOT_BUDGET):
+                 snapshot_budget: float | None = SNAPSHOT_BUDGET, keep_last: bool = False):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if not (isinstance(drift_every, int) and drift_every >= 1):
@@ -174,7 +190,9 @@ class Tracker:
         self._snap = None  # the copies of one drift step: made in before_step, dropped in after_step
         self._sampler: Sampler | None = None
         self._assembly: Assembly | None = None
-        self.last: dict[str, Values] = {}
+        self.keep_last = bool(keep_last)
+        self.last: dict[str, Values] = {} if self.keep_last else NotKept()
+        self._hits: dict = {}  # Mask.key -> (families,) bool: the families a sampler group decomposes
         self.last_record: dict | None = None
         self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
         self._setup()
@@ -184,7 +202,10 @@ class Tracker:
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
-        self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("measured", "decay", "first", "second")}
+        # the cumulative terms, stacked (4, ...) per layout and summed in place (``cumulative``: views)
+        self._cum = Values(self.h0.vec.new_zeros((len(CUMULATIVE),) + tuple(self.h0.vec.shape)),
+                           {d: g.new_zeros((len(CUMULATIVE),) + tuple(g.shape)) for d, g in self.h0.grams.items()})
+        self._counts = torch.cat([self._fam_count, self._group_count]).to(self.h0.vec.dtype)
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
         _LIVE.add(self)
 
@@ -236,14 +257,21 @@ class Tracker:
                 gram_inst[a][b], gram_fam[a][b], n = len(inst_fam), f, 1
             inst_fam += [f] * n
             inst_group += [g] * n
-        self._vec_inst, self._vec_fam = vec_inst.to(dev), vec_fam.to(dev)
-        self._gram_inst = {d: v.to(dev) for d, v in gram_inst.items()}
-        self._gram_fam = {d: v.to(dev) for d, v in gram_fam.items()}
-        self._inst_fam = torch.tensor(inst_fam, dtype=torch.long, device=dev)
-        self._inst_group = torch.tensor(inst_group, dtype=torch.long, device=dev)
+        # per output entry (vec entries, then each D's Gram slots: the ``flat`` layout of record_step),
+        # its instance and family, int32 (index_add_ takes them); the per-layout indices are views
+        self._gram_ds = list(c.plan.gram_slots)
+        self._inst_all = torch.cat([vec_inst] + [gram_inst[d] for d in self._gram_ds]).to(dev, torch.int32)
+        self._fam_all = torch.cat([vec_fam] + [gram_fam[d] for d in self._gram_ds]).to(dev, torch.int32)
+        offs = np.cumsum([c.plan.vec_size] + [c.plan.gram_slots[d] for d in self._gram_ds]).tolist()
+        self._flat_at = dict(zip(self._gram_ds, offs[:-1]))  # D -> first flat index of its slots
+        self._vec_inst, self._vec_fam = self._inst_all[: c.plan.vec_size], self._fam_all[: c.plan.vec_size]
+        self._gram_inst = {d: self._inst_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
+        self._gram_fam = {d: self._fam_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
+        inst_fam, inst_group = torch.tensor(inst_fam, dtype=torch.long), torch.tensor(inst_group, dtype=torch.long)
         self._n_inst = len(inst_fam)
-        self._fam_count = torch.bincount(self._inst_fam, minlength=len(fams)).clamp_min(1)
-        self._group_count = torch.bincount(self._inst_group, minlength=len(groups)).clamp_min(1)
+        self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
+        self._group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
+        self._inst_fam, self._inst_group = inst_fam.to(dev, torch.int32), inst_group.to(dev, torch.int32)
         self._lin = c.linear_mask.to(dev)
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
@@ -319,49 +347,123 @@ class Tracker:
         return {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask).items()}
 
     def _family_hit(self, mask: Mask) -> torch.Tensor:
-        """(families,) bool: the family has a decomposed entry under ``mask``."""
-        hit = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
-        hit.index_add_(0, self._vec_fam, mask.vec.long())
-        for d, m in mask.grams.items():
-            hit.index_add_(0, self._gram_fam[d], m.long())
-        return hit > 0
+        """(families,) bool: the family has a decomposed entry under ``mask`` (cached per ``mask.key``:
+        a sampler group decomposes the same entries every time it comes round)."""
+        hit = self._hits.get(mask.key) if mask.key is not None else None
+        if hit is None:
+            flat = torch.cat([mask.vec.reshape(-1)] + [mask.grams[d].reshape(-1) for d in self._gram_ds])
+            hit = torch.zeros(len(self.families), dtype=torch.int32, device=self.device)
+            hit = hit.index_add_(0, self._fam_all, flat.to(torch.int32)) > 0
+            if mask.key is not None:
+                self._hits[mask.key] = hit
+        return hit
+
+    @property
+    def cumulative(self) -> dict[str, Values]:
+        """``{"measured", "decay", "first", "second"}``: each term summed over the decomposed (entry,
+        step) pairs since step 0, as ``Values`` (live views of the tracker's buffers, updated in place at
+        every drift step: clone to keep a copy).  Assigning a dict of ``Values`` copies them in."""
+        c = self._cum
+        return {k: Values(c.vec[i], {d: g[i] for d, g in c.grams.items()}) for i, k in enumerate(CUMULATIVE)}
+
+    @cumulative.setter
+    def cumulative(self, vals: Mapping[str, Values]) -> None:
+        self._cum = Values(torch.stack([vals[k].vec for k in CUMULATIVE]),
+                           {d: torch.stack([vals[k].grams[d] for k in CUMULATIVE]) for d in vals[CUMULATIVE[0]].grams})
+
+    def _flat_sq(self, vec: torch.Tensor, grams: Mapping[int, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Per output entry of the flat layout, the square (vec entries) or the sum of squares (Gram
+        slots) of ``(..., entries)`` values, written into ``out`` (``(..., flat entries)``); ``vec`` and
+        ``grams`` are squared in place (scratch)."""
+        V = vec.shape[-1]
+        torch.mul(vec, vec, out=out[..., :V])  # x * x: the bits of square()
+        for d in self._gram_ds:
+            g = grams[d]
+            o = self._flat_at[d]
+            torch.sum(g.mul_(g), (-2, -1), out=out[..., o: o + g.shape[-3]])
+        return out
 
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled: Mask | None = None) -> None:
         """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,
         ``second``), e.g. computed by a fused optimizer kernel; ``sampled``: the entries they cover
-        (None: all).  Appends one metric row (on device)."""
+        (None: all).  Appends one metric row (on device).
+
+        Memory: the five per-entry terms of the step (``measured``, the three given, ``residual``) are
+        formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to the
+        family norms; it is dropped after the step unless ``keep_last`` (then ``last`` views it)."""
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             self.flush()
         self.step_count += 1
-        rel = self._inst_norm(h1.map(torch.sub, self.h0)) / self.denom
-        fam = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
-        grp = torch.zeros(len(self.groups), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_group, rel)
-        parts = [fam / self._fam_count, grp / self._group_count]
+        nf, ng, dev = len(self.families), len(self.groups), self.device
+        dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
+        n_flat = self._fam_all.numel()
+        row = torch.empty(nf + ng + (len(TERMS) * nf if self.drift else 0), dtype=dt, device=dev)
+        # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group
+        sq = torch.empty(n_flat, dtype=dt, device=dev)
+        self._flat_sq(torch.sub(h1.vec, self.h0.vec), {d: torch.sub(g, self.h0.grams[d]) for d, g in h1.grams.items()},
+                      sq)
+        rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._inst_all, sq).sqrt_().div_(self.denom)
+        del sq
+        eps = row[: nf + ng].zero_()
+        eps[:nf].index_add_(0, self._inst_fam, rel)
+        eps[nf:].index_add_(0, self._inst_group, rel)
+        eps.div_(self._counts)
         if self.drift:
+            norms = row[nf + ng:].view(len(TERMS), nf)
             if terms is None:
-                parts.append(torch.full((len(TERMS) * len(self.families),), float("nan"), dtype=rel.dtype, device=self.device))
+                norms.fill_(float("nan"))
             else:
-                measured = h1.map(torch.sub, self.h)
-                partial = sampled is not None and not sampled.full
-                if partial:
-                    measured = Values(measured.vec * sampled.vec, {d: g * sampled.grams[d].view(-1, 1, 1)
-                                                                    for d, g in measured.grams.items()})
-                resid = measured.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
-                self.last = {"measured": measured, **terms, "residual": resid}
-                for k in ("measured", "decay", "first", "second"):
-                    self.cumulative[k] = self.cumulative[k].map(torch.add, self.last[k])
-                norms = torch.cat([self._fam_norm(self.last[t]) for t in TERMS])
-                if partial:
-                    hit = self._family_hit(sampled)
-                    norms = torch.where(hit.repeat(len(TERMS)), norms, float("nan"))
-                    self.sampled_steps += hit
-                else:
-                    self.sampled_steps += 1
-                parts.append(norms)
-        self._rows.append(torch.cat(parts).float())
+                self._drift_norms(h1, terms, sampled, norms)
+        self._rows.append(row.float())
         self.h = h1
         for m in self.monitors:
             m.update()
+
+    def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
+        """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four, and per
+        term and family the Euclidean norm into ``norms`` (``(len(TERMS), families)``, NaN for a family
+        without a decomposed entry)."""
+        dev = self.device
+        dec, fst, snd = terms["decay"], terms["first"], terms["second"]
+        dt = torch.promote_types(torch.promote_types(h1.vec.dtype, self.h.vec.dtype),
+                                 torch.promote_types(torch.promote_types(dec.vec.dtype, fst.vec.dtype), snd.vec.dtype))
+        partial = sampled is not None and not sampled.full
+
+        def stack(hv, ov, parts, mask):
+            w = torch.empty((len(TERMS),) + tuple(hv.shape), dtype=dt, device=dev)
+            ws = w.unbind(0)
+            torch.sub(hv, ov, out=ws[0])  # measured
+            if mask is not None:
+                ws[0].mul_(mask)
+            for i, x in enumerate(parts, 1):
+                ws[i].copy_(x)
+            torch.sub(ws[0], ws[1], out=ws[4]).sub_(ws[2]).sub_(ws[3])  # residual = m - d - f - s
+            return w
+
+        wv = stack(h1.vec, self.h.vec, (dec.vec, fst.vec, snd.vec), sampled.vec if partial else None)
+        wg = {d: stack(g, self.h.grams[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
+                       sampled.grams[d].view(-1, 1, 1) if partial else None) for d, g in h1.grams.items()}
+        c = self._cum
+        c.vec.add_(wv[: len(CUMULATIVE)])
+        for d, g in c.grams.items():
+            g.add_(wg[d][: len(CUMULATIVE)])
+        if self.keep_last:
+            self.last = {t: Values(wv[i], {d: g[i] for d, g in wg.items()}) for i, t in enumerate(TERMS)}
+            wv, wg = wv.clone(), {d: g.clone() for d, g in wg.items()}  # squared below
+        sq = self._flat_sq(wv, wg, torch.empty(len(TERMS), self._fam_all.numel(), dtype=dt, device=dev))
+        del wv, wg
+        out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
+        for o, x in zip(out.unbind(0), sq.unbind(0)):
+            o.index_add_(0, self._fam_all, x)
+        out.sqrt_()
+        if out is not norms:
+            norms.copy_(out)
+        if partial:
+            hit = self._family_hit(sampled)
+            norms.masked_fill_(~hit, float("nan"))
+            self.sampled_steps += hit
+        else:
+            self.sampled_steps += 1
 
     @torch.compiler.disable
     def record(self, **scalars) -> None:
@@ -556,7 +658,7 @@ class Tracker:
 
     def _close_at_exit(self) -> None:
         """Flush and close a tracker its user never closed (garbage collection, interpreter exit)."""
-        if self._closed or "cumulative" not in self.__dict__:  # closed, or __init__ did not finish
+        if self._closed or "_cum" not in self.__dict__:  # closed, or __init__ did not finish
             return
         if getattr(self, "world", 1) > 1:  # a collective flush needs every rank: not at exit
             if self._rows or getattr(self, "_pend", None):
@@ -593,7 +695,8 @@ class Tracker:
         so a run resumed from this state neither repeats nor loses a row."""
         self.flush()
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
-                "cumulative": {k: v.state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
+                # copies: the tracker sums into its buffers in place
+                "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
                 "sampled_steps": self.sampled_steps,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
@@ -609,8 +712,9 @@ class Tracker:
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
         self.denom = state["denom"].to(dev)
-        self.cumulative = {k: Values.from_state(v, dev) for k, v in state["cumulative"].items()}
-        self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
+        cum = {k: Values.from_state(v, dev) for k, v in state["cumulative"].items()}
+        cum.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
+        self.cumulative = cum  # copied into the tracker's buffers (the state's tensors are not aliased)
         if state.get("sampled_steps") is not None:
             self.sampled_steps = state["sampled_steps"].to(dev)
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []

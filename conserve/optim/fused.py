@@ -9,7 +9,7 @@ ways between these classes and their torch twins.
 
 Tracking: pass the model (``track=model``), or explicit ``laws=`` with ``named_params=``, plus any
 ``Tracker`` keyword (``every``, ``sinks``, ``fp64``, ``backend``, ``monitors``, ``drift``, ``drift_every``
-(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``)::
+(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``, ``on_nonfinite``, ``keep_last``)::
 
     opt = conserve.optim.FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, track=model,
                                     sinks=[conserve.JSONLSink("laws.jsonl")], every=50)
@@ -59,7 +59,7 @@ from ..tracking.drift import Mask, Sampler, drift_pieces, make_mask
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
-                 "on_nonfinite")
+                 "on_nonfinite", "keep_last")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
 # one tensor at a time) besides the sampled Gram-law views; between drift steps the statistics cost one
 # read of the new weights.  Every 10th step keeps a tracked CPU step within ~1.1-1.4x torch AdamW

@@ -230,6 +230,7 @@ class Mask:
     vec: torch.Tensor
     grams: dict
     full: bool = False
+    key: tuple | None = None  # the same key: the same entries (lets a tracker cache per-mask facts)
 
 
 @dataclass
