@@ -267,6 +267,12 @@ class Tracker:
         self._vec_inst, self._vec_fam = self._inst_all[: c.plan.vec_size], self._fam_all[: c.plan.vec_size]
         self._gram_inst = {d: self._inst_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
         self._gram_fam = {d: self._fam_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
+        spans, at = [], self._fam_all.numel()  # the scratch layout of record_step: [vec | slot sums | Grams]
+        for d in self._gram_ds:
+            n = c.plan.gram_slots[d]
+            spans.append((d, at, at + n * d * d, (n, d, d)))
+            at += n * d * d
+        self._layout = (at, c.plan.vec_size, spans)
         inst_fam, inst_group = torch.tensor(inst_fam, dtype=torch.long), torch.tensor(inst_group, dtype=torch.long)
         self._n_inst = len(inst_fam)
         self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
@@ -319,10 +325,7 @@ class Tracker:
         if not self.is_drift_step():
             return
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
-        self._a = [1.0] * len(self.tensors)
-        if optimizer is not None:
-            group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-            self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.tensors]
+        self._a = decay_factors(optimizer, self.tensors)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -371,39 +374,46 @@ class Tracker:
         self._cum = Values(torch.stack([vals[k].vec for k in CUMULATIVE]),
                            {d: torch.stack([vals[k].grams[d] for k in CUMULATIVE]) for d in vals[CUMULATIVE[0]].grams})
 
-    def _flat_sq(self, vec: torch.Tensor, grams: Mapping[int, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """Per output entry of the flat layout, the square (vec entries) or the sum of squares (Gram
-        slots) of ``(..., entries)`` values, written into ``out`` (``(..., flat entries)``); ``vec`` and
-        ``grams`` are squared in place (scratch)."""
-        V = vec.shape[-1]
-        torch.mul(vec, vec, out=out[..., :V])  # x * x: the bits of square()
+    def _scratch(self, lead: tuple, dt) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """One buffer ``(*lead, V + slots + Gram entries)`` laid out ``[vec | per-slot sums | Gram
+        matrices]``: returns it, its vec part and its ``{D: (*lead, slots, D, D)}`` Gram parts (views)."""
+        return self._views(torch.empty(lead + (self._layout[0],), dtype=dt, device=self.device))
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """``(buf, vec part, {D: Gram part})`` of a ``_scratch`` buffer."""
+        return buf, buf[..., : self._layout[1]], {d: buf[..., a: b].unflatten(-1, shape) for d, a, b, shape in self._layout[2]}
+
+    def _squares(self, buf: torch.Tensor, vec: torch.Tensor, grams: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
+        returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``."""
+        vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
-            g = grams[d]
-            o = self._flat_at[d]
-            torch.sum(g.mul_(g), (-2, -1), out=out[..., o: o + g.shape[-3]])
-        return out
+            g, o = grams[d], self._flat_at[d]
+            torch.sum(g.mul_(g), (-2, -1), out=buf[..., o: o + g.shape[-3]])
+        return buf[..., : self._fam_all.numel()]
 
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled: Mask | None = None) -> None:
         """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,
         ``second``), e.g. computed by a fused optimizer kernel; ``sampled``: the entries they cover
         (None: all).  Appends one metric row (on device).
 
-        Memory: the five per-entry terms of the step (``measured``, the three given, ``residual``) are
-        formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to the
-        family norms; it is dropped after the step unless ``keep_last`` (then ``last`` views it)."""
+        Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
+        are formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to
+        the family norms; it is dropped after the step unless ``keep_last`` (then ``last`` views it)."""
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             self.flush()
         self.step_count += 1
         nf, ng, dev = len(self.families), len(self.groups), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
-        n_flat = self._fam_all.numel()
         row = torch.empty(nf + ng + (len(TERMS) * nf if self.drift else 0), dtype=dt, device=dev)
         # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group
-        sq = torch.empty(n_flat, dtype=dt, device=dev)
-        self._flat_sq(torch.sub(h1.vec, self.h0.vec), {d: torch.sub(g, self.h0.grams[d]) for d, g in h1.grams.items()},
-                      sq)
+        buf, bv, bg = self._scratch((), dt)
+        torch.sub(h1.vec, self.h0.vec, out=bv)
+        for d, g in bg.items():
+            torch.sub(h1.grams[d], self.h0.grams[d], out=g)
+        sq = self._squares(buf, bv, bg)
         rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._inst_all, sq).sqrt_().div_(self.denom)
-        del sq
+        del buf, bv, bg, sq
         eps = row[: nf + ng].zero_()
         eps[:nf].index_add_(0, self._inst_fam, rel)
         eps[nf:].index_add_(0, self._inst_group, rel)
@@ -428,9 +438,9 @@ class Tracker:
         dt = torch.promote_types(torch.promote_types(h1.vec.dtype, self.h.vec.dtype),
                                  torch.promote_types(torch.promote_types(dec.vec.dtype, fst.vec.dtype), snd.vec.dtype))
         partial = sampled is not None and not sampled.full
+        buf, wv, wg = self._scratch((len(TERMS),), dt)
 
-        def stack(hv, ov, parts, mask):
-            w = torch.empty((len(TERMS),) + tuple(hv.shape), dtype=dt, device=dev)
+        def fill(w, hv, ov, parts, mask):
             ws = w.unbind(0)
             torch.sub(hv, ov, out=ws[0])  # measured
             if mask is not None:
@@ -438,20 +448,19 @@ class Tracker:
             for i, x in enumerate(parts, 1):
                 ws[i].copy_(x)
             torch.sub(ws[0], ws[1], out=ws[4]).sub_(ws[2]).sub_(ws[3])  # residual = m - d - f - s
-            return w
 
-        wv = stack(h1.vec, self.h.vec, (dec.vec, fst.vec, snd.vec), sampled.vec if partial else None)
-        wg = {d: stack(g, self.h.grams[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
-                       sampled.grams[d].view(-1, 1, 1) if partial else None) for d, g in h1.grams.items()}
-        c = self._cum
-        c.vec.add_(wv[: len(CUMULATIVE)])
+        fill(wv, h1.vec, self.h.vec, (dec.vec, fst.vec, snd.vec), sampled.vec if partial else None)
+        for d, g in h1.grams.items():
+            fill(wg[d], g, self.h.grams[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
+                 sampled.grams[d].view(-1, 1, 1) if partial else None)
+        c, n = self._cum, len(CUMULATIVE)
+        c.vec.add_(wv[:n])
         for d, g in c.grams.items():
-            g.add_(wg[d][: len(CUMULATIVE)])
-        if self.keep_last:
-            self.last = {t: Values(wv[i], {d: g[i] for d, g in wg.items()}) for i, t in enumerate(TERMS)}
-            wv, wg = wv.clone(), {d: g.clone() for d, g in wg.items()}  # squared below
-        sq = self._flat_sq(wv, wg, torch.empty(len(TERMS), self._fam_all.numel(), dtype=dt, device=dev))
-        del wv, wg
+            g.add_(wg[d][:n])
+        if self.keep_last:  # a copy: ``buf`` is squared below
+            _, kv, kg = self._views(buf.clone())
+            self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
+        sq = self._squares(buf, wv, wg)
         out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
         for o, x in zip(out.unbind(0), sq.unbind(0)):
             o.index_add_(0, self._fam_all, x)
@@ -726,6 +735,19 @@ class Tracker:
         for s in self.sinks:  # one series: sinks drop what an earlier run wrote after it
             if hasattr(s, "resume"):
                 s.resume(written)
+
+
+def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:
+    """``decay_factor`` of each tensor's param group (1.0 for a tensor the optimizer does not hold),
+    computed once per group."""
+    if optimizer is None:
+        return [1.0] * len(tensors)
+    of = {}
+    for g in optimizer.param_groups:
+        a = decay_factor(optimizer, g)
+        for p in g["params"]:
+            of[id(p)] = a  # a tensor in two groups: the last one (torch refuses that anyway)
+    return [of.get(id(t), 1.0) for t in tensors]
 
 
 _LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()  # trackers not closed yet

@@ -343,7 +343,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             gm = {d: np.ones(n, dtype=bool) for d, n in self.tracker.compiled.plan.gram_slots.items()}
         else:
             vm, gm = snap.mask.vec_np | ~fp.rest_vec, snap.mask.gram_np
-        return make_mask(vm, gm, self.tracker.device)
+        return make_mask(vm, gm, self.tracker.device, ("fused", None if snap is None else snap.mask.key))
 
     def _record(self, a_of: dict[int, float], snap=None) -> None:
         tr, fp = self.tracker, self._fp

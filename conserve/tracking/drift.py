@@ -249,10 +249,11 @@ class Snapshot:
         return sum(o.numel() * o.element_size() for o in self.olds if o is not None)
 
 
-def make_mask(vm: np.ndarray, gm: Mapping[int, np.ndarray], device) -> Mask:
+def make_mask(vm: np.ndarray, gm: Mapping[int, np.ndarray], device, key: tuple | None = None) -> Mask:
+    """A ``Mask`` from host bool arrays (``key``: the same key must mean the same entries)."""
     full = bool(vm.all() and all(m.all() for m in gm.values()))
     return Mask(vm, dict(gm), torch.from_numpy(vm).to(device), {d: torch.from_numpy(m).to(device) for d, m in gm.items()},
-                full)
+                full, key)
 
 
 class _Unit:
@@ -299,6 +300,26 @@ class Sampler:
         else:
             self.groups = self._pack(self._units(int(budget * self.tracked_bytes)), int(budget * self.tracked_bytes))
         self._subs: dict = {}  # group -> (sub-plan, views): plan-sized, built on first use
+        self._masks()
+
+    def _masks(self) -> None:
+        """Per output entry the group that decomposes it (-1: none), int16/int32 on the host (and a
+        device copy off the CPU): a step's mask is one comparison, not a rebuild."""
+        p, n = self.plan, len(self.groups)
+        it = np.int16 if n < np.iinfo(np.int16).max else np.int32
+        gv = np.full(p.vec_size, -1 if self.groups[0] is not None else 0, dtype=it)
+        gg = {d: np.full(k, -1 if self.groups[0] is not None else 0, dtype=it) for d, k in p.gram_slots.items()}
+        for g, units in enumerate(self.groups):
+            for u in units or ():
+                if u.key[0] == "gram":
+                    gg[u.key[1]][u.key[2]] = g
+                else:
+                    gv[u.key[1]:u.key[2]] = g
+        self._gid = (gv, gg)
+        host = torch.device(self.device).type == "cpu"
+        self._gid_dev = None if host else (torch.from_numpy(gv.astype(np.int32)).to(self.device),
+                                           {d: torch.from_numpy(m.astype(np.int32)).to(self.device) for d, m in gg.items()})
+        self._full = [bool((gv == g).all() and all((m == g).all() for m in gg.values())) for g in range(n)]
 
     # ------------------------------------------------------------------ units and groups
     def _units(self, cap: int) -> list[_Unit]:
@@ -358,21 +379,17 @@ class Sampler:
 
     # ------------------------------------------------------------------ per drift step
     def mask(self, j: int) -> Mask:
-        """The entries drift step ``j`` decomposes (built per call: law-sized, not kept between steps)."""
+        """The entries drift step ``j`` decomposes: one comparison of the per-entry group ids (host
+        bool arrays, and on a GPU device bool tensors; built per call, not kept between steps).
+        ``Mask.key`` is ``("sampler", group)``."""
         g = j % len(self.groups)
-        p = self.plan
-        if self.groups[g] is None:
-            vm = np.ones(p.vec_size, dtype=bool)
-            gm = {d: np.ones(n, dtype=bool) for d, n in p.gram_slots.items()}
+        gv, gg = self._gid
+        vm, gm = gv == g, {d: m == g for d, m in gg.items()}
+        if self._gid_dev is None:  # CPU: the tensors view the host arrays
+            vt, gt = torch.from_numpy(vm), {d: torch.from_numpy(m) for d, m in gm.items()}
         else:
-            vm = np.zeros(p.vec_size, dtype=bool)
-            gm = {d: np.zeros(n, dtype=bool) for d, n in p.gram_slots.items()}
-            for u in self.groups[g]:
-                if u.key[0] == "gram":
-                    gm[u.key[1]][u.key[2]] = True
-                else:
-                    vm[u.key[1]:u.key[2]] = True
-        return make_mask(vm, gm, self.device)
+            vt, gt = self._gid_dev[0] == g, {d: m == g for d, m in self._gid_dev[1].items()}
+        return Mask(vm, gm, vt, gt, self._full[g], ("sampler", g))
 
     @torch.no_grad()
     def snapshot(self, j: int, tensors: Sequence[torch.Tensor]) -> Snapshot:
