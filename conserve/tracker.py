@@ -203,9 +203,9 @@ class Tracker:
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
         # the cumulative terms, stacked (4, ...) per layout and summed in place (``cumulative``: views)
+        self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
         self._cum = Values(self.h0.vec.new_zeros((len(CUMULATIVE),) + tuple(self.h0.vec.shape)),
                            {d: g.new_zeros((len(CUMULATIVE),) + tuple(g.shape)) for d, g in self.h0.grams.items()})
-        self._counts = torch.cat([self._fam_count, self._group_count]).to(self.h0.vec.dtype)
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
         _LIVE.add(self)
 
@@ -342,21 +342,32 @@ class Tracker:
 
     def drift_terms(self, snap, a: list[float]) -> dict[str, "Values"]:
         """The identity's ``decay``/``first``/``second`` from one DRIFT pass over ``snap`` (old copies)
-        and the live weights; ``a``: decay factor per tracked tensor."""
+        and the live weights; ``a``: decay factor per tracked tensor.  The terms are written into the
+        step scratch of ``record_step``, which consumes it (squares it in place): pass them to the next
+        ``record_step`` once, clone them to keep them."""
         asm = self.assembly
         news = self.sampler.news(snap, self.tensors)
         pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
                               backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask))
-        return {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask).items()}
+        snap.olds.clear()  # the copies of theta_k are read: free them before the terms are formed
+        del news
+        pieces = (None,) + tuple(pieces[1:])  # h(new) of the pass: not used (h1 is the eps evaluation)
+        # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
+        buf, wv, wg = self._scratch((len(TERMS),), self.h.vec.dtype)
+        out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
+        terms = {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask, out=out).items()}
+        self._terms_buf = buf  # taken by the next record_step
+        return terms
 
-    def _family_hit(self, mask: Mask) -> torch.Tensor:
-        """(families,) bool: the family has a decomposed entry under ``mask`` (cached per ``mask.key``:
+    def _family_hit(self, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """(families,) bool: the family has a decomposed entry under ``mask``, and its negation (cached per ``mask.key``:
         a sampler group decomposes the same entries every time it comes round)."""
         hit = self._hits.get(mask.key) if mask.key is not None else None
         if hit is None:
             flat = torch.cat([mask.vec.reshape(-1)] + [mask.grams[d].reshape(-1) for d in self._gram_ds])
             hit = torch.zeros(len(self.families), dtype=torch.int32, device=self.device)
             hit = hit.index_add_(0, self._fam_all, flat.to(torch.int32)) > 0
+            hit = (hit, ~hit)
             if mask.key is not None:
                 self._hits[mask.key] = hit
         return hit
@@ -405,25 +416,25 @@ class Tracker:
         self.step_count += 1
         nf, ng, dev = len(self.families), len(self.groups), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
-        row = torch.empty(nf + ng + (len(TERMS) * nf if self.drift else 0), dtype=dt, device=dev)
         # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group
-        buf, bv, bg = self._scratch((), dt)
-        torch.sub(h1.vec, self.h0.vec, out=bv)
-        for d, g in bg.items():
-            torch.sub(h1.grams[d], self.h0.grams[d], out=g)
-        sq = self._squares(buf, bv, bg)
-        rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._inst_all, sq).sqrt_().div_(self.denom)
-        del buf, bv, bg, sq
-        eps = row[: nf + ng].zero_()
-        eps[:nf].index_add_(0, self._inst_fam, rel)
-        eps[nf:].index_add_(0, self._inst_group, rel)
-        eps.div_(self._counts)
+        dv = torch.sub(h1.vec, self.h0.vec)
+        rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._vec_inst, dv.mul_(dv))
+        for d, g in h1.grams.items():  # x * x: the bits of square()
+            g = torch.sub(g, self.h0.grams[d])
+            rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
+        rel.sqrt_().div_(self.denom)
+        del dv
+        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
+        grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
         if self.drift:
-            norms = row[nf + ng:].view(len(TERMS), nf)
+            norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
             if terms is None:
                 norms.fill_(float("nan"))
             else:
                 self._drift_norms(h1, terms, sampled, norms)
+            parts.append(norms.view(-1))
+        row = torch.cat(parts)
         self._rows.append(row.float())
         self.h = h1
         for m in self.monitors:
@@ -438,7 +449,10 @@ class Tracker:
         dt = torch.promote_types(torch.promote_types(h1.vec.dtype, self.h.vec.dtype),
                                  torch.promote_types(torch.promote_types(dec.vec.dtype, fst.vec.dtype), snd.vec.dtype))
         partial = sampled is not None and not sampled.full
-        buf, wv, wg = self._scratch((len(TERMS),), dt)
+        buf = self.__dict__.pop("_terms_buf", None)  # drift_terms wrote the terms into rows 1-3 of it
+        if buf is None or buf.dtype != dt or self._views(buf)[1][1].data_ptr() != dec.vec.data_ptr():
+            buf = torch.empty(len(TERMS), self._layout[0], dtype=dt, device=dev)
+        buf, wv, wg = self._views(buf)
 
         def fill(w, hv, ov, parts, mask):
             ws = w.unbind(0)
@@ -446,7 +460,8 @@ class Tracker:
             if mask is not None:
                 ws[0].mul_(mask)
             for i, x in enumerate(parts, 1):
-                ws[i].copy_(x)
+                if x.data_ptr() != ws[i].data_ptr():
+                    ws[i].copy_(x)
             torch.sub(ws[0], ws[1], out=ws[4]).sub_(ws[2]).sub_(ws[3])  # residual = m - d - f - s
 
         fill(wv, h1.vec, self.h.vec, (dec.vec, fst.vec, snd.vec), sampled.vec if partial else None)
@@ -468,8 +483,8 @@ class Tracker:
         if out is not norms:
             norms.copy_(out)
         if partial:
-            hit = self._family_hit(sampled)
-            norms.masked_fill_(~hit, float("nan"))
+            hit, miss = self._family_hit(sampled)
+            norms.masked_fill_(miss, float("nan"))
             self.sampled_steps += hit
         else:
             self.sampled_steps += 1

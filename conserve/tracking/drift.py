@@ -78,7 +78,7 @@ class Assembly:
         device: where the terms live.
 
     ``terms(h_old, pieces, a)``: ``h_old`` the stored law values at ``theta_k`` (the tracker's ``h``),
-    ``pieces`` the ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` (``decay`` may be None when
+    ``pieces`` the ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` (``h_new`` unused; ``decay`` may be None when
     ``needs_kernel_decay(a)`` is False), ``a`` the decay factor per tensor of the FULL plan (floats),
     ``sampled`` the entries the pieces cover (``Mask``; the decay is zeroed elsewhere).
     Returns ``{"decay", "first", "second"}`` as ``(vec, {D: grams})`` pairs in ``h_old``'s dtype.
@@ -89,6 +89,7 @@ class Assembly:
         self.vec_size, self.gram_slots = plan.vec_size, dict(plan.gram_slots)
         self.device = device
         self._lin = linear.to(device)
+        self._nlin = ~self._lin
         self._lin_np = linear.cpu().numpy().astype(bool)
         self._v_entry = np.asarray([e for e, _, _ in vec], dtype=np.int64)
         self._v_tensor = np.asarray([t for _, t, _ in vec], dtype=np.int64)
@@ -135,36 +136,43 @@ class Assembly:
         return bool(np.isnan(fv[sampled.vec_np]).any()
                     or any(np.isnan(f[sampled.gram_np[d]]).any() for d, f in fg.items()))
 
-    def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None):
+    def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None, out=None):
         """``(a^2 - 1) h_old`` (quadratic entries) / ``(a - 1) h_old`` (linear), ``(vec, {D: grams})``;
         entries whose tensors have different ``a`` take ``kernel`` (the kernel's per-term decay, same
-        layout; ``RuntimeError`` if it is needed and None); zero outside ``sampled``."""
+        layout; ``RuntimeError`` if it is needed and None); zero outside ``sampled``.  ``out``: a
+        ``(vec, {D: grams})`` pair of tensors (``h_old``'s shapes and dtype) to write into."""
         hv, hg = h_old
         dt = hv.dtype
         fv, fg = self._factors(a)[0]
 
-        def one(h, f, quad_mask, kernel, used):
+        def one(h, f, quad_mask, kernel, used, o):
             # factors in float64 on the host (exact for fp32 a), one rounding to dt, one product with h;
             # entries outside ``used`` (not decomposed this step) are zero whatever their factors
             uni = ~np.isnan(f) | ~used
             fac = np.where(uni & used, np.where(quad_mask, f * f - 1.0, f - 1.0), 0.0)
             shape = (-1,) + (1,) * (h.dim() - 1)
-            out = torch.from_numpy(fac).to(self.device, dt).view(shape) * h if (fac != 0).any() else torch.zeros_like(h)
+            if (fac != 0).any():
+                res = torch.mul(torch.from_numpy(fac).to(self.device, dt).view(shape), h, out=o)
+            else:
+                res = torch.zeros_like(h) if o is None else o.zero_()
             if not uni.all():
                 if kernel is None:
                     raise RuntimeError("drift assembly: entries with mixed decay factors need the kernel's decay "
                                        "(call drift_pieces with decay=needs_kernel_decay(a))")
-                out = torch.where(torch.from_numpy(~uni).to(self.device).view(shape), kernel.to(dt), out)
-            return out
+                w = torch.where(torch.from_numpy(~uni).to(self.device).view(shape), kernel.to(dt), res)
+                res = w if o is None else o.copy_(w)
+            return res  # a fresh tensor (or ``o``): masked in place below
 
         kv, kg = (None, {}) if kernel is None else kernel
+        ov, og = (None, {}) if out is None else out
         part = sampled is not None and not sampled.full
-        dv = one(hv, fv, ~self._lin_np, kv, sampled.vec_np if part else np.ones(len(fv), dtype=bool))
+        dv = one(hv, fv, ~self._lin_np, kv, sampled.vec_np if part else np.ones(len(fv), dtype=bool), ov)
         dg = {d: one(hg[d], fg[d], np.ones(len(fg[d]), dtype=bool), kg.get(d),
-                     sampled.gram_np[d] if part else np.ones(len(fg[d]), dtype=bool)) for d in hg}
-        if sampled is not None and not sampled.full:  # entries this step did not decompose: no term
-            dv = dv * sampled.vec
-            dg = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in dg.items()}
+                     sampled.gram_np[d] if part else np.ones(len(fg[d]), dtype=bool), og.get(d)) for d in hg}
+        if part:  # entries this step did not decompose: no term
+            dv.mul_(sampled.vec)
+            for d, g in dg.items():
+                g.mul_(sampled.grams[d].view(-1, 1, 1))
         return dv, dg
 
     def correct(self, h_old, first, second, a: Sequence[float]):
@@ -197,7 +205,7 @@ class Assembly:
             fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], tg[d], rg[d], None)
         return (fv, fg), (sv, sg)
 
-    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None) -> dict:
+    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None, out=None) -> dict:
         """The identity's terms for the true ``a`` (python floats per tensor).  The kernels form
         ``Delta_f = new - a_f old`` with ``a_f`` = ``a`` rounded to fp32; with ``d = a - a_f`` per entry
         (``old`` = theta_k, ``Delta = new - a old = Delta_f - d old``), exactly::
@@ -206,19 +214,37 @@ class Assembly:
             second = h(Delta_f) - (d / a) first - d^2 h_k
 
         so a decay factor that is not an fp32 number (``1 - lr*wd`` in double) keeps the first-order
-        term at its true value (Noether: it vanishes for SGD with weight decay) in float64."""
-        (_, _), dec, (bv, bg), (dv, dg) = pieces
-        dt = h_old[0].dtype
-        lin = self._lin.to(dt)
-        first = (2 * bv.to(dt) + lin * dv.to(dt), {d: 2 * g.to(dt) for d, g in bg.items()})
-        second = ((1 - lin) * dv.to(dt), {d: g.to(dt) for d, g in dg.items()})
-        (first_v, first_g), (second_v, second_g) = self.correct(h_old, first, second, a)
+        term at its true value (Noether: it vanishes for SGD with weight decay) in float64.
+
+        ``out``: ``{"decay", "first", "second"}`` -> ``(vec, {D: grams})`` tensors of ``h_old``'s shapes and
+        dtype to write the terms into (e.g. rows of the tracker's step scratch); None: fresh tensors."""
+        _, dec, (bv, bg), (dv, dg) = pieces  # h_new is not used (None is fine)
+        hv, hg = h_old
+        dt = hv.dtype
+        if out is None:
+            out = {k: (torch.empty_like(hv), {d: torch.empty_like(g) for d, g in hg.items()})
+                   for k in ("decay", "first", "second")}
+        (fv, fg), (sv, sg) = out["first"], out["second"]
+        bv, dv = bv.to(dt), dv.to(dt)
+        torch.mul(bv, 2, out=fv)  # first = 2 B + lin * h(Delta), second = (1 - lin) * h(Delta)
+        fv.add_(torch.mul(dv, self._lin, out=sv))
+        torch.mul(dv, self._nlin, out=sv)
+        for d in hg:
+            torch.mul(bg[d].to(dt), 2, out=fg[d])
+            sg[d].copy_(dg[d])
+        (cfv, cfg), (csv, csg) = self.correct(h_old, (fv, fg), (sv, sg), a)
+        for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in hg] + [(sg[d], csg[d]) for d in hg]:
+            if r is not o:
+                o.copy_(r)
         if sampled is not None and not sampled.full:  # the corrections touch every entry: mask again
-            first_v, second_v = first_v * sampled.vec, second_v * sampled.vec
-            first_g = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in first_g.items()}
-            second_g = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in second_g.items()}
-        return {"decay": self.decay(h_old, a, dec, sampled), "first": (first_v, first_g),
-                "second": (second_v, second_g)}
+            fv.mul_(sampled.vec)
+            sv.mul_(sampled.vec)
+            for d in hg:
+                m = sampled.grams[d].view(-1, 1, 1)
+                fg[d].mul_(m)
+                sg[d].mul_(m)
+        self.decay(h_old, a, dec, sampled, out=out["decay"])
+        return out
 
 
 @dataclass
