@@ -202,10 +202,9 @@ class Tracker:
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
-        # the cumulative terms, stacked (4, ...) per layout and summed in place (``cumulative``: views)
         self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
-        self._cum = Values(self.h0.vec.new_zeros((len(CUMULATIVE),) + tuple(self.h0.vec.shape)),
-                           {d: g.new_zeros((len(CUMULATIVE),) + tuple(g.shape)) for d, g in self.h0.grams.items()})
+        # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
+        self.cumulative: dict[str, Values] = {k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
         _LIVE.add(self)
 
@@ -372,19 +371,6 @@ class Tracker:
                 self._hits[mask.key] = hit
         return hit
 
-    @property
-    def cumulative(self) -> dict[str, Values]:
-        """``{"measured", "decay", "first", "second"}``: each term summed over the decomposed (entry,
-        step) pairs since step 0, as ``Values`` (live views of the tracker's buffers, updated in place at
-        every drift step: clone to keep a copy).  Assigning a dict of ``Values`` copies them in."""
-        c = self._cum
-        return {k: Values(c.vec[i], {d: g[i] for d, g in c.grams.items()}) for i, k in enumerate(CUMULATIVE)}
-
-    @cumulative.setter
-    def cumulative(self, vals: Mapping[str, Values]) -> None:
-        self._cum = Values(torch.stack([vals[k].vec for k in CUMULATIVE]),
-                           {d: torch.stack([vals[k].grams[d] for k in CUMULATIVE]) for d in vals[CUMULATIVE[0]].grams})
-
     def _scratch(self, lead: tuple, dt) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """One buffer ``(*lead, V + slots + Gram entries)`` laid out ``[vec | per-slot sums | Gram
         matrices]``: returns it, its vec part and its ``{D: (*lead, slots, D, D)}`` Gram parts (views)."""
@@ -468,10 +454,11 @@ class Tracker:
         for d, g in h1.grams.items():
             fill(wg[d], g, self.h.grams[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
                  sampled.grams[d].view(-1, 1, 1) if partial else None)
-        c, n = self._cum, len(CUMULATIVE)
-        c.vec.add_(wv[:n])
-        for d, g in c.grams.items():
-            g.add_(wg[d][:n])
+        for k, v in zip(CUMULATIVE, wv.unbind(0)):  # cumulative += measured, decay, first, second (in place)
+            self.cumulative[k].vec.add_(v)
+        for d, w in wg.items():
+            for k, g in zip(CUMULATIVE, w.unbind(0)):
+                self.cumulative[k].grams[d].add_(g)
         if self.keep_last:  # a copy: ``buf`` is squared below
             _, kv, kg = self._views(buf.clone())
             self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
@@ -682,7 +669,7 @@ class Tracker:
 
     def _close_at_exit(self) -> None:
         """Flush and close a tracker its user never closed (garbage collection, interpreter exit)."""
-        if self._closed or "_cum" not in self.__dict__:  # closed, or __init__ did not finish
+        if self._closed or "cumulative" not in self.__dict__:  # closed, or __init__ did not finish
             return
         if getattr(self, "world", 1) > 1:  # a collective flush needs every rank: not at exit
             if self._rows or getattr(self, "_pend", None):
@@ -736,9 +723,9 @@ class Tracker:
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
         self.denom = state["denom"].to(dev)
-        cum = {k: Values.from_state(v, dev) for k, v in state["cumulative"].items()}
-        cum.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
-        self.cumulative = cum  # copied into the tracker's buffers (the state's tensors are not aliased)
+        # copies: the tracker sums into them in place (the state's tensors are not aliased)
+        self.cumulative = {k: Values.from_state(v, dev).clone() for k, v in state["cumulative"].items()}
+        self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
         if state.get("sampled_steps") is not None:
             self.sampled_steps = state["sampled_steps"].to(dev)
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []

@@ -333,8 +333,9 @@ class Sampler:
         device copy off the CPU): a step's mask is one comparison, not a rebuild."""
         p, n = self.plan, len(self.groups)
         it = np.int16 if n < np.iinfo(np.int16).max else np.int32
-        gv = np.full(p.vec_size, -1 if self.groups[0] is not None else 0, dtype=it)
-        gg = {d: np.full(k, -1 if self.groups[0] is not None else 0, dtype=it) for d, k in p.gram_slots.items()}
+        fill = 0 if self.groups == [None] else -1  # budget None: one group, every entry
+        gv = np.full(p.vec_size, fill, dtype=it)
+        gg = {d: np.full(k, fill, dtype=it) for d, k in p.gram_slots.items()}
         for g, units in enumerate(self.groups):
             for u in units or ():
                 if u.key[0] == "gram":
