@@ -454,18 +454,18 @@ class Tracker:
         for d, g in h1.grams.items():
             fill(wg[d], g, self.h.grams[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
                  sampled.grams[d].view(-1, 1, 1) if partial else None)
-        for k, v in zip(CUMULATIVE, wv.unbind(0)):  # cumulative += measured, decay, first, second (in place)
-            self.cumulative[k].vec.add_(v)
-        for d, w in wg.items():
-            for k, g in zip(CUMULATIVE, w.unbind(0)):
-                self.cumulative[k].grams[d].add_(g)
+        for i, k in enumerate(CUMULATIVE):  # cumulative += measured, decay, first, second (in place)
+            c = self.cumulative[k]
+            c.vec.add_(wv[i])
+            for d, g in c.grams.items():
+                g.add_(wg[d][i])
         if self.keep_last:  # a copy: ``buf`` is squared below
             _, kv, kg = self._views(buf.clone())
             self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
         sq = self._squares(buf, wv, wg)
         out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
-        for o, x in zip(out.unbind(0), sq.unbind(0)):
-            o.index_add_(0, self._fam_all, x)
+        for i in range(len(TERMS)):
+            out[i].index_add_(0, self._fam_all, sq[i])
         out.sqrt_()
         if out is not norms:
             norms.copy_(out)
