@@ -396,7 +396,7 @@ class Tracker:
 
         Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
         are formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to
-        the family norms; it is dropped after the step unless ``keep_last`` (then ``last`` views it)."""
+        the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it)."""
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             self.flush()
         self.step_count += 1
