@@ -91,11 +91,11 @@ class Assembly:
         self._lin = linear.to(device)
         self._nlin = ~self._lin
         self._lin_np = linear.cpu().numpy().astype(bool)
-        self._v_entry = np.asarray([e for e, _, _ in vec], dtype=np.int64)
-        self._v_tensor = np.asarray([t for _, t, _ in vec], dtype=np.int64)
+        self._v_entry = np.asarray([e for e, _, _ in vec], dtype=np.int32)
+        self._v_tensor = np.asarray([t for _, t, _ in vec], dtype=np.int32)
         self._v_shift = np.asarray([s for _, _, s in vec], dtype=bool)
-        self._g = {d: (np.asarray([s for dd, s, _ in gram if dd == d], dtype=np.int64),
-                       np.asarray([t for dd, _, t in gram if dd == d], dtype=np.int64)) for d in self.gram_slots}
+        self._g = {d: (np.asarray([s for dd, s, _ in gram if dd == d], dtype=np.int32),
+                       np.asarray([t for dd, _, t in gram if dd == d], dtype=np.int32)) for d in self.gram_slots}
         self._cache: tuple | None = None
 
     def _factors(self, a: Sequence[float]):
@@ -311,6 +311,8 @@ class Sampler:
             robin), so each law is decomposed once every ``len(groups)`` drift steps.
 
     ``snapshot(j, tensors)``: copies the views of group ``j`` (call right before the optimizer step).
+    Held between steps: the plan-sized units and sub-plans (no tensor) and one int16 group id per
+    output entry (``mask(j)`` compares them; int32 beyond 32767 groups).
     """
 
     def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], budget: float | None, device):
@@ -344,8 +346,8 @@ class Sampler:
                     gv[u.key[1]:u.key[2]] = g
         self._gid = (gv, gg)
         host = torch.device(self.device).type == "cpu"
-        self._gid_dev = None if host else (torch.from_numpy(gv.astype(np.int32)).to(self.device),
-                                           {d: torch.from_numpy(m.astype(np.int32)).to(self.device) for d, m in gg.items()})
+        self._gid_dev = None if host else (torch.from_numpy(gv).to(self.device),
+                                           {d: torch.from_numpy(m).to(self.device) for d, m in gg.items()})
         self._full = [bool((gv == g).all() and all((m == g).all() for m in gg.values())) for g in range(n)]
 
     # ------------------------------------------------------------------ units and groups
