@@ -390,7 +390,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 kv, kg = vals[3] + dec.vec, dec.grams
             torch.mul(b.vec, 2, out=fv)  # first = stats + 2 B + lin h(Delta); second = stats + (1 - lin) h(Delta)
             fv.add_(torch.mul(hd.vec, tr._lin, out=sv)).add_(vals[1])
-            torch.mul(hd.vec, ~tr._lin, out=sv).add_(vals[2])
+            torch.mul(hd.vec, asm._nlin, out=sv).add_(vals[2])
             for d in fg:
                 torch.mul(b.grams[d], 2, out=fg[d])
                 sg[d].copy_(hd.grams[d])
