@@ -16,7 +16,9 @@ Prints, with one intra-op thread and the library defaults everywhere:
    inside ``optimizer.step()`` until it is freed (the tracker's buffers kept between steps included).
    Next to it, the storages created while the tracked optimizer was built and still alive after the
    last step (``h_0``, ``h``, the ``eps`` guards, the cumulative totals, index tensors, kernel caches),
-   over the same tracked bytes: state moved into construction is counted there, not hidden.
+   over the same tracked bytes: state moved into construction is counted there, not hidden.  Host
+   numpy arrays (the sampler's int16 group id per law entry, the assembly's int32 entry tables) are
+   not torch storages and are not counted (a few bytes per law entry).
 
 Steps are timed in interleaved blocks (untracked, tracked, untracked, ...) and the medians compared,
 so a slow phase of the shared machine hits both sides.
