@@ -147,7 +147,9 @@ class _FusedPlan:
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
         o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, int32 indices
-        self.compact = (o.to(dev, torch.int32), sl.to(dev, torch.int32), cf.to(dev))
+        # coefficients +-1, +-2, 0 (signs): int8, exact in the product with the float statistics
+        small = bool((cf == cf.round()).all() and cf.abs().max() <= 127) if cf.numel() else True
+        self.compact = (o.to(dev, torch.int32), sl.to(dev, torch.int32), cf.to(dev, torch.int8 if small else acc))
         # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         cuda = torch.device(dev).type == "cuda"
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
