@@ -31,7 +31,8 @@ def _plan(sign):
 @pytest.mark.skipif(not os.path.exists(_PTXAS), reason="this triton build bundles no ptxas")
 def test_float64_inputs_of_an_fp32_accumulation_compile_for_sm90(tmp_path):
     g = torch.Generator().manual_seed(31)
-    olds = [torch.randn(16, 40, dtype=torch.float64, generator=g), torch.randn(24, 16, dtype=torch.float64, generator=g)]
+    olds = [torch.randn(16, 40, dtype=torch.float64, generator=g),
+            torch.randn(24, 16, dtype=torch.float64, generator=g)]
     news = [t + 0.1 * torch.randn(t.shape, dtype=torch.float64, generator=g) for t in olds]
     with recording() as seen:
         for sign in (-0.7, 1.0):  # FOLD off (the sign is not +-1 and the inputs not fp32) / on
