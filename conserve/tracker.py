@@ -315,7 +315,8 @@ class Tracker:
         asm = self.assembly
         news = self.sampler.news(snap, self.tensors)
         pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
-                              backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask))
+                              backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask), donate=True,
+                              values=False)  # the snapshot is ours; h(theta_{k+1}) comes from after_step
         return {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask).items()}
 
     def _family_hit(self, mask: Mask) -> torch.Tensor:

@@ -40,16 +40,22 @@ except ImportError:  # pragma: no cover - depends on the kernels version
 
 __all__ = ["drift_pieces", "drift_factors", "Assembly", "Sampler", "Snapshot", "Mask", "make_mask"]
 
-_DRIFT_HAS_DECAY = "decay" in inspect.signature(kernels.drift).parameters
+_DRIFT_KW = set(inspect.signature(kernels.drift).parameters)
+_DRIFT_HAS_DECAY = "decay" in _DRIFT_KW
 
 
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
-                 fp64: bool, backend: str, decay: bool):
+                 fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True):
     """``conserve.kernels.drift`` asking for the per-term decay only when ``decay`` is True.
 
     Returns ``(h_new, decay, bil, h_delta)``, each a ``(vec, {D: grams})`` pair, ``decay`` None when not
-    asked for.  Kernels that predate the ``decay`` keyword compute it anyway (one dot more per Gram tile
-    on Triton; on the torch twin two more evaluations when some ``a != 1``); its value is then dropped."""
+    asked for.  ``donate``: ``olds`` are copies made for this step, which the torch twin may overwrite
+    with ``Delta`` (no second view-sized buffer); ``values=False``: ``h_new`` may be None.  Kernels that
+    predate the ``decay`` keyword compute it anyway (one dot more per Gram tile on Triton; on the torch
+    twin two more evaluations when some ``a != 1``); its value is then dropped."""
+    if "donate" in _DRIFT_KW:
+        return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay, donate=donate,
+                             values=values)
     if _DRIFT_HAS_DECAY:
         return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay)
     h_new, dec, bil, hd = kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend)
@@ -207,7 +213,7 @@ class Assembly:
 
         so a decay factor that is not an fp32 number (``1 - lr*wd`` in double) keeps the first-order
         term at its true value (Noether: it vanishes for SGD with weight decay) in float64."""
-        (_, _), dec, (bv, bg), (dv, dg) = pieces
+        _, dec, (bv, bg), (dv, dg) = pieces
         dt = h_old[0].dtype
         lin = self._lin.to(dt)
         first = (2 * bv.to(dt) + lin * dv.to(dt), {d: 2 * g.to(dt) for d, g in bg.items()})
