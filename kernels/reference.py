@@ -49,6 +49,9 @@ def check_slots(plan: Plan):
             raise ValueError(f"GramTerm slot {t.slot} of size {D} was not reserved with plan.new_gram({D})")
 
 
+_INDEX = torch.int32  # index tensors of the cached structures (index_add_/index_select take int32)
+
+
 def _tensor(ts, i: int) -> torch.Tensor:
     if not 0 <= i < len(ts) or ts[i] is None:
         raise ValueError(f"the plan names tensor {i} but {len(ts)} tensors were given")
@@ -133,7 +136,7 @@ class _GramGroup:
     blocks: list
     tensor: np.ndarray  # tensor index of each stacked view
     sign_np: np.ndarray  # its sign (float64)
-    slot: torch.Tensor  # (T,) int64 output slot per view
+    slot: torch.Tensor  # (T,) output slot per view (``_INDEX``)
     sign: torch.Tensor  # (T,) signs in the accumulation dtype
 
 
@@ -168,12 +171,13 @@ class _Lines:
     """Vector terms whose rows are whole lines of their tensor (a NormTerm row spanning every column
     of ``col_dim``, a SumTerm column spanning every row; the usual case: unit, pair, gain, router and
     translation laws): each tensor is reduced ONCE per (dim, kind), and the term rows gather their
-    line values from the stacked reductions (``src``), signed, into ``vec[out]`` (one ``index_add_``)."""
+    line values from the stacked reductions (``src``) into ``vec[out]``, one ``index_add_`` per distinct
+    sign (rows sorted by sign: ``segments`` of ``(sign, start, end)``)."""
 
     reductions: list
     src: torch.Tensor  # (R,) index into the stacked line values, per term row
     out: torch.Tensor  # (R,) vec index per term row
-    sign: torch.Tensor  # (R,) sign per term row (acc dtype)
+    segments: list  # (sign, r0, r1): rows [r0, r1) carry ``sign``
 
 
 @dataclass
@@ -221,7 +225,7 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
             _extend(blocks, ti, xo, D, N, rs, cs, y)
         grams.append(_GramGroup(D, blocks, np.asarray([e[0] for e in ents], dtype=np.int64),
                                 np.asarray([e[6] for e in ents], dtype=np.float64),
-                                torch.tensor([e[5] for e in ents], dtype=torch.int64, device=device),
+                                torch.tensor([e[5] for e in ents], dtype=_INDEX, device=device),
                                 torch.tensor([e[6] for e in ents], dtype=acc, device=device)))
     vterms = list(plan.norms) + ([] if bilinear else list(plan.sums))
     lines, on_lines = (_build_lines(plan, vterms, xs, ys, bilinear, acc, device) if use_lines else (None, set()))
@@ -262,7 +266,7 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
             _extend(blocks, ti, xo, rows, length, rs, ls, yy)
         shift = np.concatenate([np.full(e[5], e[9]) for e in ents])
         groups.append(_RowGroup(square, blocks, np.concatenate([np.full(e[5], e[6], dtype=np.int64) for e in ents]),
-                                torch.as_tensor(np.concatenate([e[7] for e in ents]), device=device),
+                                torch.as_tensor(np.concatenate([e[7] for e in ents]), dtype=_INDEX, device=device),
                                 torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]), dtype=acc,
                                                 device=device),
                                 torch.as_tensor(shift, dtype=acc, device=device) if shift.any() else None))
@@ -344,9 +348,14 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
             sign.append(np.full(len(idx), float(t.sign)))
             taken.add(k)
         start += size
-    return _Lines(reds, torch.as_tensor(np.concatenate(src), device=device),
-                  torch.as_tensor(np.concatenate(out), device=device),
-                  torch.as_tensor(np.concatenate(sign), dtype=acc, device=device)), taken
+    src, out, sign = np.concatenate(src), np.concatenate(out), np.concatenate(sign)
+    order = np.argsort(sign, kind="stable")
+    src, out, sign = src[order], out[order], sign[order]
+    cuts = np.flatnonzero(np.diff(sign)) + 1
+    bounds = [0, *cuts.tolist(), len(sign)]
+    segments = [(float(sign[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a and sign[a] != 0.0]
+    return _Lines(reds, torch.as_tensor(src, dtype=_INDEX, device=device),
+                  torch.as_tensor(out, dtype=_INDEX, device=device), segments), taken
 
 
 _CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
@@ -386,13 +395,15 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torc
     return total.reshape(-1)
 
 
-def _line_values(lines: _Lines, xs, ys, acc) -> torch.Tensor:
-    """The signed per-row values of ``lines`` (``(R,)``, acc), ready for ``vec.index_add_(0, lines.out, .)``."""
+def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
+    """``vec[out] += sign * value`` for every term row of ``lines``."""
     norms, other = [], []
     for r in lines.reductions:
         (norms if r.norm else other).append(_reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc))
     parts = [_cat(norms).square()] if norms else []  # not in place: evaluations may run under autograd
-    return _cat(parts + other).index_select(0, lines.src) * lines.sign
+    v = _cat(parts + other).index_select(0, lines.src)
+    for sign, r0, r1 in lines.segments:
+        vec.index_add_(0, lines.out[r0:r1], v[r0:r1], alpha=sign)
 
 
 def _order(e):
@@ -459,7 +470,7 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
     s = _structure(plan, xs, ys, ys is not None, acc, device, use_lines=row_coef is None)
     vec, grams = empty_out(plan, device, acc)
     if s.lines is not None:
-        vec.index_add_(0, s.lines.out, _line_values(s.lines, xs, ys, acc))
+        _add_lines(vec, s.lines, xs, ys, acc)
     for g in s.grams:
         coef = g.sign if gram_coef is None else gram_coef(g)
         if coef is None:  # every coefficient is 0
@@ -634,19 +645,26 @@ def _donatable(plan: Plan, olds, news, fp64: bool) -> bool:
             continue
         if o.dtype != dt or o.untyped_storage().data_ptr() == n.untyped_storage().data_ptr():
             return False
-    if plan.sums and plan.norms:
+    return _linear_entries(plan, _device(news)) is not False
+
+
+def _linear_entries(plan: Plan, device):
+    """Indices of the vec entries Sum terms write (int64; None without Sum terms; False when an
+    entry is written by both a Sum and a Norm term).  Cached per plan like the grouped structure."""
+    key = (id(plan), "linear", len(plan.sums), len(plan.norms), plan.vec_size, device)
+    with _LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    m = None
+    if plan.sums:
         lin = {t.index + c for t in plan.sums for c in range(t.view.cols)}
         quad = {int(i) for t in plan.norms for i in t.index + t.index_stride * np.arange(t.view.rows)}
-        if lin & quad:
-            return False
-    return True
-
-
-def _linear_entries(plan: Plan, device, dtype) -> torch.Tensor:
-    """``(vec_size,)`` 1.0 on the entries Sum terms write, else 0."""
-    m = torch.zeros(plan.vec_size, dtype=dtype, device=device)
-    for t in plan.sums:
-        m[t.index: t.index + t.view.cols] = 1.0
+        m = False if lin & quad else torch.as_tensor(sorted(lin), dtype=torch.int64, device=device)  # index_fill_: int64
+    with _LOCK:
+        new = not any(k[0] == id(plan) for k in _CACHE)
+        _CACHE[key] = m
+    if new:
+        weakref.finalize(plan, _forget, id(plan))
     return m
 
 
@@ -672,8 +690,10 @@ def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evalua
                 dl[i].neg_().add_(news[i])
         hd = evaluate(plan, dl)
         bv, bg = bilinear(plan, news, dl)
-        quad = 1.0 - _linear_entries(plan, hd[0].device, hd[0].dtype) if plan.sums else 1.0
-        bil = (bv - quad * hd[0], {d: g - hd[1][d] for d, g in bg.items()})
+        bil = (bv - hd[0], {d: g - hd[1][d] for d, g in bg.items()})
+        lin = _linear_entries(plan, hd[0].device)
+        if lin is not None:  # linear laws have no bilinear part
+            bil[0].index_fill_(0, lin, 0.0)
     else:
         ao, dl = drift_operands(plan, olds, news, a, fp64)
         bil, hd = bilinear(plan, ao, dl), evaluate(plan, dl)
