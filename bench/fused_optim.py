@@ -108,8 +108,8 @@ def parity(device, lines):
     m1 = build(device, True, 2)
     m2 = build(device, True, 2)
     m2.load_state_dict(m1.state_dict())
-    o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, fp64=True, backend="triton")
-    o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, fp64=True, backend="torch")
+    o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, fp64=True, backend="triton", keep_last=True)
+    o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, fp64=True, backend="torch", keep_last=True)
     x = torch.randint(0, 64, (2, 16), device=device)
     for _ in range(3):
         o1.zero_grad()

@@ -30,6 +30,7 @@ import weakref
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,6 +42,7 @@ from .tracking.drift import Assembly, Mask, Sampler, drift_pieces
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
+CUMULATIVE = TERMS[:4]  # the terms ``cumulative`` sums
 NONFINITE_POLICIES = ("raise", "warn", "skip")
 DRIFT_EVERY = 1  # default drift cadence (see Tracker)
 SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
@@ -75,6 +77,16 @@ class Values:
         return cls(s["vec"].to(device), {int(k[4:]): v.to(device) for k, v in s.items() if k.startswith("gram")})
 
 
+class NotKept(dict):
+    """``Tracker.last`` of a tracker built without ``keep_last``: empty, and reading a term raises a
+    ``KeyError`` that names the fix (no stale terms are ever returned)."""
+
+    def __missing__(self, key):
+        raise KeyError(f"tracker.last[{key!r}]: the tracker does not keep the per-entry drift terms; build it "
+                       "with keep_last=True (conserve.track(..., keep_last=True) or the fused optimizer's "
+                       "keep_last=True)")
+
+
 class Tracker:
     """Evaluate laws after every optimizer step; keep ``h_0``, ``eps`` and the drift terms on the device.
 
@@ -100,6 +112,10 @@ class Tracker:
             ``totals()`` sums the terms over the decomposed (entry, step) pairs and says how many.  No
             weight-sized buffer is held between steps.
         fp64: accumulate in float64.
+        keep_last: keep the last drift step's per-entry terms in ``last`` (``{"measured", "decay", "first",
+            "second", "residual"}``, each a ``Values``; 5 law-sized copies held between steps).  Default
+            False: ``last`` is an empty ``NotKept`` dict whose items raise a ``KeyError`` naming this
+            option; the metric rows, ``cumulative`` and ``totals()`` are the same either way.
         backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
         on_nonfinite: what a flush does with a row whose law values are NaN/Inf (the parameters
@@ -133,7 +149,7 @@ class Tracker:
                  sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
                  monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None,
                  on_nonfinite: str = "raise", drift_every: int = DRIFT_EVERY,
-                 snapshot_budget: float | None = SNAPSHOT_BUDGET):
+                 snapshot_budget: float | None = SNAPSHOT_BUDGET, keep_last: bool = False):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if not (isinstance(drift_every, int) and drift_every >= 1):
@@ -174,7 +190,9 @@ class Tracker:
         self._snap = None  # the copies of one drift step: made in before_step, dropped in after_step
         self._sampler: Sampler | None = None
         self._assembly: Assembly | None = None
-        self.last: dict[str, Values] = {}
+        self.keep_last = bool(keep_last)
+        self.last: dict[str, Values] = {} if self.keep_last else NotKept()
+        self._hits: dict = {}  # Mask.key -> (families,) bool: the families a sampler group decomposes
         self.last_record: dict | None = None
         self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
         self._setup()
@@ -184,7 +202,9 @@ class Tracker:
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
-        self.cumulative = {k: self.h0.map(torch.zeros_like) for k in ("measured", "decay", "first", "second")}
+        self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
+        # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
+        self.cumulative: dict[str, Values] = {k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
         _LIVE.add(self)
 
@@ -236,14 +256,27 @@ class Tracker:
                 gram_inst[a][b], gram_fam[a][b], n = len(inst_fam), f, 1
             inst_fam += [f] * n
             inst_group += [g] * n
-        self._vec_inst, self._vec_fam = vec_inst.to(dev), vec_fam.to(dev)
-        self._gram_inst = {d: v.to(dev) for d, v in gram_inst.items()}
-        self._gram_fam = {d: v.to(dev) for d, v in gram_fam.items()}
-        self._inst_fam = torch.tensor(inst_fam, dtype=torch.long, device=dev)
-        self._inst_group = torch.tensor(inst_group, dtype=torch.long, device=dev)
+        # per output entry (vec entries, then each D's Gram slots: the ``flat`` layout of record_step),
+        # its instance and family, int32 (index_add_ takes them); the per-layout indices are views
+        self._gram_ds = list(c.plan.gram_slots)
+        self._inst_all = torch.cat([vec_inst] + [gram_inst[d] for d in self._gram_ds]).to(dev, torch.int32)
+        self._fam_all = torch.cat([vec_fam] + [gram_fam[d] for d in self._gram_ds]).to(dev, torch.int32)
+        offs = np.cumsum([c.plan.vec_size] + [c.plan.gram_slots[d] for d in self._gram_ds]).tolist()
+        self._flat_at = dict(zip(self._gram_ds, offs[:-1]))  # D -> first flat index of its slots
+        self._vec_inst, self._vec_fam = self._inst_all[: c.plan.vec_size], self._fam_all[: c.plan.vec_size]
+        self._gram_inst = {d: self._inst_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
+        self._gram_fam = {d: self._fam_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
+        spans, at = [], self._fam_all.numel()  # the scratch layout of record_step: [vec | slot sums | Grams]
+        for d in self._gram_ds:
+            n = c.plan.gram_slots[d]
+            spans.append((d, at, at + n * d * d, (n, d, d)))
+            at += n * d * d
+        self._layout = (at, c.plan.vec_size, spans)
+        inst_fam, inst_group = torch.tensor(inst_fam, dtype=torch.long), torch.tensor(inst_group, dtype=torch.long)
         self._n_inst = len(inst_fam)
-        self._fam_count = torch.bincount(self._inst_fam, minlength=len(fams)).clamp_min(1)
-        self._group_count = torch.bincount(self._inst_group, minlength=len(groups)).clamp_min(1)
+        self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
+        self._group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
+        self._inst_fam, self._inst_group = inst_fam.to(dev, torch.int32), inst_group.to(dev, torch.int32)
         self._lin = c.linear_mask.to(dev)
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
@@ -291,10 +324,7 @@ class Tracker:
         if not self.is_drift_step():
             return
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
-        self._a = [1.0] * len(self.tensors)
-        if optimizer is not None:
-            group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-            self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.tensors]
+        self._a = decay_factors(optimizer, self.tensors)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -311,58 +341,141 @@ class Tracker:
 
     def drift_terms(self, snap, a: list[float]) -> dict[str, "Values"]:
         """The identity's ``decay``/``first``/``second`` from one DRIFT pass over ``snap`` (old copies)
-        and the live weights; ``a``: decay factor per tracked tensor."""
+        and the live weights; ``a``: decay factor per tracked tensor.  The terms are written into the
+        step scratch of ``record_step``, which consumes it (squares it in place): pass them to the next
+        ``record_step`` once, clone them to keep them."""
         asm = self.assembly
         news = self.sampler.news(snap, self.tensors)
         pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
                               backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask), donate=True,
-                              values=False)  # the snapshot is ours; h(theta_{k+1}) comes from after_step
-        return {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask).items()}
+                              values=False)  # the snapshot is ours (Delta is formed in it); h1 is the eps evaluation
+        snap.olds.clear()  # the copies of theta_k (now Delta) are read: free them before the terms are formed
+        del news
+        pieces = (None,) + tuple(pieces[1:])  # h(new) of the pass: not used (h1 is the eps evaluation)
+        # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
+        buf, wv, wg = self._scratch((len(TERMS),), self.h.vec.dtype)
+        out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
+        terms = {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask, out=out).items()}
+        self._terms_buf = buf  # taken by the next record_step
+        return terms
 
-    def _family_hit(self, mask: Mask) -> torch.Tensor:
-        """(families,) bool: the family has a decomposed entry under ``mask``."""
-        hit = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
-        hit.index_add_(0, self._vec_fam, mask.vec.long())
-        for d, m in mask.grams.items():
-            hit.index_add_(0, self._gram_fam[d], m.long())
-        return hit > 0
+    def _family_hit(self, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """(families,) bool: the family has a decomposed entry under ``mask``, and its negation (cached per ``mask.key``:
+        a sampler group decomposes the same entries every time it comes round)."""
+        hit = self._hits.get(mask.key) if mask.key is not None else None
+        if hit is None:
+            flat = torch.cat([mask.vec.reshape(-1)] + [mask.grams[d].reshape(-1) for d in self._gram_ds])
+            hit = torch.zeros(len(self.families), dtype=torch.int32, device=self.device)
+            hit = hit.index_add_(0, self._fam_all, flat.to(torch.int32)) > 0
+            hit = (hit, ~hit)
+            if mask.key is not None:
+                self._hits[mask.key] = hit
+        return hit
+
+    def _scratch(self, lead: tuple, dt) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """One buffer ``(*lead, V + slots + Gram entries)`` laid out ``[vec | per-slot sums | Gram
+        matrices]``: returns it, its vec part and its ``{D: (*lead, slots, D, D)}`` Gram parts (views)."""
+        return self._views(torch.empty(lead + (self._layout[0],), dtype=dt, device=self.device))
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """``(buf, vec part, {D: Gram part})`` of a ``_scratch`` buffer."""
+        return buf, buf[..., : self._layout[1]], {d: buf[..., a: b].unflatten(-1, shape) for d, a, b, shape in self._layout[2]}
+
+    def _squares(self, buf: torch.Tensor, vec: torch.Tensor, grams: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
+        returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``."""
+        vec.mul_(vec)  # x * x: the bits of square()
+        for d in self._gram_ds:
+            g, o = grams[d], self._flat_at[d]
+            torch.sum(g.mul_(g), (-2, -1), out=buf[..., o: o + g.shape[-3]])
+        return buf[..., : self._fam_all.numel()]
 
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled: Mask | None = None) -> None:
         """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,
         ``second``), e.g. computed by a fused optimizer kernel; ``sampled``: the entries they cover
-        (None: all).  Appends one metric row (on device)."""
+        (None: all).  Appends one metric row (on device).
+
+        Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
+        are formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to
+        the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it)."""
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             self.flush()
         self.step_count += 1
-        rel = self._inst_norm(h1.map(torch.sub, self.h0)) / self.denom
-        fam = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
-        grp = torch.zeros(len(self.groups), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_group, rel)
-        parts = [fam / self._fam_count, grp / self._group_count]
+        nf, ng, dev = len(self.families), len(self.groups), self.device
+        dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
+        # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group
+        dv = torch.sub(h1.vec, self.h0.vec)
+        rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._vec_inst, dv.mul_(dv))
+        for d, g in h1.grams.items():  # x * x: the bits of square()
+            g = torch.sub(g, self.h0.grams[d])
+            rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
+        rel.sqrt_().div_(self.denom)
+        del dv
+        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
+        grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
         if self.drift:
+            norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
             if terms is None:
-                parts.append(torch.full((len(TERMS) * len(self.families),), float("nan"), dtype=rel.dtype, device=self.device))
+                norms.fill_(float("nan"))
             else:
-                measured = h1.map(torch.sub, self.h)
-                partial = sampled is not None and not sampled.full
-                if partial:
-                    measured = Values(measured.vec * sampled.vec, {d: g * sampled.grams[d].view(-1, 1, 1)
-                                                                    for d, g in measured.grams.items()})
-                resid = measured.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
-                self.last = {"measured": measured, **terms, "residual": resid}
-                for k in ("measured", "decay", "first", "second"):
-                    self.cumulative[k] = self.cumulative[k].map(torch.add, self.last[k])
-                norms = torch.cat([self._fam_norm(self.last[t]) for t in TERMS])
-                if partial:
-                    hit = self._family_hit(sampled)
-                    norms = torch.where(hit.repeat(len(TERMS)), norms, float("nan"))
-                    self.sampled_steps += hit
-                else:
-                    self.sampled_steps += 1
-                parts.append(norms)
-        self._rows.append(torch.cat(parts).float())
+                self._drift_norms(h1, terms, sampled, norms)
+            parts.append(norms.view(-1))
+        row = torch.cat(parts)
+        self._rows.append(row.float())
         self.h = h1
         for m in self.monitors:
             m.update()
+
+    def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
+        """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four, and per
+        term and family the Euclidean norm into ``norms`` (``(len(TERMS), families)``, NaN for a family
+        without a decomposed entry)."""
+        dev = self.device
+        dec, fst, snd = terms["decay"], terms["first"], terms["second"]
+        dt = torch.promote_types(torch.promote_types(h1.vec.dtype, self.h.vec.dtype),
+                                 torch.promote_types(torch.promote_types(dec.vec.dtype, fst.vec.dtype), snd.vec.dtype))
+        partial = sampled is not None and not sampled.full
+        buf = self.__dict__.pop("_terms_buf", None)  # drift_terms wrote the terms into rows 1-3 of it
+        if buf is None or buf.dtype != dt or self._views(buf)[1][1].data_ptr() != dec.vec.data_ptr():
+            buf = torch.empty(len(TERMS), self._layout[0], dtype=dt, device=dev)
+        buf, wv, wg = self._views(buf)
+
+        def fill(w, hv, ov, parts, mask):
+            ws = w.unbind(0)
+            torch.sub(hv, ov, out=ws[0])  # measured
+            if mask is not None:
+                ws[0].mul_(mask)
+            for i, x in enumerate(parts, 1):
+                if x.data_ptr() != ws[i].data_ptr():
+                    ws[i].copy_(x)
+            torch.sub(ws[0], ws[1], out=ws[4]).sub_(ws[2]).sub_(ws[3])  # residual = m - d - f - s
+
+        fill(wv, h1.vec, self.h.vec, (dec.vec, fst.vec, snd.vec), sampled.vec if partial else None)
+        for d, g in h1.grams.items():
+            fill(wg[d], g, self.h.grams[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
+                 sampled.grams[d].view(-1, 1, 1) if partial else None)
+        for i, k in enumerate(CUMULATIVE):  # cumulative += measured, decay, first, second (in place)
+            c = self.cumulative[k]
+            c.vec.add_(wv[i])
+            for d, g in c.grams.items():
+                g.add_(wg[d][i])
+        if self.keep_last:  # a copy: ``buf`` is squared below
+            _, kv, kg = self._views(buf.clone())
+            self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
+        sq = self._squares(buf, wv, wg)
+        out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
+        for i in range(len(TERMS)):
+            out[i].index_add_(0, self._fam_all, sq[i])
+        out.sqrt_()
+        if out is not norms:
+            norms.copy_(out)
+        if partial:
+            hit, miss = self._family_hit(sampled)
+            norms.masked_fill_(miss, float("nan"))
+            self.sampled_steps += hit
+        else:
+            self.sampled_steps += 1
 
     @torch.compiler.disable
     def record(self, **scalars) -> None:
@@ -594,7 +707,8 @@ class Tracker:
         so a run resumed from this state neither repeats nor loses a row."""
         self.flush()
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
-                "cumulative": {k: v.state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
+                # copies: the tracker sums into its buffers in place
+                "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
                 "sampled_steps": self.sampled_steps,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
@@ -610,7 +724,8 @@ class Tracker:
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
         self.denom = state["denom"].to(dev)
-        self.cumulative = {k: Values.from_state(v, dev) for k, v in state["cumulative"].items()}
+        # copies: the tracker sums into them in place (the state's tensors are not aliased)
+        self.cumulative = {k: Values.from_state(v, dev).clone() for k, v in state["cumulative"].items()}
         self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
         if state.get("sampled_steps") is not None:
             self.sampled_steps = state["sampled_steps"].to(dev)
@@ -623,6 +738,19 @@ class Tracker:
         for s in self.sinks:  # one series: sinks drop what an earlier run wrote after it
             if hasattr(s, "resume"):
                 s.resume(written)
+
+
+def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:
+    """``decay_factor`` of each tensor's param group (1.0 for a tensor the optimizer does not hold),
+    computed once per group."""
+    if optimizer is None:
+        return [1.0] * len(tensors)
+    of = {}
+    for g in optimizer.param_groups:
+        a = decay_factor(optimizer, g)
+        for p in g["params"]:
+            of[id(p)] = a  # a tensor in two groups: the last one (torch refuses that anyway)
+    return [of.get(id(t), 1.0) for t in tensors]
 
 
 _LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()  # trackers not closed yet

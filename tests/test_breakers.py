@@ -168,7 +168,7 @@ def test_wrapped_accelerate_optimizer_breakers_and_drift():
     m = _model()
     inner = MyAdamW([{"params": m[0].parameters(), "lr": 0.2}, {"params": m[2].parameters(), "lr": 0.1}],
                     weight_decay=0.5)
-    t, w = _track(_accelerated(inner), m)
+    t, w = _track(_accelerated(inner), m, keep_last=True)
     assert "different lr" in t.tracker.broken_by[LAW] and len(w) == 1
     h0 = t.tracker.h.clone()
     _step(m, t)

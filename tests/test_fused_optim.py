@@ -132,7 +132,8 @@ def test_parity_and_drift_reference_models(config, model_name):
     ours_cls, torch_cls, kw = CONFIGS[config]
     m1 = lm(**MODELS[model_name])
     m2 = twin(m1)
-    opt = ours_cls(groups(m1, kw), **kw, track=m1, fp64=True, every=1000, snapshot_budget=None, drift_every=1)
+    opt = ours_cls(groups(m1, kw), **kw, track=m1, fp64=True, every=1000, snapshot_budget=None, drift_every=1,
+                   keep_last=True)
     ref = torch_cls(groups(m2, kw), **kw, foreach=True)
     fp = opt._fp
     assert fp.fused_terms > 0 and not fp.rest.norms and not fp.rest.sums  # only Gram laws left to the 2nd pass
@@ -170,7 +171,7 @@ def test_deep_linear_gram_and_frozen_zero_element():
     m1.unused = nn.Parameter(torch.randn(3))
     m1.layers[2].bias.requires_grad_(False)
     m2 = twin(m1)
-    opt = FusedAdamW(m1.parameters(), lr=1e-2, track=m1, fp64=True, snapshot_budget=None, drift_every=1)
+    opt = FusedAdamW(m1.parameters(), lr=1e-2, track=m1, fp64=True, snapshot_budget=None, drift_every=1, keep_last=True)
     ref = torch.optim.AdamW(m2.parameters(), lr=1e-2, foreach=True)
     x = torch.randn(8, 5)
     tr = opt.tracker
@@ -230,8 +231,8 @@ def test_triton_stats_match_torch_twin():
             num_key_value_heads=1, attention_bias=True, mlp_bias=True)
     m2 = twin(m1)
     x = torch.randint(0, 32, (1, 4))
-    o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, fp64=True, backend="triton")
-    o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, fp64=True, backend="torch")
+    o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, fp64=True, backend="triton", keep_last=True)
+    o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, fp64=True, backend="torch", keep_last=True)
     for _ in range(2):  # same gradients on both (Adam amplifies O(1e-7) differences of tiny grads)
         o1.zero_grad()
         lm_loss(m1, x).backward()
@@ -391,7 +392,8 @@ def test_accumulation_scheduler_add_param_group():
     late2 = [p for n, p in m2.named_parameters() if n.startswith("layers.1.mlp")]
     first1 = [p for p in m1.parameters() if all(p is not q for q in late1)]
     first2 = [p for p in m2.parameters() if all(p is not q for q in late2)]
-    o1 = FusedAdamW(first1, lr=1e-2, weight_decay=0.1, track=m1, fp64=True, snapshot_budget=None, drift_every=1)
+    o1 = FusedAdamW(first1, lr=1e-2, weight_decay=0.1, track=m1, fp64=True, snapshot_budget=None, drift_every=1,
+                    keep_last=True)
     o2 = torch.optim.AdamW(first2, lr=1e-2, weight_decay=0.1, foreach=True)
     sch = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (o1, o2)]
     x = torch.randint(0, 32, (4, 6))
@@ -521,7 +523,8 @@ def test_user_defined_optimizer_through_track():
     """Lion through conserve.track: the drift terms equal the float64 decomposition (a = 1 for an
     unknown optimizer, so the decoupled decay sits in Delta) and sum to the measured change."""
     m = lm()
-    opt = conserve.track(Lion(m.parameters(), lr=1e-3, weight_decay=0.1), m, fp64=True, snapshot_budget=None, drift_every=1)
+    opt = conserve.track(Lion(m.parameters(), lr=1e-3, weight_decay=0.1), m, fp64=True, snapshot_budget=None, drift_every=1,
+                         keep_last=True)
     tr = opt.tracker
     x = torch.randint(0, 32, (2, 6))
     for _ in range(3):

@@ -923,7 +923,7 @@ def test_drift_through_fused_adamw_fp32():
     m1 = DecoderLM(cfg)
     m2 = DecoderLM(cfg)
     m2.load_state_dict(m1.state_dict())
-    full = dict(drift_every=1, snapshot_budget=None)  # every law on every step
+    full = dict(drift_every=1, snapshot_budget=None, keep_last=True)  # every law on every step, terms kept
     o1 = FusedAdamW(m1.parameters(), lr=1e-2, weight_decay=0.1, track=m1, backend="triton", **full)
     o2 = FusedAdamW(m2.parameters(), lr=1e-2, weight_decay=0.1, track=m2, backend="torch", **full)
     assert o1._fp.rest is not None and o1._fp.rest.grams

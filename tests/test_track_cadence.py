@@ -40,6 +40,7 @@ def _loss(m, x):
 
 def _run(m, opt, xs, hook=None):
     """Steps over ``xs``; per step a copy of (last row, tracker.last) for comparison."""
+    assert opt.tracker.keep_last  # the comparisons read tracker.last
     out = []
     for x in xs:
         opt.zero_grad()
@@ -86,9 +87,9 @@ def test_track_cadence_and_budget_match_full_decomposition(opt_name, every, budg
     xs = _batches(7)
     m_ref, m = _model(), _model()
     ref = conserve.track(OPTS[opt_name](m_ref.parameters()), m_ref, every=100, fp64=fp64, snapshot_budget=None,
-                         drift_every=1)
+                         drift_every=1, keep_last=True)
     opt = conserve.track(OPTS[opt_name](m.parameters()), m, every=100, fp64=fp64, drift_every=every,
-                         snapshot_budget=budget)
+                         snapshot_budget=budget, keep_last=True)
     rows_ref, rows = _run(m_ref, ref, xs), _run(m, opt, xs)
     tr = opt.tracker
     n_eps = len(tr.families) + len(tr.groups)
@@ -139,7 +140,7 @@ def test_decay_has_no_cancellation_at_a_near_one():
     h (|a^2-1| times the fp32 error of the stored h), where h(a theta) - h(theta) in fp32 cancels."""
     m = _model()
     opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.01, weight_decay=0.1), m, snapshot_budget=None,
-                         drift_every=1)
+                         drift_every=1, keep_last=True)
     tr = opt.tracker
     a = 1 - 0.01 * 0.1
     plan = tr.compiled.plan
@@ -234,9 +235,9 @@ def test_fused_cadence_matches_full_decomposition(budget):
     xs = _batches(5)
     m_ref, m = _model(), _model()
     ref = FusedAdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1, track=m_ref, every=100, snapshot_budget=None,
-                     drift_every=1)
+                     drift_every=1, keep_last=True)
     opt = FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, every=100, drift_every=2,
-                     snapshot_budget=budget)
+                     snapshot_budget=budget, keep_last=True)
     rows_ref, rows = _run(m_ref, ref, xs), _run(m, opt, xs)
     tr = opt.tracker
     n_eps = len(tr.families) + len(tr.groups)
@@ -329,10 +330,10 @@ def test_triton_drift_pass_on_sampled_views(kind):
     for m, backend in zip(ms, ("torch", "triton")):
         if kind == "track":
             opts.append(conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=100,
-                                       snapshot_budget=0.3, backend=backend, drift_every=1))
+                                       snapshot_budget=0.3, backend=backend, drift_every=1, keep_last=True))
         else:
             opts.append(FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, every=100, drift_every=1,
-                                   snapshot_budget=0.3, backend=backend))
+                                   snapshot_budget=0.3, backend=backend, keep_last=True))
     runs = [_run(m, o, xs) for m, o in zip(ms, opts)]
     n_eps = len(opts[0].tracker.families) + len(opts[0].tracker.groups)
     for (row_t, last_t), (row_g, last_g) in zip(*runs):
@@ -345,3 +346,125 @@ def test_triton_drift_pass_on_sampled_views(kind):
             _close(last_g[t].vec.double(), last_t[t].vec.double(), rtol, scale)
             for d, g in last_t[t].grams.items():
                 _close(last_g[t].grams[d].double(), g.double(), rtol, max(scale, g.abs().max().item()))
+
+
+# ------------------------------------------------------------------------- what the tracker keeps
+def _own_attrs(opt):
+    """An optimizer's own attributes (``_owned_tensors`` does not enter optimizers), not its state."""
+    return {k: v for k, v in vars(opt).items() if k not in ("state", "param_groups", "defaults")}
+
+
+def _law_sized(owner, tr, params):
+    """The float tensors ``owner`` holds that have the shape of the law values (vec, or one D's Grams)."""
+    shapes = {tuple(tr.h0.vec.shape)} | {tuple(g.shape) for g in tr.h0.grams.values()}
+    return [t for t in _owned_tensors(owner, params) if t.is_floating_point() and tuple(t.shape) in shapes]
+
+
+@pytest.mark.parametrize("kind", ["track", "fused_adamw"])
+def test_keep_last_off_holds_no_term_values(kind):
+    """Without keep_last the tracker holds h0, h and the four cumulative terms (one law-sized tensor
+    per layout each) between steps and nothing else law-sized; keep_last adds the five step terms; the
+    rows and totals are the same bit for bit; reading ``last`` without keep_last raises, naming the fix."""
+    runs = {}
+    for keep in (False, True):
+        m = _model()
+        if kind == "track":
+            opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=100,
+                                 keep_last=keep, snapshot_budget=0.2)
+            owner = opt.tracker
+        else:
+            opt = FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, every=100, drift_every=2,
+                             keep_last=keep, snapshot_budget=0.2)
+            owner = _own_attrs(opt)
+        tr = opt.tracker
+        params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+        layouts = 1 + len(tr.h0.grams)
+        for k, x in enumerate(_batches(3)):
+            opt.zero_grad()
+            _loss(m, x).backward()
+            opt.step()
+            state = {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)}
+            held = _law_sized(owner, tr, params | state)
+            assert len(held) == (6 + (5 if keep else 0)) * layouts, (k, [tuple(t.shape) for t in held])
+        if keep:
+            assert set(tr.last) == {"measured", "decay", "first", "second", "residual"}
+        else:
+            assert tr.last == {} and not tr.last
+            with pytest.raises(KeyError, match="keep_last=True"):
+                tr.last["first"]
+        runs[keep] = (tr.flush(), tr.totals())
+    for a, b in [(x, y) for x, y in zip(runs[False][0], runs[True][0])] + [(runs[False][1][f], runs[True][1][f])
+                                                                           for f in runs[False][1]]:
+        assert a.keys() == b.keys() and all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in a)  # NaN == NaN
+
+
+def test_cumulative_summed_in_place_equals_the_sum_of_the_step_terms():
+    """``cumulative`` is updated in place (same storages every step) and equals, bit for bit, the
+    out-of-place sum of the per-step terms; ``state_dict`` hands out copies (not the live buffers)."""
+    m = _model()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.05, weight_decay=0.1), m, every=100, keep_last=True,
+                         snapshot_budget=0.3)
+    tr = opt.tracker
+    ptrs = {k: (v.vec.data_ptr(), {d: g.data_ptr() for d, g in v.grams.items()}) for k, v in tr.cumulative.items()}
+    ref = {k: v.clone() for k, v in tr.cumulative.items()}
+    saved = None
+    for k, x in enumerate(_batches(5)):
+        opt.zero_grad()
+        _loss(m, x).backward()
+        opt.step()
+        for t in ref:
+            ref[t] = ref[t].map(torch.add, tr.last[t])
+        if k == 1:
+            saved = tr.state_dict()["cumulative"]
+            frozen = {t: {n: v.clone() for n, v in s.items()} for t, s in saved.items()}
+    for t, v in tr.cumulative.items():
+        assert (v.vec.data_ptr(), {d: g.data_ptr() for d, g in v.grams.items()}) == ptrs[t]
+        assert torch.equal(v.vec, ref[t].vec) and all(torch.equal(g, ref[t].grams[d]) for d, g in v.grams.items())
+    for t, s in saved.items():
+        assert all(torch.equal(s[n], frozen[t][n]) for n in s)  # later steps did not write into the state
+    # a loaded state is copied in too: stepping does not write into the dict it came from
+    sd = copy.deepcopy(tr.state_dict())
+    keep = copy.deepcopy(sd["cumulative"])
+    tr.load_state_dict(sd)
+    opt.zero_grad()
+    _loss(m, _batches(1)[0]).backward()
+    opt.step()
+    assert all(torch.equal(sd["cumulative"][t][n], keep[t][n]) for t in keep for n in keep[t])
+
+
+def test_decay_factor_once_per_param_group(monkeypatch):
+    import conserve.tracker as T
+
+    m = _model()
+    ps = list(m.parameters())
+    opt = conserve.track(torch.optim.AdamW(_wd_groups(ps), lr=1e-2), m, every=100)
+    calls = []
+    orig = T.decay_factor
+    monkeypatch.setattr(T, "decay_factor", lambda o, g: calls.append(1) or orig(o, g))
+    opt.zero_grad()
+    _loss(m, _batches(1)[0]).backward()
+    opt.step()
+    assert len(calls) == len(opt.param_groups) == 2
+    wd = {id(p): 1 - 1e-2 * g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert opt.tracker._a == [wd[id(t)] for t in opt.tracker.tensors]
+
+
+@pytest.mark.parametrize("budget", [None, 0.05, 0.3])
+def test_sampler_masks_from_group_ids(budget):
+    """Each group's mask (one comparison of int16 group ids) marks exactly the entries of its units."""
+    m = _model()
+    tr = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, snapshot_budget=budget).tracker
+    s, p = tr.sampler, tr.compiled.plan
+    assert s._gid[0].dtype == np.int16
+    for g, units in enumerate(s.groups):
+        vm = np.zeros(p.vec_size, dtype=bool) if units is not None else np.ones(p.vec_size, dtype=bool)
+        gm = {d: np.zeros(n, dtype=bool) if units is not None else np.ones(n, dtype=bool) for d, n in p.gram_slots.items()}
+        for u in units or ():
+            if u.key[0] == "gram":
+                gm[u.key[1]][u.key[2]] = True
+            else:
+                vm[u.key[1]:u.key[2]] = True
+        mask = s.mask(g + len(s.groups))  # round robin
+        assert (mask.vec_np == vm).all() and torch.equal(mask.vec, torch.from_numpy(vm))
+        assert all((mask.gram_np[d] == gm[d]).all() and torch.equal(mask.grams[d], torch.from_numpy(gm[d])) for d in gm)
+        assert mask.full == bool(vm.all() and all(x.all() for x in gm.values())) and mask.key == ("sampler", g)

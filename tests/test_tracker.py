@@ -18,7 +18,8 @@ CFG = dict(vocab_size=13, hidden_size=16, num_attention_heads=4, num_key_value_h
            num_hidden_layers=2, position="rope", nope_layers=(1,), num_experts=2, top_k=2, moe_layers=(1,),
            attention_bias=True, mlp_bias=True)
 QUADRATIC = ("gain", "qk", "rope_pair", "swiglu", "vo")
-FULL = dict(snapshot_budget=None, drift_every=1)  # every law decomposed on every step (as before v2)
+FULL = dict(snapshot_budget=None, drift_every=1, keep_last=True)  # every law decomposed on every step (as
+# before v2), its per-entry terms kept in tracker.last
 
 
 def _model(seed=0, dtype=torch.float64, **kw):

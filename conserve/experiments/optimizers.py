@@ -150,8 +150,9 @@ def run_one(task, config: str, args, dtype) -> dict:
     opt, meta = _optimizer(config, model.parameters(), args)
     monitors = [MomentumRecursion(args.momentum)] if meta["optimizer"] == "momentum" else []
     sink = MemorySink()
-    tracked = track(opt, model, every=50, sinks=[sink], drift=True, fp64=True, monitors=monitors,
-                    drift_every=1, snapshot_budget=None)  # every law on every step: exact totals
+    tracked = track(opt, model, every=50, sinks=[sink], drift=True, fp64=True, monitors=monitors, drift_every=1,
+                    snapshot_budget=None, keep_last=bool(monitors))  # every law on every step: exact totals
+    # (MomentumRecursion reads the per-entry terms of each step: tracker.last)
     for m in monitors:
         m.tracker = tracked.tracker
     try:

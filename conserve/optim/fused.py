@@ -9,7 +9,7 @@ ways between these classes and their torch twins.
 
 Tracking: pass the model (``track=model``), or explicit ``laws=`` with ``named_params=``, plus any
 ``Tracker`` keyword (``every``, ``sinks``, ``fp64``, ``backend``, ``monitors``, ``drift``, ``drift_every``
-(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``)::
+(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``, ``on_nonfinite``, ``keep_last``)::
 
     opt = conserve.optim.FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, track=model,
                                     sinks=[conserve.JSONLSink("laws.jsonl")], every=50)
@@ -59,7 +59,7 @@ from ..tracking.drift import Mask, Sampler, drift_pieces, make_mask
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
-                 "on_nonfinite")
+                 "on_nonfinite", "keep_last")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
 # one tensor at a time) besides the sampled Gram-law views; between drift steps the statistics cost one
 # read of the new weights.  Every 10th step keeps a tracked CPU step within ~1.1-1.4x torch AdamW
@@ -144,8 +144,15 @@ class _FusedPlan:
             for j, (s, sign, quad) in enumerate(es):
                 idx[o, j] = s
                 coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
-        self.idx, self.coef = torch.from_numpy(idx).to(dev), torch.from_numpy(coef).to(dev, acc)
-        self.compact = K.compact_terms(self.idx, self.coef)  # the used (entry, slot) pairs
+        self.n_entries = plan.vec_size
+        idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
+        o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, int32 indices
+        # coefficients +-1, +-2, 0 (signs): int8, exact in the product with the float statistics
+        small = bool((cf == cf.round()).all() and cf.abs().max() <= 127) if cf.numel() else True
+        self.compact = (o.to(dev, torch.int32), sl.to(dev, torch.int32), cf.to(dev, torch.int8 if small else acc))
+        # the padded (entry, J) tables: only the deterministic CUDA finish reads them
+        cuda = torch.device(dev).type == "cuda"
+        self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
         # vec entries written by a term of ``rest`` (decomposed only when the Sampler's group holds them)
@@ -323,6 +330,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     if i >= 0:
                         a_of[i] = h.a
         if tr is not None:
+            del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
             self._record(a_of, snap)
         return loss
 
@@ -343,7 +351,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             gm = {d: np.ones(n, dtype=bool) for d, n in self.tracker.compiled.plan.gram_slots.items()}
         else:
             vm, gm = snap.mask.vec_np | ~fp.rest_vec, snap.mask.gram_np
-        return make_mask(vm, gm, self.tracker.device)
+        return make_mask(vm, gm, self.tracker.device, ("fused", None if snap is None else snap.mask.key))
 
     def _record(self, a_of: dict[int, float], snap=None) -> None:
         tr, fp = self.tracker, self._fp
@@ -351,39 +359,63 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for i, t in enumerate(tr.tensors):  # tracked but not stepped (no grad, not in any group): Delta = 0
             if i not in a_of and fp.reqs[i].any:
                 K.stats_reference(None, t, 1.0, fp.reqs[i], self._stats)
-        vals = (K.finish_reference(self._stats, fp.idx, fp.coef) if self._stats.is_cuda  # deterministic
-                else K.finish_compact(self._stats, *fp.compact, fp.idx.shape[0]))
+        vals = (K.finish_reference(self._stats, fp.idx, fp.coef) if fp.idx is not None  # deterministic (CUDA)
+                else K.finish_compact(self._stats, *fp.compact, fp.n_entries))
         dev, dt = tr.device, vals.dtype
-        h1 = Values(vals[0], {d: torch.zeros(n, d, d, device=dev, dtype=dt) for d, n in tr.compiled.plan.gram_slots.items()})
-        if fp.rest is not None:
+        if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
             h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
                                               backend=tr.backend))
-            h1 = h1.map(torch.add, h_rest)
+            h1 = Values(h_rest.vec.add_(vals[0]), h_rest.grams)
+            del h_rest
+        else:  # a copy: a view would keep all four statistics rows alive as tracker.h
+            h1 = Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
+                                          for d, n in tr.compiled.plan.gram_slots.items()})
         if not drift_step:
             tr.record_step(h1, None)
             return
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         mask = self._mask(snap)
-        zg = lambda: {d: torch.zeros_like(g) for d, g in h1.grams.items()}  # noqa: E731
-        kdec = Values(vals[3].clone(), zg())  # per-term decay of the step statistics
-        first, second = Values(vals[1], zg()), Values(vals[2], zg())
+        # the terms go straight into rows 1-3 of the tracker's step scratch (see Tracker.drift_terms)
+        buf, wv, wg = tr._scratch((5,), tr.h.vec.dtype)
+        (fv, fg), (sv, sg) = (wv[2], {d: g[2] for d, g in wg.items()}), (wv[3], {d: g[3] for d, g in wg.items()})
+        kv, kg = vals[3], None  # per-term decay of the step statistics (+ the pass's)
         if snap is not None:
             asm = tr.assembly
             news = self._sampler.news(snap, tr.tensors)
             pieces = drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
                                   backend=tr.backend, decay=asm.needs_kernel_decay(a, mask))
+            snap.olds.clear()
             del snap, news
             _, dec, b, hd = (None if x is None else Values(*x) for x in pieces)
+            del pieces
             if dec is not None:
-                kdec = kdec.map(torch.add, dec)
-            lin = tr._lin.to(dt)
-            first = first.map(torch.add, Values(2 * b.vec + lin * hd.vec, {d: 2 * g for d, g in b.grams.items()}))
-            second = second.map(torch.add, Values((1 - lin) * hd.vec, hd.grams))
-        decay = Values(*tr.assembly.decay((tr.h.vec, tr.h.grams), a, (kdec.vec, kdec.grams), mask))
+                kv, kg = vals[3] + dec.vec, dec.grams
+            torch.mul(b.vec, 2, out=fv)  # first = stats + 2 B + lin h(Delta); second = stats + (1 - lin) h(Delta)
+            fv.add_(torch.mul(hd.vec, tr._lin, out=sv)).add_(vals[1])
+            torch.mul(hd.vec, asm._nlin, out=sv).add_(vals[2])
+            for d in fg:
+                torch.mul(b.grams[d], 2, out=fg[d])
+                sg[d].copy_(hd.grams[d])
+            del b, hd, dec
+        else:
+            fv.copy_(vals[1])
+            sv.copy_(vals[2])
+            for d in fg:
+                fg[d].zero_()
+                sg[d].zero_()
+        if kg is None:
+            kg = {d: torch.zeros_like(g) for d, g in fg.items()}
+        decay = tr.assembly.decay((tr.h.vec, tr.h.grams), a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
+        del vals, kv, kg
         if not mask.full:
-            first = Values(first.vec * mask.vec, {d: g * mask.grams[d].view(-1, 1, 1) for d, g in first.grams.items()})
-            second = Values(second.vec * mask.vec, {d: g * mask.grams[d].view(-1, 1, 1) for d, g in second.grams.items()})
-        tr.record_step(h1, {"decay": decay, "first": first, "second": second}, mask)
+            fv.mul_(mask.vec)
+            sv.mul_(mask.vec)
+            for d in fg:
+                m = mask.grams[d].view(-1, 1, 1)
+                fg[d].mul_(m)
+                sg[d].mul_(m)
+        tr._terms_buf = buf  # taken by record_step
+        tr.record_step(h1, {"decay": Values(*decay), "first": Values(fv, fg), "second": Values(sv, sg)}, mask)
 
 
 def _params_with_grad(group, done: set):

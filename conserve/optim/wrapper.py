@@ -340,7 +340,7 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
             ``model.conservation_laws()`` or ``conserve.detect(model)``.
         laws: explicit laws instead of detection.
         **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``drift_every``, ``snapshot_budget``, ``fp64``,
-            ``backend``, ``monitors``, ``on_nonfinite`` (see ``conserve.tracker.Tracker``).
+            ``backend``, ``monitors``, ``on_nonfinite``, ``keep_last`` (see ``conserve.tracker.Tracker``).
 
     Returns:
         a ``TrackedOptimizer`` (a ``torch.optim.Optimizer``).

@@ -51,7 +51,7 @@ from torch import nn
 from .. import kernels
 from ..errors import UsageError
 from ..laws import Law
-from ..tracker import TERMS, Tracker, Values, _abs_plan, decay_factor
+from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors
 from .shard_plan import _Entries, _Layout, comm_schedule
 from .drift import drift_pieces
 
@@ -216,7 +216,7 @@ class DistributedTracker(Tracker):
         self._h_split, self._h0_split = self._split.take(self.h), self._split.take(self.h0)
         self._cum_p = {k: v.clone() for k, v in self.cumulative.items()}
         self._cum_split = {k: self._split.take(v) for k, v in self.cumulative.items()}
-        self.last = {}
+        self.last = {} if self.keep_last else NotKept()
 
     # ---------------------------------------------------------------------------------- layout
     def _gather_layouts(self) -> list[_Layout]:
@@ -427,10 +427,7 @@ class DistributedTracker(Tracker):
         if not self.is_drift_step():
             return
         self._prev = [_local(p).clone() for p in self.params]
-        self._a = [1.0] * len(self.params)
-        if optimizer is not None:
-            group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-            self._a = [decay_factor(optimizer, group_of[id(t)]) if id(t) in group_of else 1.0 for t in self.params]
+        self._a = decay_factors(optimizer, self.params)
 
     def _masked(self, v: Values) -> Values:
         """``v`` on this rank's complete entries, 0 elsewhere (NaN elsewhere does not leak)."""

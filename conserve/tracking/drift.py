@@ -23,7 +23,6 @@ The first- and second-order terms are computed directly (``B(a theta, Delta)`` a
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
@@ -40,26 +39,14 @@ except ImportError:  # pragma: no cover - depends on the kernels version
 
 __all__ = ["drift_pieces", "drift_factors", "Assembly", "Sampler", "Snapshot", "Mask", "make_mask"]
 
-_DRIFT_KW = set(inspect.signature(kernels.drift).parameters)
-_DRIFT_HAS_DECAY = "decay" in _DRIFT_KW
-
-
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
                  fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True):
     """``conserve.kernels.drift`` asking for the per-term decay only when ``decay`` is True.
 
     Returns ``(h_new, decay, bil, h_delta)``, each a ``(vec, {D: grams})`` pair, ``decay`` None when not
     asked for.  ``donate``: ``olds`` are copies made for this step, which the torch twin may overwrite
-    with ``Delta`` (no second view-sized buffer); ``values=False``: ``h_new`` may be None.  Kernels that
-    predate the ``decay`` keyword compute it anyway (one dot more per Gram tile on Triton; on the torch
-    twin two more evaluations when some ``a != 1``); its value is then dropped."""
-    if "donate" in _DRIFT_KW:
-        return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay, donate=donate,
-                             values=values)
-    if _DRIFT_HAS_DECAY:
-        return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay)
-    h_new, dec, bil, hd = kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend)
-    return h_new, (dec if decay else None), bil, hd
+    with ``Delta`` (no second view-sized buffer); ``values=False``: ``h_new`` may be None."""
+    return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay, donate=donate, values=values)
 
 
 def _entries_of(plan: Plan):
@@ -84,7 +71,7 @@ class Assembly:
         device: where the terms live.
 
     ``terms(h_old, pieces, a)``: ``h_old`` the stored law values at ``theta_k`` (the tracker's ``h``),
-    ``pieces`` the ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` (``decay`` may be None when
+    ``pieces`` the ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` (``h_new`` unused; ``decay`` may be None when
     ``needs_kernel_decay(a)`` is False), ``a`` the decay factor per tensor of the FULL plan (floats),
     ``sampled`` the entries the pieces cover (``Mask``; the decay is zeroed elsewhere).
     Returns ``{"decay", "first", "second"}`` as ``(vec, {D: grams})`` pairs in ``h_old``'s dtype.
@@ -95,12 +82,13 @@ class Assembly:
         self.vec_size, self.gram_slots = plan.vec_size, dict(plan.gram_slots)
         self.device = device
         self._lin = linear.to(device)
+        self._nlin = ~self._lin
         self._lin_np = linear.cpu().numpy().astype(bool)
-        self._v_entry = np.asarray([e for e, _, _ in vec], dtype=np.int64)
-        self._v_tensor = np.asarray([t for _, t, _ in vec], dtype=np.int64)
+        self._v_entry = np.asarray([e for e, _, _ in vec], dtype=np.int32)
+        self._v_tensor = np.asarray([t for _, t, _ in vec], dtype=np.int32)
         self._v_shift = np.asarray([s for _, _, s in vec], dtype=bool)
-        self._g = {d: (np.asarray([s for dd, s, _ in gram if dd == d], dtype=np.int64),
-                       np.asarray([t for dd, _, t in gram if dd == d], dtype=np.int64)) for d in self.gram_slots}
+        self._g = {d: (np.asarray([s for dd, s, _ in gram if dd == d], dtype=np.int32),
+                       np.asarray([t for dd, _, t in gram if dd == d], dtype=np.int32)) for d in self.gram_slots}
         self._cache: tuple | None = None
 
     def _factors(self, a: Sequence[float]):
@@ -141,36 +129,43 @@ class Assembly:
         return bool(np.isnan(fv[sampled.vec_np]).any()
                     or any(np.isnan(f[sampled.gram_np[d]]).any() for d, f in fg.items()))
 
-    def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None):
+    def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None, out=None):
         """``(a^2 - 1) h_old`` (quadratic entries) / ``(a - 1) h_old`` (linear), ``(vec, {D: grams})``;
         entries whose tensors have different ``a`` take ``kernel`` (the kernel's per-term decay, same
-        layout; ``RuntimeError`` if it is needed and None); zero outside ``sampled``."""
+        layout; ``RuntimeError`` if it is needed and None); zero outside ``sampled``.  ``out``: a
+        ``(vec, {D: grams})`` pair of tensors (``h_old``'s shapes and dtype) to write into."""
         hv, hg = h_old
         dt = hv.dtype
         fv, fg = self._factors(a)[0]
 
-        def one(h, f, quad_mask, kernel, used):
+        def one(h, f, quad_mask, kernel, used, o):
             # factors in float64 on the host (exact for fp32 a), one rounding to dt, one product with h;
             # entries outside ``used`` (not decomposed this step) are zero whatever their factors
             uni = ~np.isnan(f) | ~used
             fac = np.where(uni & used, np.where(quad_mask, f * f - 1.0, f - 1.0), 0.0)
             shape = (-1,) + (1,) * (h.dim() - 1)
-            out = torch.from_numpy(fac).to(self.device, dt).view(shape) * h if (fac != 0).any() else torch.zeros_like(h)
+            if (fac != 0).any():
+                res = torch.mul(torch.from_numpy(fac).to(self.device, dt).view(shape), h, out=o)
+            else:
+                res = torch.zeros_like(h) if o is None else o.zero_()
             if not uni.all():
                 if kernel is None:
                     raise RuntimeError("drift assembly: entries with mixed decay factors need the kernel's decay "
                                        "(call drift_pieces with decay=needs_kernel_decay(a))")
-                out = torch.where(torch.from_numpy(~uni).to(self.device).view(shape), kernel.to(dt), out)
-            return out
+                w = torch.where(torch.from_numpy(~uni).to(self.device).view(shape), kernel.to(dt), res)
+                res = w if o is None else o.copy_(w)
+            return res  # a fresh tensor (or ``o``): masked in place below
 
         kv, kg = (None, {}) if kernel is None else kernel
+        ov, og = (None, {}) if out is None else out
         part = sampled is not None and not sampled.full
-        dv = one(hv, fv, ~self._lin_np, kv, sampled.vec_np if part else np.ones(len(fv), dtype=bool))
+        dv = one(hv, fv, ~self._lin_np, kv, sampled.vec_np if part else np.ones(len(fv), dtype=bool), ov)
         dg = {d: one(hg[d], fg[d], np.ones(len(fg[d]), dtype=bool), kg.get(d),
-                     sampled.gram_np[d] if part else np.ones(len(fg[d]), dtype=bool)) for d in hg}
-        if sampled is not None and not sampled.full:  # entries this step did not decompose: no term
-            dv = dv * sampled.vec
-            dg = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in dg.items()}
+                     sampled.gram_np[d] if part else np.ones(len(fg[d]), dtype=bool), og.get(d)) for d in hg}
+        if part:  # entries this step did not decompose: no term
+            dv.mul_(sampled.vec)
+            for d, g in dg.items():
+                g.mul_(sampled.grams[d].view(-1, 1, 1))
         return dv, dg
 
     def correct(self, h_old, first, second, a: Sequence[float]):
@@ -203,7 +198,7 @@ class Assembly:
             fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], tg[d], rg[d], None)
         return (fv, fg), (sv, sg)
 
-    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None) -> dict:
+    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None, out=None) -> dict:
         """The identity's terms for the true ``a`` (python floats per tensor).  The kernels form
         ``Delta_f = new - a_f old`` with ``a_f`` = ``a`` rounded to fp32; with ``d = a - a_f`` per entry
         (``old`` = theta_k, ``Delta = new - a old = Delta_f - d old``), exactly::
@@ -212,19 +207,37 @@ class Assembly:
             second = h(Delta_f) - (d / a) first - d^2 h_k
 
         so a decay factor that is not an fp32 number (``1 - lr*wd`` in double) keeps the first-order
-        term at its true value (Noether: it vanishes for SGD with weight decay) in float64."""
-        _, dec, (bv, bg), (dv, dg) = pieces
-        dt = h_old[0].dtype
-        lin = self._lin.to(dt)
-        first = (2 * bv.to(dt) + lin * dv.to(dt), {d: 2 * g.to(dt) for d, g in bg.items()})
-        second = ((1 - lin) * dv.to(dt), {d: g.to(dt) for d, g in dg.items()})
-        (first_v, first_g), (second_v, second_g) = self.correct(h_old, first, second, a)
+        term at its true value (Noether: it vanishes for SGD with weight decay) in float64.
+
+        ``out``: ``{"decay", "first", "second"}`` -> ``(vec, {D: grams})`` tensors of ``h_old``'s shapes and
+        dtype to write the terms into (e.g. rows of the tracker's step scratch); None: fresh tensors."""
+        _, dec, (bv, bg), (dv, dg) = pieces  # h_new is not used (None is fine)
+        hv, hg = h_old
+        dt = hv.dtype
+        if out is None:
+            out = {k: (torch.empty_like(hv), {d: torch.empty_like(g) for d, g in hg.items()})
+                   for k in ("decay", "first", "second")}
+        (fv, fg), (sv, sg) = out["first"], out["second"]
+        bv, dv = bv.to(dt), dv.to(dt)
+        torch.mul(bv, 2, out=fv)  # first = 2 B + lin * h(Delta), second = (1 - lin) * h(Delta)
+        fv.add_(torch.mul(dv, self._lin, out=sv))
+        torch.mul(dv, self._nlin, out=sv)
+        for d in hg:
+            torch.mul(bg[d].to(dt), 2, out=fg[d])
+            sg[d].copy_(dg[d])
+        (cfv, cfg), (csv, csg) = self.correct(h_old, (fv, fg), (sv, sg), a)
+        for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in hg] + [(sg[d], csg[d]) for d in hg]:
+            if r is not o:
+                o.copy_(r)
         if sampled is not None and not sampled.full:  # the corrections touch every entry: mask again
-            first_v, second_v = first_v * sampled.vec, second_v * sampled.vec
-            first_g = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in first_g.items()}
-            second_g = {d: g * sampled.grams[d].view(-1, 1, 1) for d, g in second_g.items()}
-        return {"decay": self.decay(h_old, a, dec, sampled), "first": (first_v, first_g),
-                "second": (second_v, second_g)}
+            fv.mul_(sampled.vec)
+            sv.mul_(sampled.vec)
+            for d in hg:
+                m = sampled.grams[d].view(-1, 1, 1)
+                fg[d].mul_(m)
+                sg[d].mul_(m)
+        self.decay(h_old, a, dec, sampled, out=out["decay"])
+        return out
 
 
 @dataclass
@@ -236,6 +249,7 @@ class Mask:
     vec: torch.Tensor
     grams: dict
     full: bool = False
+    key: tuple | None = None  # the same key: the same entries (lets a tracker cache per-mask facts)
 
 
 @dataclass
@@ -254,10 +268,11 @@ class Snapshot:
         return sum(o.numel() * o.element_size() for o in self.olds if o is not None)
 
 
-def make_mask(vm: np.ndarray, gm: Mapping[int, np.ndarray], device) -> Mask:
+def make_mask(vm: np.ndarray, gm: Mapping[int, np.ndarray], device, key: tuple | None = None) -> Mask:
+    """A ``Mask`` from host bool arrays (``key``: the same key must mean the same entries)."""
     full = bool(vm.all() and all(m.all() for m in gm.values()))
     return Mask(vm, dict(gm), torch.from_numpy(vm).to(device), {d: torch.from_numpy(m).to(device) for d, m in gm.items()},
-                full)
+                full, key)
 
 
 class _Unit:
@@ -289,6 +304,8 @@ class Sampler:
             robin), so each law is decomposed once every ``len(groups)`` drift steps.
 
     ``snapshot(j, tensors)``: copies the views of group ``j`` (call right before the optimizer step).
+    Held between steps: the plan-sized units and sub-plans (no tensor) and one int16 group id per
+    output entry (``mask(j)`` compares them; int32 beyond 32767 groups).
     """
 
     def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], budget: float | None, device):
@@ -304,6 +321,27 @@ class Sampler:
         else:
             self.groups = self._pack(self._units(int(budget * self.tracked_bytes)), int(budget * self.tracked_bytes))
         self._subs: dict = {}  # group -> (sub-plan, views): plan-sized, built on first use
+        self._masks()
+
+    def _masks(self) -> None:
+        """Per output entry the group that decomposes it (-1: none), int16/int32 on the host (and a
+        device copy off the CPU): a step's mask is one comparison, not a rebuild."""
+        p, n = self.plan, len(self.groups)
+        it = np.int16 if n < np.iinfo(np.int16).max else np.int32
+        fill = 0 if self.groups == [None] else -1  # budget None: one group, every entry
+        gv = np.full(p.vec_size, fill, dtype=it)
+        gg = {d: np.full(k, fill, dtype=it) for d, k in p.gram_slots.items()}
+        for g, units in enumerate(self.groups):
+            for u in units or ():
+                if u.key[0] == "gram":
+                    gg[u.key[1]][u.key[2]] = g
+                else:
+                    gv[u.key[1]:u.key[2]] = g
+        self._gid = (gv, gg)
+        host = torch.device(self.device).type == "cpu"
+        self._gid_dev = None if host else (torch.from_numpy(gv).to(self.device),
+                                           {d: torch.from_numpy(m).to(self.device) for d, m in gg.items()})
+        self._full = [bool((gv == g).all() and all((m == g).all() for m in gg.values())) for g in range(n)]
 
     # ------------------------------------------------------------------ units and groups
     def _units(self, cap: int) -> list[_Unit]:
@@ -363,21 +401,17 @@ class Sampler:
 
     # ------------------------------------------------------------------ per drift step
     def mask(self, j: int) -> Mask:
-        """The entries drift step ``j`` decomposes (built per call: law-sized, not kept between steps)."""
+        """The entries drift step ``j`` decomposes: one comparison of the per-entry group ids (host
+        bool arrays, and on a GPU device bool tensors; built per call, not kept between steps).
+        ``Mask.key`` is ``("sampler", group)``."""
         g = j % len(self.groups)
-        p = self.plan
-        if self.groups[g] is None:
-            vm = np.ones(p.vec_size, dtype=bool)
-            gm = {d: np.ones(n, dtype=bool) for d, n in p.gram_slots.items()}
+        gv, gg = self._gid
+        vm, gm = gv == g, {d: m == g for d, m in gg.items()}
+        if self._gid_dev is None:  # CPU: the tensors view the host arrays
+            vt, gt = torch.from_numpy(vm), {d: torch.from_numpy(m) for d, m in gm.items()}
         else:
-            vm = np.zeros(p.vec_size, dtype=bool)
-            gm = {d: np.zeros(n, dtype=bool) for d, n in p.gram_slots.items()}
-            for u in self.groups[g]:
-                if u.key[0] == "gram":
-                    gm[u.key[1]][u.key[2]] = True
-                else:
-                    vm[u.key[1]:u.key[2]] = True
-        return make_mask(vm, gm, self.device)
+            vt, gt = self._gid_dev[0] == g, {d: m == g for d, m in self._gid_dev[1].items()}
+        return Mask(vm, gm, vt, gt, self._full[g], ("sampler", g))
 
     @torch.no_grad()
     def snapshot(self, j: int, tensors: Sequence[torch.Tensor]) -> Snapshot:
