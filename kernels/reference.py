@@ -683,11 +683,10 @@ def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evalua
     dec = decay_reference(plan, olds, a, fp64=fp64) if decay else None  # reads olds before they change
     if donate and _donatable(plan, olds, news, fp64):
         dl = list(olds)
-        for i in used_tensors(plan):
-            if a[i] != 1.0:
-                dl[i].mul_(-a[i]).add_(news[i])
-            else:
-                dl[i].neg_().add_(news[i])
+        used = [i for i in used_tensors(plan) if olds[i].numel()]
+        if used:  # Delta = news - a olds, in place: two foreach calls for all tensors (fl32(a*o) as drift_operands)
+            torch._foreach_mul_([olds[i] for i in used], [-a[i] for i in used])
+            torch._foreach_add_([olds[i] for i in used], [news[i] for i in used])
         hd = evaluate(plan, dl)
         bv, bg = bilinear(plan, news, dl)
         bil = (bv - hd[0], {d: g - hd[1][d] for d, g in bg.items()})
