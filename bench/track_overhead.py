@@ -61,14 +61,20 @@ def interleaved(fns: dict, blocks: int, per_block: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def training_step_ratio(size: str, blocks: int, tmp: str) -> tuple[float, float, float]:
+VARIANTS = {"tracked": {}, "drift_every=1": {"drift_every": 1}, "drift=False": {"drift": False}}
+
+
+def training_step_ratio(size: str, blocks: int, tmp: str) -> dict[str, float]:
+    """Median ms per training step: untracked, tracked with the defaults, and the cadence trade-off
+    (``drift_every=1``, ``drift=False``), timed in the same interleaved run."""
     tokens, _ = load_tokens(None)
     fns = {}
-    for name in ("untracked", "tracked"):
+    for name in ("untracked", *VARIANTS):
         model = run_model(size)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        if name == "tracked":  # as conserve run builds it
-            opt = conserve.track(opt, model, every=10, sinks=[conserve.JSONLSink(f"{tmp}/{size}.jsonl")])
+        if name != "untracked":  # as conserve run builds it
+            opt = conserve.track(opt, model, every=10, sinks=[conserve.JSONLSink(f"{tmp}/{size}-{len(fns)}.jsonl")],
+                                 **VARIANTS[name])
         it = iter(Batches(tokens, 16, 64, seed=0))
 
         def step(model=model, opt=opt, it=it):
@@ -80,8 +86,7 @@ def training_step_ratio(size: str, blocks: int, tmp: str) -> tuple[float, float,
         for _ in range(10):
             step()
         fns[name] = step
-    t = interleaved(fns, blocks, 10)
-    return t["untracked"], t["tracked"], t["tracked"] / t["untracked"]
+    return interleaved(fns, blocks, 10)
 
 
 def lm14m() -> DecoderLM:
@@ -184,9 +189,11 @@ def main(argv=None) -> None:
           f"{conserve.tracker.DRIFT_EVERY}, snapshot_budget={conserve.tracker.SNAPSHOT_BUDGET}")
     with tempfile.TemporaryDirectory() as tmp:
         for size, target in (("tiny", 1.10), ("base", 1.05)) if "step" in parts else ():
-            u, t, r = training_step_ratio(size, blocks, tmp)
-            print(f"conserve.track step / untracked, conserve run --size {size}: {t:.2f} ms / {u:.2f} ms = {r:.3f} "
-                  f"(target <= {target})")
+            t = training_step_ratio(size, blocks, tmp)
+            u = t["untracked"]
+            print(f"conserve.track step / untracked, conserve run --size {size}: {t['tracked']:.2f} ms / {u:.2f} ms = "
+                  f"{t['tracked'] / u:.3f} (target <= {target}); trade-off: "
+                  + ", ".join(f"{k} {t[k] / u:.3f}" for k in VARIANTS if k != "tracked"))
     if "fused" in parts:
         n, u, t, r = fused_ratio(blocks)
         print(f"FusedAdamW tracked step / torch AdamW step, {n / 1e6:.1f}M parameters: {t:.1f} ms / {u:.1f} ms = {r:.2f} "

@@ -44,7 +44,7 @@ GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
 CUMULATIVE = TERMS[:4]  # the terms ``cumulative`` sums
 NONFINITE_POLICIES = ("raise", "warn", "skip")
-DRIFT_EVERY = 1  # default drift cadence (see Tracker)
+DRIFT_EVERY = 4  # default drift cadence (see Tracker)
 SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
 
 
@@ -100,10 +100,14 @@ class Tracker:
         drift: compute the three drift terms (False: never; ``eps`` and the law values are still
             evaluated every step).
         drift_every: decompose the drift on every ``drift_every``-th step (steps 1, 1 + N, 1 + 2N, ...);
-            the other steps log ``eps`` and NaN drift columns.  Default 1 (every step; with the snapshot
-            budget a drift step costs ~1.5 evaluations of its group): a CPU step of ``conserve run``'s
-            model ~1.1x the untracked one, ``eps`` alone ~1.05-1.08x; 4 trims the drift part by 4
-            (``bench/track_overhead.py``).
+            the other steps log ``eps`` and NaN drift columns.  Default ``DRIFT_EVERY`` = 4: a drift
+            step has a fixed CPU cost (snapshot, one DRIFT pass over its group, the assembly: ~0.8 ms
+            inside a training step of ``conserve run``'s 62k-parameter model, whatever the group's size),
+            so every step would cost that model ~1.09-1.12x the untracked step, every 4th ~1.07x, ``eps``
+            alone ~1.03x (``OMP_NUM_THREADS=1 python -m bench.track_overhead`` prints all three); on
+            larger models the drift pass follows the bytes and the ratio shrinks.  With the snapshot
+            budget each law is decomposed once every ``drift_every * len(sampler.groups)`` steps; use
+            ``drift_every=1`` (and ``snapshot_budget=None``) for every law on every step.
         snapshot_budget: bytes copied right before a drift step, as a fraction of the tracked bytes
             (default 0.05; ``None``: every law on every drift step, whole tensors copied, 1x the
             tracked bytes while the step runs).  With a budget, a drift step decomposes one group of
@@ -347,8 +351,9 @@ class Tracker:
         asm = self.assembly
         news = self.sampler.news(snap, self.tensors)
         pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
-                              backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask))
-        snap.olds.clear()  # the copies of theta_k are read: free them before the terms are formed
+                              backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask), donate=True,
+                              values=False)  # the snapshot is ours (Delta is formed in it); h1 is the eps evaluation
+        snap.olds.clear()  # the copies of theta_k (now Delta) are read: free them before the terms are formed
         del news
         pieces = (None,) + tuple(pieces[1:])  # h(new) of the pass: not used (h1 is the eps evaluation)
         # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)

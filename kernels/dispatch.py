@@ -54,17 +54,21 @@ def bilinear(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
 
 
 def drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, *, fp64: bool = False,
-          backend: str = "auto", decay: bool = True, config: Config | None = None):
+          backend: str = "auto", decay: bool = True, donate: bool = False, values: bool = True,
+          config: Config | None = None):
     """The four pieces of the exact drift identity of one optimizer step (spec "Discrete steps"):
     ``(h_new, decay, bil, h_delta)`` as ``(vec, {D: grams})`` pairs (see ``reference.drift_reference``).
 
     ``a``: decay factor per tensor (or one float).  ``decay``: the decay piece ``h(a old) - h(old)``,
     computed per term in closed form (``s (a^2-1) h_t(old)``; no difference of two evaluations); with
     ``decay=False`` it is None and not computed on any backend (Triton: the decay dots are compiled
-    out).  Triton: every Gram term in ONE pass over old and new weights per (D, dtype group)
+    out).  ``donate``: ``olds`` are the caller's copies, which the torch twin may overwrite with
+    ``Delta`` instead of allocating it (Triton forms ``Delta`` in registers and never writes them).
+    ``values=False``: ``h_new`` may be None (the twin skips it; Triton computes it in the same pass and
+    returns it).  Triton: every Gram term in ONE pass over old and new weights per (D, dtype group)
     (``runner.drift_triton``)."""
     if choose_backend(backend, news) == "triton":
         from .runner import drift_triton
 
         return drift_triton(plan, olds, news, a, fp64=fp64, decay=decay, config=config)
-    return drift_reference(plan, olds, news, a, fp64=fp64, decay=decay)
+    return drift_reference(plan, olds, news, a, fp64=fp64, decay=decay, donate=donate, values=values)

@@ -49,6 +49,9 @@ def check_slots(plan: Plan):
             raise ValueError(f"GramTerm slot {t.slot} of size {D} was not reserved with plan.new_gram({D})")
 
 
+_INDEX = torch.int32  # index tensors of the cached structures (index_add_/index_select take int32)
+
+
 def _tensor(ts, i: int) -> torch.Tensor:
     if not 0 <= i < len(ts) or ts[i] is None:
         raise ValueError(f"the plan names tensor {i} but {len(ts)} tensors were given")
@@ -133,7 +136,7 @@ class _GramGroup:
     blocks: list
     tensor: np.ndarray  # tensor index of each stacked view
     sign_np: np.ndarray  # its sign (float64)
-    slot: torch.Tensor  # (T,) int64 output slot per view
+    slot: torch.Tensor  # (T,) output slot per view (``_INDEX``)
     sign: torch.Tensor  # (T,) signs in the accumulation dtype
 
 
@@ -150,10 +153,39 @@ class _RowGroup:
 
 
 @dataclass
+class _Reduction:
+    """One reduction of one whole tensor: ``dim`` None for a 1-D tensor read element by element
+    (``x^2`` / ``x*y``), else ``sum_dim x^2`` (``kind`` "sq"), ``sum_dim x*y`` ("dot"), ``sum_dim x``
+    ("sum"); its values fill ``[start, start + size)`` of the stacked line values."""
+
+    tensor: int
+    dim: int | None
+    kind: str
+    start: int
+    size: int
+    norm: bool  # one ``vector_norm`` along a contiguous dim (its values are squared, stacked, once)
+
+
+@dataclass
+class _Lines:
+    """Vector terms whose rows are whole lines of their tensor (a NormTerm row spanning every column
+    of ``col_dim``, a SumTerm column spanning every row; the usual case: unit, pair, gain, router and
+    translation laws): each tensor is reduced ONCE per (dim, kind), and the term rows gather their
+    line values from the stacked reductions (``src``) into ``vec[out]``, one ``index_add_`` per distinct
+    sign (rows sorted by sign: ``segments`` of ``(sign, start, end)``)."""
+
+    reductions: list
+    src: torch.Tensor  # (R,) index into the stacked line values, per term row
+    out: torch.Tensor  # (R,) vec index per term row
+    segments: list  # (sign, r0, r1): rows [r0, r1) carry ``sign``
+
+
+@dataclass
 class _Structure:
     grams: list
-    rows: list
+    rows: list  # vector terms NOT in ``lines``, grouped into strided blocks
     vterms: list  # the vector terms, ids of ``_RowGroup.row_term``
+    lines: _Lines | None = None
 
 
 def _clean(n, s):
@@ -169,7 +201,7 @@ def _partner(ys, v, x):
     return v.resolve(yt)
 
 
-def _build(plan: Plan, xs, ys, bilinear: bool, acc, device) -> _Structure:
+def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = True) -> _Structure:
     check_slots(plan)
     ggroups: dict = {}
     for t in plan.grams:
@@ -193,11 +225,14 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device) -> _Structure:
             _extend(blocks, ti, xo, D, N, rs, cs, y)
         grams.append(_GramGroup(D, blocks, np.asarray([e[0] for e in ents], dtype=np.int64),
                                 np.asarray([e[6] for e in ents], dtype=np.float64),
-                                torch.tensor([e[5] for e in ents], dtype=torch.int64, device=device),
+                                torch.tensor([e[5] for e in ents], dtype=_INDEX, device=device),
                                 torch.tensor([e[6] for e in ents], dtype=acc, device=device)))
     vterms = list(plan.norms) + ([] if bilinear else list(plan.sums))
+    lines, on_lines = (_build_lines(plan, vterms, xs, ys, bilinear, acc, device) if use_lines else (None, set()))
     rgroups: dict = {}
     for k, t in enumerate(vterms):
+        if k in on_lines:
+            continue
         v = t.view
         x = _tensor(xs, v.tensor)
         square = k < len(plan.norms)
@@ -231,11 +266,144 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device) -> _Structure:
             _extend(blocks, ti, xo, rows, length, rs, ls, yy)
         shift = np.concatenate([np.full(e[5], e[9]) for e in ents])
         groups.append(_RowGroup(square, blocks, np.concatenate([np.full(e[5], e[6], dtype=np.int64) for e in ents]),
-                                torch.as_tensor(np.concatenate([e[7] for e in ents]), device=device),
+                                torch.as_tensor(np.concatenate([e[7] for e in ents]), dtype=_INDEX, device=device),
                                 torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]), dtype=acc,
                                                 device=device),
                                 torch.as_tensor(shift, dtype=acc, device=device) if shift.any() else None))
-    return _Structure(grams, groups, vterms)
+    return _Structure(grams, groups, vterms, lines)
+
+
+def _line(t, x, square: bool):
+    """``(dim, kind, line indices)`` when every row of vector term ``t`` is a whole line of ``x`` (the
+    line index counts in ``x``'s shape with ``dim`` removed, C order), else None."""
+    v = t.view
+    shape = tuple(x.shape)
+    if square:
+        if getattr(t, "shift", 0.0) != 0.0:
+            return None
+        if v.col_dim is None:  # one element per row: only 1-D tensors (gains, biases)
+            if x.dim() != 1:
+                return None
+            return None, v.start[0] + v.row_step * np.arange(v.rows, dtype=np.int64)
+        d, n, walk, step = v.col_dim, v.cols, v.row_dim, v.row_step
+    else:
+        d, n, walk, step = v.row_dim, v.rows, v.col_dim, 1
+        if v.row_step != 1:
+            return None
+    if v.start[d] != 0 or n != shape[d]:
+        return None
+    count = v.rows if square else v.cols
+    rest = [i for i in range(x.dim()) if i != d]
+    cstride = np.ones(len(rest), dtype=np.int64)
+    for j in range(len(rest) - 2, -1, -1):
+        cstride[j] = cstride[j + 1] * shape[rest[j + 1]]
+    base = sum(int(v.start[i]) * int(c) for i, c in zip(rest, cstride))
+    if walk is None or count == 0:
+        return d, np.full(count, base, dtype=np.int64)
+    return d, base + step * int(cstride[rest.index(walk)]) * np.arange(count, dtype=np.int64)
+
+
+def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
+    """The ``_Lines`` of the vector terms that read whole lines, and the set of their term ids.  A
+    (tensor, dim) is reduced whole only when its terms use at least half of its lines (else the view
+    blocks read less)."""
+    cand: dict = {}
+    for k, t in enumerate(vterms):
+        x = _tensor(xs, t.view.tensor)
+        square = k < len(plan.norms)
+        t.view.resolve(x)  # ValueError for a view outside its tensor
+        if ys is not None:
+            _partner(ys, t.view, x)
+        if x.numel() == 0 or t.view.rows == 0 or t.view.cols == 0:
+            continue
+        got = _line(t, x, square)
+        if got is None:
+            continue
+        d, idx = got
+        kind = "dot" if (square and bilinear) else ("sq" if square else "sum")
+        cand.setdefault((t.view.tensor, d, kind), []).append((k, idx))
+    keep = []
+    for (ti, d, kind), ents in cand.items():
+        x = xs[ti]
+        size = x.numel() // (x.shape[d] if d is not None else 1)
+        used = np.unique(np.concatenate([i for _, i in ents]))
+        if 2 * len(used) >= size:
+            norm = kind == "sq" and d is not None and x.dtype == acc and (x.stride(d) == 1 or x.shape[d] == 1)
+            keep.append((ti, d, kind, size, norm, ents))
+    if not keep:
+        return None, set()
+    keep.sort(key=lambda e: not e[4])  # norms first: squared once, stacked
+    reds, src, out, sign, taken, start = [], [], [], [], set(), 0
+    for ti, d, kind, size, norm, ents in keep:
+        reds.append(_Reduction(ti, d, kind, start, size, norm))
+        for k, idx in ents:
+            t = vterms[k]
+            square = k < len(plan.norms)
+            src.append(start + idx)
+            out.append((t.index + t.index_stride * np.arange(t.view.rows, dtype=np.int64)) if square
+                       else t.index + np.arange(t.view.cols, dtype=np.int64))
+            if out[-1].size and (out[-1].min() < 0 or out[-1].max() >= plan.vec_size):
+                raise ValueError(f"{type(t).__name__} writes vec[{out[-1].min()}..{out[-1].max()}] outside "
+                                 f"vec_size={plan.vec_size}; reserve entries with plan.new_vec")
+            sign.append(np.full(len(idx), float(t.sign)))
+            taken.add(k)
+        start += size
+    src, out, sign = np.concatenate(src), np.concatenate(out), np.concatenate(sign)
+    order = np.argsort(sign, kind="stable")
+    src, out, sign = src[order], out[order], sign[order]
+    cuts = np.flatnonzero(np.diff(sign)) + 1
+    bounds = [0, *cuts.tolist(), len(sign)]
+    segments = [(float(sign[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a and sign[a] != 0.0]
+    return _Lines(reds, torch.as_tensor(src, dtype=_INDEX, device=device),
+                  torch.as_tensor(out, dtype=_INDEX, device=device), segments), taken
+
+
+_CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
+
+
+def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torch.Tensor:
+    """The values of one ``_Reduction`` over tensor ``x`` (``y``: the partner of "dot"), in ``acc``,
+    flattened in C order of ``x.shape`` without ``r.dim``; Euclidean norms (to be squared) when
+    ``r.norm``.  A reduction along a contiguous dimension of an ``acc`` tensor is one ``vector_norm`` /
+    ``sum``; any other is summed in chunks of at most ``_CHUNK`` elements (never a tensor-sized
+    temporary; ``vector_norm`` along a strided dimension is ~50x slower on CPU)."""
+    d, kind = r.dim, r.kind
+    if d is None:  # 1-D, element by element (small: gains and biases)
+        v = x if x.dtype == acc else x.to(acc)
+        return v * v if kind != "dot" else v * (y if y.dtype == acc else y.to(acc))
+    flat = x.dim() != 2  # results of other ranks (0-d, N-D) are flattened
+    if r.norm:
+        v = torch.linalg.vector_norm(x, dim=d)
+        return v.reshape(-1) if flat else v
+    if x.dtype == acc and (kind != "dot" or y.dtype == acc) and (kind == "sum" or x.numel() <= _CHUNK):
+        v = x.sum(d) if kind == "sum" else (x * (x if kind == "sq" else y)).sum(d)
+        return v.reshape(-1) if flat else v
+    xm = x.movedim(d, -1)
+    ym = y.movedim(d, -1) if kind == "dot" else None
+    n = xm.shape[-1]
+    k = max(1, _CHUNK // max(1, xm.numel() // max(n, 1)))
+    total = None
+    for s0 in range(0, n, k):
+        c = xm[..., s0:s0 + k].to(acc)
+        if kind == "sq":
+            part = (c * c).sum(-1)
+        elif kind == "dot":
+            part = (c * ym[..., s0:s0 + k].to(acc)).sum(-1)
+        else:
+            part = c.sum(-1)
+        total = part if total is None else total.add_(part)
+    return total.reshape(-1)
+
+
+def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
+    """``vec[out] += sign * value`` for every term row of ``lines``."""
+    norms, other = [], []
+    for r in lines.reductions:
+        (norms if r.norm else other).append(_reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc))
+    parts = [_cat(norms).square()] if norms else []  # not in place: evaluations may run under autograd
+    v = _cat(parts + other).index_select(0, lines.src)
+    for sign, r0, r1 in lines.segments:
+        vec.index_add_(0, lines.out[r0:r1], v[r0:r1], alpha=sign)
 
 
 def _order(e):
@@ -251,8 +419,7 @@ _LOCK = threading.Lock()
 
 
 def _layout_key(ts):
-    return tuple(None if t is None else (t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
-                 for t in ts)
+    return tuple(None if t is None else (t.dtype, t.shape, t.stride(), t.device) for t in ts)
 
 
 def _forget(pid: int):
@@ -261,18 +428,18 @@ def _forget(pid: int):
             del _CACHE[k]
 
 
-def _structure(plan: Plan, xs, ys, bilinear: bool, acc, device) -> _Structure:
+def _structure(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = True) -> _Structure:
     """The grouped structure, cached per (plan object, sizes, tensor layouts): a Plan must not be edited
     after its first evaluation (the Triton path's rule too); ``clear_cache()`` if it is."""
     key = (id(plan), id(plan.grams), id(plan.norms), id(plan.sums), len(plan.grams), len(plan.norms),
            len(plan.sums), plan.vec_size, tuple(sorted(plan.gram_slots.items())), bilinear, acc,
-           _layout_key(xs), None if ys is None else _layout_key(ys))
+           _layout_key(xs), None if ys is None else _layout_key(ys), use_lines)
     with _LOCK:
         s = _CACHE.get(key)
         if s is not None:
             _CACHE.move_to_end(key)
             return s
-    s = _build(plan, xs, ys, bilinear, acc, device)
+    s = _build(plan, xs, ys, bilinear, acc, device, use_lines)
     with _LOCK:
         new = key not in _CACHE
         _CACHE[key] = s
@@ -300,8 +467,10 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
     ``row_coef`` give per-view / per-row coefficients replacing the signs, see ``decay_reference``)."""
     acc = acc_dtype(fp64)
     device = _device(xs)
-    s = _structure(plan, xs, ys, ys is not None, acc, device)
+    s = _structure(plan, xs, ys, ys is not None, acc, device, use_lines=row_coef is None)
     vec, grams = empty_out(plan, device, acc)
+    if s.lines is not None:
+        _add_lines(vec, s.lines, xs, ys, acc)
     for g in s.grams:
         coef = g.sign if gram_coef is None else gram_coef(g)
         if coef is None:  # every coefficient is 0
@@ -361,7 +530,7 @@ def decay_reference(plan: Plan, olds: Sequence[torch.Tensor], a: Sequence[float]
     acc = acc_dtype(fp64)
     device = _device(olds)
     av = np.asarray(a, dtype=np.float64)
-    s = _structure(plan, olds, None, False, acc, device)
+    s = _structure(plan, olds, None, False, acc, device, use_lines=False)
 
     def gram_coef(g):
         at = av[g.tensor]
@@ -465,18 +634,73 @@ def drift_operands(plan: Plan, olds, news, a: Sequence[float], fp64: bool):
     return ao, dl
 
 
+def _donatable(plan: Plan, olds, news, fp64: bool) -> bool:
+    """Whether ``Delta`` can be formed in the storage of ``olds`` (``drift(..., donate=True)``): every
+    read old tensor is in the accumulation dtype and shares no memory with a new one, and no vec
+    entry mixes a linear (Sum) term with a quadratic one."""
+    dt = acc_dtype(fp64)
+    for i in used_tensors(plan):
+        o, n = olds[i], news[i]
+        if o.numel() == 0:
+            continue
+        if o.dtype != dt or o.untyped_storage().data_ptr() == n.untyped_storage().data_ptr():
+            return False
+    return _linear_entries(plan, _device(news)) is not False
+
+
+def _linear_entries(plan: Plan, device):
+    """Indices of the vec entries Sum terms write (int64; None without Sum terms; False when an
+    entry is written by both a Sum and a Norm term).  Cached per plan like the grouped structure."""
+    key = (id(plan), "linear", len(plan.sums), len(plan.norms), plan.vec_size, device)
+    with _LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    m = None
+    if plan.sums:
+        lin = {t.index + c for t in plan.sums for c in range(t.view.cols)}
+        quad = {int(i) for t in plan.norms for i in t.index + t.index_stride * np.arange(t.view.rows)}
+        m = False if lin & quad else torch.as_tensor(sorted(lin), dtype=torch.int64, device=device)  # index_fill_: int64
+    with _LOCK:
+        new = not any(k[0] == id(plan) for k in _CACHE)
+        _CACHE[key] = m
+    if new:
+        weakref.finalize(plan, _forget, id(plan))
+    return m
+
+
 def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evaluate: Callable, bilinear: Callable,
-                  decay: bool = True):
+                  decay: bool = True, donate: bool = False, values: bool = True):
     """The drift pieces from separate evaluations (``evaluate(plan, xs)`` / ``bilinear(plan, xs, ys)``
-    return ``(vec, grams)``): ``h(news)``, the closed-form decay (``decay_reference``, on the tensors'
-    device; None if not ``decay``), ``B(a olds, Delta)``, ``h(Delta)`` (``drift_operands``)."""
-    ao, dl = drift_operands(plan, olds, news, a, fp64)
-    dec = decay_reference(plan, olds, a, fp64=fp64) if decay else None
-    return evaluate(plan, news), dec, bilinear(plan, ao, dl), evaluate(plan, dl)
+    return ``(vec, grams)``): ``h(news)`` (None if not ``values``), the closed-form decay
+    (``decay_reference``, on the tensors' device; None if not ``decay``), ``B(a olds, Delta)``,
+    ``h(Delta)`` (``drift_operands``).
+
+    ``donate``: the caller gives up ``olds`` (copies made for this step): ``Delta = news - a olds`` is
+    formed in their storage (no second weight-sized buffer) and ``B(a olds, Delta)`` is taken as
+    ``B(news, Delta) - h(Delta)`` on the quadratic entries (exact: ``a olds = news - Delta`` with the
+    same rounded ``Delta``; its rounding error is of the same order as the direct form's).  Ignored
+    where it cannot apply (``_donatable``)."""
+    dec = decay_reference(plan, olds, a, fp64=fp64) if decay else None  # reads olds before they change
+    if donate and _donatable(plan, olds, news, fp64):
+        dl = list(olds)
+        used = [i for i in used_tensors(plan) if olds[i].numel()]
+        if used:  # Delta = news - a olds, in place: two foreach calls for all tensors (fl32(a*o) as drift_operands)
+            torch._foreach_mul_([olds[i] for i in used], [-a[i] for i in used])
+            torch._foreach_add_([olds[i] for i in used], [news[i] for i in used])
+        hd = evaluate(plan, dl)
+        bv, bg = bilinear(plan, news, dl)
+        bil = (bv - hd[0], {d: g - hd[1][d] for d, g in bg.items()})
+        lin = _linear_entries(plan, hd[0].device)
+        if lin is not None:  # linear laws have no bilinear part
+            bil[0].index_fill_(0, lin, 0.0)
+    else:
+        ao, dl = drift_operands(plan, olds, news, a, fp64)
+        bil, hd = bilinear(plan, ao, dl), evaluate(plan, dl)
+    return (evaluate(plan, news) if values else None), dec, bil, hd
 
 
 def drift_reference(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, fp64: bool = False,
-                    *, decay: bool = True):
+                    *, decay: bool = True, donate: bool = False, values: bool = True):
     """Torch twin of ``drift``: the law values after an optimizer step and the pieces of the exact drift
     identity (spec "Discrete steps")  ``h(new) = a^2 h(old) + 2a old^T M Delta + Delta^T M Delta``.
 
@@ -490,9 +714,14 @@ def drift_reference(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[tor
         fp64: float64 accumulation and ``Delta`` formed in float64; else fp32 (half inputs are upcast
             to fp32 before ``a*old`` and ``Delta = new - a*old`` are formed, each rounded to fp32).
         decay: compute the decay piece; False returns None in its place and reads nothing for it.
+        donate: ``olds`` are copies the caller gives up: ``Delta`` is formed in their storage (they hold
+            ``Delta`` afterwards; see ``drift_compose``).  Applies when the read olds are in the
+            accumulation dtype; otherwise ignored (nothing is written).
+        values: compute ``h_new``; False returns None in its place (a caller that evaluates ``h(news)``
+            over a larger plan anyway).
 
     Returns:
-        four ``(vec, {D: grams})`` pairs (decay None when ``decay=False``), layout of
+        four ``(vec, {D: grams})`` pairs (decay None when ``decay=False``, h_new None when ``values=False``), layout of
         ``evaluate_reference``: ``h_new = h(news)``, ``decay = h(a olds) - h(olds)`` in closed form per
         term (``decay_reference``), ``bil = B(a olds, Delta)``, ``h_delta = h(Delta)`` (Sum terms:
         linear, so ``bil`` has none and ``h_delta`` is ``c^T Delta``).  The identity's terms are
@@ -507,4 +736,5 @@ def drift_reference(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[tor
     check_drift_inputs(plan, olds, news)
     a = drift_factors(a, len(news))
     return drift_compose(plan, olds, news, a, fp64, lambda p, xs: evaluate_reference(p, xs, fp64=fp64),
-                         lambda p, xs, ys: bilinear_reference(p, xs, ys, fp64=fp64), decay=decay)
+                         lambda p, xs, ys: bilinear_reference(p, xs, ys, fp64=fp64), decay=decay, donate=donate,
+                         values=values)

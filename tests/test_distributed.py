@@ -48,7 +48,7 @@ from conserve.tracker import Tracker
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
 # the drift cadence (drift_every, snapshot_budget) of conserve.tracking.drift, compared when the Tracker has it
 CADENCE = "drift_every" in inspect.signature(Tracker).parameters
-FULL = {"snapshot_budget": None} if CADENCE else {}  # every law decomposed on every drift step
+FULL = {"snapshot_budget": None, "drift_every": 1} if CADENCE else {}  # every law decomposed on every step
 STEPS, EVERY = 5, 2
 LR, WD = 2.0 ** -6, 2.0 ** -3  # a = 1 - lr*wd = 1 - 2^-9: exact in fp32 (the kernels round a to fp32)
 
@@ -281,7 +281,7 @@ class _Reference:
 
     def start(self, full):
         self.load(full)
-        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], **FULL, **self.kw)
+        self.tracker = Tracker(self.model, self.laws, sinks=[self.sink], **{**FULL, **self.kw})
 
 
 def _check_rows(got, want, what, rtol=1e-6, atol=1e-12):
@@ -569,7 +569,7 @@ def _scenario_collectives(rank, world, cfg):
     the terms it owns that it does not hold (checked against the laws' views, not the tracker's counts)."""
     model, laws = _fsdp(cfg, world)
     opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
-    t = DistributedTracker(model, laws, every=EVERY)
+    t = DistributedTracker(model, laws, every=EVERY, drift_every=1)
     log = _CommLog()
     for k in range(1, STEPS + 1):
         opt.zero_grad()

@@ -808,6 +808,93 @@ def test_grouped_twin_groups_views_not_terms():
     _close(got[1][16], want[1][16], sg[16], 1e-12, "gram")
 
 
+@pytest.mark.parametrize("dtype,fp64", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                         (torch.float64, True)])
+def test_twin_reduces_whole_lines_once_per_tensor(dtype, fp64, monkeypatch):
+    """Vector terms whose rows are whole lines (unit rows, gain columns, RoPE pairs, router/lm_head sums,
+    1-D gains, 3-D experts) are read as ONE reduction per (tensor, dim): equal to the term-by-term
+    float64 form on the same rounded inputs (fp32 accumulation: 1e-5 of the entrywise scale), for
+    contiguous, transposed and strided tensors, through the chunked path too (a strided reduction larger
+    than a chunk), evaluate and bilinear."""
+    from conserve.kernels import reference as R
+
+    monkeypatch.setattr(R, "_CHUNK", 64)  # every strided reduction here spans several chunks
+    g = torch.Generator().manual_seed(11)
+    E, I, H, V = 2, 12, 16, 10
+    up = randn(I, H, dtype=dtype, gen=g)
+    down_t = randn(I, H, dtype=dtype, gen=g).t()  # (H, I) transposed: its unit columns are contiguous
+    gate_up = randn(E, 2 * I, H, dtype=dtype, gen=g)
+    router = randn(3 * E, 2 * H, dtype=dtype, gen=g)[::3, ::2]  # (E, H), neither stride 1
+    ts = [up, down_t, gate_up, router, randn(H, dtype=dtype, gen=g), randn(V, H, dtype=dtype, gen=g)]
+    p = Plan()
+    u = swiglu_units(p, 0, 1, I, H)
+    for e in range(E):
+        p.norms.append(NormTerm(View(2, (e, I, 0), 1, I, 2, H), 0.5, u))
+    gain(p, 4, [(0, I, ()), (3, E, ())] + [(2, 2 * I, (e,)) for e in range(E)], H)
+    p.sums.append(SumTerm(View(3, (0, 0), 0, E, 1, H), 1.0, p.new_vec(H)))
+    p.sums.append(SumTerm(View(5, (0, 0), 0, V, 1, H), -1.0, p.new_vec(H)))
+    p.norms.append(NormTerm(View(0, (1, 0), 0, 3, 1, H, row_step=4), 1.0, p.new_vec(3)))  # rows 1, 5, 9
+    acc = torch.float64 if fp64 else torch.float32
+    s = R._structure(p, ts, None, False, acc, torch.device("cpu"))
+    assert s.lines is not None and not s.rows, "every vector term here reads whole lines"
+    assert len(s.lines.reductions) <= 2 * len(ts)
+    d64 = [t.double() for t in ts]
+    ys = [torch.randn(t.shape, generator=g).to(dtype) for t in ts]
+    y64 = [t.double() for t in ys]
+    rtol = 1e-12 if fp64 else 1e-5
+    for got, want, scale in (
+            (evaluate_reference(p, ts, fp64=fp64), _evaluate_looped(p, d64, None, True),
+             _evaluate_looped(_abs_plan(p), [t.abs() for t in d64], None, True)),
+            (bilinear_reference(p, ts, ys, fp64=fp64), _evaluate_looped(p, d64, y64, True),
+             _evaluate_looped(_abs_plan(p), [t.abs() for t in d64], [t.abs() for t in y64], True))):
+        assert got[0].dtype == acc
+        _close(got[0], want[0], scale[0], rtol, f"vec {dtype} fp64={fp64}")
+    # a tensor whose terms read under half of its lines is read through its views instead
+    q = Plan()
+    q.norms.append(NormTerm(View(0, (0, 0), 0, 2, 1, H), 1.0, q.new_vec(2)))
+    sq = R._structure(q, ts, None, False, acc, torch.device("cpu"))
+    assert sq.lines is None and len(sq.rows) == 1
+    _close(evaluate_reference(q, ts, fp64=fp64)[0], _evaluate_looped(q, d64, None, True)[0],
+           _evaluate_looped(q, [t.abs() for t in d64], None, True)[0], rtol, "partial")
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+def test_drift_donate_forms_delta_in_the_olds(fp64):
+    """``drift(..., donate=True)`` writes ``Delta = new - a old`` into the given olds (no second
+    buffer) and takes ``B(a old, Delta) = B(new, Delta) - h(Delta)``: the pieces equal the undonated
+    ones to rounding (1e-5 of the scale in fp32, 1e-12 in fp64); ``values=False`` skips ``h_new``.  Olds
+    not in the accumulation dtype are not written (and the pieces are the undonated ones)."""
+    from conserve.kernels import drift
+
+    dt = torch.float64 if fp64 else torch.float32
+    p, olds, news = drift_case(16, torch.float32, seed=7, vec_terms=True)
+    olds, news = [o.to(dt) for o in olds], [n.to(dt) for n in news]
+    p.sums.append(SumTerm(View(0, (0, 0), 0, 2 * 16, 1, 24), 1.0, p.new_vec(24)))  # a linear law too
+    a = [0.9, 1.0, 0.95, 1.0, 0.7]
+    want = drift(p, olds, news, a, backend="torch", fp64=fp64)
+    mine = [o.clone() for o in olds]
+    got = drift(p, mine, news, a, backend="torch", fp64=fp64, donate=True, values=False)
+    assert got[0] is None
+    af = [float(np.float32(x)) for x in a]
+    for i, (o, n) in enumerate(zip(olds, news)):
+        if o.numel():
+            torch.testing.assert_close(mine[i], n - af[i] * o, rtol=0, atol=0)
+    rtol = 1e-12 if fp64 else 1e-5
+    o64 = [t.double() for t in olds]
+    d64 = [t.double() for t in mine]
+    sv, sg = _evaluate_looped(_abs_plan(p), [t.abs() for t in o64], [t.abs() for t in d64], True)
+    for k in (1, 2, 3):
+        _close(got[k][0], want[k][0], sv + 1e-30, rtol, f"{DRIFT_NAMES[k]} vec")
+        for d in want[k][1]:
+            _close(got[k][1][d], want[k][1][d], sg[d], rtol, f"{DRIFT_NAMES[k]} gram D={d}")
+    if not fp64:  # fp32 olds with fp64 accumulation: not donated, nothing written
+        keep = [o.clone() for o in olds]
+        got = drift(p, keep, news, a, backend="torch", fp64=True, donate=True)
+        assert all(torch.equal(k, o) for k, o in zip(keep, olds))
+        ref = drift(p, olds, news, a, backend="torch", fp64=True)
+        assert all(torch.equal(x[0], y[0]) for x, y in zip(got[1:], ref[1:]))
+
+
 def test_drift_bad_input():
     from conserve.kernels import drift
 

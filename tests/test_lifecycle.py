@@ -268,8 +268,8 @@ def test_attach_drives_a_tracker_from_the_optimizer_hooks():
     m = _model()
     inner = torch.optim.SGD(m.parameters(), lr=0.1)
     ref_m = copy.deepcopy(m)
-    ref = conserve.track(torch.optim.SGD(ref_m.parameters(), lr=0.1), ref_m, every=50)
-    tracker = conserve.Tracker(m, every=50)
+    ref = conserve.track(torch.optim.SGD(ref_m.parameters(), lr=0.1), ref_m, every=50, drift_every=1)
+    tracker = conserve.Tracker(m, every=50, drift_every=1)
     handle = conserve.optim.attach(inner, tracker)
     for i in range(3):
         _step(m, inner, i)
@@ -292,7 +292,7 @@ def test_attach_checks_the_param_groups_like_track():
     m = _model()
     groups = [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
               {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
-    tracker = conserve.Tracker(m, every=50)
+    tracker = conserve.Tracker(m, every=50, drift_every=1)
     with pytest.warns(BrokenLawWarning, match="weight decay on only part of one law"):
         conserve.optim.attach(torch.optim.AdamW(groups, lr=1e-2), tracker)
     assert tracker.broken_by and all("weight decay" in r for r in tracker.broken_by.values())
@@ -304,8 +304,8 @@ def test_accelerate_prepare_after_track_keeps_the_decay_term():
 
     acc = accelerate.Accelerator(cpu=True)
     m, ref_m = _model(), _model()
-    ref = conserve.track(torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.1), ref_m, every=50)
-    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=50)
+    ref = conserve.track(torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.1), ref_m, every=50, drift_every=1)
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=50, drift_every=1)
     m, opt = acc.prepare(m, opt)
     assert isinstance(opt, AcceleratedOptimizer) and conserve.optim.unwrap_optimizer(opt) is opt.optimizer
     for i in range(3):
@@ -327,7 +327,7 @@ def test_param_groups_with_different_weight_decay_are_tracked():
     m = _model()
     groups = [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
               {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
-    opt = conserve.track(torch.optim.AdamW(groups, lr=1e-2), m, every=50)
+    opt = conserve.track(torch.optim.AdamW(groups, lr=1e-2), m, every=50, drift_every=1)
     for i in range(3):
         _step(m, opt, i)
     rows = opt.flush()

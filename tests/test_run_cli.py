@@ -113,9 +113,24 @@ def test_console_script_reports_one_line(tmp_path):
     (["--kv-heads", "3", "--heads", "4"], "multiple"), (["--rotary-dim", "3"], "rotary_dim"),
     (["--top-k", "9", "--experts", "4"], "--top-k"), (["--heads", "0"], "--heads"),
     (["--weight-decay", "-1"], "--weight-decay"), (["--device", "foo"], "--device"),
-    (["--nope-layers", "7"], "out of range"), (["--lr", "nan"], "--lr"),
+    (["--nope-layers", "7"], "out of range"), (["--lr", "nan"], "--lr"), (["--drift-every", "0"], "--drift-every"),
 ])
 def test_inconsistent_architecture_and_options_are_one_line_errors(tmp_path, capsys, args, needle):
     assert main(["run", "--out", str(tmp_path / "o"), "--steps", "1", "--no-progress", *args]) == 2
     assert needle in _err(capsys)
     assert not (tmp_path / "o").exists()  # nothing is created before the inputs are known to be good
+
+
+def test_drift_cadence_options(tmp_path):
+    """``--drift-every 1 --snapshot-budget none``: every law decomposed on every step (finite drift columns
+    each row); the default cadence decomposes steps 1, 1 + N, ... only (NaN columns between); a bad
+    budget is refused by argparse naming the option."""
+    assert _run(tmp_path, "--steps", "5", "--drift-every", "1", "--snapshot-budget", "none", out="every") == 0
+    recs = [json.loads(l) for l in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 5 and all(r["drift/swiglu/second"] is not None for r in recs)
+    assert _run(tmp_path, "--steps", "5", "--drift-every", "2", out="sparse") == 0
+    recs = [json.loads(l) for l in (tmp_path / "sparse" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["drift/swiglu/second"] is None for r in recs][1::2] == [True, True]
+    with pytest.raises(SystemExit):
+        main(["run", "--snapshot-budget", "-1", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()

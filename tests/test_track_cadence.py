@@ -403,7 +403,7 @@ def test_cumulative_summed_in_place_equals_the_sum_of_the_step_terms():
     out-of-place sum of the per-step terms; ``state_dict`` hands out copies (not the live buffers)."""
     m = _model()
     opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.05, weight_decay=0.1), m, every=100, keep_last=True,
-                         snapshot_budget=0.3)
+                         snapshot_budget=0.3, drift_every=1)
     tr = opt.tracker
     ptrs = {k: (v.vec.data_ptr(), {d: g.data_ptr() for d, g in v.grams.items()}) for k, v in tr.cumulative.items()}
     ref = {k: v.clone() for k, v in tr.cumulative.items()}

@@ -39,6 +39,19 @@ def _int_tuple(s: str) -> tuple[int, ...]:
     return out
 
 
+def _budget(text: str):
+    """``--snapshot-budget``: a fraction > 0, or 'none' (every law on every drift step)."""
+    if text.lower() == "none":
+        return "none"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction of the tracked bytes (e.g. 0.05) or 'none'")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the fraction must be > 0 (or 'none')")
+    return v
+
+
 def add_arguments(p) -> None:
     g = p.add_argument_group("data and output")
     g.add_argument("--data", default=None, help="text file (plain or .gz), or a PTB/WikiText directory; default: the "
@@ -64,6 +77,11 @@ def add_arguments(p) -> None:
                    help="stop as diverged when a family's eps exceeds this (default 1e3; 0 disables)")
     add_threads_argument(o)
     o.add_argument("--fp64-laws", action="store_true", help="accumulate law values in float64")
+    o.add_argument("--drift-every", type=int, default=None, metavar="N",
+                   help="decompose the drift on every N-th step (default: conserve.track's, 4; 1 = every step)")
+    o.add_argument("--snapshot-budget", type=_budget, default=None, metavar="FRACTION",
+                   help="bytes copied before a drift step, as a fraction of the tracked bytes (default 0.05: "
+                        "one group of laws per drift step, round robin); 'none': every law on every drift step")
     m = p.add_argument_group("model")
     m.add_argument("--size", choices=tuple(SIZES), default="tiny")
     m.add_argument("--layers", type=int, default=None, help="number of layers (overrides --size)")
@@ -237,6 +255,8 @@ def _main(args) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (args.max_eps >= 0):
         raise UsageError(f"--max-eps must be >= 0 (0 disables the check), got {args.max_eps}")
+    if args.drift_every is not None and args.drift_every < 1:
+        raise UsageError(f"--drift-every must be >= 1 (every N-th step), got {args.drift_every}")
     device = resolve_device(args.device)
     tokens, source = load_tokens(args.data)
     cfg = build_config(args)
@@ -270,7 +290,10 @@ def _main(args) -> int:
         from ..continuity import ContinuityMonitor
 
         monitors.append(ContinuityMonitor(model, every=1))
-    tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors)
+    cadence = {} if args.drift_every is None else {"drift_every": args.drift_every}
+    if args.snapshot_budget is not None:
+        cadence["snapshot_budget"] = None if args.snapshot_budget == "none" else args.snapshot_budget
+    tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors, **cadence)
     tracker = tracked.tracker
     from ..tracking.control import ControlMonitor
 

@@ -23,7 +23,6 @@ The first- and second-order terms are computed directly (``B(a theta, Delta)`` a
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
@@ -40,20 +39,14 @@ except ImportError:  # pragma: no cover - depends on the kernels version
 
 __all__ = ["drift_pieces", "drift_factors", "Assembly", "Sampler", "Snapshot", "Mask", "make_mask"]
 
-_DRIFT_HAS_DECAY = "decay" in inspect.signature(kernels.drift).parameters
-
-
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
-                 fp64: bool, backend: str, decay: bool):
+                 fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True):
     """``conserve.kernels.drift`` asking for the per-term decay only when ``decay`` is True.
 
     Returns ``(h_new, decay, bil, h_delta)``, each a ``(vec, {D: grams})`` pair, ``decay`` None when not
-    asked for.  Kernels that predate the ``decay`` keyword compute it anyway (one dot more per Gram tile
-    on Triton; on the torch twin two more evaluations when some ``a != 1``); its value is then dropped."""
-    if _DRIFT_HAS_DECAY:
-        return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay)
-    h_new, dec, bil, hd = kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend)
-    return h_new, (dec if decay else None), bil, hd
+    asked for.  ``donate``: ``olds`` are copies made for this step, which the torch twin may overwrite
+    with ``Delta`` (no second view-sized buffer); ``values=False``: ``h_new`` may be None."""
+    return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay, donate=donate, values=values)
 
 
 def _entries_of(plan: Plan):
