@@ -407,13 +407,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             kg = {d: torch.zeros_like(g) for d, g in fg.items()}
         decay = tr.assembly.decay((tr.h.vec, tr.h.grams), a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
         del vals, kv, kg
-        if not mask.full:
-            fv.mul_(mask.vec)
-            sv.mul_(mask.vec)
-            for d in fg:
-                m = mask.grams[d].view(-1, 1, 1)
-                fg[d].mul_(m)
-                sg[d].mul_(m)
+        mask.restrict_((fv, fg), (sv, sg))
         tr._terms_buf = buf  # taken by record_step
         tr.record_step(h1, {"decay": Values(*decay), "first": Values(fv, fg), "second": Values(sv, sg)}, mask)
 

@@ -229,13 +229,8 @@ class Assembly:
         for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in hg] + [(sg[d], csg[d]) for d in hg]:
             if r is not o:
                 o.copy_(r)
-        if sampled is not None and not sampled.full:  # the corrections touch every entry: mask again
-            fv.mul_(sampled.vec)
-            sv.mul_(sampled.vec)
-            for d in hg:
-                m = sampled.grams[d].view(-1, 1, 1)
-                fg[d].mul_(m)
-                sg[d].mul_(m)
+        if sampled is not None:  # the corrections touch every entry: mask again
+            sampled.restrict_((fv, fg), (sv, sg))
         self.decay(h_old, a, dec, sampled, out=out["decay"])
         return out
 
@@ -250,6 +245,15 @@ class Mask:
     grams: dict
     full: bool = False
     key: tuple | None = None  # the same key: the same entries (lets a tracker cache per-mask facts)
+
+    def restrict_(self, *values) -> None:
+        """Zero, in place, the entries outside the mask of each ``(vec, {D: grams})`` pair."""
+        if self.full:
+            return
+        for vec, grams in values:
+            vec.mul_(self.vec)
+            for d, g in grams.items():
+                g.mul_(self.grams[d].view(-1, 1, 1))
 
 
 @dataclass
