@@ -39,6 +39,9 @@ class TrackedRun:
             self.tracker, self.owned = make_tracker(model, laws, **tracker_kwargs), True
             self._handle = attach(self.optimizer, self.tracker)
         self._logged: int | None = None
+        self._drift: dict[str, tuple[int, float]] = {}  # drift key -> (step, value) of its latest decomposition
+        self._drift_logged: dict[str, int] = {}
+        self.tracker.sinks.append(_Seen(self))  # every written row passes here, whoever flushes
 
     def _keep(self, key: str, value) -> bool:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -55,15 +58,31 @@ class TrackedRun:
 
     def scalars(self) -> dict[str, float]:
         """Flush (one host sync) and return the latest row as log entries, or ``{}`` when no step was
-        booked since the last call. NaN values stay NaN (the framework logs what conserve measured)."""
-        self.tracker.flush()
+        booked since the last call.  The drift columns come from the latest step that decomposed each
+        of them (``drift_every`` / ``snapshot_budget``: the logging step is seldom a drift step), each
+        logged once, with ``drift_step`` the newest of those steps; NaN law values stay NaN (the
+        framework logs what conserve measured)."""
+        self.tracker.flush()  # the rows pass through ``_Seen`` as they are written
         rec = self.tracker.last_record
         if rec is None or rec["step"] == self._logged:
             return {}
         self._logged = rec["step"]
-        out = {f"{self.prefix}{k}": float(v) for k, v in rec.items() if k != "step" and self._keep(k, v)}
+        out = {f"{self.prefix}{k}": float(v) for k, v in rec.items()
+               if k != "step" and not k.startswith("drift/") and self._keep(k, v)}
         out[f"{self.prefix}step"] = float(rec["step"])
+        fresh = {k: sv for k, sv in self._drift.items() if sv[0] > self._drift_logged.get(k, 0)}
+        for k, (step, v) in fresh.items():
+            out[f"{self.prefix}{k}"] = v
+            self._drift_logged[k] = step
+        if fresh:
+            out[f"{self.prefix}drift_step"] = float(max(step for step, _ in fresh.values()))
         return out
+
+    def _note(self, rec: dict) -> None:
+        """Remember the finite drift columns of a row (the latest decomposition of each)."""
+        for k, v in rec.items():
+            if k.startswith("drift/") and isinstance(v, float) and v == v:
+                self._drift[k] = (rec["step"], v)
 
     def state_dict(self) -> dict:
         return self.tracker.state_dict()
@@ -71,9 +90,11 @@ class TrackedRun:
     def load_state_dict(self, state: dict) -> None:
         self.tracker.load_state_dict(state)
         self._logged = None
+        self._drift, self._drift_logged = {}, {}
 
     def close(self) -> None:
-        """Take the hooks off; close the tracker this run built (flush only a user's own tracker)."""
+        """Take the hooks off (and the row watcher); close the tracker this run built (flush only a user's own tracker)."""
+        self.tracker.sinks[:] = [x for x in self.tracker.sinks if not (isinstance(x, _Seen) and x.run is self)]
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -81,3 +102,16 @@ class TrackedRun:
             self.tracker.close()
         else:
             self.tracker.flush()
+
+
+class _Seen:
+    """A sink that only notes, for ``TrackedRun.scalars``, the drift columns of every row written."""
+
+    def __init__(self, run: TrackedRun):
+        self.run = run
+
+    def write(self, step: int, metrics: dict) -> None:
+        self.run._note(metrics)
+
+    def close(self) -> None:
+        pass
