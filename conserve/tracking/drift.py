@@ -440,26 +440,32 @@ class Sampler:
 
     def _sub_plan(self, g: int, tensors):
         """Group ``g``'s terms over compact copies of their views (one per distinct view), and per copy
-        ``(tensor, shape, stride, offset)`` of the view it copies (cached: plan-sized, no tensor)."""
+        ``(tensor, shape, stride, offset)`` of the view it copies.  The sub-plan (plan-sized, no tensor)
+        is cached; the memory layout is resolved against ``tensors`` at every call, so a parameter
+        whose strides change during training (``p.data = ...``) is still read right."""
         if g not in self._subs:
             p = self.plan
             sub = Plan(vec_size=p.vec_size, gram_slots=dict(p.gram_slots))
-            views, index = [], {}
+            logical, index = [], {}
 
             def rebase(v: View) -> View:
                 key = (v.tensor, v.start, v.row_dim, v.rows, v.col_dim, v.cols, v.row_step)
                 if key not in index:
-                    off, rs, cs = v.resolve(tensors[v.tensor])
-                    index[key] = len(views)
-                    views.append((v.tensor, (v.rows, v.cols), (rs, cs), off))
+                    index[key] = len(logical)
+                    logical.append(v)
                 return View(index[key], (0, 0), 0, v.rows, 1, v.cols)
 
             for u in self.groups[g]:
                 sub.grams += [GramTerm(rebase(t.view), t.sign, t.slot) for t in u.grams]
                 sub.norms += [NormTerm(rebase(t.view), t.sign, t.index, t.index_stride, t.shift) for t in u.norms]
                 sub.sums += [SumTerm(rebase(t.view), t.sign, t.index) for t in u.sums]
-            self._subs[g] = (sub, views)
-        return self._subs[g]
+            self._subs[g] = (sub, logical)
+        sub, logical = self._subs[g]
+        views = []
+        for v in logical:
+            off, rs, cs = v.resolve(tensors[v.tensor])
+            views.append((v.tensor, (v.rows, v.cols), (rs, cs), off))
+        return sub, views
 
     def news(self, snap: Snapshot, tensors: Sequence[torch.Tensor]) -> list:
         """The new tensors matching ``snap.olds`` (views of the live weights, no copy)."""
