@@ -713,7 +713,7 @@ class Tracker:
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
                 # copies: the tracker sums into its buffers in place
                 "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
-                "sampled_steps": self.sampled_steps,
+                "sampled_steps": self.sampled_steps.clone(), "h0_balance": self.h0_balance,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
@@ -732,7 +732,9 @@ class Tracker:
         self.cumulative = {k: Values.from_state(v, dev).clone() for k, v in state["cumulative"].items()}
         self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
         if state.get("sampled_steps") is not None:
-            self.sampled_steps = state["sampled_steps"].to(dev)
+            self.sampled_steps = state["sampled_steps"].to(dev).clone()  # summed into in place
+        if state.get("h0_balance") is not None:  # |h_0| / magnitude of the saved run's theta_0
+            self.h0_balance = state["h0_balance"].to(dev)
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []
         self._extras = copy.deepcopy(list(state.get("pending_extras", [])))
         for m, s in zip(self.monitors, state.get("monitors", [])):

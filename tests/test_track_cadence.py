@@ -490,3 +490,31 @@ def test_parameter_relaid_out_during_training_keeps_the_drift_identity():
         r = opt.tracker.latest()
         assert abs(r["drift/relu/residual"]) <= 1e-9 * abs(r["drift/relu/measured"]) + 1e-15, s
     opt.tracker.close()
+
+
+def test_state_dict_copies_sampled_steps_and_keeps_the_balance_of_theta_0():
+    """``state_dict()`` is a snapshot (``sampled_steps`` is summed into in place afterwards), and a
+    tracker resumed on moved weights reports the saved run's ``balance`` (|h_0| / magnitude at
+    theta_0), not one recomputed at resume time (QA findings)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.2), m, drift_every=1)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+
+    def steps(o, n):
+        for _ in range(n):
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    steps(opt, 5)
+    sd = opt.tracker.state_dict()
+    before = sd["sampled_steps"].clone()
+    balance = opt.tracker.totals()["relu"]["balance"]
+    steps(opt, 5)
+    assert torch.equal(sd["sampled_steps"], before)
+    resumed = conserve.track(torch.optim.SGD(m.parameters(), lr=0.2), m, drift_every=1)
+    assert resumed.tracker.totals()["relu"]["balance"] != pytest.approx(balance, rel=1e-6)  # theta moved
+    resumed.tracker.load_state_dict(sd)
+    assert resumed.tracker.totals()["relu"]["balance"] == pytest.approx(balance, rel=1e-12)
+    opt.tracker.close()
+    resumed.tracker.close()
