@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -415,7 +415,8 @@ def _order(e):
 
 _CACHE: "OrderedDict[tuple, _Structure]" = OrderedDict()
 _CACHE_MAX = 512  # the drift sampler cycles through ~30-100 sub-plans, each with its own structures
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a garbage-collected plan's finalizer may run while it is held
+_REGISTERED: set = set()  # ids of the plans whose finalizer forgets their entries
 
 
 def _layout_key(ts):
@@ -424,8 +425,22 @@ def _layout_key(ts):
 
 def _forget(pid: int):
     with _LOCK:
-        for k in [k for k in _CACHE if k[0] == pid]:
-            del _CACHE[k]
+        _REGISTERED.discard(pid)
+        dead = [_CACHE.pop(k) for k in [k for k in _CACHE if k[0] == pid]]
+    del dead  # freed outside the lock (a derived plan freed here runs its own finalizer)
+
+
+def _remember(plan: Plan, key: tuple, value) -> None:
+    """``_CACHE[key] = value`` (LRU, at most ``_CACHE_MAX``) and, once per plan, a finalizer that forgets
+    the plan's entries when it is garbage-collected (ids are reused)."""
+    with _LOCK:
+        _CACHE[key] = value
+        evicted = [_CACHE.popitem(last=False) for _ in range(len(_CACHE) - _CACHE_MAX)]
+        new = id(plan) not in _REGISTERED
+        _REGISTERED.add(id(plan))
+    del evicted  # outside the lock, as in _forget
+    if new:
+        weakref.finalize(plan, _forget, id(plan))
 
 
 def _structure(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = True) -> _Structure:
@@ -440,20 +455,16 @@ def _structure(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool 
             _CACHE.move_to_end(key)
             return s
     s = _build(plan, xs, ys, bilinear, acc, device, use_lines)
-    with _LOCK:
-        new = key not in _CACHE
-        _CACHE[key] = s
-        while len(_CACHE) > _CACHE_MAX:
-            _CACHE.popitem(last=False)
-    if new:
-        weakref.finalize(plan, _forget, id(plan))
+    _remember(plan, key, s)
     return s
 
 
 def clear_cache():
     """Forget every grouped structure (needed only after editing a Plan that was already evaluated)."""
     with _LOCK:
+        dead = list(_CACHE.values())
         _CACHE.clear()
+    del dead
 
 
 # ----------------------------------------------------------------------------------------- evaluation
@@ -660,12 +671,33 @@ def _linear_entries(plan: Plan, device):
         lin = {t.index + c for t in plan.sums for c in range(t.view.cols)}
         quad = {int(i) for t in plan.norms for i in t.index + t.index_stride * np.arange(t.view.rows)}
         m = False if lin & quad else torch.as_tensor(sorted(lin), dtype=torch.int64, device=device)  # index_fill_: int64
-    with _LOCK:
-        new = not any(k[0] == id(plan) for k in _CACHE)
-        _CACHE[key] = m
-    if new:
-        weakref.finalize(plan, _forget, id(plan))
+    _remember(plan, key, m)
     return m
+
+
+def _unshifted(plan: Plan):
+    """``(plan with every NormTerm shift set to 0, the shifted terms)``; ``(plan, [])`` without shifts.
+    Cached per plan (the derived plan keeps its identity, so its grouped structure is cached too)."""
+    if not any(t.shift != 0.0 for t in plan.norms):
+        return plan, []
+    key = (id(plan), "unshifted", len(plan.norms))
+    with _LOCK:
+        got = _CACHE.get(key)
+    if got is None:
+        got = (Plan(list(plan.grams), [replace(t, shift=0.0) for t in plan.norms], list(plan.sums), plan.vec_size,
+                    dict(plan.gram_slots)), [t for t in plan.norms if t.shift != 0.0])
+        _remember(plan, key, got)
+    return got
+
+
+def _shift_first_order(vec: torch.Tensor, shifted, dl) -> None:
+    """``vec[index + r*stride] += sign * shift * sum_c Delta[r, c]`` for each shifted NormTerm: the part of
+    ``B(a old + shift, Delta)`` that the unshifted bilinear form lacks (``(x+s)^2`` changes by
+    ``2 (a old + s) Delta + Delta^2`` besides its decay)."""
+    for t in shifted:
+        rows = t.view.of(dl[t.view.tensor]).to(vec.dtype).sum(1)
+        idx = t.index + t.index_stride * torch.arange(t.view.rows, device=vec.device)
+        vec.index_add_(0, idx, rows, alpha=t.sign * t.shift)
 
 
 def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evaluate: Callable, bilinear: Callable,
@@ -681,6 +713,8 @@ def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evalua
     same rounded ``Delta``; its rounding error is of the same order as the direct form's).  Ignored
     where it cannot apply (``_donatable``)."""
     dec = decay_reference(plan, olds, a, fp64=fp64) if decay else None  # reads olds before they change
+    h_new = evaluate(plan, news) if values else None
+    plan, shifted = _unshifted(plan)  # Gemma gains (1 + w)^2: B and h(Delta) of the unshifted form + shift part
     if donate and _donatable(plan, olds, news, fp64):
         dl = list(olds)
         used = [i for i in used_tensors(plan) if olds[i].numel()]
@@ -696,7 +730,9 @@ def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evalua
     else:
         ao, dl = drift_operands(plan, olds, news, a, fp64)
         bil, hd = bilinear(plan, ao, dl), evaluate(plan, dl)
-    return (evaluate(plan, news) if values else None), dec, bil, hd
+    if shifted:
+        _shift_first_order(bil[0], shifted, dl)
+    return h_new, dec, bil, hd
 
 
 def drift_reference(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, fp64: bool = False,
@@ -729,8 +765,10 @@ def drift_reference(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[tor
         entries).
 
     Raises:
-        ValueError: mismatched lists or shapes, wrong number of factors, a shifted NormTerm (its
-            bilinear form is undefined).
+        ValueError: mismatched lists or shapes, wrong number of factors.
+
+    A shifted NormTerm (Gemma's ``(1 + w)^2``) is drifted as ``(a x + s + Delta)^2 - (x + s)^2``: its
+    ``bil`` is ``sum (a x + s) Delta`` and its ``h_delta`` is ``sum Delta^2`` (no shift).
     """
     olds, news = list(olds), list(news)
     check_drift_inputs(plan, olds, news)

@@ -490,3 +490,24 @@ def test_mixtral_expert_modulelist_and_transposed_experts():
     d = detect(m)
     for name in (f"{M}.experts.2/unit", "model.layers.0.post_attention_layernorm/gain"):
         assert check(m, law(d, name)) <= TOL
+
+
+def test_gemma_gain_drift_is_decomposed_and_closes():
+    """Gemma's gains are stored as ``1 + w``: the tracked drift of its gain laws is decomposed (it used
+    to raise inside ``opt.step()``) and decay + first + second equals the measured change (float64)."""
+    import conserve
+
+    torch.manual_seed(0)
+    m = T.GemmaForCausalLM(config("gemma")).double()
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, fp64=True,
+                         drift_every=1, snapshot_budget=None, keep_last=True)
+    assert "gain" in opt.tracker.families
+    ids = torch.randint(0, 17, (2, 6))
+    for _ in range(3):
+        opt.zero_grad()
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        r = opt.tracker.latest()
+        assert abs(r["drift/gain/residual"]) <= 1e-9 * abs(r["drift/gain/measured"])
+        assert r["drift/gain/first"] > 0
+    opt.tracker.close()

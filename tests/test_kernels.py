@@ -895,6 +895,33 @@ def test_drift_donate_forms_delta_in_the_olds(fp64):
         assert all(torch.equal(x[0], y[0]) for x, y in zip(got[1:], ref[1:]))
 
 
+@pytest.mark.parametrize("backend,donate", [("torch", False), ("torch", True), ("triton", False)])
+def test_drift_of_a_shifted_gain(backend, donate):
+    """Gemma stores the gain as ``1 + w``: the law ``(w_c + 1)^2 - sum ||W[:, c]||^2`` drifts as
+    ``[(a w + 1)^2 - (w + 1)^2] + 2 (a w + 1) Delta + Delta^2`` per entry: ``bil`` includes the shift on
+    the old side, ``h_delta`` has none, and decay + 2 bil + h_delta is the measured change (float64)."""
+    from conserve.kernels import drift
+
+    g = torch.Generator().manual_seed(12)
+    H, R = 6, 5
+    olds = [randn(H, gen=g, dtype=torch.float64), randn(R, H, gen=g, dtype=torch.float64)]
+    news = [o + 0.1 * torch.randn(o.shape, generator=g, dtype=torch.float64) for o in olds]
+    p = Plan()
+    gain(p, 0, [(1, R, ())], H, shift=1.0)
+    a = [0.9, 0.95]
+    got = drift(p, [o.clone() for o in olds], news, a, fp64=True, backend=backend, donate=donate)
+    w, W = olds
+    a = [float(np.float32(x)) for x in a]  # the kernels' factors (``drift_factors``)
+    dw, dW = news[0] - a[0] * w, news[1] - a[1] * W
+    want_bil = (a[0] * w + 1.0) * dw - (a[1] * W * dW).sum(0)
+    want_hd = dw * dw - (dW * dW).sum(0)
+    h = lambda w, W: (w + 1.0) ** 2 - (W * W).sum(0)  # noqa: E731
+    torch.testing.assert_close(got[2][0], want_bil, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got[3][0], want_hd, rtol=1e-12, atol=1e-14)
+    total = got[1][0] + 2 * got[2][0] + got[3][0]
+    torch.testing.assert_close(total, h(*news) - h(w, W), rtol=1e-10, atol=1e-13)
+
+
 def test_drift_bad_input():
     from conserve.kernels import drift
 
