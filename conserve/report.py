@@ -218,7 +218,9 @@ def verdict(stats: dict, broken_by: list[str] | None = None) -> tuple[str, str]:
         return "holds_rounding", f"holds to float rounding (eps {eps:.1e})"
     sm, sd, sf, ss = (stats.get(k) for k in ("sum_measured", "sum_decay", "sum_first", "sum_second"))
     if sm is None or sd is None or sf is None or ss is None:
-        return "not_decomposed", f"eps {eps:.2e}; drift not decomposed (track with drift on to see why)"
+        return "not_decomposed", (f"eps {eps:.2e}; drift not decomposed in this run (drift off, or no drift step "
+                                  "reached this family's laws: more steps, or drift_every=1 / "
+                                  "--drift-every 1 --snapshot-budget none)")
     total = sd + sf + ss
     if total <= 0:
         return "holds_rounding", f"holds (no drift term recorded; eps {eps:.1e})"

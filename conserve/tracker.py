@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import copy
 import math
+import numbers
 import sys
 import warnings
 import weakref
@@ -156,10 +157,17 @@ class Tracker:
                  snapshot_budget: float | None = SNAPSHOT_BUDGET, keep_last: bool = False):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
-        if not (isinstance(drift_every, int) and drift_every >= 1):
+        if isinstance(drift_every, bool) or not (isinstance(drift_every, numbers.Integral) and drift_every >= 1):
             raise ValueError(f"drift_every={drift_every!r} must be an int >= 1 (use drift=False for no drift terms)")
-        if snapshot_budget is not None and not (isinstance(snapshot_budget, (int, float)) and snapshot_budget > 0):
-            raise ValueError(f"snapshot_budget={snapshot_budget!r} must be a fraction > 0 of the tracked bytes, or None")
+        drift_every = int(drift_every)
+        if snapshot_budget is not None:
+            if isinstance(snapshot_budget, bool) or not (isinstance(snapshot_budget, numbers.Real)
+                                                         and math.isfinite(snapshot_budget) and snapshot_budget > 0):
+                raise ValueError(f"snapshot_budget={snapshot_budget!r} must be a finite fraction > 0 of the tracked "
+                                 "bytes (>= 1: every law on every drift step), or None")
+            snapshot_budget = float(snapshot_budget)
+        if not isinstance(keep_last, bool):
+            raise ValueError(f"keep_last={keep_last!r} must be True or False")
         self.on_nonfinite = on_nonfinite
         named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
         self.declined: list[Declined] = []

@@ -518,3 +518,13 @@ def test_state_dict_copies_sampled_steps_and_keeps_the_balance_of_theta_0():
     assert resumed.tracker.totals()["relu"]["balance"] == pytest.approx(balance, rel=1e-12)
     opt.tracker.close()
     resumed.tracker.close()
+
+
+def test_cadence_arguments_accept_numpy_numbers_and_refuse_the_rest():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    tr = conserve.Tracker(m, drift_every=np.int64(3), snapshot_budget=np.float32(0.5))
+    assert tr.drift_every == 3 and isinstance(tr.drift_every, int) and tr.snapshot_budget == 0.5
+    for bad in (dict(drift_every=0), dict(drift_every=True), dict(drift_every=2.0), dict(snapshot_budget=float("inf")),
+                dict(snapshot_budget=float("nan")), dict(snapshot_budget=0), dict(keep_last="no")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            conserve.Tracker(m, **bad)

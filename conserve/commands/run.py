@@ -47,8 +47,8 @@ def _budget(text: str):
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give a fraction of the tracked bytes (e.g. 0.05) or 'none'")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the fraction must be > 0 (or 'none')")
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the fraction must be finite and > 0 (or 'none')")
     return v
 
 
