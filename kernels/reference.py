@@ -164,6 +164,7 @@ class _Reduction:
     start: int
     size: int
     norm: bool  # one ``vector_norm`` along a contiguous dim (its values are squared, stacked, once)
+    temp: int = 1 << 16  # elements of the largest temporary a strided reduction may make (``_temp_cap``)
 
 
 @dataclass
@@ -172,12 +173,16 @@ class _Lines:
     of ``col_dim``, a SumTerm column spanning every row; the usual case: unit, pair, gain, router and
     translation laws): each tensor is reduced ONCE per (dim, kind), and the term rows gather their
     line values from the stacked reductions (``src``) into ``vec[out]``, one ``index_add_`` per distinct
-    sign (rows sorted by sign: ``segments`` of ``(sign, start, end)``)."""
+    sign (rows sorted by sign: ``segments`` of ``(sign, start, end)``).  When every line value is read
+    by exactly one term row (the usual case), ``src`` is None: ``out`` is indexed by the stacked line
+    values themselves (no gathered copy, no ``src`` table) and ``segments`` are runs of equal sign in
+    line order (the reductions sorted by sign)."""
 
     reductions: list
-    src: torch.Tensor  # (R,) index into the stacked line values, per term row
+    src: torch.Tensor | None  # (R,) index into the stacked line values, per term row (None: identity)
     out: torch.Tensor  # (R,) vec index per term row
     segments: list  # (sign, r0, r1): rows [r0, r1) carry ``sign``
+    norm_size: int = 0  # the first norm_size stacked values are norms (squared once)
 
 
 @dataclass
@@ -332,10 +337,14 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
             keep.append((ti, d, kind, size, norm, ents))
     if not keep:
         return None, set()
-    keep.sort(key=lambda e: not e[4])  # norms first: squared once, stacked
+    def first_sign(ents):
+        return float(vterms[ents[0][0]].sign)
+
+    keep.sort(key=lambda e: (not e[4], first_sign(e[5])))  # norms first: squared once, stacked; then by sign
     reds, src, out, sign, taken, start = [], [], [], [], set(), 0
+    cap = _temp_cap(plan, xs, acc)
     for ti, d, kind, size, norm, ents in keep:
-        reds.append(_Reduction(ti, d, kind, start, size, norm))
+        reds.append(_Reduction(ti, d, kind, start, size, norm, cap))
         for k, idx in ents:
             t = vterms[k]
             square = k < len(plan.norms)
@@ -349,24 +358,48 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
             taken.add(k)
         start += size
     src, out, sign = np.concatenate(src), np.concatenate(out), np.concatenate(sign)
+    norm_size = sum(r.size for r in reds if r.norm)
+    if len(src) == start and (np.bincount(src, minlength=start) == 1).all():  # each line read once
+        out_line, sign_line = np.empty_like(out), np.empty_like(sign)
+        out_line[src], sign_line[src] = out, sign
+        cuts = np.flatnonzero(np.diff(sign_line)) + 1
+        bounds = [0, *cuts.tolist(), len(sign_line)]
+        segments = [(float(sign_line[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])
+                    if b > a and sign_line[a] != 0.0]
+        return _Lines(reds, None, torch.as_tensor(out_line, dtype=_INDEX, device=device), segments, norm_size), taken
     order = np.argsort(sign, kind="stable")
     src, out, sign = src[order], out[order], sign[order]
     cuts = np.flatnonzero(np.diff(sign)) + 1
     bounds = [0, *cuts.tolist(), len(sign)]
     segments = [(float(sign[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a and sign[a] != 0.0]
     return _Lines(reds, torch.as_tensor(src, dtype=_INDEX, device=device),
-                  torch.as_tensor(out, dtype=_INDEX, device=device), segments), taken
+                  torch.as_tensor(out, dtype=_INDEX, device=device), segments, norm_size), taken
 
 
 _CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
+_TEMP_SHARE = 16  # ... and at most 1/_TEMP_SHARE of the bytes of the tensors the plan reads
+_TEMP_MIN = 1 << 10  # (but never fewer elements than this: a chunk costs ~5 us of dispatch)
+_SMALL = 1 << 14  # a strided "sq" above the cap and of at most this many elements: one vector_norm
+
+
+def _temp_cap(plan: Plan, xs, acc) -> int:
+    """Elements of the largest temporary a strided reduction of ``plan`` over ``xs`` may make:
+    ``_CHUNK``, and at most ``1 / _TEMP_SHARE`` of the bytes of the tensors the plan reads (in ``acc``
+    elements; at least ``_TEMP_MIN``), so no reduction's temporary is a large share of small weights."""
+    used = {t.view.tensor for t in list(plan.grams) + list(plan.norms) + list(plan.sums)}
+    nbytes = sum(xs[i].numel() * xs[i].element_size() for i in used if 0 <= i < len(xs) and xs[i] is not None)
+    return int(min(_CHUNK, max(_TEMP_MIN, nbytes // (_TEMP_SHARE * torch.tensor([], dtype=acc).element_size()))))
 
 
 def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torch.Tensor:
     """The values of one ``_Reduction`` over tensor ``x`` (``y``: the partner of "dot"), in ``acc``,
     flattened in C order of ``x.shape`` without ``r.dim``; Euclidean norms (to be squared) when
     ``r.norm``.  A reduction along a contiguous dimension of an ``acc`` tensor is one ``vector_norm`` /
-    ``sum``; any other is summed in chunks of at most ``_CHUNK`` elements (never a tensor-sized
-    temporary; ``vector_norm`` along a strided dimension is ~50x slower on CPU)."""
+    ``sum``.  Along a strided dimension (``vector_norm`` there is ~3x slower than ``(x * x).sum`` on
+    small CPU tensors, ~50x on large ones) it is summed in chunks of at most ``r.temp`` elements
+    (``_temp_cap``: one chunk, the whole tensor, in the usual case), except a "sq" above ``r.temp``
+    and of at most ``_SMALL`` elements: one ``vector_norm`` squared, no temporary (a 256 x 32
+    embedding's ``x * x`` would be 0.15x the default model's weights)."""
     d, kind = r.dim, r.kind
     if d is None:  # 1-D, element by element (small: gains and biases)
         v = x if x.dtype == acc else x.to(acc)
@@ -375,13 +408,19 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torc
     if r.norm:
         v = torch.linalg.vector_norm(x, dim=d)
         return v.reshape(-1) if flat else v
-    if x.dtype == acc and (kind != "dot" or y.dtype == acc) and (kind == "sum" or x.numel() <= _CHUNK):
+    if kind == "sum" and x.dtype == acc:
+        v = x.sum(d)
+        return v.reshape(-1) if flat else v
+    if kind == "sq" and r.temp < x.numel() <= _SMALL and torch.promote_types(x.dtype, acc) == acc:
+        v = torch.linalg.vector_norm(x, dim=d, dtype=acc).square_()
+        return v.reshape(-1) if flat else v
+    n = x.shape[d]
+    k = max(1, min(_CHUNK, r.temp) // max(1, x.numel() // max(n, 1)))
+    if k >= n and x.dtype == acc and (kind != "dot" or y.dtype == acc):  # one temporary, the tensor's size
         v = x.sum(d) if kind == "sum" else (x * (x if kind == "sq" else y)).sum(d)
         return v.reshape(-1) if flat else v
     xm = x.movedim(d, -1)
     ym = y.movedim(d, -1) if kind == "dot" else None
-    n = xm.shape[-1]
-    k = max(1, _CHUNK // max(1, xm.numel() // max(n, 1)))
     total = None
     for s0 in range(0, n, k):
         c = xm[..., s0:s0 + k].to(acc)
@@ -400,8 +439,14 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
     norms, other = [], []
     for r in lines.reductions:
         (norms if r.norm else other).append(_reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc))
-    parts = [_cat(norms).square()] if norms else []  # not in place: evaluations may run under autograd
-    v = _cat(parts + other).index_select(0, lines.src)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in norms):  # not in place under autograd
+        v = _cat(([_cat(norms).square()] if norms else []) + other)
+    else:  # the norms are fresh tensors: squared in place, one stacked copy in all
+        v = _cat(norms + other) if len(norms) + len(other) > 1 else (norms + other)[0]
+        if norms:
+            v[: lines.norm_size].square_()
+    if lines.src is not None:
+        v = v.index_select(0, lines.src)
     for sign, r0, r1 in lines.segments:
         vec.index_add_(0, lines.out[r0:r1], v[r0:r1], alpha=sign)
 
@@ -723,7 +768,7 @@ def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evalua
             torch._foreach_add_([olds[i] for i in used], [news[i] for i in used])
         hd = evaluate(plan, dl)
         bv, bg = bilinear(plan, news, dl)
-        bil = (bv - hd[0], {d: g - hd[1][d] for d, g in bg.items()})
+        bil = (bv.sub_(hd[0]), {d: g.sub_(hd[1][d]) for d, g in bg.items()})  # in place: bv, bg are ours
         lin = _linear_entries(plan, hd[0].device)
         if lin is not None:  # linear laws have no bilinear part
             bil[0].index_fill_(0, lin, 0.0)
