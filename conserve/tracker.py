@@ -314,7 +314,7 @@ class Tracker:
     def sampler(self) -> Sampler:
         """Which laws each drift step decomposes (``conserve.tracking.drift.Sampler``)."""
         if self._sampler is None:
-            self._sampler = Sampler(self.compiled.plan, self.tensors, self.snapshot_budget, self.device)
+            self._sampler = Sampler(self.compiled.plan, self.tensors, self.snapshot_budget, self.device, compact=True)
         return self._sampler
 
     @property
@@ -365,9 +365,18 @@ class Tracker:
         del news
         pieces = (None,) + tuple(pieces[1:])  # h(new) of the pass: not used (h1 is the eps evaluation)
         # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
-        buf, wv, wg = self._scratch((len(TERMS),), self.h.vec.dtype)
+        at = _Entries(self, snap.mask) if snap.compact else None
+        if at is None:
+            buf, wv, wg = self._scratch((len(TERMS),), self.h.vec.dtype)
+            h_old, sampled = (self.h.vec, self.h.grams), snap.mask
+        else:  # a compact sub-plan: the pieces, terms and scratch hold the group's entries only
+            buf, wv, wg = self._views(torch.empty(len(TERMS), at.layout[0], dtype=self.h.vec.dtype, device=self.device),
+                                      at.layout)
+            h_old, sampled = at.take(self.h), None
+            asm = asm.restrict(at.vi_np, at.si_np)
         out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
-        terms = {k: Values(*v) for k, v in asm.terms((self.h.vec, self.h.grams), pieces, a, snap.mask, out=out).items()}
+        terms = _Terms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out).items()})
+        terms.at = at
         self._terms_buf = buf  # taken by the next record_step
         return terms
 
@@ -389,18 +398,22 @@ class Tracker:
         matrices]``: returns it, its vec part and its ``{D: (*lead, slots, D, D)}`` Gram parts (views)."""
         return self._views(torch.empty(lead + (self._layout[0],), dtype=dt, device=self.device))
 
-    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """``(buf, vec part, {D: Gram part})`` of a ``_scratch`` buffer."""
-        return buf, buf[..., : self._layout[1]], {d: buf[..., a: b].unflatten(-1, shape) for d, a, b, shape in self._layout[2]}
+    def _views(self, buf: torch.Tensor, layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """``(buf, vec part, {D: Gram part})`` of a ``_scratch`` buffer (``layout``: a compact one, ``_Entries``)."""
+        total, nv, spans = self._layout if layout is None else layout
+        return buf, buf[..., : nv], {d: buf[..., a: b].unflatten(-1, shape) for d, a, b, shape in spans}
 
-    def _squares(self, buf: torch.Tensor, vec: torch.Tensor, grams: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    def _squares(self, buf: torch.Tensor, vec: torch.Tensor, grams: Mapping[int, torch.Tensor],
+                 at: "_Entries | None" = None) -> torch.Tensor:
         """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
-        returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``."""
+        returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
+        (``at``: of ``at.fam``)."""
+        flat_at, n_flat = (self._flat_at, self._fam_all.numel()) if at is None else (at.flat_at, at.fam.numel())
         vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
-            g, o = grams[d], self._flat_at[d]
+            g, o = grams[d], flat_at[d]
             torch.sum(g.mul_(g), (-2, -1), out=buf[..., o: o + g.shape[-3]])
-        return buf[..., : self._fam_all.numel()]
+        return buf[..., : n_flat]
 
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled: Mask | None = None) -> None:
         """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,
@@ -448,10 +461,17 @@ class Tracker:
         dt = torch.promote_types(torch.promote_types(h1.vec.dtype, self.h.vec.dtype),
                                  torch.promote_types(torch.promote_types(dec.vec.dtype, fst.vec.dtype), snd.vec.dtype))
         partial = sampled is not None and not sampled.full
+        at = getattr(terms, "at", None)  # compact terms (drift_terms over a compact sub-plan): the group's entries
+        layout = self._layout if at is None else at.layout
         buf = self.__dict__.pop("_terms_buf", None)  # drift_terms wrote the terms into rows 1-3 of it
-        if buf is None or buf.dtype != dt or self._views(buf)[1][1].data_ptr() != dec.vec.data_ptr():
-            buf = torch.empty(len(TERMS), self._layout[0], dtype=dt, device=dev)
-        buf, wv, wg = self._views(buf)
+        if buf is None or buf.dtype != dt or buf.shape[-1] != layout[0] \
+                or self._views(buf, layout)[1][1].data_ptr() != dec.vec.data_ptr():
+            buf = torch.empty(len(TERMS), layout[0], dtype=dt, device=dev)
+        buf, wv, wg = self._views(buf, layout)
+        if at is not None:  # the group's entries of h_{k+1} and h_k; the terms need no mask
+            h1, h_k, partial_masks = at.take(h1), at.take(self.h), False
+        else:
+            h_k, partial_masks = (self.h.vec, self.h.grams), partial
 
         def fill(w, hv, ov, parts, mask):
             ws = w.unbind(0)
@@ -463,22 +483,36 @@ class Tracker:
                     ws[i].copy_(x)
             torch.sub(ws[0], ws[1], out=ws[4]).sub_(ws[2]).sub_(ws[3])  # residual = m - d - f - s
 
-        fill(wv, h1.vec, self.h.vec, (dec.vec, fst.vec, snd.vec), sampled.vec if partial else None)
-        for d, g in h1.grams.items():
-            fill(wg[d], g, self.h.grams[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
-                 sampled.grams[d].view(-1, 1, 1) if partial else None)
+        h1v, h1g = (h1.vec, h1.grams) if at is None else h1
+        hkv, hkg = h_k
+        fill(wv, h1v, hkv, (dec.vec, fst.vec, snd.vec), sampled.vec if partial_masks else None)
+        for d, g in h1g.items():
+            fill(wg[d], g, hkg[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
+                 sampled.grams[d].view(-1, 1, 1) if partial_masks else None)
         for i, k in enumerate(CUMULATIVE):  # cumulative += measured, decay, first, second (in place)
             c = self.cumulative[k]
-            c.vec.add_(wv[i])
-            for d, g in c.grams.items():
-                g.add_(wg[d][i])
-        if self.keep_last:  # a copy: ``buf`` is squared below
-            _, kv, kg = self._views(buf.clone())
+            if at is None:
+                c.vec.add_(wv[i])
+                for d, g in c.grams.items():
+                    g.add_(wg[d][i])
+            else:  # at the group's entries only (the others would add zeros)
+                c.vec.index_add_(0, at.vi, wv[i])
+                for d, g in c.grams.items():
+                    g.index_add_(0, at.si[d], wg[d][i])
+        if self.keep_last:  # a copy: ``buf`` is squared below (compact: scattered into the full layout)
+            if at is None:
+                _, kv, kg = self._views(buf.clone())
+            else:
+                _, kv, kg = self._scratch((len(TERMS),), dt)
+                kv.zero_().index_copy_(1, at.vi, wv)
+                for d, g in kg.items():
+                    g.zero_().index_copy_(1, at.si[d], wg[d])
             self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
-        sq = self._squares(buf, wv, wg)
+        sq = self._squares(buf, wv, wg, at)
+        fam = self._fam_all if at is None else at.fam
         out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
         for i in range(len(TERMS)):
-            out[i].index_add_(0, self._fam_all, sq[i])
+            out[i].index_add_(0, fam, sq[i])
         out.sqrt_()
         if out is not norms:
             norms.copy_(out)
@@ -752,6 +786,45 @@ class Tracker:
         for s in self.sinks:  # one series: sinks drop what an earlier run wrote after it
             if hasattr(s, "resume"):
                 s.resume(written)
+
+
+class _Terms(dict):
+    """``Tracker.drift_terms``'s result: ``{"decay", "first", "second"}`` -> ``Values``; ``at``: the
+    ``_Entries`` they hold when compact (None: the full law layout)."""
+
+    at = None
+
+
+class _Entries:
+    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``vi`` / ``si[D]``
+    (int64, on the device; ``*_np`` on the host), their flat ``_fam_all`` ids ``fam`` (int32), and the
+    compact scratch layout ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``.  Built per
+    drift step from the mask's host arrays (a few bytes per decomposed entry; nothing is held)."""
+
+    __slots__ = ("vi_np", "si_np", "vi", "si", "fam", "flat_at", "layout")
+
+    def __init__(self, tr: "Tracker", mask: Mask):
+        dev = tr.device
+        self.vi_np = np.flatnonzero(mask.vec_np)
+        self.si_np = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
+        self.vi = torch.from_numpy(self.vi_np).to(dev)
+        self.si = {d: torch.from_numpy(x).to(dev) for d, x in self.si_np.items()}
+        flat = np.concatenate([self.vi_np] + [tr._flat_at[d] + self.si_np[d] for d in tr._gram_ds])
+        self.fam = tr._fam_all[torch.from_numpy(flat).to(dev)]
+        nv, at, self.flat_at = len(self.vi_np), len(self.vi_np), {}
+        for d in tr._gram_ds:
+            self.flat_at[d] = at
+            at += len(self.si_np[d])
+        spans = []
+        for d in tr._gram_ds:
+            n = len(self.si_np[d])
+            spans.append((d, at, at + n * d * d, (n, d, d)))
+            at += n * d * d
+        self.layout = (at, nv, spans)
+
+    def take(self, v: "Values") -> tuple:
+        """``(vec, {D: grams})`` of ``v`` at these entries (gathered copies)."""
+        return v.vec[self.vi], {d: g[self.si[d]] for d, g in v.grams.items()}
 
 
 def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:

@@ -121,6 +121,13 @@ class Assembly:
         self._cache = (key, tuple(out))
         return self._cache[1]
 
+    def restrict(self, vi: np.ndarray, si: Mapping[int, np.ndarray]) -> "Assembly":
+        """The assembly of the entries ``vi`` (vec indices) and ``si[D]`` (Gram slots), renumbered in
+        order (the layout of a ``Sampler(compact=True)`` sub-plan): its ``terms``/``decay`` take and
+        return values of those entries only, equal entry by entry to the full layout's (the
+        operations are per entry).  Built per drift step (a few entry-sized arrays, nothing cached)."""
+        return _Restricted(self, vi, si)
+
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
         """Whether some (sampled) entry with a nonzero decay reads tensors of different ``a``."""
         fv, fg = self._factors(a)[0]  # true factors: entries mixed there are decayed by the kernel
@@ -235,6 +242,26 @@ class Assembly:
         return out
 
 
+class _Restricted(Assembly):
+    """``Assembly.restrict``: the parent's per-entry facts (linear mask, decay factors) at some entries."""
+
+    def __init__(self, parent: Assembly, vi: np.ndarray, si: Mapping[int, np.ndarray]):
+        self._parent, self._vi, self._si = parent, np.asarray(vi, dtype=np.int64), {d: np.asarray(si[d], dtype=np.int64)
+                                                                                      for d in parent.gram_slots}
+        self.vec_size, self.gram_slots = len(self._vi), {d: len(x) for d, x in self._si.items()}
+        self.device = parent.device
+        self._lin_np = parent._lin_np[self._vi]
+        self._lin = torch.from_numpy(self._lin_np).to(parent.device)
+        self._nlin = ~self._lin
+
+    def _factors(self, a: Sequence[float]):
+        return tuple((fv[self._vi], {d: f[self._si[d]] for d, f in fg.items()}) for fv, fg in self._parent._factors(a))
+
+    def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
+        fv, fg = self._factors(a)[0]
+        return bool(np.isnan(fv).any() or any(np.isnan(f).any() for f in fg.values()))
+
+
 @dataclass
 class Mask:
     """Which output entries a drift step decomposed: host (numpy) and device boolean masks."""
@@ -267,6 +294,7 @@ class Snapshot:
     sources: list  # per plan tensor: index of the tracked tensor it views
     mask: Mask
     news: list | None = None
+    compact: bool = False  # ``plan`` writes the mask's entries only, in order (``Sampler(compact=True)``)
 
     def bytes(self) -> int:
         return sum(o.numel() * o.element_size() for o in self.olds if o is not None)
@@ -295,6 +323,17 @@ def _sub_view(v: View, dim: int, start: int, n: int, which: str) -> View:
     return replace(v, start=tuple(s), cols=n)
 
 
+def _check_renumbered(plan: Plan, units, sub: Plan, vpos: np.ndarray) -> None:
+    """``AssertionError`` unless each vector term of ``sub`` writes the renumbered entries of its unit's term."""
+    k = 0
+    for u in units:
+        for t in u.norms:
+            full = t.index + t.index_stride * np.arange(t.view.rows)
+            new = sub.norms[k].index + sub.norms[k].index_stride * np.arange(t.view.rows)
+            assert (vpos[full] == new).all(), "compact sub-plan: a norm term's entries are not one run"
+            k += 1
+
+
 class Sampler:
     """Which laws each drift step decomposes, under a budget on the bytes copied before the step.
 
@@ -310,12 +349,18 @@ class Sampler:
     ``snapshot(j, tensors)``: copies the views of group ``j`` (call right before the optimizer step).
     Held between steps: the plan-sized units and sub-plans (no tensor) and one int16 group id per
     output entry (``mask(j)`` compares them; int32 beyond 32767 groups).
+
+    ``compact``: a partial group's sub-plan writes only the group's entries, renumbered in order
+    (``vec_size`` = its vec entries, ``gram_slots[D]`` = its D x D slots: ``Snapshot.compact``; the
+    entries are ``np.flatnonzero`` of the mask's host arrays), so the DRIFT pass's outputs are the
+    group's size, not the law layout's; default False: every sub-plan writes the full layout.
     """
 
-    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], budget: float | None, device):
+    def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], budget: float | None, device,
+                 compact: bool = False):
         if budget is not None and not budget > 0:
             raise ValueError(f"snapshot_budget={budget} must be > 0 (a fraction of the tracked bytes) or None")
-        self.plan, self.budget, self.device = plan, budget, device
+        self.plan, self.budget, self.device, self.compact = plan, budget, device, bool(compact)
         self.tracked_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self._esize = [t.element_size() for t in tensors]
         used = sorted({t.view.tensor for t in list(plan.grams) + list(plan.norms) + list(plan.sums)})
@@ -434,9 +479,13 @@ class Sampler:
             buf = torch.empty(shape, dtype=src.dtype, device=src.device)
             buf.copy_(src.as_strided(shape, stride, src.storage_offset() + off))
             olds.append(buf)
-        snap = Snapshot(sub, olds, [v[0] for v in views], self.mask(j))
+        mask = self.mask(j)
+        snap = Snapshot(sub, olds, [v[0] for v in views], mask, compact=self._compact(j % len(self.groups)))
         snap.news = views  # resolved against the live tensors after the step (``news``)
         return snap
+
+    def _compact(self, g: int) -> bool:
+        return self.compact and not self._full[g]
 
     def _sub_plan(self, g: int, tensors):
         """Group ``g``'s terms over compact copies of their views (one per distinct view), and per copy
@@ -447,6 +496,11 @@ class Sampler:
             p = self.plan
             sub = Plan(vec_size=p.vec_size, gram_slots=dict(p.gram_slots))
             logical, index = [], {}
+            vpos = gpos = None
+            if self._compact(g):  # full entry -> its position among the group's entries (in order)
+                gv, gg = self._gid
+                vpos, gpos = np.cumsum(gv == g) - 1, {d: np.cumsum(m == g) - 1 for d, m in gg.items()}
+                sub = Plan(vec_size=int((gv == g).sum()), gram_slots={d: int((m == g).sum()) for d, m in gg.items()})
 
             def rebase(v: View) -> View:
                 key = (v.tensor, v.start, v.row_dim, v.rows, v.col_dim, v.cols, v.row_step)
@@ -455,10 +509,16 @@ class Sampler:
                     logical.append(v)
                 return View(index[key], (0, 0), 0, v.rows, 1, v.cols)
 
+            def at(i: int) -> int:  # a unit's entries are one run of the group's: progressions stay progressions
+                return i if vpos is None else int(vpos[i])
+
             for u in self.groups[g]:
-                sub.grams += [GramTerm(rebase(t.view), t.sign, t.slot) for t in u.grams]
-                sub.norms += [NormTerm(rebase(t.view), t.sign, t.index, t.index_stride, t.shift) for t in u.norms]
-                sub.sums += [SumTerm(rebase(t.view), t.sign, t.index) for t in u.sums]
+                sub.grams += [GramTerm(rebase(t.view), t.sign, t.slot if gpos is None else int(gpos[t.view.rows][t.slot]))
+                              for t in u.grams]
+                sub.norms += [NormTerm(rebase(t.view), t.sign, at(t.index), t.index_stride, t.shift) for t in u.norms]
+                sub.sums += [SumTerm(rebase(t.view), t.sign, at(t.index)) for t in u.sums]
+            if vpos is not None:  # the renumbering keeps every term's entries (checked once per group)
+                _check_renumbered(self.plan, self.groups[g], sub, vpos)
             self._subs[g] = (sub, logical)
         sub, logical = self._subs[g]
         views = []
