@@ -183,6 +183,8 @@ class _Lines:
     out: torch.Tensor  # (R,) vec index per term row
     segments: list  # (sign, r0, r1): rows [r0, r1) carry ``sign``
     norm_size: int = 0  # the first norm_size stacked values are norms (squared once)
+    progressions: list | None = None  # (r0, r1, first, step, sign): ``src`` None, ``out`` None, see _build_lines
+    batches: list | None = None  # ``src`` None: (i0, i1, v0, v1, squared end, progressions, segments), _batches
 
 
 @dataclass
@@ -366,7 +368,11 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
         bounds = [0, *cuts.tolist(), len(sign_line)]
         segments = [(float(sign_line[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:])
                     if b > a and sign_line[a] != 0.0]
-        return _Lines(reds, None, torch.as_tensor(out_line, dtype=_INDEX, device=device), segments, norm_size), taken
+        progs = _progressions(reds, out_line, sign_line)
+        if progs is not None:  # a few reductions, each onto a progression of entries: no index table at all
+            return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [])), taken
+        return _Lines(reds, None, torch.as_tensor(out_line, dtype=_INDEX, device=device), segments, norm_size, None,
+                      _batches(reds, norm_size, [], segments)), taken
     order = np.argsort(sign, kind="stable")
     src, out, sign = src[order], out[order], sign[order]
     cuts = np.flatnonzero(np.diff(sign)) + 1
@@ -376,7 +382,56 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
                   torch.as_tensor(out, dtype=_INDEX, device=device), segments, norm_size), taken
 
 
+_PROGRESSIONS = 8  # at most this many reductions are added onto strided views of vec (no index table)
+
+
+def _progressions(reds, out_line: np.ndarray, sign_line: np.ndarray):
+    """``[(r0, r1, first, step, sign)]`` when there are at most ``_PROGRESSIONS`` reductions and the
+    line values of each go to entries ``first + step * i`` (``step > 0``) with one sign: ``vec``'s
+    strided view ``as_strided((r1 - r0,), (step,), first)`` takes ``sign * v[r0:r1]`` (one ``add_``
+    per reduction, in line order: the additions into each entry in the order of ``index_add_``).
+    The usual case of a drift sampler's sub-plan over compact copies; else None."""
+    if len(reds) > _PROGRESSIONS:
+        return None
+    progs = []
+    for r in reds:
+        o, sg = out_line[r.start: r.start + r.size], sign_line[r.start: r.start + r.size]
+        if r.size == 0:
+            continue
+        step = int(o[1] - o[0]) if r.size > 1 else 1
+        if step <= 0 or (np.diff(o) != step).any() or (sg != sg[0]).any():
+            return None
+        if sg[0] != 0.0:
+            progs.append((r.start, r.start + r.size, int(o[0]), step, float(sg[0])))
+    return progs
+
+
+_BATCHES = 4  # the stacked line values are formed in about this many batches of reductions ...
+_BATCH_MIN = 256  # ... of at least this many values each (a batch costs one cat and its adds)
+
+
+def _batches(reds, norm_size: int, progs, segments):
+    """Reductions ``[i0, i1)`` whose values ``[v0, v1)`` are stacked, squared (up to ``squared end``)
+    and added at once, about ``1 / _BATCHES`` of the line values each, with the progressions and the
+    segments (clipped) that fall in them: at most ~``1 / _BATCHES`` of the stacked values (and of the
+    reductions' outputs) alive at a time; the additions into each entry keep their line order."""
+    total = reds[-1].start + reds[-1].size
+    size = max(_BATCH_MIN, -(-total // _BATCHES))
+    out, i0 = [], 0
+    while i0 < len(reds):
+        i1, v0 = i0, reds[i0].start
+        while i1 < len(reds) and (i1 == i0 or reds[i1].start + reds[i1].size - v0 <= size):
+            i1 += 1
+        v1 = reds[i1 - 1].start + reds[i1 - 1].size
+        ps = [p for p in progs if v0 <= p[0] < v1]
+        ss = [(sg, max(a, v0), min(b, v1)) for sg, a, b in segments if a < v1 and b > v0]
+        out.append((i0, i1, v0, v1, min(max(norm_size, v0), v1), ps, ss))
+        i0 = i1
+    return out
+
+
 _CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
+_GRAM_STACK = 1 << 14  # a Gram group with fewer output elements is stacked (one cat); larger, block by block
 _TEMP_SHARE = 16  # ... and at most 1/_TEMP_SHARE of the bytes of the tensors the plan reads
 _TEMP_MIN = 1 << 10  # (but never fewer elements than this: a chunk costs ~5 us of dispatch)
 _SMALL = 1 << 14  # a strided "sq" above the cap and of at most this many elements: one vector_norm
@@ -436,6 +491,21 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torc
 
 def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
     """``vec[out] += sign * value`` for every term row of ``lines``."""
+    reds = lines.reductions
+    if lines.batches is not None and not (torch.is_grad_enabled() and any(
+            xs[r.tensor].requires_grad or (ys is not None and ys[r.tensor].requires_grad) for r in reds)):
+        for i0, i1, v0, v1, sq, progs, segs in lines.batches:  # fresh values: squared in place
+            parts = [_reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc) for r in reds[i0:i1]]
+            v = _cat(parts)
+            del parts
+            if sq > v0:
+                v[: sq - v0].square_()
+            for r0, r1, first, step, sign in progs:
+                vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(v[r0 - v0: r1 - v0], alpha=sign)
+            for sign, r0, r1 in segs:
+                vec.index_add_(0, lines.out[r0:r1], v[r0 - v0: r1 - v0], alpha=sign)
+            del v
+        return
     norms, other = [], []
     for r in lines.reductions:
         (norms if r.norm else other).append(_reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc))
@@ -447,6 +517,8 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
             v[: lines.norm_size].square_()
     if lines.src is not None:
         v = v.index_select(0, lines.src)
+    for r0, r1, first, step, sign in lines.progressions or ():
+        vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(v[r0:r1], alpha=sign)
     for sign, r0, r1 in lines.segments:
         vec.index_add_(0, lines.out[r0:r1], v[r0:r1], alpha=sign)
 
@@ -531,7 +603,16 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
         coef = g.sign if gram_coef is None else gram_coef(g)
         if coef is None:  # every coefficient is 0
             continue
-        grams[g.D].index_add_(0, g.slot, _grams(g.blocks, xs, ys, acc) * coef[:, None, None])
+        if len(g.slot) * g.D * g.D < _GRAM_STACK or (torch.is_grad_enabled() and any(
+                xs[b.tensor].requires_grad or (ys is not None and ys[b.tensor].requires_grad) for b in g.blocks)):
+            grams[g.D].index_add_(0, g.slot, _grams(g.blocks, xs, ys, acc) * coef[:, None, None])
+            continue
+        r = 0  # large Grams: block by block, scaled in place (the block's own output alive, no stacked copies)
+        for b in g.blocks:
+            G = _grams([b], xs, ys, acc)
+            grams[g.D].index_add_(0, g.slot[r: r + b.count], G.mul_(coef[r: r + b.count, None, None]))
+            r += b.count
+            del G
     for g in s.rows:
         if row_coef is not None:  # decay: c2 * sum x^2 + c1 * sum x per row
             coefs = row_coef(g)
