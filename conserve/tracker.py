@@ -272,13 +272,12 @@ class Tracker:
         # its instance and family, int32 (index_add_ takes them); the per-layout indices are views
         self._gram_ds = list(c.plan.gram_slots)
         self._inst_all = torch.cat([vec_inst] + [gram_inst[d] for d in self._gram_ds]).to(dev, torch.int32)
-        self._fam_all = torch.cat([vec_fam] + [gram_fam[d] for d in self._gram_ds]).to(dev, torch.int32)
+        fam_all = torch.cat([vec_fam] + [gram_fam[d] for d in self._gram_ds]).to(dev, torch.int32)
         offs = np.cumsum([c.plan.vec_size] + [c.plan.gram_slots[d] for d in self._gram_ds]).tolist()
         self._flat_at = dict(zip(self._gram_ds, offs[:-1]))  # D -> first flat index of its slots
-        self._vec_inst, self._vec_fam = self._inst_all[: c.plan.vec_size], self._fam_all[: c.plan.vec_size]
+        self._vec_inst = self._inst_all[: c.plan.vec_size]
         self._gram_inst = {d: self._inst_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
-        self._gram_fam = {d: self._fam_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
-        spans, at = [], self._fam_all.numel()  # the scratch layout of record_step: [vec | slot sums | Grams]
+        spans, at = [], fam_all.numel()  # the scratch layout of record_step: [vec | slot sums | Grams]
         for d in self._gram_ds:
             n = c.plan.gram_slots[d]
             spans.append((d, at, at + n * d * d, (n, d, d)))
@@ -288,11 +287,35 @@ class Tracker:
         self._n_inst = len(inst_fam)
         self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
         self._group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
-        self._inst_fam, self._inst_group = inst_fam.to(dev, torch.int32), inst_group.to(dev, torch.int32)
+        self._inst_group = inst_group.to(dev, torch.int32)
+        # the family of each (family, layer) group: an instance's family and an entry's are gathered from
+        # it when needed (not held: 4 bytes per instance and per entry), unless an entry belongs to no law
+        self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
+        self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
         self._lin = c.linear_mask.to(dev)
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
+
+    @property
+    def _inst_fam(self) -> torch.Tensor:
+        """(instances,) int32: the family of each instance (gathered from its group's)."""
+        return self._group_fam.index_select(0, self._inst_group)
+
+    @property
+    def _fam_all(self) -> torch.Tensor:
+        """(entries,) int32: the family of each output entry, flat layout (vec, then each D's slots)."""
+        held = self.__dict__.get("_fam_all_held")
+        return held if held is not None else self._inst_fam.index_select(0, self._inst_all)
+
+    @property
+    def _vec_fam(self) -> torch.Tensor:
+        return self._fam_all[: self.compiled.plan.vec_size]
+
+    @property
+    def _gram_fam(self) -> dict:
+        fam = self._fam_all
+        return {d: fam[o: o + self.compiled.plan.gram_slots[d]] for d, o in self._flat_at.items()}
 
     def _sq_bins(self, v: Values, vec_ids, gram_ids, n) -> torch.Tensor:
         out = torch.zeros(n, dtype=v.vec.dtype, device=self.device).index_add_(0, vec_ids, v.vec.square())
@@ -408,7 +431,7 @@ class Tracker:
         """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
         returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
         (``at``: of ``at.fam``)."""
-        flat_at, n_flat = (self._flat_at, self._fam_all.numel()) if at is None else (at.flat_at, at.fam.numel())
+        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.fam.numel())
         vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
             g, o = grams[d], flat_at[d]
@@ -436,8 +459,8 @@ class Tracker:
             rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
         rel.sqrt_().div_(self.denom)
         del dv
-        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
         grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
         parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
         if self.drift:
             norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
@@ -810,7 +833,9 @@ class _Entries:
         self.vi = torch.from_numpy(self.vi_np).to(dev)
         self.si = {d: torch.from_numpy(x).to(dev) for d, x in self.si_np.items()}
         flat = np.concatenate([self.vi_np] + [tr._flat_at[d] + self.si_np[d] for d in tr._gram_ds])
-        self.fam = tr._fam_all[torch.from_numpy(flat).to(dev)]
+        held = tr.__dict__.get("_fam_all_held")
+        flat = torch.from_numpy(flat).to(dev)
+        self.fam = held[flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[flat])
         nv, at, self.flat_at = len(self.vi_np), len(self.vi_np), {}
         for d in tr._gram_ds:
             self.flat_at[d] = at

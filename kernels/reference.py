@@ -99,9 +99,20 @@ def _cat(parts):
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _grams(blocks, xs, ys, dtype) -> torch.Tensor:
+def _grams(blocks, xs, ys, dtype, stack: bool = False) -> torch.Tensor:
     """``(views, D, D)`` Grams ``X X^T`` (``ys``: ``(X Y^T + Y X^T)/2``) of a group: one ``bmm`` per block,
-    straight on the strided views (no stacking copy: BLAS takes either stride order)."""
+    straight on the strided views (no stacking copy: BLAS takes either stride order).  ``stack``: the
+    blocks' products are written into one ``(views, D, D)`` buffer (``bmm(out=)``; not under autograd)
+    instead of being concatenated (no second copy of the group's Grams)."""
+    if stack:
+        n, D = sum(b.count for b in blocks), blocks[0].rows
+        G, r = torch.empty(n, D, D, dtype=dtype, device=xs[blocks[0].tensor].device), 0
+        for b in blocks:
+            x = b.take(xs[b.tensor]).to(dtype)
+            y = x if ys is None else b.take(ys[b.tensor], True).to(dtype)
+            torch.bmm(x, y.transpose(1, 2), out=G[r: r + b.count])
+            r += b.count
+        return G if ys is None else torch.add(G, G.transpose(1, 2)).div_(2)
     parts = []
     for b in blocks:
         x = b.take(xs[b.tensor]).to(dtype)
@@ -467,7 +478,8 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torc
         v = x.sum(d)
         return v.reshape(-1) if flat else v
     if kind == "sq" and r.temp < x.numel() <= _SMALL and torch.promote_types(x.dtype, acc) == acc:
-        v = torch.linalg.vector_norm(x, dim=d, dtype=acc).square_()
+        v = torch.linalg.vector_norm(x, dim=d, dtype=acc)
+        v = v.square() if v.requires_grad else v.square_()  # not in place under autograd
         return v.reshape(-1) if flat else v
     n = x.shape[d]
     k = max(1, min(_CHUNK, r.temp) // max(1, x.numel() // max(n, 1)))
@@ -603,9 +615,12 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
         coef = g.sign if gram_coef is None else gram_coef(g)
         if coef is None:  # every coefficient is 0
             continue
-        if len(g.slot) * g.D * g.D < _GRAM_STACK or (torch.is_grad_enabled() and any(
-                xs[b.tensor].requires_grad or (ys is not None and ys[b.tensor].requires_grad) for b in g.blocks)):
+        if torch.is_grad_enabled() and any(xs[b.tensor].requires_grad or (ys is not None and ys[b.tensor].requires_grad)
+                                           for b in g.blocks):  # under autograd: no in-place writes
             grams[g.D].index_add_(0, g.slot, _grams(g.blocks, xs, ys, acc) * coef[:, None, None])
+            continue
+        if len(g.slot) * g.D * g.D < _GRAM_STACK:  # one buffer of the group's Grams, scaled in place
+            grams[g.D].index_add_(0, g.slot, _grams(g.blocks, xs, ys, acc, stack=True).mul_(coef[:, None, None]))
             continue
         r = 0  # large Grams: block by block, scaled in place (the block's own output alive, no stacked copies)
         for b in g.blocks:

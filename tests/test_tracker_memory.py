@@ -1,0 +1,259 @@
+"""Memory of the tracking engine (issue 12): what a tracked step creates, and the reference twin's
+paths that keep it small, each against an independent form (the float64 term-by-term loop, the
+previous full-layout / stacked computation, bit for bit where the sums run in the same order)."""
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import conserve
+from conserve.kernels import reference as R
+from conserve.kernels.reference import _evaluate_looped, bilinear_reference, evaluate_reference
+from conserve.models import DecoderLM, LMConfig
+from conserve.tracker import Tracker
+from conserve.tracking.drift import Sampler
+from test_kernels import _abs_plan, llama_block
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the CPU storages created under this mode and still alive (``peak``: their maximum;
+    ``largest``: the largest single storage).  Outputs aliasing an input are not new storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.cur, self.peak, self.largest = {}, 0, 0, 0
+
+    def _free(self, key):
+        self.cur -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key and key not in ins and key not in self.live:
+                    self.live[key] = st.nbytes()
+                    self.cur += st.nbytes()
+                    self.peak, self.largest = max(self.peak, self.cur), max(self.largest, st.nbytes())
+                    weakref.finalize(st, self._free, key)
+        return out
+
+
+def _bits(a, b):
+    return torch.equal(a[0], b[0]) and all(torch.equal(a[1][d], b[1][d]) for d in a[1])
+
+
+def _close64(got, want, scale, rtol):
+    for g, w, s in [(got[0], want[0], scale[0])] + [(got[1][d], want[1][d], scale[1][d]) for d in want[1]]:
+        assert ((g.double() - w).abs() <= rtol * s + 1e-30).all()
+
+
+# --------------------------------------------------------------------------------- the reference twin
+def test_strided_square_reduction_makes_no_tensor_sized_temporary(monkeypatch):
+    """A column sum of squares (reduction along a strided dim) of an embedding-like tensor: above the
+    temporary cap it is one ``vector_norm`` (no temporary), within it one ``(x*x).sum``, above
+    ``_SMALL`` chunked; every path equals the float64 loop (1e-5 of the entrywise scale)."""
+    g = torch.Generator().manual_seed(3)
+    V, H = 256, 32
+    emb, other = torch.randn(V, H, generator=g), torch.randn(H, 4 * H, generator=g)
+    p = R.Plan()
+    from conserve.kernels import NormTerm, View
+    p.norms.append(NormTerm(View(0, (0, 0), 1, H, 0, V), 1.0, p.new_vec(H)))  # columns of emb: strided
+    p.norms.append(NormTerm(View(1, (0, 0), 0, H, 1, 4 * H), -1.0, p.new_vec(H)))  # rows of other: contiguous
+    ts = [emb, other]
+    want = _evaluate_looped(p, [t.double() for t in ts], None, True)
+    scale = _evaluate_looped(_abs_plan(p), [t.double().abs() for t in ts], None, True)
+    for temp_share, small in ((16, 1 << 14), (1, 1 << 14), (16, 0)):  # vector_norm, one temporary, chunks
+        monkeypatch.setattr(R, "_TEMP_SHARE", temp_share)
+        monkeypatch.setattr(R, "_TEMP_MIN", 1 << 10)
+        monkeypatch.setattr(R, "_SMALL", small)
+        R.clear_cache()
+        with LiveBytes() as m:
+            got = evaluate_reference(p, ts)
+        _close64(got, want, scale, 1e-5)
+        nbytes = emb.numel() * 4
+        if temp_share == 16 and small:  # cap = 40 KiB / 64 < emb: vector_norm, nothing tensor-sized
+            assert m.largest < nbytes // 8, m.largest
+        if not small:  # chunks of at most the cap (640 floats, above _TEMP_MIN = 1024: 1024 floats)
+            assert m.largest <= 4 * (1 << 10) + 1024, m.largest
+    R.clear_cache()
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+def test_line_batches_and_progressions_bit_equal_to_one_stacked_gather(fp64, monkeypatch):
+    """The whole-line values added in batches, onto progressions of entries or through the index
+    table, give the bits of the single stacked form (one cat, one gather, one index_add_ per sign) and
+    the float64 loop's values, for evaluate and bilinear."""
+    plan, ts = llama_block()  # every line value read once (a RoPE plan reads some twice: the src table)
+    g = torch.Generator().manual_seed(5)
+    ys = [torch.randn(t.shape, generator=g) for t in ts]
+    got = {}
+    for mode in ("stacked", "batched", "progressions"):
+        monkeypatch.setattr(R, "_BATCHES", 1 if mode == "stacked" else 4)
+        monkeypatch.setattr(R, "_BATCH_MIN", 1 << 30 if mode == "stacked" else 8)
+        monkeypatch.setattr(R, "_PROGRESSIONS", 1 << 10 if mode == "progressions" else 0)
+        R.clear_cache()
+        s = R._structure(plan, ts, None, False, torch.float64 if fp64 else torch.float32, torch.device("cpu"))
+        assert s.lines is not None and s.lines.src is None
+        assert (s.lines.progressions is not None) == (mode == "progressions")
+        assert len(s.lines.batches) == (1 if mode == "stacked" else max(2, len(s.lines.batches)))
+        got[mode] = (evaluate_reference(plan, ts, fp64=fp64), bilinear_reference(plan, ts, ys, fp64=fp64))
+    R.clear_cache()
+    for mode in ("batched", "progressions"):
+        for a, b in zip(got[mode], got["stacked"]):
+            assert _bits(a, b), mode
+    d64, y64 = [t.double() for t in ts], [t.double() for t in ys]
+    _close64(got["batched"][0], _evaluate_looped(plan, d64, None, True),
+             _evaluate_looped(_abs_plan(plan), [t.abs() for t in d64], None, True), 1e-12 if fp64 else 1e-5)
+    _close64(got["batched"][1], _evaluate_looped(plan, d64, y64, True),
+             _evaluate_looped(_abs_plan(plan), [t.abs() for t in d64], [t.abs() for t in y64], True),
+             1e-12 if fp64 else 1e-5)
+
+
+def test_large_gram_groups_block_by_block_bit_equal_to_stacked(monkeypatch):
+    """Gram groups added block by block (scaled in place) give the bits of the stacked form."""
+    plan, ts = llama_block(nH=8, nKV=2, D=16, H=32)
+    g = torch.Generator().manual_seed(7)
+    ys = [torch.randn(t.shape, generator=g) for t in ts]
+    out = {}
+    for stack in (1 << 30, 0):
+        monkeypatch.setattr(R, "_GRAM_STACK", stack)
+        R.clear_cache()
+        out[stack] = (evaluate_reference(plan, ts), bilinear_reference(plan, ts, ys),
+                      R.decay_reference(plan, ts, [0.9] * len(ts)))
+    R.clear_cache()
+    for a, b in zip(out[0], out[1 << 30]):
+        assert _bits(a, b)
+
+
+def test_twin_evaluation_under_autograd_keeps_its_gradient():
+    """The in-place paths are skipped under autograd: the gradient of a law value is the float64 one."""
+    plan, ts = llama_block()
+    xs = [t.double().requires_grad_() for t in ts]
+    vec, grams = evaluate_reference(plan, xs, fp64=True)
+    (vec.sum() + sum(g.sum() for g in grams.values())).backward()
+    ref = [t.double().requires_grad_() for t in ts]
+    v2, g2 = _evaluate_looped(plan, ref, None, True)
+    (v2.sum() + sum(g.sum() for g in g2.values())).backward()
+    for a, b in zip(xs, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------- the tracker
+CFG = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+           num_hidden_layers=2)
+# ``conserve run``'s default model (62k parameters)
+RUN = dict(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=64, position="rope", rope_layout="half", nope_layers=(1,), num_experts=4, top_k=2,
+           moe_layers=(2,))
+
+
+def _model(seed=0, cfg=CFG):
+    torch.manual_seed(seed)
+    return DecoderLM(LMConfig(**cfg))
+
+
+def _steps(opt, model, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        opt.step()
+
+
+@pytest.mark.parametrize("opt_name,fp64,drift_every", [("adamw", False, 1), ("sgd", True, 2), ("adamw", True, 1)])
+def test_compact_sub_plans_bit_equal_to_the_full_layout(opt_name, fp64, drift_every, monkeypatch):
+    """A budgeted drift step over a compact sub-plan (pieces, terms and scratch the group's size)
+    gives the rows, ``cumulative``, ``totals()``, ``last`` and state of the full-layout sub-plan, bit for
+    bit (the operations are per entry and the family sums add the same non-zero squares in order)."""
+    res = {}
+    for compact in (False, True):
+        orig = Sampler.__init__
+
+        def init(self, *a, compact_=compact, **k):
+            k["compact"] = compact_
+            orig(self, *a, **k)
+        monkeypatch.setattr(Sampler, "__init__", init)
+        m = _model()
+        base = (torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) if opt_name == "adamw"
+                else torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01))
+        opt = conserve.track(base, m, every=4, drift_every=drift_every, snapshot_budget=0.05, keep_last=True,
+                             fp64=fp64)
+        tr = opt.tracker
+        assert len(tr.sampler.groups) > 3 and tr.sampler.compact == compact
+        rows, lasts = [], []
+        for k in range(9):
+            _steps(opt, m, 1, seed=k)
+            lasts.append({t: v.clone() for t, v in tr.last.items()})
+            tr.last = {}
+        rows = tr.flush()
+        res[compact] = (rows, lasts, tr.totals(), tr.state_dict(), {k: v.state() for k, v in tr.cumulative.items()})
+        monkeypatch.setattr(Sampler, "__init__", orig)
+    (r0, l0, t0, s0, c0), (r1, l1, t1, s1, c1) = res[False], res[True]
+    nan_eq = lambda a, b: a == b or (a != a and b != b)  # noqa: E731
+    assert all(nan_eq(a[k], b[k]) for a, b in zip(r0, r1) for k in a)
+    assert t0.keys() == t1.keys() and all(nan_eq(t0[f][k], t1[f][k]) for f in t0 for k in t0[f])
+    for a, b in zip(l0, l1):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert _bits((a[t].vec, a[t].grams), (b[t].vec, b[t].grams)), t
+    for k in c0:
+        assert all(torch.equal(c0[k][n], c1[k][n]) for n in c0[k])
+    assert torch.equal(s0["sampled_steps"], s1["sampled_steps"]) and torch.equal(s0["denom"], s1["denom"])
+
+
+def test_a_drift_step_creates_at_most_the_law_values_the_snapshot_and_small_scratch():
+    """Storages created inside ``opt.step()`` on a budgeted drift step of ``conserve run``'s default
+    model: ``h_{k+1}`` (law-sized), the group's snapshot (<= the budget), one reduction temporary
+    (<= ``1 / _TEMP_SHARE`` of the tracked bytes) and 0.02 of the tracked bytes for the rest (compact
+    terms: the group's entries; stacked line values: a quarter of the rows).  The full-layout
+    five-row drift scratch (0.11 of this model's weights, next to h(Delta) and B) or the embedding's
+    tensor-sized ``x*x`` (0.15 next to the snapshot) break the bound."""
+    m = _model(cfg=RUN)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=100, drift_every=1)
+    tr = opt.tracker
+    tracked = sum(t.numel() * t.element_size() for t in tr.tensors)
+    law = tr.h0.vec.numel() * tr.h0.vec.element_size() + sum(g.numel() * g.element_size() for g in tr.h0.grams.values())
+    assert 5 * law > 0.1 * tracked and tracked < 16 * 256 * 32 * 4  # the embedding is above the cap
+    s = tr.sampler
+    groups = len(s.groups)
+    snap = max(s.snapshot(j, tr.tensors).bytes() for j in range(groups)) / tracked
+    assert snap <= 0.05
+    _steps(opt, m, groups)  # every group's sub-plan built once (its structures are cached)
+    worst = 0.0
+    g = torch.Generator().manual_seed(9)
+    for _ in range(groups):
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        with LiveBytes() as mode:
+            opt.step()
+        worst = max(worst, (mode.peak - law) / tracked)
+    assert worst <= snap + 1 / R._TEMP_SHARE + 0.02, (worst, snap)
+    opt.tracker.close()
+
+
+def test_family_ids_gathered_equal_the_built_tables():
+    """The family of each instance and of each entry, gathered from the group table (not held), is the
+    law's family (compared with a table built from the laws directly)."""
+    m = _model()
+    tr = Tracker(m, drift=False)
+    fams = tr.families
+    want_inst, want_entry = [], torch.zeros(tr._inst_all.numel(), dtype=torch.int32)
+    c = tr.compiled
+    offs = tr._flat_at
+    for law, (kind, a, b) in zip(c.laws, c.where):
+        f = fams.index(law.family)
+        if kind == "vec":
+            want_inst += [f] * (b if law.per == "entry" else 1)
+            want_entry[a: a + b] = f
+        else:
+            want_inst.append(f)
+            want_entry[offs[a] + b] = f
+    assert tr.__dict__.get("_fam_all_held") is None  # every entry belongs to a law here: nothing held
+    assert tr._inst_fam.tolist() == want_inst
+    assert torch.equal(tr._fam_all, want_entry)
