@@ -445,7 +445,10 @@ class Tracker:
 
         Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
         are formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to
-        the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it)."""
+        the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it).
+        The tracker's own budgeted drift steps (``drift_terms`` over a compact sub-plan) form them over
+        the group's entries only (the scratch is the group's size, not five law-sized rows); terms
+        given here are in the full layout."""
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             self.flush()
         self.step_count += 1

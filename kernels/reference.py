@@ -393,7 +393,7 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
                   torch.as_tensor(out, dtype=_INDEX, device=device), segments, norm_size), taken
 
 
-_PROGRESSIONS = 8  # at most this many reductions are added onto strided views of vec (no index table)
+_PROGRESSIONS = 16  # at most this many reductions are added onto strided views of vec (no index table)
 
 
 def _progressions(reds, out_line: np.ndarray, sign_line: np.ndarray):
