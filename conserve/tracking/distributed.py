@@ -486,7 +486,7 @@ class DistributedTracker(Tracker):
         self._hp = h1
         if terms is not None:
             for k in _CUM:
-                self._cum_p[k] = self._cum_p[k].map(torch.add, terms[k])
+                self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
             m.update()
         if err is not None:
@@ -541,7 +541,7 @@ class DistributedTracker(Tracker):
                     parts.append((own + torch.zeros(nf, dtype=dt, device=dev).index_add_(
                         0, self._split_fam, self._split_w * v * v)).sqrt())
                 for k, v in zip(_CUM, (meas, dec, fst, snd)):
-                    self._cum_split[k] = self._cum_split[k] + v
+                    self._cum_split[k].add_(v)
                 self.sampled_steps += 1
             else:
                 parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
