@@ -257,3 +257,50 @@ def test_family_ids_gathered_equal_the_built_tables():
     assert tr.__dict__.get("_fam_all_held") is None  # every entry belongs to a law here: nothing held
     assert tr._inst_fam.tolist() == want_inst
     assert torch.equal(tr._fam_all, want_entry)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "per_tensor", "matrices_only"])
+def test_assembly_factors_per_tensor_set_equal_the_per_term_form(pattern):
+    """The assembly's per-entry common decay factor (kept per set of tensors an entry reads, not per
+    term row) equals the term-by-term rule: the one ``a`` of every tensor the entry's terms read,
+    NaN where they differ, where a shifted norm term's tensor has ``a != 1``, or where nothing is read."""
+    import numpy as np
+    from conserve.kernels.reference import drift_factors
+    from conserve.tracking.drift import Assembly
+
+    m = _model()
+    tr = Tracker(m, drift=False)
+    plan, n = tr.compiled.plan, len(tr.tensors)
+    # one shifted norm term (a Gemma-style gain) on the first norm term's tensor
+    plan.norms[0] = type(plan.norms[0])(plan.norms[0].view, plan.norms[0].sign, plan.norms[0].index,
+                                        plan.norms[0].index_stride, 1.0)
+    rng = np.random.default_rng(0)
+    a = {"uniform": [0.999] * n, "per_tensor": list(1.0 - 1e-3 * rng.integers(0, 3, n)),
+         "matrices_only": [0.99 if t.dim() >= 2 else 1.0 for t in tr.tensors]}[pattern]
+    asm = Assembly(plan, tr.compiled.linear_mask, "cpu")
+    for got, av in zip(asm._factors(a), (np.asarray(a, dtype=np.float64),
+                                          np.asarray(drift_factors(a, n), dtype=np.float64))):
+        reads = {("v", e): [] for e in range(plan.vec_size)}
+        reads.update({("g", d, s): [] for d, k in plan.gram_slots.items() for s in range(k)})
+        for t in plan.norms:
+            for r in range(t.view.rows):
+                reads[("v", t.index + t.index_stride * r)].append((t.view.tensor, t.shift != 0.0))
+        for t in plan.sums:
+            for c in range(t.view.cols):
+                reads[("v", t.index + c)].append((t.view.tensor, False))
+        for t in plan.grams:
+            reads[("g", t.view.rows, t.slot)].append((t.view.tensor, False))
+
+        def rule(rs):
+            if not rs or len({av[t] for t, _ in rs}) > 1 or any(sh and av[t] != 1.0 for t, sh in rs):
+                return np.nan
+            return av[rs[0][0]]
+        want_v = np.asarray([rule(reads[("v", e)]) for e in range(plan.vec_size)])
+        assert np.array_equal(got[0], want_v, equal_nan=True)
+        mixed = bool(np.isnan(want_v).any())
+        for d, k in plan.gram_slots.items():
+            want_g = np.asarray([rule(reads[("g", d, s)]) for s in range(k)])
+            assert np.array_equal(got[1][d], want_g, equal_nan=True)
+            mixed |= bool(np.isnan(want_g).any())
+    assert np.isnan(want_v[plan.norms[0].index])  # the shifted term's tensor has a != 1
+    assert asm.needs_kernel_decay(a) == mixed

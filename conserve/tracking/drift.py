@@ -82,44 +82,71 @@ class Assembly:
         self.vec_size, self.gram_slots = plan.vec_size, dict(plan.gram_slots)
         self.device = device
         self._lin = linear.to(device)
-        self._nlin = ~self._lin
-        self._lin_np = linear.cpu().numpy().astype(bool)
-        self._v_entry = np.asarray([e for e, _, _ in vec], dtype=np.int32)
-        self._v_tensor = np.asarray([t for _, t, _ in vec], dtype=np.int32)
-        self._v_shift = np.asarray([s for _, _, s in vec], dtype=bool)
-        self._g = {d: (np.asarray([s for dd, s, _ in gram if dd == d], dtype=np.int32),
-                       np.asarray([t for dd, _, t in gram if dd == d], dtype=np.int32)) for d in self.gram_slots}
+        # per output entry the set of (tensor, shifted) pairs its terms read, as one small set id
+        # (entries of one law share it); the sets' members are kept, not one row per term row
+        codes = [(e, 2 * t + int(sh)) for e, t, sh in vec] + [(self.vec_size + self._slot_at(d, sl), 2 * t)
+                                                               for d, sl, t in gram]
+        n_flat = self.vec_size + sum(self.gram_slots.values())
+        per: list = [set() for _ in range(n_flat)]
+        for e, c in codes:
+            per[e].add(c)
+        ids: dict = {}
+        flat = np.asarray([ids.setdefault(tuple(sorted(x)), len(ids)) for x in per], dtype=np.int64)
+        it = np.int16 if len(ids) < np.iinfo(np.int16).max else np.int32
+        self._set_id = flat.astype(it)  # (vec entries, then each D's slots) -> set
+        members = [(k, c) for key, k in ids.items() for c in key]
+        self._m_set = np.asarray([k for k, _ in members], dtype=np.int64)
+        self._m_tensor = np.asarray([c // 2 for _, c in members], dtype=np.int64)
+        self._m_shift = np.asarray([c % 2 == 1 for _, c in members], dtype=bool)
+        self._n_sets = len(ids)
         self._cache: tuple | None = None
 
+    def _slot_at(self, d: int, slot: int) -> int:
+        """Flat index of Gram slot ``slot`` of size ``d`` after the vec entries (D in ``gram_slots`` order)."""
+        at = 0
+        for dd, n in self.gram_slots.items():
+            if dd == d:
+                return at + slot
+            at += n
+        raise KeyError(d)
+
+    @property
+    def _nlin(self) -> torch.Tensor:
+        """``(vec_size,)`` bool: the quadratic entries (made per use, not held)."""
+        return ~self._lin
+
+    def _lin_host(self) -> np.ndarray:
+        return self._lin.cpu().numpy().astype(bool, copy=False)
+
     def _factors(self, a: Sequence[float]):
-        """Per entry the common ``a`` of its tensors (nan if they differ): ``(true, rounded)`` pairs of
-        ``(vec, {D: slots})`` arrays, ``rounded`` = the fp32 value the kernels use
-        (``drift_factors``).  Cached for the last ``a`` (it changes only with the lr)."""
+        """Per entry the common ``a`` of its tensors (nan if they differ, or a shifted term's tensor has
+        ``a != 1``, or it reads none): ``(true, rounded)`` pairs of ``(vec, {D: slots})`` arrays,
+        ``rounded`` = the fp32 value the kernels use (``drift_factors``).  Per tensor set, cached for
+        the last ``a`` (it changes only with the lr); expanded to the entries per call."""
         key = tuple(float(x) for x in a)
-        if self._cache is not None and self._cache[0] == key:
-            return self._cache[1]
-        at = np.asarray(key, dtype=np.float64)
-        af = np.asarray(drift_factors(list(key), len(key)), dtype=np.float64)
-
-        def common(av, entries, tensors, n, shifted=None):
-            first = np.full(n, np.nan)
-            if len(entries):
-                first[entries[::-1]] = av[tensors[::-1]]  # any one tensor's a per entry
-                bad = np.zeros(n, dtype=bool)
-                diff = av[tensors] != first[entries]
-                if shifted is not None:
-                    diff |= shifted & (av[tensors] != 1.0)
-                np.logical_or.at(bad, entries, diff)
-                first[bad] = np.nan
-            return first
-
-        out = []
-        for av in (at, af):
-            fv = common(av, self._v_entry, self._v_tensor, self.vec_size, self._v_shift)
-            fg = {d: common(av, s, t, n) for (d, (s, t)), n in zip(self._g.items(), self.gram_slots.values())}
-            out.append((fv, fg))
-        self._cache = (key, tuple(out))
-        return self._cache[1]
+        if self._cache is None or self._cache[0] != key:
+            at = np.asarray(key, dtype=np.float64)
+            af = np.asarray(drift_factors(list(key), len(key)), dtype=np.float64)
+            per_set = []
+            for av in (at, af):
+                first = np.full(self._n_sets, np.nan)
+                if len(self._m_set):
+                    first[self._m_set[::-1]] = av[self._m_tensor[::-1]]  # any one tensor's a per set
+                    bad = np.zeros(self._n_sets, dtype=bool)
+                    diff = (av[self._m_tensor] != first[self._m_set]) | (self._m_shift & (av[self._m_tensor] != 1.0))
+                    np.logical_or.at(bad, self._m_set, diff)
+                    first[bad] = np.nan
+                per_set.append(first)
+            self._cache = (key, tuple(per_set))
+        out, nv = [], self.vec_size
+        for f in self._cache[1]:
+            e = f[self._set_id]
+            fg, at = {}, nv
+            for d, n in self.gram_slots.items():
+                fg[d] = e[at: at + n]
+                at += n
+            out.append((e[:nv], fg))
+        return tuple(out)
 
     def restrict(self, vi: np.ndarray, si: Mapping[int, np.ndarray]) -> "Assembly":
         """The assembly of the entries ``vi`` (vec indices) and ``si[D]`` (Gram slots), renumbered in
@@ -166,7 +193,7 @@ class Assembly:
         kv, kg = (None, {}) if kernel is None else kernel
         ov, og = (None, {}) if out is None else out
         part = sampled is not None and not sampled.full
-        dv = one(hv, fv, ~self._lin_np, kv, sampled.vec_np if part else np.ones(len(fv), dtype=bool), ov)
+        dv = one(hv, fv, ~self._lin_host(), kv, sampled.vec_np if part else np.ones(len(fv), dtype=bool), ov)
         dg = {d: one(hg[d], fg[d], np.ones(len(fg[d]), dtype=bool), kg.get(d),
                      sampled.gram_np[d] if part else np.ones(len(fg[d]), dtype=bool), og.get(d)) for d in hg}
         if part:  # entries this step did not decompose: no term
@@ -250,9 +277,7 @@ class _Restricted(Assembly):
                                                                                       for d in parent.gram_slots}
         self.vec_size, self.gram_slots = len(self._vi), {d: len(x) for d, x in self._si.items()}
         self.device = parent.device
-        self._lin_np = parent._lin_np[self._vi]
-        self._lin = torch.from_numpy(self._lin_np).to(parent.device)
-        self._nlin = ~self._lin
+        self._lin = torch.from_numpy(parent._lin_host()[self._vi]).to(parent.device)
 
     def _factors(self, a: Sequence[float]):
         return tuple((fv[self._vi], {d: f[self._si[d]] for d, f in fg.items()}) for fv, fg in self._parent._factors(a))
