@@ -468,8 +468,8 @@ class Tracker:
             rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
         rel.sqrt_().div_(self.denom)
         del dv
-        grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
         fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
+        grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
         parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
         if self.drift:
             norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
