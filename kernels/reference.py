@@ -176,6 +176,7 @@ class _Reduction:
     size: int
     norm: bool  # one ``vector_norm`` along a contiguous dim (its values are squared, stacked, once)
     temp: int = 1 << 16  # elements of the largest temporary a strided reduction may make (``_temp_cap``)
+    how: object = None  # the path ``_reduce`` takes (``_choose``), set at its first call
 
 
 @dataclass
@@ -195,7 +196,7 @@ class _Lines:
     segments: list  # (sign, r0, r1): rows [r0, r1) carry ``sign``
     norm_size: int = 0  # the first norm_size stacked values are norms (squared once)
     progressions: list | None = None  # (r0, r1, first, step, sign): ``src`` None, ``out`` None, see _build_lines
-    batches: list | None = None  # ``src`` None: (i0, i1, v0, v1, squared end, progressions, segments), _batches
+    batches: list | None = None  # ``src`` None: (i0, i1, values, squared, progressions, segments), _batches
 
 
 @dataclass
@@ -381,9 +382,9 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
                     if b > a and sign_line[a] != 0.0]
         progs = _progressions(reds, out_line, sign_line)
         if progs is not None:  # a few reductions, each onto a progression of entries: no index table at all
-            return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [])), taken
-        return _Lines(reds, None, torch.as_tensor(out_line, dtype=_INDEX, device=device), segments, norm_size, None,
-                      _batches(reds, norm_size, [], segments)), taken
+            return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [], None)), taken
+        out_t = torch.as_tensor(out_line, dtype=_INDEX, device=device)
+        return _Lines(reds, None, out_t, segments, norm_size, None, _batches(reds, norm_size, [], segments, out_t)), taken
     order = np.argsort(sign, kind="stable")
     src, out, sign = src[order], out[order], sign[order]
     cuts = np.flatnonzero(np.diff(sign)) + 1
@@ -421,24 +422,26 @@ _BATCHES = 4  # the stacked line values are formed in about this many batches of
 _BATCH_MIN = 256  # ... of at least this many values each (a batch costs one cat and its adds)
 
 
-def _batches(reds, norm_size: int, progs, segments):
+def _batches(reds, norm_size: int, progs, segments, out):
     """Reductions ``[i0, i1)`` whose values ``[v0, v1)`` are stacked, squared (up to ``squared end``)
     and added at once, about ``1 / _BATCHES`` of the line values each, with the progressions and the
-    segments (clipped) that fall in them: at most ~``1 / _BATCHES`` of the stacked values (and of the
-    reductions' outputs) alive at a time; the additions into each entry keep their line order."""
+    segments (clipped; with their view of ``out``) that fall in them, offsets relative to ``v0``: at
+    most ~``1 / _BATCHES`` of the stacked values (and of the reductions' outputs) alive at a time; the
+    additions into each entry keep their line order."""
     total = reds[-1].start + reds[-1].size
     size = max(_BATCH_MIN, -(-total // _BATCHES))
-    out, i0 = [], 0
+    got, i0 = [], 0
     while i0 < len(reds):
         i1, v0 = i0, reds[i0].start
         while i1 < len(reds) and (i1 == i0 or reds[i1].start + reds[i1].size - v0 <= size):
             i1 += 1
         v1 = reds[i1 - 1].start + reds[i1 - 1].size
-        ps = [p for p in progs if v0 <= p[0] < v1]
-        ss = [(sg, max(a, v0), min(b, v1)) for sg, a, b in segments if a < v1 and b > v0]
-        out.append((i0, i1, v0, v1, min(max(norm_size, v0), v1), ps, ss))
+        ps = [(p[0] - v0, p[1] - v0) + tuple(p[2:]) for p in progs if v0 <= p[0] < v1]
+        ss = [(sg, max(a, v0) - v0, min(b, v1) - v0, out[max(a, v0): min(b, v1)]) for sg, a, b in segments
+              if a < v1 and b > v0]
+        got.append((i0, i1, v1 - v0, min(max(norm_size, v0), v1) - v0, ps, ss))
         i0 = i1
-    return out
+    return got
 
 
 _CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
@@ -466,30 +469,51 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torc
     (``_temp_cap``: one chunk, the whole tensor, in the usual case), except a "sq" above ``r.temp``
     and of at most ``_SMALL`` elements: one ``vector_norm`` squared, no temporary (a 256 x 32
     embedding's ``x * x`` would be 0.15x the default model's weights)."""
-    d, kind = r.dim, r.kind
-    if d is None:  # 1-D, element by element (small: gains and biases)
+    d, kind, how = r.dim, r.kind, r.how
+    if how is None:  # chosen once per structure (its layouts are part of the cache key)
+        how = r.how = _choose(r, x, y, acc)
+    if how == "elem":  # 1-D, element by element (small: gains and biases)
         v = x if x.dtype == acc else x.to(acc)
         return v * v if kind != "dot" else v * (y if y.dtype == acc else y.to(acc))
     flat = x.dim() != 2  # results of other ranks (0-d, N-D) are flattened
-    if r.norm:
+    if how == "norm":
         v = torch.linalg.vector_norm(x, dim=d)
-        return v.reshape(-1) if flat else v
-    if kind == "sum" and x.dtype == acc:
+    elif how == "sum":
         v = x.sum(d)
-        return v.reshape(-1) if flat else v
-    if kind == "sq" and r.temp < x.numel() <= _SMALL and torch.promote_types(x.dtype, acc) == acc:
+    elif how == "vn":
         v = torch.linalg.vector_norm(x, dim=d, dtype=acc)
         v = v.square() if v.requires_grad else v.square_()  # not in place under autograd
-        return v.reshape(-1) if flat else v
+    elif how == "temp":  # one temporary, the tensor's size
+        v = (x * (x if kind == "sq" else y)).sum(d)
+    else:
+        return _chunked(x, y, d, kind, how, acc)
+    return v.reshape(-1) if flat else v
+
+
+def _choose(r: _Reduction, x: torch.Tensor, y, acc):
+    """How ``_reduce`` reduces ``x``: "elem", "norm", "sum", "vn", "temp", or the chunk length (int)."""
+    d, kind = r.dim, r.kind
+    if d is None:
+        return "elem"
+    if r.norm:
+        return "norm"
+    if kind == "sum" and x.dtype == acc:
+        return "sum"
+    if kind == "sq" and r.temp < x.numel() <= _SMALL and torch.promote_types(x.dtype, acc) == acc:
+        return "vn"
     n = x.shape[d]
     k = max(1, min(_CHUNK, r.temp) // max(1, x.numel() // max(n, 1)))
-    if k >= n and x.dtype == acc and (kind != "dot" or y.dtype == acc):  # one temporary, the tensor's size
-        v = x.sum(d) if kind == "sum" else (x * (x if kind == "sq" else y)).sum(d)
-        return v.reshape(-1) if flat else v
+    if k >= n and x.dtype == acc and (kind != "dot" or y.dtype == acc):
+        return "sum" if kind == "sum" else "temp"
+    return k
+
+
+def _chunked(x, y, d: int, kind: str, k: int, acc) -> torch.Tensor:
+    """``_reduce`` over chunks of ``k`` positions of dim ``d`` (temporaries of at most ``k`` lines)."""
     xm = x.movedim(d, -1)
     ym = y.movedim(d, -1) if kind == "dot" else None
     total = None
-    for s0 in range(0, n, k):
+    for s0 in range(0, xm.shape[-1], k):
         c = xm[..., s0:s0 + k].to(acc)
         if kind == "sq":
             part = (c * c).sum(-1)
@@ -506,16 +530,17 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
     reds = lines.reductions
     if lines.batches is not None and not (torch.is_grad_enabled() and any(
             xs[r.tensor].requires_grad or (ys is not None and ys[r.tensor].requires_grad) for r in reds)):
-        for i0, i1, v0, v1, sq, progs, segs in lines.batches:  # fresh values: squared in place
+        for i0, i1, n, sq, progs, segs in lines.batches:  # fresh values: squared in place
             parts = [_reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc) for r in reds[i0:i1]]
             v = _cat(parts)
             del parts
-            if sq > v0:
-                v[: sq - v0].square_()
+            if sq > 0:
+                (v if sq == n else v[:sq]).square_()
             for r0, r1, first, step, sign in progs:
-                vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(v[r0 - v0: r1 - v0], alpha=sign)
-            for sign, r0, r1 in segs:
-                vec.index_add_(0, lines.out[r0:r1], v[r0 - v0: r1 - v0], alpha=sign)
+                vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(
+                    v if r1 - r0 == n else v[r0:r1], alpha=sign)
+            for sign, r0, r1, o in segs:
+                vec.index_add_(0, o, v if r1 - r0 == n else v[r0:r1], alpha=sign)
             del v
         return
     norms, other = [], []
