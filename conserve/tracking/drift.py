@@ -118,28 +118,34 @@ class Assembly:
     def _lin_host(self) -> np.ndarray:
         return self._lin.cpu().numpy().astype(bool, copy=False)
 
+    def _set_factors(self, a: Sequence[float]):
+        """Per tensor set the common ``a`` of its tensors (nan if they differ or a shifted term's tensor
+        has ``a != 1``): ``(true, rounded)``, ``rounded`` = the fp32 value the kernels use
+        (``drift_factors``).  Cached for the last ``a`` (it changes only with the lr)."""
+        key = tuple(map(float, a))
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        at = np.asarray(key, dtype=np.float64)
+        af = np.asarray(drift_factors(list(key), len(key)), dtype=np.float64)
+        per_set = []
+        for av in (at, af):
+            first = np.full(self._n_sets, np.nan)
+            if len(self._m_set):
+                first[self._m_set[::-1]] = av[self._m_tensor[::-1]]  # any one tensor's a per set
+                bad = np.zeros(self._n_sets, dtype=bool)
+                diff = (av[self._m_tensor] != first[self._m_set]) | (self._m_shift & (av[self._m_tensor] != 1.0))
+                np.logical_or.at(bad, self._m_set, diff)
+                first[bad] = np.nan
+            per_set.append(first)
+        self._cache = (key, tuple(per_set))
+        return self._cache[1]
+
     def _factors(self, a: Sequence[float]):
         """Per entry the common ``a`` of its tensors (nan if they differ, or a shifted term's tensor has
-        ``a != 1``, or it reads none): ``(true, rounded)`` pairs of ``(vec, {D: slots})`` arrays,
-        ``rounded`` = the fp32 value the kernels use (``drift_factors``).  Per tensor set, cached for
-        the last ``a`` (it changes only with the lr); expanded to the entries per call."""
-        key = tuple(float(x) for x in a)
-        if self._cache is None or self._cache[0] != key:
-            at = np.asarray(key, dtype=np.float64)
-            af = np.asarray(drift_factors(list(key), len(key)), dtype=np.float64)
-            per_set = []
-            for av in (at, af):
-                first = np.full(self._n_sets, np.nan)
-                if len(self._m_set):
-                    first[self._m_set[::-1]] = av[self._m_tensor[::-1]]  # any one tensor's a per set
-                    bad = np.zeros(self._n_sets, dtype=bool)
-                    diff = (av[self._m_tensor] != first[self._m_set]) | (self._m_shift & (av[self._m_tensor] != 1.0))
-                    np.logical_or.at(bad, self._m_set, diff)
-                    first[bad] = np.nan
-                per_set.append(first)
-            self._cache = (key, tuple(per_set))
+        ``a != 1``, or it reads none): ``(true, rounded)`` pairs of ``(vec, {D: slots})`` arrays
+        (``_set_factors`` expanded to the entries per call: nothing entry-sized is kept)."""
         out, nv = [], self.vec_size
-        for f in self._cache[1]:
+        for f in self._set_factors(a):
             e = f[self._set_id]
             fg, at = {}, nv
             for d, n in self.gram_slots.items():
@@ -157,11 +163,20 @@ class Assembly:
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
         """Whether some (sampled) entry with a nonzero decay reads tensors of different ``a``."""
-        fv, fg = self._factors(a)[0]  # true factors: entries mixed there are decayed by the kernel
-        if sampled is None:
-            return bool(np.isnan(fv).any() or any(np.isnan(f).any() for f in fg.values()))
-        return bool(np.isnan(fv[sampled.vec_np]).any()
-                    or any(np.isnan(f[sampled.gram_np[d]]).any() for d, f in fg.items()))
+        nan = np.isnan(self._set_factors(a)[0])  # true factors: entries mixed there are decayed by the kernel
+        if not nan.any():
+            return False
+        if sampled is None or sampled.full:
+            return bool(nan[self._set_id].any())
+        nv = self.vec_size
+        if nan[self._set_id[:nv][sampled.vec_np]].any():
+            return True
+        at = nv
+        for d, n in self.gram_slots.items():
+            if nan[self._set_id[at: at + n][sampled.gram_np[d]]].any():
+                return True
+            at += n
+        return False
 
     def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None, out=None):
         """``(a^2 - 1) h_old`` (quadratic entries) / ``(a - 1) h_old`` (linear), ``(vec, {D: grams})``;
@@ -278,13 +293,17 @@ class _Restricted(Assembly):
         self.vec_size, self.gram_slots = len(self._vi), {d: len(x) for d, x in self._si.items()}
         self.device = parent.device
         self._lin = torch.from_numpy(parent._lin_host()[self._vi]).to(parent.device)
+        at, ids = parent.vec_size, [parent._set_id[self._vi]]
+        for d, n in parent.gram_slots.items():
+            ids.append(parent._set_id[at: at + n][self._si[d]])
+            at += n
+        self._set_id = np.concatenate(ids)  # the parent's set of each of these entries (vec, then slots)
 
-    def _factors(self, a: Sequence[float]):
-        return tuple((fv[self._vi], {d: f[self._si[d]] for d, f in fg.items()}) for fv, fg in self._parent._factors(a))
+    def _set_factors(self, a: Sequence[float]):
+        return self._parent._set_factors(a)
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
-        fv, fg = self._factors(a)[0]
-        return bool(np.isnan(fv).any() or any(np.isnan(f).any() for f in fg.values()))
+        return bool(np.isnan(self._set_factors(a)[0][self._set_id]).any())
 
 
 @dataclass
