@@ -208,13 +208,14 @@ def _view3(t: torch.Tensor | None, B: int, R: int, C: int) -> torch.Tensor | Non
         return None
 
 
-def _sumsq(x: torch.Tensor, axis: int) -> torch.Tensor:
+def _sumsq(x: torch.Tensor, axis: int, chunk: int = _CHUNK) -> torch.Tensor:
     """``(x * x).sum(axis)`` of a ``(B, R, C)`` tensor without a full-size temporary: rows (axis 2) by
-    ``vector_norm`` (one pass), columns (axis 1) over row chunks of at most ``_CHUNK`` elements."""
+    ``vector_norm`` (one pass), columns (axis 1) over row chunks of at most ``chunk`` elements (one row
+    of each entry at least)."""
     if axis == 2:
         return torch.linalg.vector_norm(x, dim=2).square()
     B, R, C = x.shape
-    step = max(1, _CHUNK // max(1, B * C))
+    step = max(1, chunk // max(1, B * C))
     if step >= R:
         return x.square().sum(1)
     acc = x[:, :step].square().sum(1)
@@ -229,11 +230,12 @@ def _wanted(req: StatsRequest):
 
 
 def _block_stats(o: torch.Tensor | None, n: torch.Tensor, a: float, want, out: torch.Tensor, R: int, C: int,
-                 blk, delta: torch.Tensor | None) -> None:
+                 blk, delta: torch.Tensor | None, chunk: int = _CHUNK) -> None:
     """The slots of one block ``blk`` (``_blocks``): ``n`` its new values, ``o`` its old values (``out.dtype``,
     overwritten) or None (quantity 0 only), ``delta`` a buffer of ``>= n.numel()`` elements of ``out.dtype``
     or None.  A block's row sums go to its rows' slots (added to when the block starts after column 0),
-    its column sums to its columns' slots (added to when it starts after row 0)."""
+    its column sums to its columns' slots (added to when it starts after row 0).  ``chunk``: the largest
+    temporary of a column sum of squares (``_sumsq``)."""
     b0, nb, r0, nr, c0, nc = blk
     tgt = [(base + (b0 * R + r0 if axis == 2 else b0 * C + c0), axis, quad, c0 > 0 if axis == 2 else r0 > 0)
            for base, axis, quad in want]
@@ -247,11 +249,11 @@ def _block_stats(o: torch.Tensor | None, n: torch.Tensor, a: float, want, out: t
             dst.copy_(v)
 
     for lo, axis, quad, add in tgt:
-        put(lo, add, 0, _sumsq(n, axis) if quad else n.sum(axis))
+        put(lo, add, 0, _sumsq(n, axis, chunk) if quad else n.sum(axis))
     if o is None:
         return
     for lo, axis, quad, add in tgt:  # decay: (a^2 - 1) old^2 / (a - 1) old, before old is scaled in place
-        put(lo, add, 3, (a * a - 1) * _sumsq(o, axis) if quad else (a - 1) * o.sum(axis))
+        put(lo, add, 3, (a * a - 1) * _sumsq(o, axis, chunk) if quad else (a - 1) * o.sum(axis))
     if a != 1.0:
         o.mul_(a)  # a*old, rounded as the kernel rounds it
     if delta is not None and delta.numel() >= n.numel():
@@ -260,7 +262,7 @@ def _block_stats(o: torch.Tensor | None, n: torch.Tensor, a: float, want, out: t
         d = n - o  # Delta
     for lo, axis, quad, add in tgt:
         if quad:
-            put(lo, add, 2, _sumsq(d, axis))
+            put(lo, add, 2, _sumsq(d, axis, chunk))
         else:  # linear slots: quantity 2 stays 0
             put(lo, add, 1, d.sum(axis))
     if any(quad for _, _, quad in want):
@@ -311,43 +313,53 @@ def stats_reference(old: torch.Tensor | None, new: torch.Tensor, a: float, req: 
 @torch.no_grad()
 def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: torch.Tensor | None,
                          buf2: torch.Tensor | None, step: float, first: bool, req: StatsRequest,
-                         out: torch.Tensor, *, drift: bool, bound: int = CHUNK_MAX,
+                         out: torch.Tensor | None, *, drift: bool = False, bound: int = CHUNK_MAX,
                          scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Torch twin of one tensor's fused step: ``step_reference`` on ``p`` (and its buffers, in place),
-    then the slots of ``req`` into ``out`` (``stats_reference``).
+    """Torch twin of one tensor's fused step: ``step_reference`` on ``p`` (and its buffers, in place)
+    and the slots of ``req`` in ``out`` (``stats_reference``), block by block.
 
-    ``drift=False``: the whole-tensor update (the very temporaries of ``torch.optim``'s step), then
-    ``h(new)`` (quantity 0).  ``drift=True``: all four quantities; the update runs block by block
-    (``_blocks``, at most ``bound`` elements: the update is elementwise, so the weights and buffers are
-    bit for bit those of the whole-tensor update), each block's old values copied right before its
-    update into ``scratch[0]`` (``p.dtype``) and its ``Delta`` formed in ``scratch[1]`` (``out.dtype``),
-    both of ``>= bound`` elements (allocated here when None).  No temporary is larger than a block;
-    row statistics are those of the whole-tensor evaluation, column statistics add over the blocks
-    (fp32 rounding).  A tensor whose strides allow no ``(B, R, C)`` view (or whose grad / buffers do
-    not) is stepped whole, its old values copied whole.
-    ``first``: SGD's fresh momentum buffer (``step_reference``)."""
+    The update is elementwise, so it runs on blocks of whole rows (``_blocks``) -- views of ``p``,
+    ``grad`` and the buffers -- with the very ops of the whole-tensor update: weights and buffers are
+    bit for bit those of ``step_reference`` (and ``torch.optim``), and each block's statistics are
+    taken while it is in cache.  Row statistics are those of the whole tensor; column statistics add
+    over the blocks (fp32 rounding).
+    ``drift=False``: blocks of ``CHUNK_MAX`` elements, ``h(new)`` only (quantity 0; ``out`` may have one
+    row, or be None with an empty ``req``): the update's temporaries are at most those of the
+    whole-tensor update.  ``drift=True``: all four quantities, in blocks of at most ``bound`` elements,
+    each block's old values copied right before its update into ``scratch[0]`` (``p.dtype``) and its
+    ``Delta`` formed in ``scratch[1]`` (``out.dtype``), both of ``>= bound`` elements (allocated here when
+    None): no temporary is larger than a block.  Column sums of squares square at most ``bound``
+    elements at a time (both modes).  A tensor whose
+    strides (or whose grad's / buffers') allow no ``(B, R, C)`` view is stepped whole (its old values
+    copied whole).  ``first``: SGD's fresh momentum buffer (``step_reference``)."""
     B, R, C = matrix_shape(p.shape)
-    views = [None if t is None else _view3(t, B, R, C) for t in (p, grad, buf1, buf2)]
-    whole = (not drift or p.numel() == 0 or not req.any
-             or any(v is None and t is not None for v, t in zip(views, (p, grad, buf1, buf2))))
-    if whole:
-        old = p.detach().clone() if drift and req.any else None
+    tensors = (p, grad, buf1, buf2)
+    views = [None if t is None else _view3(t, B, R, C) for t in tensors]
+    drift = drift and req.any
+    if p.numel() == 0 or any(v is None and t is not None for v, t in zip(views, tensors)):
+        old = p.detach().clone() if drift else None
         step_reference(h, [p], [grad], [buf1], [buf2], [step], first=[first])
-        stats_reference(old, p, h.a, req, out, consume_old=True, bound=CHUNK_MAX if old is not None else None)
+        if req.any:
+            stats_reference(old, p, h.a, req, out, consume_old=True, bound=CHUNK_MAX if drift else None)
         return
-    acc = out.dtype
-    if scratch is None:
-        n = min(bound, p.numel())
-        scratch = (torch.empty(n, dtype=p.dtype, device=p.device), torch.empty(n, dtype=acc, device=p.device))
-    old_buf, delta = scratch
+    acc = out.dtype if out is not None else p.dtype
+    old_buf = delta = None
+    if drift:
+        if scratch is None:
+            n = min(bound, p.numel())
+            scratch = (torch.empty(n, dtype=p.dtype, device=p.device), torch.empty(n, dtype=acc, device=p.device))
+        old_buf, delta = scratch
+        delta = delta if delta.dtype == acc else None
     want = _wanted(req)
-    for blk in _blocks(B, R, C, bound):
+    for blk in _blocks(B, R, C, bound if drift else CHUNK_MAX):
         b0, nb, r0, nr, c0, nc = blk
         sl = (slice(b0, b0 + nb), slice(r0, r0 + nr), slice(c0, c0 + nc))
         pb, gb, m1, m2 = (None if v is None else v[sl] for v in views)
-        ob = old_buf[: pb.numel()].view(pb.shape).copy_(pb)
+        ob = old_buf[: pb.numel()].view(pb.shape).copy_(pb) if drift else None
         step_reference(h, [pb], [gb], [m1], [m2], [step], first=[first])
-        _block_stats(ob.to(acc), pb.to(acc), h.a, want, out, R, C, blk, delta if delta.dtype == acc else None)
+        if want:
+            _block_stats(None if ob is None else ob.to(acc), pb.to(acc), h.a, want, out, R, C, blk, delta,
+                         min(bound, _CHUNK))
 
 
 def finish_reference(stats: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.tracker: Tracker | None = None
         self._fp = None
         self._layouts: dict = {}
+        self._chunk = K.CHUNK_MAX
         if track is None and laws is None:
             if named_params is not None:
                 raise ValueError("named_params is only used with laws=...; pass track=model or laws=[...]")
@@ -326,15 +327,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if tri:
                 K.step_triton(h, ps, gs, m1, m2, st, reqs, stats, fresh=fr, cache=self._layouts,
                               interpret=ps[0].device.type != "cuda")
-            else:  # one tensor at a time; on drift steps in blocks of rows whose old copy and Delta live in
-                # two block-sized scratch buffers reused across blocks and tensors, dropped after the step
+            else:  # one tensor at a time, in blocks of rows (kernels.optim_step.step_stats_reference); on
+                # drift steps each block's old copy and Delta live in two block-sized scratch buffers
+                # reused across blocks and tensors, dropped after the step
                 for k, p in enumerate(ps):
-                    if ids[k] < 0 or not reqs[k].any:
-                        K.step_reference(h, [p], [gs[k]], [m1[k]], [m2[k]], [st[k]], first=[fr[k]] if fr else ())
-                        continue
-                    if drift_step:
+                    req = reqs[k] if ids[k] >= 0 else K.StatsRequest()
+                    if drift_step and req.any:
                         scratch = self._scratch(scratch, p)
-                    K.step_stats_reference(h, p, gs[k], m1[k], m2[k], st[k], bool(fr[k]) if fr else False, reqs[k],
+                    K.step_stats_reference(h, p, gs[k], m1[k], m2[k], st[k], bool(fr[k]) if fr else False, req,
                                            stats, drift=drift_step, bound=self._chunk, scratch=scratch)
             for i in ids:
                 if i >= 0:
