@@ -325,8 +325,8 @@ def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: to
     over the blocks (fp32 rounding).
     ``drift=False``: blocks of ``CHUNK_MAX`` elements, ``h(new)`` only (quantity 0; ``out`` may have one
     row, or be None with an empty ``req``): the update's temporaries are at most those of the
-    whole-tensor update.  ``drift=True``: all four quantities, in blocks of at most ``bound`` elements,
-    each block's old values copied right before its update into ``scratch[0]`` (``p.dtype``) and its
+    whole-tensor update.  ``drift=True`` (a drift step): blocks of at most ``bound`` elements, and with a
+    non-empty ``req`` all four quantities, each block's old values copied right before its update into ``scratch[0]`` (``p.dtype``) and its
     ``Delta`` formed in ``scratch[1]`` (``out.dtype``), both of ``>= bound`` elements (allocated here when
     None): no temporary is larger than a block.  Column sums of squares square at most ``bound``
     elements at a time (both modes).  A tensor whose
@@ -335,6 +335,7 @@ def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: to
     B, R, C = matrix_shape(p.shape)
     tensors = (p, grad, buf1, buf2)
     views = [None if t is None else _view3(t, B, R, C) for t in tensors]
+    blocks = bound if drift else CHUNK_MAX  # a drift step: every tensor in small blocks (its peak stays low)
     drift = drift and req.any
     if p.numel() == 0 or any(v is None and t is not None for v, t in zip(views, tensors)):
         old = p.detach().clone() if drift else None
@@ -351,7 +352,7 @@ def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: to
         old_buf, delta = scratch
         delta = delta if delta.dtype == acc else None
     want = _wanted(req)
-    for blk in _blocks(B, R, C, bound if drift else CHUNK_MAX):
+    for blk in _blocks(B, R, C, blocks):
         b0, nb, r0, nr, c0, nc = blk
         sl = (slice(b0, b0 + nb), slice(r0, r0 + nr), slice(c0, c0 + nc))
         pb, gb, m1, m2 = (None if v is None else v[sl] for v in views)

@@ -341,7 +341,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     a_of[i] = h.a
         if tr is not None:
             del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
-            self._record(a_of, stats, snap)
+            vals = self._finish(a_of, stats)
+            del stats  # the statistics: dropped once summed into the plan's entries
+            self._record(a_of, vals, snap)
         return loss
 
     def _scratch(self, scratch, p: torch.Tensor):
@@ -362,15 +364,20 @@ class _FusedOptimizer(torch.optim.Optimizer):
             vm, gm = snap.mask.vec_np | ~fp.rest_vec, snap.mask.gram_np
         return make_mask(vm, gm, self.tracker.device, ("fused", None if snap is None else snap.mask.key))
 
-    def _record(self, a_of: dict[int, float], stats: torch.Tensor, snap=None) -> None:
-        tr, fp = self.tracker, self._fp
-        drift_step = tr.drift and tr.step_count % tr.drift_every == 0
-        for i, t in enumerate(tr.tensors):  # tracked but not stepped (no grad, not in any group): Delta = 0
+    def _finish(self, a_of: dict[int, float], stats: torch.Tensor) -> torch.Tensor:
+        """The plan entries ``(rows of stats, vec_size)`` of this step's statistics (tracked tensors that
+        were not stepped -- no grad, not in any group -- added with ``Delta = 0``)."""
+        fp = self._fp
+        for i, t in enumerate(self.tracker.tensors):
             if i not in a_of and fp.reqs[i].any:
                 K.stats_reference(None, t, 1.0, fp.reqs[i], stats)
-        vals = (K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]]) if fp.idx is not None  # deterministic (CUDA)
-                else K.finish_signed(stats, *fp.compact, fp.n_quad, fp.n_entries))
-        del stats
+        if fp.idx is not None:  # deterministic (CUDA)
+            return K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]])
+        return K.finish_signed(stats, *fp.compact, fp.n_quad, fp.n_entries)
+
+    def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None) -> None:
+        tr, fp = self.tracker, self._fp
+        drift_step = tr.drift and tr.step_count % tr.drift_every == 0
         dev, dt = tr.device, vals.dtype
         if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
             h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
