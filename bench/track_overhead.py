@@ -10,15 +10,16 @@ Prints, with one intra-op thread and the library defaults everywhere:
 2. the same at ``--size base``; target <= 1.05;
 3. ``FusedAdamW(track=model)`` optimizer step / ``torch.optim.AdamW`` step (same hyper-parameters,
    random gradients) on a ~14M-parameter LM; target <= 1.5;
-4. peak extra memory of the tracked optimizer step over the untracked one, divided by the tracked
-   bytes, over 2 x the drift cycle steps (``conserve.track`` on the default model, and FusedAdamW on
-   it); target <= 0.15.  Measured exactly: a ``TorchDispatchMode`` counts every tensor storage created
-   inside ``optimizer.step()`` until it is freed (the tracker's buffers kept between steps included).
-   Next to it, the storages created while the tracked optimizer was built and still alive after the
-   last step (``h_0``, ``h``, the ``eps`` guards, the cumulative totals, index tensors, kernel caches),
-   over the same tracked bytes: state moved into construction is counted there, not hidden.  Host
-   numpy arrays (the sampler's int16 group id per law entry, the assembly's int32 entry tables) are
-   not torch storages and are not counted (a few bytes per law entry).
+4. peak extra memory of tracking over the untracked optimizer, divided by the tracked bytes, over
+   2 x the drift cycle steps (``conserve.track`` on the default model, and FusedAdamW on it; both again
+   on a ~14M-parameter LM); target <= 0.15.  Measured exactly: a ``TorchDispatchMode`` counts every
+   tensor storage created while the optimizer (and its tracker) is built and inside each
+   ``optimizer.step()``, until it is freed; the figure is the peak of that live total minus the
+   untracked optimizer's peak, so state moved into construction (``h_0``, ``h``, the ``eps`` guards,
+   cumulative totals, index tensors, kernel caches) counts as much as a step's temporaries.  Host
+   numpy arrays reachable from the optimizer and the twin's structure cache (the sampler's group
+   ids, the assembly's entry tables) are added.  The line also splits the total: held from the
+   construction, created inside steps at the peak, numpy.
 
 Steps are timed in interleaved blocks (untracked, tracked, untracked, ...) and the medians compared,
 so a slow phase of the shared machine hits both sides.
@@ -29,7 +30,10 @@ import argparse
 import statistics
 import tempfile
 import time
+import types
 import weakref
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +121,9 @@ def fused_ratio(blocks: int) -> tuple[int, float, float, float]:
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of the CPU tensor storages created under this mode and still alive; ``peak`` its maximum.
-    Outputs that alias an input (in-place ops, views) are not new storage."""
+    """Bytes of the CPU tensor storages created under this mode (it may be entered several times) and
+    still alive; ``peak`` the maximum of their total.  Outputs that alias an input (in-place ops,
+    views) are not new storage."""
 
     def __init__(self):
         super().__init__()
@@ -143,25 +148,57 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def peak_step_bytes(make, steps: int, build=lambda: run_model("tiny")) -> tuple[int, int, int, int]:
-    """(peak live bytes created inside ``opt.step()`` over ``steps`` steps, tracked bytes, bytes still
-    held after the last step, bytes created while the optimizer (and its tracker) was built and still
-    alive after the last step: h_0, h, the guards, cumulative totals, index tensors, caches...)."""
+def numpy_bytes(*roots) -> int:
+    """Bytes of the distinct numpy arrays reachable from ``roots`` through attributes, slots and
+    containers (objects walked once; modules, classes and functions not entered)."""
+    seen, bases, todo = set(), {}, list(roots)
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                                            str, bytes, int, float, bool, torch.Tensor)) or o is None:
+            continue
+        seen.add(id(o))
+        if isinstance(o, np.ndarray):
+            base = o
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            bases[id(base)] = base.nbytes
+            continue
+        if isinstance(o, dict):
+            todo.extend(o.keys())
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo.extend(o)
+        else:
+            todo.extend(getattr(o, "__dict__", {}).values())
+            for k in getattr(type(o), "__slots__", ()):
+                todo.append(getattr(o, k, None))
+    return sum(bases.values())
+
+
+def peak_bytes(make, steps: int, build=lambda: run_model("tiny")) -> dict:
+    """Build ``make(model)`` and run ``steps`` steps (random gradients: the step's memory does not depend
+    on where they come from) under one ``LiveBytes``: ``peak`` (construction and steps), ``built`` (of the
+    construction, alive after the last step), ``held`` (created inside steps, alive after the last step),
+    ``numpy`` (host arrays reachable from the optimizer and the twin's cache), ``tracked`` bytes."""
+    from conserve.kernels import reference
     model = build()
-    built = LiveBytes()
-    with built:
+    mode = LiveBytes()
+    with mode:
         opt = make(model)
+    built_keys = set(mode.live)
     tracker = getattr(opt, "tracker", None)
     tracked = sum(t.numel() * t.element_size() for t in tracker.tensors) if tracker is not None else 0
-    mode = LiveBytes()
-    for k in range(steps):  # random gradients: the step's memory does not depend on where they come from
+    for k in range(steps):
         set_grads(model, k)
         with mode:
             opt.step()
-    return mode.peak, tracked, mode.cur, built.cur
+    built = sum(v for key, v in mode.live.items() if key in built_keys)
+    host = numpy_bytes(opt, list(reference._CACHE.values())) if tracker is not None else 0
+    return {"peak": mode.peak, "built": built, "held": mode.cur - built, "numpy": host, "tracked": tracked}
 
 
-def memory_ratio(kind: str, build=lambda: run_model("tiny")) -> tuple[float, int, int, int]:
+def memory_ratio(kind: str, build=lambda: run_model("tiny")) -> dict:
     if kind == "track":
         plain = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
         tracked = lambda m: conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=10)  # noqa: E731
@@ -171,10 +208,15 @@ def memory_ratio(kind: str, build=lambda: run_model("tiny")) -> tuple[float, int
     probe = tracked(build())
     tr = probe.tracker
     cycle = tr.drift_every * max(len(tr.sampler.groups), len(getattr(probe, "_sampler", tr.sampler).groups))
+    del probe, tr
     steps = min(2 * cycle, 200)
-    base, _, held_base, built_base = peak_step_bytes(plain, steps, build)
-    peak, nbytes, held, built = peak_step_bytes(tracked, steps, build)
-    return (peak - base) / nbytes, peak - base, nbytes, steps, (held - held_base) / nbytes, (built - built_base) / nbytes
+    base = peak_bytes(plain, steps, build)
+    got = peak_bytes(tracked, steps, build)
+    n = got["tracked"]
+    return {"total": (got["peak"] - base["peak"] + got["numpy"]) / n, "extra": got["peak"] - base["peak"] + got["numpy"],
+            "tracked": n, "steps": steps, "built": (got["built"] - base["built"]) / n,
+            "step_peak": (got["peak"] - base["peak"] - (got["built"] - base["built"])) / n,
+            "held": (got["held"] - base["held"]) / n, "numpy": got["numpy"] / n}
 
 
 def main(argv=None) -> None:
@@ -202,12 +244,12 @@ def main(argv=None) -> None:
     # per unit) are a large fraction of its weights; the ~14M model shows the ratio at a realistic shape
     models = (("default model", lambda: run_model("tiny")), ("14M model", lm14m))
     for (label, build), kind in [(m, k) for m in models for k in ("track", "fused")] if "memory" in parts else ():
-        r, extra, nbytes, steps, held, built = memory_ratio(kind, build)
+        r = memory_ratio(kind, build)
         name = "conserve.track (SGD)" if kind == "track" else "FusedAdamW vs AdamW"
-        print(f"peak extra memory / tracked bytes, {name}, {label}, {steps} steps: {extra} / {nbytes} B = "
-              f"{r:.3f} (target <= 0.15); of it held between steps (law values, rows, caches): {held:.3f}; "
-              f"besides, built with the tracker and still held (h0, h, guards, totals, indices): {built:.3f}")
-
+        print(f"peak extra memory / tracked bytes, {name}, {label}, {r['steps']} steps: {r['extra']} / {r['tracked']} B = "
+              f"{r['total']:.3f} (target <= 0.15) = built with the tracker and still held (h0, h, guards, totals, "
+              f"indices, caches) {r['built']:.3f} + created inside the step at the peak {r['step_peak']:.3f} "
+              f"(of it still held after the last step {r['held']:.3f}) + host numpy {r['numpy']:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -125,7 +125,9 @@ class Tracker:
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
         on_nonfinite: what a flush does with a row whose law values are NaN/Inf (the parameters
             diverged, e.g. after NaN/Inf gradients were applied): ``"raise"`` (default) writes the rows
-            before it and raises ``NonFiniteError`` naming the step; ``"warn"`` writes every row (NaN
+            before it and raises ``NonFiniteError`` naming the step (the rows after it stay pending; a
+            flush due inside ``optimizer.step()`` raises after that step is booked, so a caller who
+            catches it, repairs the weights and goes on loses no step); ``"warn"`` writes every row (NaN
             as null in JSONL) and warns once; ``"skip"`` writes the finite rows only, counts the others
             in ``nonfinite_skipped`` and warns once. Steps keep their numbers in every case.
 
@@ -410,8 +412,12 @@ class Tracker:
         Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
         are formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to
         the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it)."""
+        err = None
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
-            self.flush()
+            try:
+                self.flush()
+            except NonFiniteError as e:  # raised after this step is booked: the optimizer has applied it
+                err = e
         self.step_count += 1
         nf, ng, dev = len(self.families), len(self.groups), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
@@ -438,6 +444,8 @@ class Tracker:
         self.h = h1
         for m in self.monitors:
             m.update()
+        if err is not None:
+            raise err
 
     def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
         """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four, and per
@@ -576,7 +584,12 @@ class Tracker:
             if self.on_nonfinite == "raise":
                 self._write(written)
                 self.last_record = written[-1] if written else self.last_record
-                raise NonFiniteError(what + " (rows before it were written)")
+                # the rows after it stay pending (the next flush writes or refuses them): none is lost
+                self._rows = [r.to(self.device) for r in host[i + 1:].unbind(0)]
+                self._extras = extras[i + 1:]
+                if self._extras:
+                    self._extras[-1] = {**self._extras[-1], **mon}
+                raise NonFiniteError(what + " (rows before it were written, the later ones stay pending)")
             if self.on_nonfinite == "warn":
                 written.append(rec)
                 if not self._warned_nonfinite:

@@ -637,6 +637,30 @@ def _scenario_nan(rank, world, cfg, tmpdir=None):
         assert [r["step"] for r in sink.records] == [1, 2]
     else:
         assert sink.records == []
+    # go on: the NaN weights step twice more (rows 4, 5 bad), are repaired, then steps 6-9 are finite; the
+    # flush due inside after_step of step 8 raises for row 4 only after step 8 is pending, rows 5-7 stay pending
+    raised = []
+    for k in range(4, 10):
+        if k == 6:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().nan_to_num_(0.0)
+        opt.zero_grad()
+        _loss(model, _batch(k, rank, cfg["vocab_size"])).backward()
+        t.before_step(opt)
+        opt.step()
+        try:
+            t.after_step()
+        except NonFiniteError as e:
+            raised.append((k, str(e)))
+    assert [k for k, _ in raised] == [8] and "step 4" in raised[0][1]
+    with pytest.raises(NonFiniteError, match="step 5"):
+        t.flush()
+    t.flush()
+    assert t.step_count == 9  # every step the optimizer applied is booked
+    if rank == 0:
+        assert [r["step"] for r in sink.records] == [1, 2, 6, 7, 8, 9]
+    t.close()
 
 
 def _world2(rank, world):

@@ -261,6 +261,38 @@ def test_nonfinite_values_are_reported_with_the_step():
     assert [r["step"] for r in sink.records] == [1]
 
 
+def test_nonfinite_error_from_the_lazy_flush_books_the_step_and_keeps_the_later_rows():
+    # the flush that raises runs inside a LATER opt.step(), after the inner optimizer stepped: that step
+    # is still booked (step_count follows the optimizer), and the rows after the bad one stay pending
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    sink = conserve.MemorySink()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.05), m, every=3, sinks=[sink], drift_every=1)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    good = {k: v.clone() for k, v in m.state_dict().items()}
+    raised = []
+    for s in range(1, 10):
+        opt.zero_grad()
+        ((m(x) - y) ** 2).mean().backward()
+        try:
+            opt.step()
+        except conserve.errors.NonFiniteError as e:
+            raised.append((s, str(e)))
+            m.load_state_dict(good)  # repaired: the next rows are finite
+        if s == 2:
+            with torch.no_grad():
+                m[0].weight[0, 0] = float("nan")  # theta_3 and theta_4 (stepped before the repair) are NaN
+        opt.record(loss=float(s))
+    opt.close()
+    assert opt.tracker.step_count == 9
+    # rows 1-3 flush inside step 4 (row 3 raises), rows 4-6 inside step 7 (row 4 raises)
+    assert [s for s, _ in raised] == [4, 7] and "step 3" in raised[0][1] and "step 4" in raised[1][1]
+    assert "stay pending" in raised[0][1]
+    steps = [r["step"] for r in sink.records]
+    assert steps == [1, 2, 5, 6, 7, 8, 9], steps  # rows 5, 6 (after the bad one, same window) are not lost
+    assert [r["loss"] for r in sink.records] == [float(s) for s in steps]  # extras stay with their rows
+
+
 def test_track_needs_a_model_and_rejects_double_wrapping():
     m = _model(dtype=torch.float32)
     with pytest.raises(ValueError, match="needs the model"):

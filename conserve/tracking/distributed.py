@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import kernels
-from ..errors import UsageError
+from ..errors import NonFiniteError, UsageError
 from ..laws import Law
 from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors
 from .shard_plan import _Entries, _Layout, comm_schedule
@@ -466,10 +466,14 @@ class DistributedTracker(Tracker):
         # sizes are the same on every rank, so every rank decides the same)
         nxt = self._schedule.step_scalars(prev is not None, self.drift) * self._pack_dtype.itemsize
         pending = sum(p.pack.numel() for p in self._pend) * self._pack_dtype.itemsize
+        err = None
         if self._pend and (len(self._pend) >= self.every or pending + nxt > self._max_pending_bytes):
-            self._sync()
-            if len(self._rows) >= self.every:
-                Tracker.flush(self)
+            try:
+                self._sync()
+                if len(self._rows) >= self.every:
+                    Tracker.flush(self)
+            except NonFiniteError as e:  # raised once this step is pending: the optimizer has applied it
+                err = e
         cur = [_local(p) for p in self.params]
         self.tensors = cur
         a = [float(x) for x in self._a]
@@ -482,9 +486,11 @@ class DistributedTracker(Tracker):
         self._hp = h1
         if terms is not None:
             for k in _CUM:
-                self._cum_p[k] = self._cum_p[k].map(torch.add, terms[k])
+                self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
             m.update()
+        if err is not None:
+            raise err
 
     def _sync(self) -> None:
         """Reduce the pending steps (the owner-only row exchange if heads straddle ranks, then ONE
@@ -496,8 +502,14 @@ class DistributedTracker(Tracker):
             self._exchange_pending()
         pend, self._pend = self._pend, []
         x = self._all_reduce(torch.cat([p.pack for p in pend]))
+        err = None
         for row, p in zip(x.split([p.pack.numel() for p in pend]), pend):
-            self._book(row, p)
+            try:
+                self._book(row, p)
+            except NonFiniteError as e:  # the step is booked (see _book): book the rest first
+                err = err or e
+        if err is not None:
+            raise err
 
     def _book(self, x: torch.Tensor, p: _Pending) -> None:
         """Finish one step's metric row from its reduced pack: add the split instances' ``eps`` and
@@ -529,17 +541,23 @@ class DistributedTracker(Tracker):
                     parts.append((own + torch.zeros(nf, dtype=dt, device=dev).index_add_(
                         0, self._split_fam, self._split_w * v * v)).sqrt())
                 for k, v in zip(_CUM, (meas, dec, fst, snd)):
-                    self._cum_split[k] = self._cum_split[k] + v
+                    self._cum_split[k].add_(v)
                 self.sampled_steps += 1
             else:
                 parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
         self._h_split = hs
-        if len(self._rows) >= self.every:  # as Tracker.record_step: flush lazily
-            Tracker.flush(self)
+        err = None
+        if len(self._rows) >= self.every:  # as Tracker.record_step: flush lazily, raise once this step is booked
+            try:
+                Tracker.flush(self)
+            except NonFiniteError as e:
+                err = e
         self.step_count += 1
         self._rows.append(torch.cat(parts).float())
         if p.extras:
             Tracker.record(self, **p.extras)
+        if err is not None:
+            raise err
 
     def _materialize(self) -> None:
         """Full ``h`` and ``cumulative`` on every rank (one packed all-reduce after the pending steps)."""
