@@ -24,7 +24,10 @@ Triton path (``step_triton``): ONE launch of ``_step_kernel`` per (group, dtype)
 rows) into a buffer; ``_finish_kernel`` sums the partials in a fixed order (no atomics:
 deterministic).  Torch twin (``step_reference``): the same math op by op, as ``torch.optim`` does it
 (``_single_tensor_adam`` / ``_single_tensor_sgd``; on CPU the ``foreach`` path runs the same ops), and
-the same statistics with torch reductions.
+the same statistics with torch reductions (``stats_reference``); ``step_stats_reference`` runs both on
+blocks of whole rows (the update is elementwise: the same bits), so a drift step's old copy and
+``Delta`` are block-sized.  Finish (``finish_signed``): the plan entries from the statistics by one
+index addition per quantity, the coefficients rebuilt from one sign per pair.
 
 Rounding: the kernel computes in fp32 and, for bf16/fp16 parameters, rounds to the storage dtype at
 every point where torch's foreach ops write a tensor (``LOWP``), so bf16 parameters follow torch's

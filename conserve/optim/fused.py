@@ -27,9 +27,15 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   in registers; ``h(new)`` of these laws is evaluated every step (``eps``);
 * the decay is ``(a^2-1) h(old)`` from the stored values (``conserve.tracking.drift.Assembly``); only
   entries whose tensors have different ``a`` use the per-term decay of the statistics / kernel;
-* between drift steps the torch twin computes only ``h(new)`` statistics and copies nothing; on a drift
-  step each weight with statistics is copied into one scratch buffer reused across tensors, dropped
-  after the step.  ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
+* the torch twin (CPU) steps each tensor in blocks of whole rows (``optim_step.step_stats_reference``:
+  bit for bit the whole-tensor update, each block's statistics taken while it is in cache); between
+  drift steps it computes only ``h(new)`` statistics and copies nothing; on a drift step the blocks
+  hold at most ``optim_step.chunk_bound`` elements (64Ki at most) and each block of a weight with
+  statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
+  across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
+  block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps);
+  between steps the optimizer holds one sign and two indices per (entry, statistic) pair.
+  ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
 The three drift terms are computed directly (not as residuals), so the tracker's ``residual`` checks
@@ -61,9 +67,9 @@ __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
                  "on_nonfinite", "keep_last")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
-# one tensor at a time) besides the sampled Gram-law views; between drift steps the statistics cost one
-# read of the new weights.  Every 10th step keeps a tracked CPU step within ~1.1-1.4x torch AdamW
-# (bench/track_overhead.py); pass drift_every=1 for every step.
+# block by block) besides the sampled Gram-law views; between drift steps the statistics cost one read
+# of the new weights (in cache: block by block).  Every 10th step keeps a tracked CPU step within
+# ~1.05-1.3x torch AdamW (bench/track_overhead.py); pass drift_every=1 for every step.
 FUSED_DRIFT_EVERY = 10
 
 
