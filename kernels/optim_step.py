@@ -203,6 +203,11 @@ def _blocks(B: int, R: int, C: int, bound: int):
                     yield b, 1, r, 1, c0, min(bound, C - c0)
 
 
+def _starts_aligned(B: int, R: int, C: int, bound: int) -> bool:
+    """Whether every block of ``_blocks`` starts at a multiple of 64 elements (of the matrix form)."""
+    return all(((b0 * R + r0) * C + c0) % 64 == 0 for b0, _, r0, _, c0, _ in _blocks(B, R, C, bound))
+
+
 def _view3(t: torch.Tensor | None, B: int, R: int, C: int) -> torch.Tensor | None:
     """``t`` as a ``(B, R, C)`` view (no copy), or None when its strides do not allow one."""
     try:
@@ -332,15 +337,20 @@ def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: to
     non-empty ``req`` all four quantities, each block's old values copied right before its update into ``scratch[0]`` (``p.dtype``) and its
     ``Delta`` formed in ``scratch[1]`` (``out.dtype``), both of ``>= bound`` elements (allocated here when
     None): no temporary is larger than a block.  Column sums of squares square at most ``bound``
-    elements at a time (both modes).  A tensor whose
-    strides (or whose grad's / buffers') allow no ``(B, R, C)`` view is stepped whole (its old values
-    copied whole).  ``first``: SGD's fresh momentum buffer (``step_reference``)."""
+    elements at a time (both modes).  Stepped whole (its old values copied whole): a tensor whose
+    strides (or whose grad's / buffers') allow no ``(B, R, C)`` view, and a bf16 / fp16 tensor whose
+    blocks cannot all start at multiples of 64 elements (torch's vectorised and scalar loops round
+    reduced-precision ops differently, so the blocks split where the whole tensor's vector loop does).
+    ``first``: SGD's fresh momentum buffer (``step_reference``)."""
     B, R, C = matrix_shape(p.shape)
     tensors = (p, grad, buf1, buf2)
     views = [None if t is None else _view3(t, B, R, C) for t in tensors]
     blocks = bound if drift else CHUNK_MAX  # a drift step: every tensor in small blocks (its peak stays low)
     drift = drift and req.any
-    if p.numel() == 0 or any(v is None and t is not None for v, t in zip(views, tensors)):
+    # bf16 / fp16: torch's vectorised and scalar CPU loops may round differently, so blocks must split
+    # where the whole tensor's vector loop does (multiples of 64 elements) to keep its bits
+    lowp = p.element_size() < 4 and p.numel() > blocks and not _starts_aligned(B, R, C, blocks)
+    if lowp or p.numel() == 0 or any(v is None and t is not None for v, t in zip(views, tensors)):
         old = p.detach().clone() if drift else None
         step_reference(h, [p], [grad], [buf1], [buf2], [step], first=[first])
         if req.any:

@@ -89,6 +89,28 @@ def test_blocks_equal_whole_tensor_step(name, dtype):
         assert S[1:].abs().sum() > 0 and (S[2] != 0).any()
 
 
+@pytest.mark.parametrize("name", ["adamw", "adam_l2_maximize", "sgd_momentum_wd"])
+def test_blocks_bf16_aligned(name):
+    """bf16: blocks that start at multiples of 64 elements keep the whole-tensor bits; a shape whose
+    blocks cannot (odd columns) is stepped whole (the same bits)."""
+    h = HYPERS[name]
+    g = torch.Generator().manual_seed(4)
+    for shape, bound, blocked in (((40, 64), 128, True), ((3, 20, 32), 256, True), ((41, 33), 100, False)):
+        B, R, C = K.matrix_shape(shape)
+        assert K._starts_aligned(B, R, C, bound) == blocked and len(list(K._blocks(B, R, C, bound))) > 1
+        P, G, M = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(3))
+        V = torch.rand(shape, generator=g).to(torch.bfloat16) if h.algo == "adam" else None
+        P2, M2, V2 = P.clone(), M.clone(), None if V is None else V.clone()
+        r = K.StatsRequest(row_q=0, col_q=B * R)
+        S, S2 = torch.zeros(K.NQ, B * R + B * C), torch.zeros(K.NQ, B * R + B * C)
+        K.step_stats_reference(h, P, G, M, V, 2.0, False, r, S, drift=True, bound=bound)
+        old = P2.clone()
+        K.step_reference(h, [P2], [G], [M2], [V2], [2.0])
+        K.stats_reference(old, P2, h.a, r, S2, bound=P2.numel())
+        assert torch.equal(P, P2) and torch.equal(M, M2) and (V is None or torch.equal(V, V2))
+        torch.testing.assert_close(S, S2, rtol=1e-5, atol=1e-5 * S2.abs().max().item())
+
+
 def test_blocks_row_sums_exact_and_alignment():
     """Blocks of whole rows give the whole-tensor row statistics bit for bit; the row counts of a
     block make it a multiple of 64 elements when the shape allows (torch's vector loops split there)."""
