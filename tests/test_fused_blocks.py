@@ -155,12 +155,16 @@ def _line_scale(tensors):
 @pytest.mark.parametrize("cls,kw", [(FusedAdamW, dict(lr=1e-2, weight_decay=0.1)),
                                     (FusedSGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01))])
 def test_fused_optimizer_blocks_equal_whole(cls, kw, fp64):
-    """A tracked LM (row/column statistics, Gram laws, weight decay) stepped with blocks of 16
-    elements == with one block per tensor: the same weights and state bits (and torch.optim's), and
+    """A tracked LM (row/column statistics, Gram laws, weight decay, a transposed weight) stepped with
+    blocks of 16 elements == with one block per tensor: the same weights and state bits (and torch.optim's), and
     the same law rows to the rounding of the statistics (fp32: 1e-6, fp64: 1e-13 of the largest line
     sum of squares), over drift and non-drift steps."""
     m1 = lm()
     m2, m3 = copy.deepcopy(m1), copy.deepcopy(m1)
+    for m in (m1, m2, m3):  # one weight laid out transposed (a non-contiguous parameter: strided blocks)
+        w = m.layers[0].mlp.down_proj.weight
+        w.data = w.data.t().contiguous().t()
+        assert not w.is_contiguous()
     o1 = cls(m1.parameters(), **kw, track=m1, drift_every=2, snapshot_budget=None, keep_last=True, fp64=fp64)
     o2 = cls(m2.parameters(), **kw, track=m2, drift_every=2, snapshot_budget=None, keep_last=True, fp64=fp64)
     o3 = (torch.optim.AdamW if cls is FusedAdamW else torch.optim.SGD)(m3.parameters(), **kw)
