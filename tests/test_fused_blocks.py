@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import collections
 import copy
-import weakref
 
 import pytest
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
