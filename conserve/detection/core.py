@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from torch import nn
@@ -105,6 +105,10 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
 
         return detect_graph(model, **options)
     for name, fn in _ordered():
+        if name == "torch.nn":  # the model itself is no HF/timm/reference model: is one inside it?
+            found = _nested(model, options)
+            if found is not None:
+                return found
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
@@ -117,6 +121,51 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
                                 + (f" (structural detection: {why})" if why else "")
                                 + "; pass explicit laws (conserve.laws) to track it, or example_inputs= if forward "
                                 "needs a particular input")
+
+
+_NAMED = ("reference", "hf", "timm")  # the detectors that recognise a model by its type
+
+
+def _prefixed(law: Law, prefix: str) -> Law:
+    """``law`` with every parameter name (and the law's name) under the submodule path ``prefix``."""
+    terms = [replace(t, ref=replace(t.ref, param=prefix + t.ref.param)) for t in law.terms]
+    return replace(law, name=prefix + law.name, terms=terms)
+
+
+def _nested(model: nn.Module, options: dict) -> Detection | None:
+    """The laws of the HF / timm / reference models held inside a container that none of them
+    recognises (a LightningModule with ``self.model = AutoModelForCausalLM...``, a wrapper with its own
+    head), parameter names as in the container's ``named_parameters()``; None when there is none.
+
+    The outermost recognised submodules are detected as if on their own, so their laws assume that
+    what the container does with them goes through their ``forward`` output (as for the model
+    alone); parameterised modules outside them are listed in ``undetected``."""
+    named = [(n, fn) for n, fn in _ordered() if n in _NAMED]
+    found: list[tuple[str, Detection]] = []
+    for path, m in model.named_modules():
+        if not path or any(path.startswith(p + ".") for p, _ in found):
+            continue
+        sub = unwrap(m)
+        for name, fn in named:
+            d = fn(sub, getattr(sub, "config", None), **options)
+            if d is not None:
+                d.detector = d.detector or name
+                found.append((path, d))
+                break
+    if not found:
+        return None
+    laws, declined, undetected = [], [], []
+    for path, d in found:
+        laws += [_prefixed(law, path + ".") for law in d.laws]
+        declined += [replace(x, module=f"{path}.{x.module}" if x.module else path) for x in d.declined]
+        undetected += [f"{path}.{u}" for u in d.undetected]
+    inside = tuple(p for p, _ in found)
+    for path, m in model.named_modules():  # the container's own parameterised modules (its root included)
+        if not any(path == p or path.startswith(p + ".") for p in inside) \
+                and any(True for _ in m.parameters(recurse=False)):
+            undetected.append(path)
+    detector = "+".join(dict.fromkeys(d.detector for _, d in found))
+    return Detection(laws, declined, sorted(set(undetected)), f"nested:{detector}")
 
 
 def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:
