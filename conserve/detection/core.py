@@ -106,9 +106,9 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
         return detect_graph(model, **options)
     for name, fn in _ordered():
         if name == "torch.nn":  # the model itself is no HF/timm/reference model: is one inside it?
-            found = _nested(model, options)
-            if found is not None:
-                return found
+            nested = _nested(model, options)
+            if nested is not None:
+                return _nested_rest(model, *nested, options)
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
@@ -132,22 +132,23 @@ def _prefixed(law: Law, prefix: str) -> Law:
     return replace(law, name=prefix + law.name, terms=terms)
 
 
-def _nested(model: nn.Module, options: dict) -> Detection | None:
+def _nested(model: nn.Module, options: dict) -> tuple[Detection, tuple[str, ...]] | None:
     """The laws of the HF / timm / reference models held inside a container that none of them
     recognises (a LightningModule with ``self.model = AutoModelForCausalLM...``, a wrapper with its own
-    head), parameter names as in the container's ``named_parameters()``; None when there is none.
+    head), parameter names as in the container's ``named_parameters()``, and the paths of those
+    submodules; None when there is none.
 
     The outermost recognised submodules are detected as if on their own, so their laws assume that
     what the container does with them goes through their ``forward`` output (as for the model
-    alone); parameterised modules outside them are listed in ``undetected``."""
+    alone); parameterised modules outside them are listed in ``undetected`` (``detect`` then gives
+    them to structural detection)."""
     named = [(n, fn) for n, fn in _ordered() if n in _NAMED]
     found: list[tuple[str, Detection]] = []
     for path, m in model.named_modules():
         if not path or any(path.startswith(p + ".") for p, _ in found):
             continue
-        sub = unwrap(m)
-        for name, fn in named:
-            d = fn(sub, getattr(sub, "config", None), **options)
+        for name, fn in named:  # a wrapped submodule (torch.compile's _orig_mod) is reached under its own path
+            d = fn(m, getattr(m, "config", None), **options)
             if d is not None:
                 d.detector = d.detector or name
                 found.append((path, d))
@@ -165,7 +166,20 @@ def _nested(model: nn.Module, options: dict) -> Detection | None:
                 and any(True for _ in m.parameters(recurse=False)):
             undetected.append(path)
     detector = "+".join(dict.fromkeys(d.detector for _, d in found))
-    return Detection(laws, declined, sorted(set(undetected)), f"nested:{detector}")
+    return Detection(laws, declined, sorted(set(undetected)), f"nested:{detector}"), inside
+
+
+def _nested_rest(model: nn.Module, found: Detection, inside: tuple[str, ...], options: dict) -> Detection:
+    """``found`` (``_nested``) with the container's own modules given to structural detection; what that
+    pass says about the modules under the detected submodule paths ``inside`` is dropped (they were
+    detected on their own)."""
+    if not found.undetected:
+        return found
+    merged = _with_structural(model, found, options)
+    mine = {id(x) for x in found.declined}
+    merged.declined = [x for x in merged.declined
+                       if id(x) in mine or not any(x.module == p or x.module.startswith(p + ".") for p in inside)]
+    return merged
 
 
 def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:
