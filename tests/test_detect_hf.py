@@ -549,3 +549,26 @@ def test_hf_model_inside_a_container_is_detected_under_its_path():
         opt.step()
     assert opt.tracker.step_count == 2 and len(opt.tracker.laws) == len(d.laws)
     opt.close()
+
+
+def test_base_model_inside_a_container_with_its_own_sequential_head():
+    """``AutoModel`` backbone + the container's Linear-ReLU-Linear head: the backbone's laws under
+    ``backbone.``, the head's unit law from the torch.nn walk, the backbone's final norm declined (its
+    reader is outside the backbone); every law passes the first-order check through the container."""
+    class Cls(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = T.AutoModel.from_config(config("llama"), attn_implementation="eager")
+            self.head = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+        def forward(self, input_ids):
+            return self.head(self.backbone(input_ids=input_ids).last_hidden_state[:, -1])
+
+    m = randomize(Cls()).to(torch.float64)
+    d = detect(m)
+    assert d.detector == "nested:hf" and d.undetected == []
+    assert "head.0-2/unit" in {l.name for l in d.laws} and "backbone.norm" in {x.module for x in d.declined}
+    ids = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(1))
+    with exact64(m):
+        assert max(first_order(m, l, ids, trials=1) for l in d.laws) <= TOL

@@ -140,8 +140,11 @@ def _nested(model: nn.Module, options: dict) -> tuple[Detection, tuple[str, ...]
 
     The outermost recognised submodules are detected as if on their own, so their laws assume that
     what the container does with them goes through their ``forward`` output (as for the model
-    alone); parameterised modules outside them are listed in ``undetected`` (``detect`` then gives
-    them to structural detection)."""
+    alone: a container that reads a causal LM's inner hidden states instead of its logits breaks its
+    final-norm law; use the base model, ``AutoModel``, whose final norm is declined). The container's
+    own torch.nn blocks are detected as by the torch.nn detector, the frozen / tied checks see every use
+    of a parameter in the container, and its other parameterised modules are listed in ``undetected``
+    (``detect`` then gives them to structural detection)."""
     named = [(n, fn) for n, fn in _ordered() if n in _NAMED]
     found: list[tuple[str, Detection]] = []
     for path, m in model.named_modules():
@@ -155,18 +158,23 @@ def _nested(model: nn.Module, options: dict) -> tuple[Detection, tuple[str, ...]
                 break
     if not found:
         return None
-    laws, declined, undetected = [], [], []
-    for path, d in found:
-        laws += [_prefixed(law, path + ".") for law in d.laws]
-        declined += [replace(x, module=f"{path}.{x.module}" if x.module else path) for x in d.declined]
-        undetected += [f"{path}.{u}" for u in d.undetected]
+    from .torchnn import walk  # (imported here: torchnn imports this module)
+
     inside = tuple(p for p, _ in found)
-    for path, m in model.named_modules():  # the container's own parameterised modules (its root included)
-        if not any(path == p or path.startswith(p + ".") for p in inside) \
-                and any(True for _ in m.parameters(recurse=False)):
-            undetected.append(path)
+    c = Collector(model, options)
+    inner_undetected = []
+    for path, d in found:
+        c.add(*[_prefixed(law, path + ".") for law in d.laws])
+        c.declined += [replace(x, module=f"{path}.{x.module}" if x.module else path) for x in d.declined]
+        inner_undetected += [f"{path}.{u}" for u in d.undetected]
+    c.mark(*inside)
+    walk(c, model, options.get("loss"), skip=inside)  # the container's own torch.nn blocks (a Sequential head)
     detector = "+".join(dict.fromkeys(d.detector for _, d in found))
-    return Detection(laws, declined, sorted(set(undetected)), f"nested:{detector}"), inside
+    # finish on the container: frozen / tied checks see every use of a parameter, the container's own
+    # parameterised modules are listed in ``undetected`` (``detect`` gives them to structural detection)
+    out = c.finish(f"nested:{detector}")
+    out.undetected = list(dict.fromkeys(inner_undetected + out.undetected))
+    return out, inside
 
 
 def _nested_rest(model: nn.Module, found: Detection, inside: tuple[str, ...], options: dict) -> Detection:
