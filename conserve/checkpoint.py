@@ -370,5 +370,6 @@ def match_names(params: Iterable[str], keys: Mapping[str, object] | Iterable[str
             missing.append(n)
     if missing:
         raise UsageError(f"{len(missing)} parameter(s) of the detected laws have no tensor in the checkpoint "
-                         f"(first: {missing[:3]}); the config does not match the weights")
+                         f"(first: {missing[:3]}): the weights are not those of the model the config describes (another "
+                         "model's checkpoint, or a config from elsewhere); pass checkpoints of the same model")
     return out

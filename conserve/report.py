@@ -203,8 +203,16 @@ def verdict(stats: dict, broken_by: list[str] | None = None) -> tuple[str, str]:
     ``sum_decay``, ``sum_first``, ``sum_second``, None when the drift was not decomposed); optionally
     ``guarded`` (fraction of instances with ``h_0 ~ 0``, from ``Tracker.totals``) and
     ``total_drift_measured``, ``balance`` and ``control_final`` (eps of the family's all-signs-+ control).
-    Keys: ``broken_by``, ``h0_zero``, ``no_data``, ``holds_rounding``, ``weight_decay``, ``first_order``,
+    ``nonfinite_from`` (first step whose eps is NaN/Inf/null, with ``nonfinite_steps`` and
+    ``eps_last_finite``) makes the verdict ``nonfinite`` whatever the rest says.
+    Keys: ``nonfinite``, ``broken_by``, ``h0_zero``, ``no_data``, ``holds_rounding``, ``weight_decay``, ``first_order``,
     ``step_size`` (second-order drift as large as the control's motion), ``holds``, ``not_decomposed``."""
+    bad_from = stats.get("nonfinite_from")
+    if bad_from is not None:
+        last = stats.get("eps_last_finite")
+        return "nonfinite", (f"non-finite law values from step {bad_from} ({stats.get('nonfinite_steps')} recorded "
+                             "step(s)): the parameters diverged; lower the learning rate or check the gradients"
+                             + (f" (last finite eps {last:.2e})" if last is not None else ""))
     if broken_by:
         return "broken_by", "broken_by: " + "; ".join(broken_by)
     eps = stats.get("eps_final")
@@ -254,6 +262,11 @@ def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[s
     for f in families(records):
         _, eps = _series(records, f"eps/{f}")
         row = {"eps_final": eps[-1] if eps else None, "eps_max": max(eps) if eps else None}
+        bad = [r["step"] for r in records if f"eps/{f}" in r and not _finite(r[f"eps/{f}"])]
+        if bad:  # NaN/Inf law values (JSONL null, on_nonfinite='warn'): never summarised as the last finite eps
+            row.update(nonfinite_from=bad[0], nonfinite_steps=len(bad), eps_last_finite=row["eps_final"])
+            if bad[-1] == max(r["step"] for r in records if f"eps/{f}" in r):
+                row["eps_final"] = None
         _, ctrl = _series(records, f"control/{f}")
         row["control_final"] = ctrl[-1] if ctrl else None
         for term in ("measured", "decay", "first", "second"):
@@ -272,6 +285,10 @@ def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[s
         row["verdict_key"], row["verdict"] = verdict(row, (broken_by or {}).get(f))
         out[f] = row
     return out
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _fmt(v):
@@ -297,7 +314,8 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
     lines += [f"data: {config.get('data_source', '?')}; final loss {_fmt(summary['final_loss'])}"
               + (" nats/token" if lm else ""), "",
               "## Verdicts", "", "| family | verdict | eps final |", "|---|---|---|"]
-    lines += [f"| {f} | {r['verdict']} | {_fmt(r['eps_final'])} |" for f, r in fams.items()]
+    lines += [f"| {f} | {r['verdict']} | {'non-finite' if r.get('nonfinite_from') is not None and r['eps_final'] is None else _fmt(r['eps_final'])} |"
+              for f, r in fams.items()]
     lines += ["", "## Drift", "",
               "| family | eps max | max step drift | sum of per-step decay | first | second | total drift measured "
               "| predicted (decay+1st+2nd) | GD prediction (decay+2nd) |", "|---|---|---|---|---|---|---|---|---|"]

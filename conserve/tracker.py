@@ -124,10 +124,12 @@ class Tracker:
         backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
         on_nonfinite: what a flush does with a row whose law values are NaN/Inf (the parameters
-            diverged, e.g. after NaN/Inf gradients were applied): ``"raise"`` (default) writes the rows
-            before it and raises ``NonFiniteError`` naming the step (the rows after it stay pending; a
-            flush due inside ``optimizer.step()`` raises after that step is booked, so a caller who
-            catches it, repairs the weights and goes on loses no step); ``"warn"`` writes every row (NaN
+            diverged, e.g. after NaN/Inf gradients were applied): ``"raise"`` (default) writes the finite rows
+            of the flush and raises ``NonFiniteError`` naming the first non-finite step and how many
+            more (those rows are not written; counted in ``nonfinite_skipped``).  A flush due inside
+            ``optimizer.step()`` raises after that step is booked, and the non-finite rows of the steps
+            booked before the error reached the caller are not reported again, so a caller who catches
+            it, repairs the weights and goes on loses no step and gets one error per divergence; ``"warn"`` writes every row (NaN
             as null in JSONL) and warns once; ``"skip"`` writes the finite rows only, counts the others
             in ``nonfinite_skipped`` and warns once. Steps keep their numbers in every case.
 
@@ -484,6 +486,7 @@ class Tracker:
         for m in self.monitors:
             m.update()
         if err is not None:
+            self._nonfinite_reported = self.step_count  # this step was booked before the caller saw the error
             raise err
 
     def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
@@ -629,6 +632,7 @@ class Tracker:
         self._rows, self._extras = [], []
         n_eps = len(self.families) + len(self.groups)
         out, written = [], []
+        bad_steps, first_what = [], None
         for i, row in enumerate(host):
             step = first_step + i
             rec = {"step": step, **dict(zip(self.metric_names, row.tolist())), **extras[i]}
@@ -642,14 +646,12 @@ class Tracker:
             what = (f"law values are NaN/Inf at step {step} ({', '.join(bad)}): the parameters diverged; lower the "
                     "learning rate or check the gradients")
             if self.on_nonfinite == "raise":
-                self._write(written)
-                self.last_record = written[-1] if written else self.last_record
-                # the rows after it stay pending (the next flush writes or refuses them): none is lost
-                self._rows = [r.to(self.device) for r in host[i + 1:].unbind(0)]
-                self._extras = extras[i + 1:]
-                if self._extras:
-                    self._extras[-1] = {**self._extras[-1], **mon}
-                raise NonFiniteError(what + " (rows before it were written, the later ones stay pending)")
+                if step <= self._nonfinite_reported:  # booked before the error that covered it reached the caller
+                    self.nonfinite_skipped += 1
+                else:
+                    bad_steps.append(step)
+                    first_what = first_what or what
+                continue
             if self.on_nonfinite == "warn":
                 written.append(rec)
                 if not self._warned_nonfinite:
@@ -662,8 +664,14 @@ class Tracker:
                                   "tracker.nonfinite_skipped)", RuntimeWarning, stacklevel=2)
             self._warned_nonfinite = True
         self._write(written)
-        if out:
-            self.last_record = out[-1]
+        if written:
+            self.last_record = written[-1] if bad_steps else out[-1]
+        if bad_steps:
+            self._nonfinite_reported = self.step_count
+            more = f"; {len(bad_steps) - 1} more non-finite step(s) up to {bad_steps[-1]}" if len(bad_steps) > 1 else ""
+            self.nonfinite_skipped += len(bad_steps)
+            raise NonFiniteError(f"{first_what}{more} (the finite rows were written, the non-finite ones are not; "
+                                 "steps booked before this error reaches you are not reported again)")
         return out
 
     def _write(self, recs: list[dict]) -> None:
@@ -731,6 +739,7 @@ class Tracker:
     _closed = False
     _warned_nonfinite = False
     nonfinite_skipped = 0
+    _nonfinite_reported = 0  # steps up to this one were covered by a NonFiniteError already raised
 
     @property
     def _unwritten(self) -> dict:

@@ -24,7 +24,10 @@ Triton path (``step_triton``): ONE launch of ``_step_kernel`` per (group, dtype)
 rows) into a buffer; ``_finish_kernel`` sums the partials in a fixed order (no atomics:
 deterministic).  Torch twin (``step_reference``): the same math op by op, as ``torch.optim`` does it
 (``_single_tensor_adam`` / ``_single_tensor_sgd``; on CPU the ``foreach`` path runs the same ops), and
-the same statistics with torch reductions.
+the same statistics with torch reductions (``stats_reference``); ``step_stats_reference`` runs both on
+blocks of whole rows (the update is elementwise: the same bits), so a drift step's old copy and
+``Delta`` are block-sized.  Finish (``finish_signed``): the plan entries from the statistics by one
+index addition per quantity, the coefficients rebuilt from one sign per pair.
 
 Rounding: the kernel computes in fp32 and, for bf16/fp16 parameters, rounds to the storage dtype at
 every point where torch's foreach ops write a tensor (``LOWP``), so bf16 parameters follow torch's
@@ -45,7 +48,8 @@ from .tables import STEP_FINISH, STEP_PROG, STEP_SCALAR
 from .tables import STEP_TENSOR as ST
 
 __all__ = ["Hyper", "StatsRequest", "matrix_shape", "step_reference", "step_triton", "stats_reference",
-           "finish_reference", "compact_terms", "finish_compact", "NQ"]
+           "step_stats_reference", "chunk_bound", "finish_reference", "compact_terms", "finish_compact",
+           "finish_signed", "NQ", "CHUNK_MAX", "CHUNK_MIN"]
 
 NQ = 4  # quantities per stats slot
 T_COLS = ST.COLS  # columns of the tensor table (tables.STEP_TENSOR)
@@ -154,15 +158,74 @@ def step_reference(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[tor
 
 
 _CHUNK = 1 << 16  # elements of the transient square in a column sum of squares
+# Row blocks of the torch twin's drift step (``step_stats_reference``): at most CHUNK_MAX elements (256 KiB
+# in fp32: the block's old copy, Delta and torch's two temporaries of the update stay in a core's L2
+# cache, and the Python cost of the ~20 ops per block, ~0.1 ms, is small next to its arithmetic), at
+# least CHUNK_MIN (that cost bounded on small models), and at most a quarter of the largest tracked
+# tensor (``chunk_bound``): the four block-sized buffers then stay within the two weight-sized
+# temporaries (``exp_avg_sq.sqrt() / bc2``) that torch's own AdamW step makes for that tensor.  Measured
+# (14M-parameter LM of bench/track_overhead.py, one thread, drift step): blocks of 2Ki / 8Ki / 16Ki /
+# 64Ki elements / whole tensors 740 / 212 / 140 / 100 / 130 ms.
+CHUNK_MAX = _CHUNK
+CHUNK_MIN = 1 << 11
 
 
-def _sumsq(x: torch.Tensor, axis: int) -> torch.Tensor:
+def chunk_bound(largest: int) -> int:
+    """Elements per block of the torch twin's drift step, for a largest tracked tensor of ``largest``
+    elements: ``min(CHUNK_MAX, max(CHUNK_MIN, largest // 4))``."""
+    return min(CHUNK_MAX, max(CHUNK_MIN, int(largest) // 4))
+
+
+def _aligned(k: int, n: int) -> int:
+    """``k`` rounded down to a multiple of ``64 / gcd(n, 64)`` (so ``k * n`` is a multiple of 64 elements:
+    torch's vectorised CPU loops then split the blocks where they split the whole tensor) when that is >= 1."""
+    m = 64 // math.gcd(max(1, int(n)), 64)
+    return k - k % m if k >= m else k
+
+
+def _blocks(B: int, R: int, C: int, bound: int):
+    """Blocks ``(b0, nb, r0, nr, c0, nc)`` covering a ``B x R x C`` matrix form once, in element order, each
+    of at most ``bound`` elements: whole batch entries while ``R*C <= bound``, else runs of whole rows of
+    one entry, else (a row longer than ``bound``) runs of columns of one row.  So ``nb > 1`` only with
+    whole entries and ``nc < C`` only with one row: a block's row and column slots are contiguous."""
+    bound = max(1, int(bound))
+    if R * C <= bound:
+        nb = _aligned(max(1, bound // max(1, R * C)), R * C)
+        for b0 in range(0, B, nb):
+            yield b0, min(nb, B - b0), 0, R, 0, C
+    elif C <= bound:
+        nr = _aligned(bound // C, C)
+        for b in range(B):
+            for r0 in range(0, R, nr):
+                yield b, 1, r0, min(nr, R - r0), 0, C
+    else:
+        for b in range(B):
+            for r in range(R):
+                for c0 in range(0, C, bound):
+                    yield b, 1, r, 1, c0, min(bound, C - c0)
+
+
+def _starts_aligned(B: int, R: int, C: int, bound: int) -> bool:
+    """Whether every block of ``_blocks`` starts at a multiple of 64 elements (of the matrix form)."""
+    return all(((b0 * R + r0) * C + c0) % 64 == 0 for b0, _, r0, _, c0, _ in _blocks(B, R, C, bound))
+
+
+def _view3(t: torch.Tensor | None, B: int, R: int, C: int) -> torch.Tensor | None:
+    """``t`` as a ``(B, R, C)`` view (no copy), or None when its strides do not allow one."""
+    try:
+        return t.view(B, R, C)
+    except RuntimeError:
+        return None
+
+
+def _sumsq(x: torch.Tensor, axis: int, chunk: int = _CHUNK) -> torch.Tensor:
     """``(x * x).sum(axis)`` of a ``(B, R, C)`` tensor without a full-size temporary: rows (axis 2) by
-    ``vector_norm`` (one pass), columns (axis 1) over row chunks of at most ``_CHUNK`` elements."""
+    ``vector_norm`` (one pass), columns (axis 1) over row chunks of at most ``chunk`` elements (one row
+    of each entry at least)."""
     if axis == 2:
         return torch.linalg.vector_norm(x, dim=2).square()
     B, R, C = x.shape
-    step = max(1, _CHUNK // max(1, B * C))
+    step = max(1, chunk // max(1, B * C))
     if step >= R:
         return x.square().sum(1)
     acc = x[:, :step].square().sum(1)
@@ -171,53 +234,148 @@ def _sumsq(x: torch.Tensor, axis: int) -> torch.Tensor:
     return acc
 
 
+def _wanted(req: StatsRequest):
+    return [(base, axis, quad) for base, axis, quad in ((req.row_q, 2, True), (req.row_l, 2, False),
+                                                         (req.col_q, 1, True), (req.col_l, 1, False)) if base >= 0]
+
+
+def _block_stats(o: torch.Tensor | None, n: torch.Tensor, a: float, want, out: torch.Tensor, R: int, C: int,
+                 blk, delta: torch.Tensor | None, chunk: int = _CHUNK) -> None:
+    """The slots of one block ``blk`` (``_blocks``): ``n`` its new values, ``o`` its old values (``out.dtype``,
+    overwritten) or None (quantity 0 only), ``delta`` a buffer of ``>= n.numel()`` elements of ``out.dtype``
+    or None.  A block's row sums go to its rows' slots (added to when the block starts after column 0),
+    its column sums to its columns' slots (added to when it starts after row 0).  ``chunk``: the largest
+    temporary of a column sum of squares (``_sumsq``)."""
+    b0, nb, r0, nr, c0, nc = blk
+    tgt = [(base + (b0 * R + r0 if axis == 2 else b0 * C + c0), axis, quad, c0 > 0 if axis == 2 else r0 > 0)
+           for base, axis, quad in want]
+
+    def put(lo, add, k, v):
+        v = v.reshape(-1)
+        dst = out[k, lo: lo + v.numel()]
+        if add:
+            dst += v
+        else:
+            dst.copy_(v)
+
+    for lo, axis, quad, add in tgt:
+        put(lo, add, 0, _sumsq(n, axis, chunk) if quad else n.sum(axis))
+    if o is None:
+        return
+    for lo, axis, quad, add in tgt:  # decay: (a^2 - 1) old^2 / (a - 1) old, before old is scaled in place
+        put(lo, add, 3, (a * a - 1) * _sumsq(o, axis, chunk) if quad else (a - 1) * o.sum(axis))
+    if a != 1.0:
+        o.mul_(a)  # a*old, rounded as the kernel rounds it
+    if delta is not None and delta.numel() >= n.numel():
+        d = torch.sub(n, o, out=delta[: n.numel()].view(n.shape))  # Delta
+    else:
+        d = n - o  # Delta
+    for lo, axis, quad, add in tgt:
+        if quad:
+            put(lo, add, 2, _sumsq(d, axis, chunk))
+        else:  # linear slots: quantity 2 stays 0
+            put(lo, add, 1, d.sum(axis))
+    if any(quad for _, _, quad in want):
+        o.mul_(d)  # (a*old) * Delta
+        for lo, axis, quad, add in tgt:
+            if quad:
+                put(lo, add, 1, o.sum(axis))
+
+
 def stats_reference(old: torch.Tensor | None, new: torch.Tensor, a: float, req: StatsRequest,
-                    out: torch.Tensor, *, consume_old: bool = False, scratch: torch.Tensor | None = None) -> None:
-    """Torch twin of the statistics: writes the slots of ``req`` into ``out`` (``(NQ, slots)``).
+                    out: torch.Tensor, *, consume_old: bool = False, scratch: torch.Tensor | None = None,
+                    bound: int | None = None) -> None:
+    """Torch twin of the statistics: writes the slots of ``req`` into ``out`` (``(NQ, slots)``, or
+    ``(1, slots)`` with ``old=None``).
 
     ``old`` / ``new``: the tensor before / after the step (any dtype; math in ``out.dtype``).
     ``old=None``: only ``h(new)`` (quantity 0: ``new^2`` / ``new``); the drift quantities 1-3 of those
-    slots are left as they are (the caller zeroes ``out``).  Only the requested slots are computed,
-    with no full-size temporary beyond ``Delta`` (drift statistics only) when ``consume_old`` is True:
-    ``old`` is then overwritten (a copy the caller drops); otherwise it is copied once.  Column sums
-    of squares go over row chunks of bounded size.  ``scratch``: a buffer of at least ``new.numel()``
-    elements of ``out.dtype`` that receives ``Delta`` (reused across tensors: no allocation per tensor)."""
+    slots are left as they are (the caller zeroes ``out``).  Only the requested slots are computed.
+    The tensors go in blocks of whole rows (``_blocks``) of at most ``bound`` elements (default: the
+    whole tensor for ``h(new)`` of a tensor already in ``out.dtype`` -- no temporary --, else
+    ``CHUNK_MAX``), so no temporary is larger than a block; column sums add up over the blocks.
+    ``consume_old``: ``old`` (in ``out.dtype``) may be overwritten (a copy the caller drops); otherwise
+    each block of it is copied.  ``scratch``: a buffer of ``out.dtype`` that receives ``Delta`` (reused
+    across tensors: no allocation per block when it holds one)."""
     acc = out.dtype
     B, R, C = matrix_shape(new.shape)
     if new.numel() == 0 or not req.any:
         return
-    n = new.detach().reshape(B, R, C).to(acc)
-    want = [(base, axis, quad) for base, axis, quad in ((req.row_q, 2, True), (req.row_l, 2, False),
-                                                         (req.col_q, 1, True), (req.col_l, 1, False)) if base >= 0]
+    n3 = _view3(new.detach(), B, R, C)
+    n3 = new.detach().reshape(B, R, C) if n3 is None else n3  # a copy only for strides no view allows
+    o3 = None
+    if old is not None:
+        o3 = _view3(old.detach(), B, R, C)
+        o3, consume_old = (old.detach().reshape(B, R, C), True) if o3 is None else (o3, consume_old)
+    if bound is None:
+        bound = n3.numel() if old is None and n3.dtype == acc else CHUNK_MAX
+    want = _wanted(req)
+    for blk in _blocks(B, R, C, bound):
+        b0, nb, r0, nr, c0, nc = blk
+        sl = (slice(b0, b0 + nb), slice(r0, r0 + nr), slice(c0, c0 + nc))
+        o = None
+        if o3 is not None:
+            o = o3[sl]
+            o = o.to(acc) if o.dtype != acc else (o if consume_old else o.clone())
+        _block_stats(o, n3[sl].to(acc), a, want, out, R, C, blk, scratch if scratch is not None and scratch.dtype == acc else None)
 
-    def put(base, k, v):
-        v = v.reshape(-1)
-        out[k, base: base + v.numel()] = v
 
-    for base, axis, quad in want:
-        put(base, 0, _sumsq(n, axis) if quad else n.sum(axis))
-    if old is None:
+@torch.no_grad()
+def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: torch.Tensor | None,
+                         buf2: torch.Tensor | None, step: float, first: bool, req: StatsRequest,
+                         out: torch.Tensor | None, *, drift: bool = False, bound: int = CHUNK_MAX,
+                         scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Torch twin of one tensor's fused step: ``step_reference`` on ``p`` (and its buffers, in place)
+    and the slots of ``req`` in ``out`` (``stats_reference``), block by block.
+
+    The update is elementwise, so it runs on blocks of whole rows (``_blocks``) -- views of ``p``,
+    ``grad`` and the buffers -- with the very ops of the whole-tensor update: weights and buffers are
+    bit for bit those of ``step_reference`` (and ``torch.optim``), and each block's statistics are
+    taken while it is in cache.  Row statistics are those of the whole tensor; column statistics add
+    over the blocks (fp32 rounding).
+    ``drift=False``: blocks of ``CHUNK_MAX`` elements, ``h(new)`` only (quantity 0; ``out`` may have one
+    row, or be None with an empty ``req``): the update's temporaries are at most those of the
+    whole-tensor update.  ``drift=True`` (a drift step): blocks of at most ``bound`` elements, and with a
+    non-empty ``req`` all four quantities, each block's old values copied right before its update into ``scratch[0]`` (``p.dtype``) and its
+    ``Delta`` formed in ``scratch[1]`` (``out.dtype``), both of ``>= bound`` elements (allocated here when
+    None): no temporary is larger than a block.  Column sums of squares square at most ``bound``
+    elements at a time (both modes).  Stepped whole (its old values copied whole): a tensor whose
+    strides (or whose grad's / buffers') allow no ``(B, R, C)`` view, and a bf16 / fp16 tensor whose
+    blocks cannot all start at multiples of 64 elements (torch's vectorised and scalar loops round
+    reduced-precision ops differently, so the blocks split where the whole tensor's vector loop does).
+    ``first``: SGD's fresh momentum buffer (``step_reference``)."""
+    B, R, C = matrix_shape(p.shape)
+    tensors = (p, grad, buf1, buf2)
+    views = [None if t is None else _view3(t, B, R, C) for t in tensors]
+    blocks = bound if drift else CHUNK_MAX  # a drift step: every tensor in small blocks (its peak stays low)
+    drift = drift and req.any
+    # bf16 / fp16: torch's vectorised and scalar CPU loops may round differently, so blocks must split
+    # where the whole tensor's vector loop does (multiples of 64 elements) to keep its bits
+    lowp = p.element_size() < 4 and p.numel() > blocks and not _starts_aligned(B, R, C, blocks)
+    if lowp or p.numel() == 0 or any(v is None and t is not None for v, t in zip(views, tensors)):
+        old = p.detach().clone() if drift else None
+        step_reference(h, [p], [grad], [buf1], [buf2], [step], first=[first])
+        if req.any:
+            stats_reference(old, p, h.a, req, out, consume_old=True, bound=CHUNK_MAX if drift else None)
         return
-    o = old.detach().reshape(B, R, C)
-    o = o.to(acc) if o.dtype != acc else (o if consume_old else o.clone())
-    for base, axis, quad in want:  # decay: (a^2 - 1) old^2 / (a - 1) old, before old is scaled in place
-        put(base, 3, (a * a - 1) * _sumsq(o, axis) if quad else (a - 1) * o.sum(axis))
-    if a != 1.0:
-        o.mul_(a)  # a*old, rounded as the kernel rounds it
-    if scratch is not None and scratch.dtype == acc and scratch.numel() >= n.numel():
-        d = torch.sub(n, o, out=scratch[: n.numel()].view(B, R, C))  # Delta
-    else:
-        d = n - o  # Delta
-    for base, axis, quad in want:
-        if quad:
-            put(base, 2, _sumsq(d, axis))
-        else:  # linear slots: quantity 2 stays 0
-            put(base, 1, d.sum(axis))
-    if any(quad for _, _, quad in want):
-        o.mul_(d)  # (a*old) * Delta
-        for base, axis, quad in want:
-            if quad:
-                put(base, 1, o.sum(axis))
+    acc = out.dtype if out is not None else p.dtype
+    old_buf = delta = None
+    if drift:
+        if scratch is None:
+            n = min(bound, p.numel())
+            scratch = (torch.empty(n, dtype=p.dtype, device=p.device), torch.empty(n, dtype=acc, device=p.device))
+        old_buf, delta = scratch
+        delta = delta if delta.dtype == acc else None
+    want = _wanted(req)
+    for blk in _blocks(B, R, C, blocks):
+        b0, nb, r0, nr, c0, nc = blk
+        sl = (slice(b0, b0 + nb), slice(r0, r0 + nr), slice(c0, c0 + nc))
+        pb, gb, m1, m2 = (None if v is None else v[sl] for v in views)
+        ob = old_buf[: pb.numel()].view(pb.shape).copy_(pb) if drift else None
+        step_reference(h, [pb], [gb], [m1], [m2], [step], first=[first])
+        if want:
+            _block_stats(None if ob is None else ob.to(acc), pb.to(acc), h.a, want, out, R, C, blk, delta,
+                         min(bound, _CHUNK))
 
 
 def finish_reference(stats: torch.Tensor, idx: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
@@ -239,12 +397,39 @@ def compact_terms(idx: torch.Tensor, coef: torch.Tensor):
     return o, idx[o, j], coef[:, o, j]
 
 
+def _index_add_rows(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, coef, n: int) -> torch.Tensor:
+    """``out[k].index_add_(0, entry, coef(k) * stats[k, slot])`` for each row ``k`` of ``stats``: one 1-d
+    index addition per row (sequential on CPU, in pair order: the bits of a 2-d ``index_add_`` over
+    dim 1, ~3x faster), temporaries of the size of the pairs."""
+    out = torch.zeros(stats.shape[0], n, dtype=stats.dtype, device=stats.device)
+    entry = entry if entry.dtype in (torch.int32, torch.int64) else entry.int()
+    slot = slot if slot.dtype in (torch.int32, torch.int64) else slot.int()
+    for k in range(stats.shape[0]):
+        out[k].index_add_(0, entry, coef(k) * stats[k].index_select(0, slot))
+    return out
+
+
 def finish_compact(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, coef: torch.Tensor, n: int):
-    """``vals[k, o] = sum over pairs p with entry[p] == o of coef[k, p] * stats[k, slot[p]]``: ``(NQ, n)``,
+    """``vals[k, o] = sum over pairs p with entry[p] == o of coef[k, p] * stats[k, slot[p]]``: ``(K, n)`` for
+    the ``K <= NQ`` rows of ``stats`` (``coef``: ``(NQ, P)``; ``entry``/``slot``: ``(P,)`` integers),
     temporaries of the size of the used pairs.  ``index_add_``: sequential (deterministic) on CPU,
     atomics on CUDA -- use ``finish_reference`` there."""
-    out = torch.zeros(stats.shape[0], n, dtype=stats.dtype, device=stats.device)
-    return out.index_add_(1, entry, coef * stats[:, slot])
+    return _index_add_rows(stats, entry, slot, lambda k: coef[k], n)
+
+
+def finish_signed(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, sign: torch.Tensor,
+                  n_quad: int, n: int) -> torch.Tensor:
+    """``finish_compact`` for the coefficients of the fused optimizer's plan, stored as one sign per
+    pair: a pair whose slot is quadratic (``slot < n_quad``: the ``Q`` slots are numbered first) has
+    ``coef = (s, 2 s, s, s)``, a linear one ``(s, s, 0, s)`` (module docstring).  ``(K, n)`` for the
+    ``K <= NQ`` rows of ``stats``; the same bits as ``finish_compact`` with the expanded ``(NQ, P)`` table."""
+    def coef(k):
+        if k in (0, 3):
+            return sign
+        quad = (slot < n_quad).to(sign.dtype)
+        return sign * (quad + 1) if k == 1 else sign * quad
+
+    return _index_add_rows(stats, entry, slot, coef, n)
 
 
 # ------------------------------------------------------------------------------------ triton

@@ -140,6 +140,40 @@ def test_nanogpt_flash_attention_and_tied_head():
     hold(m, found, ids())
 
 
+def test_shape_read_by_attribute_is_not_a_reader_of_the_norm_output():
+    """``B, T, C = x.shape`` on the pre-norm output (fx: ``getattr(x, 'shape')``) reads no value of it: the
+    gain law of that norm is found and holds (it was declined as 'also read by getattr')."""
+    class Attn(nn.Module):
+        def __init__(self, d=8, h=2):
+            super().__init__()
+            self.c_attn, self.c_proj, self.h = nn.Linear(d, 3 * d), nn.Linear(d, d), h
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(C, dim=2)  # traced by fx (a loop over the split would need export)
+            q, k = q.view(B, T, self.h, C // self.h).transpose(1, 2), k.view(B, T, self.h, C // self.h).transpose(1, 2)
+            v = v.view(B, T, self.h, C // self.h).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    class Net(nn.Module):
+        def __init__(self, d=8):
+            super().__init__()
+            self.wte, self.ln_1, self.attn = nn.Embedding(17, d), nn.LayerNorm(d), Attn(d)
+            self.ln_f, self.lm_head = nn.LayerNorm(d), nn.Linear(d, 17, bias=False)
+
+        def forward(self, idx):
+            x = self.wte(idx)
+            x = x + self.attn(self.ln_1(x))
+            return self.lm_head(self.ln_f(x))
+
+    m = randomize(Net())
+    found = detect(m, loss="ce")
+    assert law(found, "ln_1/gain").params == ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight")
+    assert "ln_1" not in reasons(found)
+    hold(m, found, ids())
+
+
 # ------------------------------------------------------------------------------------ torchtitan Llama
 def test_torchtitan_llama_complex_rope_gqa_swiglu():
     m = randomize(Llama())

@@ -511,3 +511,64 @@ def test_gemma_gain_drift_is_decomposed_and_closes():
         assert abs(r["drift/gain/residual"]) <= 1e-9 * abs(r["drift/gain/measured"])
         assert r["drift/gain/first"] > 0
     opt.tracker.close()
+
+
+def test_hf_model_inside_a_container_is_detected_under_its_path():
+    """A LightningModule / wrapper holding an HF model (``self.lm = AutoModelForCausalLM...``) plus its own
+    head: the HF model's laws under ``lm.``, each still passing the first-order check through the
+    container; tracking the container works."""
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = build("llama")
+            self.aux = nn.Linear(3, 2)
+
+        def forward(self, input_ids):
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+
+    w = Wrapper()
+    alone = detect(w.lm)
+    d = detect(w)
+    assert d.detector == "nested:hf+graph" and d.undetected == []
+    assert [l.name for l in d.laws] == ["lm." + l.name for l in alone.laws]
+    assert {m.module for m in d.declined} == {"lm." + m.module for m in alone.declined} | {"aux"}
+    names = dict(w.named_parameters())
+    assert all(p in names for l in d.laws for p in l.params)
+    w64 = w.to(torch.float64)
+    for l in d.laws:
+        ids = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(1))
+        with exact64(w64):
+            assert first_order(w64, l, ids, trials=1) <= TOL, l.name
+    import conserve
+
+    opt = conserve.track(torch.optim.SGD(w.parameters(), lr=1e-3), w, drift_every=1, every=100)
+    ids = torch.randint(0, 17, (2, 5))
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(w(ids).flatten(0, 1), ids.flatten()).backward()
+        opt.step()
+    assert opt.tracker.step_count == 2 and len(opt.tracker.laws) == len(d.laws)
+    opt.close()
+
+
+def test_base_model_inside_a_container_with_its_own_sequential_head():
+    """``AutoModel`` backbone + the container's Linear-ReLU-Linear head: the backbone's laws under
+    ``backbone.``, the head's unit law from the torch.nn walk, the backbone's final norm declined (its
+    reader is outside the backbone); every law passes the first-order check through the container."""
+    class Cls(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = T.AutoModel.from_config(config("llama"), attn_implementation="eager")
+            self.head = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+        def forward(self, input_ids):
+            return self.head(self.backbone(input_ids=input_ids).last_hidden_state[:, -1])
+
+    m = randomize(Cls()).to(torch.float64)
+    d = detect(m)
+    assert d.detector == "nested:hf" and d.undetected == []
+    assert "head.0-2/unit" in {l.name for l in d.laws} and "backbone.norm" in {x.module for x in d.declined}
+    ids = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(1))
+    with exact64(m):
+        assert max(first_order(m, l, ids, trials=1) for l in d.laws) <= TOL

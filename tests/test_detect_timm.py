@@ -6,6 +6,7 @@ Every detected law passes the spec's first-order check in float64 (``conserve.ve
 planted wrong laws (the MLP rows read as queries, the keys read as values, the gate half as up) fail it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -108,3 +109,26 @@ def test_packed_glu_reads_the_ungated_half():
         wrong = SwiGLUUnit.build("bad", 0, up=rows("blocks.0.mlp.fc1.weight", (32, 8), 16 - up0, 16),
                                  down=cols("blocks.0.mlp.fc2.weight", (8, 16), 0, 16))
         assert first_order(m, wrong, images(), trials=2) > 1e-6
+
+
+def test_deit_distilled_final_norm_is_read_by_both_heads():
+    """DeiT distilled: the final norm feeds head (class token) and head_dist (distillation token), averaged at
+    inference. The gain law reads both heads' columns (with head alone it fails the first-order check), each
+    head has its translation law, and the distillation token is declined like the class token."""
+    import timm.models.deit as deit
+
+    torch.manual_seed(0)
+    m = deit.VisionTransformerDistilled(img_size=8, patch_size=4, embed_dim=8, depth=1, num_heads=2, mlp_ratio=2,
+                                        num_classes=3).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5 + (1.0 if name.endswith("norm.weight") else 0.0))
+    d = detect(m)
+    assert d.undetected == [] and "dist_token" in {x.module for x in d.declined}
+    gain = next(l for l in d.laws if l.name == "norm/gain")
+    assert {"head.weight", "head_dist.weight"} <= set(gain.params)
+    assert {l.name for l in d.laws if l.family == "translation"} == {"head/translation", "head_dist/translation"}
+    assert max(worst(m, d.laws).values()) <= TOL
+    alone = dataclasses.replace(gain, terms=[t for t in gain.terms if t.ref.param != "head_dist.weight"])
+    assert first_order(m, alone, images(), trials=2) > 1e-6

@@ -638,7 +638,7 @@ def _scenario_nan(rank, world, cfg, tmpdir=None):
     else:
         assert sink.records == []
     # go on: the NaN weights step twice more (rows 4, 5 bad), are repaired, then steps 6-9 are finite; the
-    # flush due inside after_step of step 8 raises for row 4 only after step 8 is pending, rows 5-7 stay pending
+    # flush due inside after_step of step 8 raises once for rows 4 and 5, after step 8 is pending
     raised = []
     for k in range(4, 10):
         if k == 6:
@@ -653,9 +653,7 @@ def _scenario_nan(rank, world, cfg, tmpdir=None):
             t.after_step()
         except NonFiniteError as e:
             raised.append((k, str(e)))
-    assert [k for k, _ in raised] == [8] and "step 4" in raised[0][1]
-    with pytest.raises(NonFiniteError, match="step 5"):
-        t.flush()
+    assert [k for k, _ in raised] == [8] and "step 4" in raised[0][1] and "1 more" in raised[0][1]  # one error
     t.flush()
     assert t.step_count == 9  # every step the optimizer applied is booked
     if rank == 0:

@@ -203,6 +203,56 @@ def test_lightning_logs_checkpoints_and_resumes(tmp_path):
         assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-4, abs=1e-7)
 
 
+def test_lightning_module_holding_an_hf_model_resumes_into_a_new_logger_version(tmp_path):
+    """The common pattern ``self.lm = AutoModelForCausalLM.from_config(...)`` inside a LightningModule: the
+    HF laws are found under ``lm.``; a logger that opens a new version on resume gets the resumed rows (the
+    series continues: same eps as the uninterrupted run) and a warning naming the new file."""
+    L = _lightning()
+    T = pytest.importorskip("transformers")
+    from conserve.integrations.lightning import ConserveCallback
+
+    class LitLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lm = T.AutoModelForCausalLM.from_config(T.LlamaConfig(
+                vocab_size=17, hidden_size=16, intermediate_size=12, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2))
+
+        def training_step(self, batch, batch_idx):
+            return self.lm(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):  # 2 batches an epoch: the step-2 checkpoint is at an epoch boundary
+            return torch.utils.data.DataLoader(torch.randint(0, 17, (4, 6), generator=torch.Generator().manual_seed(0)),
+                                               batch_size=2)
+
+    def fit(cb, ckpt_path=None):
+        trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=4, log_every_n_steps=2, accelerator="cpu",
+                            devices=1, logger=L.loggers.CSVLogger(str(tmp_path), name="csv"), callbacks=[
+                                cb, L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=2,
+                                                                save_top_k=-1)],
+                            enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            trainer.fit(LitLM(), ckpt_path=ckpt_path)
+        return trainer, [str(x.message) for x in w if str(x.message).startswith("conserve: resumed")]
+
+    cb = ConserveCallback()
+    first, said = fit(cb)
+    assert said == [] and {l.params[0].split(".")[0] for l in cb.tracker.laws} == {"lm"}
+    full = _rows(Path(first.log_dir) / "conserve" / "metrics.jsonl")
+    second, said = fit(ConserveCallback(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=2.ckpt"))
+    new = Path(second.log_dir) / "conserve" / "metrics.jsonl"
+    assert second.log_dir != first.log_dir and len(said) == 1 and str(new) in said[0] and "step 2" in said[0]
+    resumed = _rows(new)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(full[2:], resumed):
+        assert b["eps/vo"] == pytest.approx(a["eps/vo"], rel=1e-5)
+
+
 def test_lightning_standalone_package_name(tmp_path):
     try:
         import pytorch_lightning as PL

@@ -322,6 +322,29 @@ def test_accelerate_prepare_after_track_keeps_the_decay_term():
         assert ra["drift/relu/decay"] == pytest.approx(rb["drift/relu/decay"], rel=1e-6)
 
 
+def test_tracking_an_accelerated_optimizer_is_refused_naming_the_order():
+    """conserve.track(AcceleratedOptimizer): its step() runs on every micro-batch under gradient
+    accumulation while the weights step on every 2nd; the tracker would book twice the steps. Refused,
+    naming the working order (track, then prepare), which books the real steps."""
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    m = _model()
+    pm, popt = acc.prepare(m, torch.optim.SGD(m.parameters(), lr=1e-2))
+    with pytest.raises(ValueError, match="before accelerator.prepare"):
+        conserve.track(popt, pm)
+    m2 = _model()
+    pm2, popt2 = acc.prepare(m2, conserve.track(torch.optim.SGD(m2.parameters(), lr=1e-2), m2, every=50))
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 4, generator=g), torch.randint(0, 3, (5,), generator=g)
+        with acc.accumulate(pm2):
+            acc.backward(F.cross_entropy(pm2(x), y))
+            popt2.step()
+            popt2.zero_grad()
+    assert popt2.optimizer.tracker.step_count == 2
+    popt2.optimizer.close()
+
+
 def test_param_groups_with_different_weight_decay_are_tracked():
     # what HF Trainer and most recipes do: decay the weights, not the biases/norms (one law reads both)
     m = _model()

@@ -83,6 +83,20 @@ def test_verdicts(stats, key):
         ("broken_by", "broken_by: different lr in one law: up 0.2, down 0.1")
 
 
+def test_report_of_rows_that_went_non_finite_says_so(tmp_path, capsys):
+    """A metrics file from a loop with on_nonfinite='warn' (NaN written as null from step 3 on): the verdict
+    names the step, eps final is not the last finite value."""
+    rows = [{"step": k, "eps/vo": (0.1 * k if k < 3 else None), "eps/gain": 0.01 * k} for k in range(1, 6)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "rep")]) == 0
+    fams = json.loads((tmp_path / "rep" / "summary.json").read_text())["families"]
+    assert fams["vo"]["verdict_key"] == "nonfinite" and fams["vo"]["eps_final"] is None
+    assert "from step 3 (3 recorded step(s))" in fams["vo"]["verdict"] and "2.00e-01" in fams["vo"]["verdict"]
+    assert fams["gain"]["verdict_key"] != "nonfinite" and fams["gain"]["eps_final"] == pytest.approx(0.05)
+    assert "| vo | non-finite law values from step 3" in (tmp_path / "rep" / "summary.md").read_text()
+    assert "non-finite law values from step 3" in capsys.readouterr().out
+
+
 def test_divergence_stops_names_the_step_and_writes_the_summary(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "30", "--lr", "1e4"]) == 2

@@ -134,3 +134,12 @@ def test_drift_cadence_options(tmp_path):
     with pytest.raises(SystemExit):
         main(["run", "--snapshot-budget", "-1", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
+
+
+def test_rerun_into_the_same_directory_says_it_replaces_the_earlier_run(tmp_path, capsys):
+    assert _run(tmp_path, "--steps", "3") == 0
+    capsys.readouterr()
+    assert _run(tmp_path, "--steps", "2") == 0
+    err = capsys.readouterr().err
+    assert "held an earlier run (3 metric rows): replaced" in err and "--out" in err
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2

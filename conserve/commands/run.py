@@ -279,8 +279,13 @@ def _main(args) -> int:
               "device": device, "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters())}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     metrics = out / "metrics.jsonl"
-    if metrics.exists():
-        metrics.unlink()  # a re-run into the same directory starts a fresh series
+    if metrics.exists():  # a re-run into the same directory starts a fresh series: say so, it replaces the old one
+        with open(metrics, "rb") as f:
+            old_rows = sum(1 for line in f if line.strip())
+        metrics.unlink()
+        if old_rows:
+            print(f"conserve run: {out} held an earlier run ({old_rows} metric rows): replaced by this one (pass another "
+                  "--out to keep both)", file=sys.stderr)
     if args.tensorboard and (out / "tb").is_dir():
         for old in (out / "tb").glob("events.out.tfevents.*"):  # ... in TensorBoard too (no second series)
             old.unlink()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from torch import nn
@@ -105,6 +105,10 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
 
         return detect_graph(model, **options)
     for name, fn in _ordered():
+        if name == "torch.nn":  # the model itself is no HF/timm/reference model: is one inside it?
+            nested = _nested(model, options)
+            if nested is not None:
+                return _nested_rest(model, *nested, options)
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
@@ -117,6 +121,73 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
                                 + (f" (structural detection: {why})" if why else "")
                                 + "; pass explicit laws (conserve.laws) to track it, or example_inputs= if forward "
                                 "needs a particular input")
+
+
+_NAMED = ("reference", "hf", "timm")  # the detectors that recognise a model by its type
+
+
+def _prefixed(law: Law, prefix: str) -> Law:
+    """``law`` with every parameter name (and the law's name) under the submodule path ``prefix``."""
+    terms = [replace(t, ref=replace(t.ref, param=prefix + t.ref.param)) for t in law.terms]
+    return replace(law, name=prefix + law.name, terms=terms)
+
+
+def _nested(model: nn.Module, options: dict) -> tuple[Detection, tuple[str, ...]] | None:
+    """The laws of the HF / timm / reference models held inside a container that none of them
+    recognises (a LightningModule with ``self.model = AutoModelForCausalLM...``, a wrapper with its own
+    head), parameter names as in the container's ``named_parameters()``, and the paths of those
+    submodules; None when there is none.
+
+    The outermost recognised submodules are detected as if on their own, so their laws assume that
+    what the container does with them goes through their ``forward`` output (as for the model
+    alone: a container that reads a causal LM's inner hidden states instead of its logits breaks its
+    final-norm law; use the base model, ``AutoModel``, whose final norm is declined). The container's
+    own torch.nn blocks are detected as by the torch.nn detector, the frozen / tied checks see every use
+    of a parameter in the container, and its other parameterised modules are listed in ``undetected``
+    (``detect`` then gives them to structural detection)."""
+    named = [(n, fn) for n, fn in _ordered() if n in _NAMED]
+    found: list[tuple[str, Detection]] = []
+    for path, m in model.named_modules():
+        if not path or any(path.startswith(p + ".") for p, _ in found):
+            continue
+        for name, fn in named:  # a wrapped submodule (torch.compile's _orig_mod) is reached under its own path
+            d = fn(m, getattr(m, "config", None), **options)
+            if d is not None:
+                d.detector = d.detector or name
+                found.append((path, d))
+                break
+    if not found:
+        return None
+    from .torchnn import walk  # (imported here: torchnn imports this module)
+
+    inside = tuple(p for p, _ in found)
+    c = Collector(model, options)
+    inner_undetected = []
+    for path, d in found:
+        c.add(*[_prefixed(law, path + ".") for law in d.laws])
+        c.declined += [replace(x, module=f"{path}.{x.module}" if x.module else path) for x in d.declined]
+        inner_undetected += [f"{path}.{u}" for u in d.undetected]
+    c.mark(*inside)
+    walk(c, model, options.get("loss"), skip=inside)  # the container's own torch.nn blocks (a Sequential head)
+    detector = "+".join(dict.fromkeys(d.detector for _, d in found))
+    # finish on the container: frozen / tied checks see every use of a parameter, the container's own
+    # parameterised modules are listed in ``undetected`` (``detect`` gives them to structural detection)
+    out = c.finish(f"nested:{detector}")
+    out.undetected = list(dict.fromkeys(inner_undetected + out.undetected))
+    return out, inside
+
+
+def _nested_rest(model: nn.Module, found: Detection, inside: tuple[str, ...], options: dict) -> Detection:
+    """``found`` (``_nested``) with the container's own modules given to structural detection; what that
+    pass says about the modules under the detected submodule paths ``inside`` is dropped (they were
+    detected on their own)."""
+    if not found.undetected:
+        return found
+    merged = _with_structural(model, found, options)
+    mine = {id(x) for x in found.declined}
+    merged.declined = [x for x in merged.declined
+                       if id(x) in mine or not any(x.module == p or x.module.startswith(p + ".") for p in inside)]
+    return merged
 
 
 def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:

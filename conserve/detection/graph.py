@@ -92,6 +92,7 @@ SCORE_OPS = {"mul", "div", "add", "sub", "masked_fill", "to", "tanh", "where", "
              "contiguous", "view", "reshape"}
 ELEMENTWISE = POSITIVE | NO_LAW | {"pow", "square", "abs", "exp", "sin", "cos", "sqrt", "log", "neg", "sign", "clamp",
                                     "clamp_min", "where"}
+TENSOR_METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad", "is_sparse", "is_meta"}
 SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "size", "dim",
               "sym_size", "_assert_tensor_metadata"}
 NO_LAW_ACT = "no law beyond constants: the activation has no continuous rescaling symmetry (spec: GELU / SiLU FFN row)"
@@ -236,6 +237,8 @@ class Graph:
             return name
         if n.op == "call_function":
             t = n.target
+            if t is getattr and len(n.args) > 1 and n.args[1] in TENSOR_METADATA:
+                return "size"  # x.shape / x.dtype / x.device: reads no value of x
             name = t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
             if name.endswith("_") and not name.startswith("_"):
                 name = name[:-1]  # in-place variants (div_, mul_, ...)

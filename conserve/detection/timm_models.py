@@ -287,8 +287,9 @@ def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options)
     c = Collector(model, options)
     for i, blk in enumerate(model.blocks):
         block_laws(c, f"blocks.{i}", blk, i)
-    # what feeds the head
+    # what feeds the head (DeiT distilled: head_dist reads the distillation token of the same norm)
     head = model.head
+    heads = ["head"] + (["head_dist"] if isinstance(getattr(model, "head_dist", None), nn.Linear) else [])
     pool = model.global_pool
     norm_path = "fc_norm" if not isinstance(model.fc_norm, nn.Identity) else "norm"
     norm = getattr(model, norm_path)
@@ -302,24 +303,26 @@ def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options)
                 c.decline(norm_path, f"final norm before '{pool}' attention pooling",
                           "the attention pool between the norm and the head is not detected: no gain law")
         elif not isinstance(norm, nn.Identity):
-            gain_law(c, norm_path, norm, [linear_cols("head", head)], None, f"head (after '{pool or 'no'}' pooling)")
+            readers = [linear_cols(h, getattr(model, h)) for h in heads]
+            gain_law(c, norm_path, norm, readers, None, f"{' and '.join(heads)} (after '{pool or 'no'}' pooling)")
         if not isinstance(model.norm, nn.Identity) and not isinstance(model.fc_norm, nn.Identity):
             c.decline("norm", "final norm feeding fc_norm", "the norm output is re-normalised by fc_norm: no gain law")
-        w = head.weight
-        if loss == "ce":
-            c.add(builders.row_sum_law(Translation, "head/translation", None, "head.weight", w.shape, w.shape[0],
-                                       bias="head.bias" if head.bias is not None else None,
-                                       note="softmax cross-entropy only (pass loss=... otherwise)"))
-            c.mark("head")
-        else:
-            c.decline("head", "classifier", f"translation law holds only for softmax cross-entropy (loss={loss!r})")
+        for h in heads:  # the logits of each head enter a softmax (DeiT: averaged with head_dist's, or its own loss)
+            w, b = getattr(model, h).weight, getattr(model, h).bias
+            if loss == "ce":
+                c.add(builders.row_sum_law(Translation, f"{h}/translation", None, f"{h}.weight", w.shape, w.shape[0],
+                                           bias=f"{h}.bias" if b is not None else None,
+                                           note="softmax cross-entropy only (pass loss=... otherwise)"))
+                c.mark(h)
+            else:
+                c.decline(h, "classifier", f"translation law holds only for softmax cross-entropy (loss={loss!r})")
     emb = "no law: the embedding feeds the residual stream, nothing on the other side of it"
     c.decline("patch_embed", "patch embedding", emb)
-    for p in ("cls_token", "reg_token", "pos_embed"):
+    for p in ("cls_token", "reg_token", "dist_token", "pos_embed"):
         if isinstance(getattr(model, p, None), nn.Parameter):
             c.decline(p, p.replace("_", " "), emb)
     if not isinstance(getattr(model, "norm_pre", nn.Identity()), nn.Identity):
         c.decline("norm_pre", "pre-norm after the embedding", POST_LN.replace("post-LN", "norm_pre"))
-    walk(c, model, loss=None, skip=[f"blocks.{i}" for i in range(len(model.blocks))] + ["head"])
+    walk(c, model, loss=None, skip=[f"blocks.{i}" for i in range(len(model.blocks))] + heads)
     return c.finish("timm")
 

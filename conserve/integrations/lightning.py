@@ -12,11 +12,14 @@ the row; at Lightning's logging steps (``log_every_n_steps``) the latest row is 
 TensorBoard, W&B...) gets it and ``ModelCheckpoint``/``EarlyStopping`` can monitor it. Every row
 also goes to the callback's sinks: by default ``<trainer.log_dir>/conserve/metrics.jsonl``
 (global rank 0). The tracker state is the callback's ``state_dict`` in Lightning checkpoints, so
-``fit(ckpt_path=...)`` continues the series (the JSONL file drops the rows after the checkpoint).
+``fit(ckpt_path=...)`` continues the series (the JSONL file drops the rows after the checkpoint; a
+logger that opens a new version on resume, as Lightning's default does, puts the resumed rows in the
+new version's file, from the checkpoint's step on, with a warning naming it).
 ``on_train_end`` (and ``on_exception``) flush and close the sinks.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -74,10 +77,12 @@ class ConserveCallback(Callback):
         if len(opts) != 1:
             raise UsageError(f"ConserveCallback tracks one optimizer; this module has {len(opts)}: configure one "
                              "optimizer, or track each with conserve.track(optimizer, submodule)")
-        sinks = self.sinks
+        sinks, fresh = self.sinks, None
         if sinks is None:
             root = trainer.log_dir or trainer.default_root_dir
-            sinks = [JSONLSink(Path(root) / "conserve" / "metrics.jsonl")] if trainer.is_global_zero else []
+            path = Path(root) / "conserve" / "metrics.jsonl"
+            fresh = path if not (path.is_file() and path.stat().st_size > 0) else None
+            sinks = [JSONLSink(path)] if trainer.is_global_zero else []
         every = self.every or max(1, int(trainer.log_every_n_steps or 50))
         self.run = TrackedRun(pl_module, opts[0], prefix=self.prefix, layers=self.layers, laws=self.laws,
                               every=every, sinks=list(sinks), **self.tracker_kwargs)
@@ -85,6 +90,12 @@ class ConserveCallback(Callback):
         if self._pending_state is not None:  # restored before the optimizer existed
             self.run.load_state_dict(self._pending_state)
             self._pending_state = None
+            step = self.run.tracker.step_count
+            if fresh is not None and step > 0 and trainer.is_global_zero:
+                warnings.warn(f"conserve: resumed at step {step} into a new metrics file {fresh} (the logger opened a "
+                              f"new version): steps 1-{step} are in the earlier run's file; give the logger a fixed "
+                              "version (e.g. CSVLogger(..., version=0)) or sinks=[JSONLSink(path)] to keep one file",
+                              RuntimeWarning, stacklevel=2)
 
     def _booked(self) -> int:
         h = self.run._handle

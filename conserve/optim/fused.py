@@ -27,9 +27,16 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   in registers; ``h(new)`` of these laws is evaluated every step (``eps``);
 * the decay is ``(a^2-1) h(old)`` from the stored values (``conserve.tracking.drift.Assembly``); only
   entries whose tensors have different ``a`` use the per-term decay of the statistics / kernel;
-* between drift steps the torch twin computes only ``h(new)`` statistics and copies nothing; on a drift
-  step each weight with statistics is copied into one scratch buffer reused across tensors, dropped
-  after the step.  ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
+* the torch twin (CPU) steps each tensor in blocks of whole rows (``optim_step.step_stats_reference``:
+  bit for bit the whole-tensor update, each block's statistics taken while it is in cache); between
+  drift steps it computes only ``h(new)`` statistics and copies nothing; on a drift step the blocks
+  hold at most ``optim_step.chunk_bound`` elements (64Ki at most) and each block of a weight with
+  statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
+  across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
+  block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps);
+  between steps the optimizer holds one sign and one slot index per (entry, statistic) pair and a
+  pair count per entry.
+  ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
 The three drift terms are computed directly (not as residuals), so the tracker's ``residual`` checks
@@ -61,9 +68,9 @@ __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
                  "on_nonfinite", "keep_last")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
-# one tensor at a time) besides the sampled Gram-law views; between drift steps the statistics cost one
-# read of the new weights.  Every 10th step keeps a tracked CPU step within ~1.1-1.4x torch AdamW
-# (bench/track_overhead.py); pass drift_every=1 for every step.
+# block by block) besides the sampled Gram-law views; between drift steps the statistics cost one read
+# of the new weights (in cache: block by block).  Every 10th step keeps a tracked CPU step within
+# ~1.05-1.3x torch AdamW (bench/track_overhead.py); pass drift_every=1 for every step.
 FUSED_DRIFT_EVERY = 10
 
 
@@ -104,18 +111,17 @@ class _FusedPlan:
         shapes = [tuple(t.shape) for t in tracker.tensors]
         self.reqs = [K.StatsRequest() for _ in shapes]
         entries: list[list[tuple[int, float, bool]]] = [[] for _ in range(plan.vec_size)]
-        n_slots = 0
+        n_slots = {True: 0, False: 0}  # quadratic slots, then linear ones (numbered after all quadratic)
         rest = Plan(vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
         rest.grams = list(plan.grams)
 
         def slot(i, axis, quad):
-            nonlocal n_slots
             field = f"{axis}_{'q' if quad else 'l'}"
             base = getattr(self.reqs[i], field)
             if base < 0:
                 B, R, C = K.matrix_shape(shapes[i])
-                base = n_slots
-                n_slots += B * (R if axis == "row" else C)
+                base = n_slots[quad]
+                n_slots[quad] += B * (R if axis == "row" else C)
                 setattr(self.reqs[i], field, base)
             return base
 
@@ -135,21 +141,32 @@ class _FusedPlan:
             base = slot(t.view.tensor, m[0], False)
             for c, s in enumerate(m[1]):
                 entries[t.index + c].append((base + s, t.sign, False))
-        self.n_slots = n_slots
+        self.n_quad = nq = n_slots[True]
+        self.n_slots = nq + n_slots[False]
+        for r in self.reqs:
+            r.row_l, r.col_l = (x + nq if x >= 0 else x for x in (r.row_l, r.col_l))
         J = max([len(e) for e in entries] + [1])
         dev, acc = tracker.device, torch.float64 if tracker.fp64 else torch.float32
         idx = np.zeros((plan.vec_size, J), dtype=np.int64)
         coef = np.zeros((K.NQ, plan.vec_size, J), dtype=np.float64)
         for o, es in enumerate(entries):
             for j, (s, sign, quad) in enumerate(es):
-                idx[o, j] = s
+                idx[o, j] = s if quad else s + nq
                 coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
-        o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, int32 indices
-        # coefficients +-1, +-2, 0 (signs): int8, exact in the product with the float statistics
-        small = bool((cf == cf.round()).all() and cf.abs().max() <= 127) if cf.numel() else True
-        self.compact = (o.to(dev, torch.int32), sl.to(dev, torch.int32), cf.to(dev, torch.int8 if small else acc))
+        o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
+        # held between steps: the pairs per entry (the pairs are in entry order: ``_finish`` expands the
+        # counts back into each pair's entry), one sign per pair (K.finish_signed rebuilds the four
+        # coefficients from it and the slot's kind), int8 when the signs are small integers (exact in
+        # the product with the float statistics), and the slot indices, in int16 when they fit
+        sign = cf[0]
+        small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
+        counts = torch.bincount(o, minlength=plan.vec_size)
+        top = int(counts.max()) if counts.numel() else 0
+        narrow = lambda x, n: x.to(dev, torch.int16 if n < 2 ** 15 else torch.int32)  # noqa: E731
+        self.compact = (counts.to(dev, torch.uint8) if top < 256 else narrow(counts, top),
+                        narrow(sl, self.n_slots), sign.to(dev, torch.int8 if small else acc))
         # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         cuda = torch.device(dev).type == "cuda"
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
@@ -178,6 +195,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.tracker: Tracker | None = None
         self._fp = None
         self._layouts: dict = {}
+        self._chunk = K.CHUNK_MAX
         if track is None and laws is None:
             if named_params is not None:
                 raise ValueError("named_params is only used with laws=...; pass track=model or laws=[...]")
@@ -190,8 +208,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.tracker = Tracker(track, laws, params=params, **tracker_kwargs)
         self._fp = _FusedPlan(self.tracker)
         self._tracked = {id(t): i for i, t in enumerate(self.tracker.tensors)}
-        acc = torch.float64 if self.tracker.fp64 else torch.float32
-        self._stats = torch.zeros(K.NQ, max(1, self._fp.n_slots), device=self.tracker.device, dtype=acc)
+        self._acc = torch.float64 if self.tracker.fp64 else torch.float32
+        # elements of a block of the torch twin's drift step (kernels.optim_step.chunk_bound)
+        self._chunk = K.chunk_bound(max([t.numel() for t in self.tracker.tensors] + [1]))
         rest = self._fp.rest if self._fp.rest is not None else Plan(vec_size=self.tracker.compiled.plan.vec_size,
                                                                       gram_slots=dict(self.tracker.compiled.plan.gram_slots))
         self._sampler = Sampler(rest, self.tracker.tensors, self.tracker.snapshot_budget, self.tracker.device)
@@ -289,13 +308,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tr, fp = self.tracker, self._fp
         drift_step = tr is not None and tr.is_drift_step()
         snap = None
-        if tr is not None:
-            if drift_step and fp.rest is not None:  # the Gram-law views, copied only before a drift step
-                snap = self._sampler.snapshot(tr.step_count // tr.drift_every, tr.tensors)
-            self._stats.zero_()
+        if tr is not None and drift_step and fp.rest is not None:  # the Gram-law views, copied only before a drift step
+            snap = self._sampler.snapshot(tr.step_count // tr.drift_every, tr.tensors)
         a_of: dict[int, float] = {}
         done: set = set()
-        scratch = None
+        work = []  # (hyper, bucket lists, triton) per (group, device, dtype, path)
         for group in self.param_groups:
             h = self._hyper(group)
             params, grads, b1, b2, steps, fresh = self._collect(group, done)
@@ -307,39 +324,44 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 buckets[(p.device, p.dtype, tri)].append(j)
             for (dev, dt, tri), js in buckets.items():
                 sub = lambda xs: [xs[j] for j in js] if xs else xs  # noqa: E731
-                ps, gs, m1, m2, st, fr = sub(params), sub(grads), sub(b1), sub(b2), sub(steps), sub(fresh)
-                ids = [self._tracked.get(id(p), -1) if tr is not None else -1 for p in ps]
-                reqs = [fp.reqs[i] if i >= 0 else K.StatsRequest() for i in ids]
-                if tri:
-                    K.step_triton(h, ps, gs, m1, m2, st, reqs, self._stats if tr is not None else None, fresh=fr,
-                                  cache=self._layouts, interpret=dev.type != "cuda")
-                else:  # one tensor at a time: its old copy (drift steps only) lives for its own update,
-                    # in two scratch buffers reused across tensors (old, Delta) and dropped after the step
-                    for k, p in enumerate(ps):
-                        want = ids[k] >= 0 and reqs[k].any
-                        old = None
-                        if want and drift_step:
-                            scratch = self._scratch(scratch, p, tr.fp64)
-                            old = scratch[0][: p.numel()].view(p.shape).copy_(p.detach())
-                        K.step_reference(h, [p], [gs[k]], [m1[k]], [m2[k]], [st[k]], first=[fr[k]] if fr else ())
-                        if want:
-                            K.stats_reference(old, p, h.a, reqs[k], self._stats, consume_old=True,
-                                              scratch=scratch[1] if old is not None else None)
-                        del old
-                for i in ids:
-                    if i >= 0:
-                        a_of[i] = h.a
+                work.append((h, tri, sub(params), sub(grads), sub(b1), sub(b2), sub(steps), sub(fresh)))
+        # the step statistics live for this step only: quantity 0 (h(new)) between drift steps, all four
+        # on drift steps and wherever the Triton kernel writes them
+        stats = None
+        if tr is not None:
+            rows = K.NQ if drift_step or any(w[1] for w in work) else 1
+            stats = torch.zeros(rows, max(1, fp.n_slots), device=tr.device, dtype=self._acc)
+        scratch = None
+        for h, tri, ps, gs, m1, m2, st, fr in work:
+            ids = [self._tracked.get(id(p), -1) if tr is not None else -1 for p in ps]
+            reqs = [fp.reqs[i] if i >= 0 else K.StatsRequest() for i in ids]
+            if tri:
+                K.step_triton(h, ps, gs, m1, m2, st, reqs, stats, fresh=fr, cache=self._layouts,
+                              interpret=ps[0].device.type != "cuda")
+            else:  # one tensor at a time, in blocks of rows (kernels.optim_step.step_stats_reference); on
+                # drift steps each block's old copy and Delta live in two block-sized scratch buffers
+                # reused across blocks and tensors, dropped after the step
+                for k, p in enumerate(ps):
+                    req = reqs[k] if ids[k] >= 0 else K.StatsRequest()
+                    if drift_step and req.any:
+                        scratch = self._scratch(scratch, p)
+                    K.step_stats_reference(h, p, gs[k], m1[k], m2[k], st[k], bool(fr[k]) if fr else False, req,
+                                           stats, drift=drift_step, bound=self._chunk, scratch=scratch)
+            for i in ids:
+                if i >= 0:
+                    a_of[i] = h.a
         if tr is not None:
             del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
-            self._record(a_of, snap)
+            vals = self._finish(a_of, stats)
+            del stats  # the statistics: dropped once summed into the plan's entries
+            self._record(a_of, vals, snap)
         return loss
 
-    def _scratch(self, scratch, p: torch.Tensor, fp64: bool):
-        """Two flat buffers (old weights, Delta) big enough for the tracked tensors of this step."""
-        n = max(t.numel() for t in self.tracker.tensors)
-        acc = torch.float64 if fp64 else torch.float32
+    def _scratch(self, scratch, p: torch.Tensor):
+        """Two flat buffers (old weights, Delta) of one block (``self._chunk`` elements at most)."""
         if scratch is None or scratch[0].dtype != p.dtype or scratch[0].device != p.device:
-            scratch = (torch.empty(n, dtype=p.dtype, device=p.device), torch.empty(n, dtype=acc, device=p.device))
+            n = min(self._chunk, max(t.numel() for t in self.tracker.tensors))
+            scratch = (torch.empty(n, dtype=p.dtype, device=p.device), torch.empty(n, dtype=self._acc, device=p.device))
         return scratch
 
     def _mask(self, snap) -> Mask:
@@ -353,14 +375,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
             vm, gm = snap.mask.vec_np | ~fp.rest_vec, snap.mask.gram_np
         return make_mask(vm, gm, self.tracker.device, ("fused", None if snap is None else snap.mask.key))
 
-    def _record(self, a_of: dict[int, float], snap=None) -> None:
+    def _finish(self, a_of: dict[int, float], stats: torch.Tensor) -> torch.Tensor:
+        """The plan entries ``(rows of stats, vec_size)`` of this step's statistics (tracked tensors that
+        were not stepped -- no grad, not in any group -- added with ``Delta = 0``)."""
+        fp = self._fp
+        for i, t in enumerate(self.tracker.tensors):
+            if i not in a_of and fp.reqs[i].any:
+                K.stats_reference(None, t, 1.0, fp.reqs[i], stats)
+        if fp.idx is not None:  # deterministic (CUDA)
+            return K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]])
+        counts, slot, sign = fp.compact
+        return K.finish_signed(stats, torch.repeat_interleave(counts.int()), slot, sign, fp.n_quad, fp.n_entries)
+
+    def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None) -> None:
         tr, fp = self.tracker, self._fp
         drift_step = tr.drift and tr.step_count % tr.drift_every == 0
-        for i, t in enumerate(tr.tensors):  # tracked but not stepped (no grad, not in any group): Delta = 0
-            if i not in a_of and fp.reqs[i].any:
-                K.stats_reference(None, t, 1.0, fp.reqs[i], self._stats)
-        vals = (K.finish_reference(self._stats, fp.idx, fp.coef) if fp.idx is not None  # deterministic (CUDA)
-                else K.finish_compact(self._stats, *fp.compact, fp.n_entries))
         dev, dt = tr.device, vals.dtype
         if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
             h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,

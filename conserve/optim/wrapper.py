@@ -71,15 +71,23 @@ def _check_trackable(optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"conserve.track needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                         "pass the torch optimizer itself")
+    accumulating = getattr(getattr(optimizer, "gradient_state", None), "num_steps", 1)
+    if unwrap_optimizer(optimizer) is not optimizer and isinstance(accumulating, int) and accumulating > 1:
+        # accelerate's step() runs on every micro-batch and steps the weights on every num_steps-th only
+        raise ValueError(f"conserve.track got accelerate's {type(optimizer).__name__} with gradient accumulation "
+                         f"({accumulating} micro-batches per step): its step() also runs on the micro-batches that do "
+                         "not step the weights; track the torch optimizer before accelerator.prepare(...), or use "
+                         "conserve.integrations.hf.ConserveCallback")
 
 
 class TrackedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer``; ``tracker`` (a ``Tracker``) sees every step. See ``conserve.track``.
 
     A context manager: ``with conserve.track(opt, model) as opt:`` closes the tracker at the end
-    (flushing its rows). Raises ``ValueError`` for a framework's wrapper (accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``: track the optimizer inside it) and
-    ``TypeError`` if ``optimizer`` is not a ``torch.optim.Optimizer``."""
+    (flushing its rows). Raises ``ValueError`` for accelerate's ``AcceleratedOptimizer`` under
+    gradient accumulation (its ``step()`` runs on micro-batches that do not step the weights: track the
+    optimizer before ``accelerator.prepare``) and ``TypeError`` if ``optimizer`` is not a
+    ``torch.optim.Optimizer``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, tracker: Tracker):
         _check_trackable(optimizer)

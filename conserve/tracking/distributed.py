@@ -490,6 +490,7 @@ class DistributedTracker(Tracker):
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
             m.update()
         if err is not None:
+            self._nonfinite_reported = self.step_count + len(self._pend)  # this step too (pending)
             raise err
 
     def _sync(self) -> None:
@@ -509,6 +510,7 @@ class DistributedTracker(Tracker):
             except NonFiniteError as e:  # the step is booked (see _book): book the rest first
                 err = err or e
         if err is not None:
+            self._nonfinite_reported = self.step_count  # these steps were booked before the caller saw it
             raise err
 
     def _book(self, x: torch.Tensor, p: _Pending) -> None:
