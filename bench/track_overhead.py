@@ -183,6 +183,7 @@ def peak_bytes(make, steps: int, build=lambda: run_model("tiny")) -> dict:
     ``numpy`` (host arrays reachable from the optimizer and the twin's cache), ``tracked`` bytes."""
     from conserve.kernels import reference
     model = build()
+    before = set(reference._CACHE)  # structures of earlier runs (still cached) are not this tracker's
     mode = LiveBytes()
     with mode:
         opt = make(model)
@@ -194,7 +195,8 @@ def peak_bytes(make, steps: int, build=lambda: run_model("tiny")) -> dict:
         with mode:
             opt.step()
     built = sum(v for key, v in mode.live.items() if key in built_keys)
-    host = numpy_bytes(opt, list(reference._CACHE.values())) if tracker is not None else 0
+    mine = [v for k, v in reference._CACHE.items() if k not in before]
+    host = numpy_bytes(opt, mine) if tracker is not None else 0
     return {"peak": mode.peak, "built": built, "held": mode.cur - built, "numpy": host, "tracked": tracked}
 
 

@@ -382,9 +382,9 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
                     if b > a and sign_line[a] != 0.0]
         progs = _progressions(reds, out_line, sign_line)
         if progs is not None:  # a few reductions, each onto a progression of entries: no index table at all
-            return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [], None)), taken
+            return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [], None, cap)), taken
         out_t = torch.as_tensor(out_line, dtype=_INDEX, device=device)
-        return _Lines(reds, None, out_t, segments, norm_size, None, _batches(reds, norm_size, [], segments, out_t)), taken
+        return _Lines(reds, None, out_t, segments, norm_size, None, _batches(reds, norm_size, [], segments, out_t, cap)), taken
     order = np.argsort(sign, kind="stable")
     src, out, sign = src[order], out[order], sign[order]
     cuts = np.flatnonzero(np.diff(sign)) + 1
@@ -418,18 +418,17 @@ def _progressions(reds, out_line: np.ndarray, sign_line: np.ndarray):
     return progs
 
 
-_BATCHES = 4  # the stacked line values are formed in about this many batches of reductions ...
-_BATCH_MIN = 256  # ... of at least this many values each (a batch costs one cat and its adds)
+_BATCH_MIN = 256  # a batch of stacked line values holds at least this many (a batch costs one cat and its adds)
 
 
-def _batches(reds, norm_size: int, progs, segments, out):
+def _batches(reds, norm_size: int, progs, segments, out, cap: int):
     """Reductions ``[i0, i1)`` whose values ``[v0, v1)`` are stacked, squared (up to ``squared end``)
-    and added at once, about ``1 / _BATCHES`` of the line values each, with the progressions and the
-    segments (clipped; with their view of ``out``) that fall in them, offsets relative to ``v0``: at
-    most ~``1 / _BATCHES`` of the stacked values (and of the reductions' outputs) alive at a time; the
-    additions into each entry keep their line order."""
-    total = reds[-1].start + reds[-1].size
-    size = max(_BATCH_MIN, -(-total // _BATCHES))
+    and added at once, at most ``cap`` values each (``_temp_cap``: the bound on any temporary of the
+    plan, 1/16 of its tensors' bytes; one batch in the usual case, since a model has far fewer line
+    values than weights), with the progressions and the segments (clipped; with their view of
+    ``out``) that fall in them, offsets relative to ``v0``; the additions into each entry keep their
+    line order."""
+    size = max(_BATCH_MIN, cap)
     got, i0 = [], 0
     while i0 < len(reds):
         i1, v0 = i0, reds[i0].start
