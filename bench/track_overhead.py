@@ -122,12 +122,13 @@ def fused_ratio(blocks: int) -> tuple[int, float, float, float]:
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the CPU tensor storages created under this mode (it may be entered several times) and
-    still alive; ``peak`` the maximum of their total.  Outputs that alias an input (in-place ops,
-    views) are not new storage."""
+    still alive; ``peak`` the maximum of their total, ``largest`` the largest single storage, ``sizes``
+    the size of each (in creation order).  Outputs that alias an input (in-place ops, views) are not
+    new storage.  (The tests' storage bounds use it too.)"""
 
     def __init__(self):
         super().__init__()
-        self.live, self.cur, self.peak = {}, 0, 0
+        self.live, self.cur, self.peak, self.largest, self.sizes = {}, 0, 0, 0, []
 
     def _free(self, key):
         self.cur -= self.live.pop(key, 0)
@@ -141,9 +142,11 @@ class LiveBytes(TorchDispatchMode):
                 st = t.untyped_storage()
                 key = st.data_ptr()
                 if key and key not in ins and key not in self.live:
-                    self.live[key] = st.nbytes()
-                    self.cur += st.nbytes()
-                    self.peak = max(self.peak, self.cur)
+                    n = st.nbytes()
+                    self.live[key] = n
+                    self.sizes.append(n)
+                    self.cur += n
+                    self.peak, self.largest = max(self.peak, self.cur), max(self.largest, n)
                     weakref.finalize(st, self._free, key)
         return out
 

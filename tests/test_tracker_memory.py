@@ -1,12 +1,9 @@
 """Memory of the tracking engine (issue 12): what a tracked step creates, and the reference twin's
 paths that keep it small, each against an independent form (the float64 term-by-term loop, the
 previous full-layout / stacked computation, bit for bit where the sums run in the same order)."""
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import conserve
 from conserve.kernels import reference as R
@@ -14,34 +11,8 @@ from conserve.kernels.reference import _evaluate_looped, bilinear_reference, eva
 from conserve.models import DecoderLM, LMConfig
 from conserve.tracker import Tracker
 from conserve.tracking.drift import Sampler
+from bench.track_overhead import LiveBytes  # the bench's storage counter
 from test_kernels import _abs_plan, llama_block
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the CPU storages created under this mode and still alive (``peak``: their maximum;
-    ``largest``: the largest single storage).  Outputs aliasing an input are not new storage."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.cur, self.peak, self.largest = {}, 0, 0, 0
-
-    def _free(self, key):
-        self.cur -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key and key not in ins and key not in self.live:
-                    self.live[key] = st.nbytes()
-                    self.cur += st.nbytes()
-                    self.peak, self.largest = max(self.peak, self.cur), max(self.largest, st.nbytes())
-                    weakref.finalize(st, self._free, key)
-        return out
 
 
 def _bits(a, b):
