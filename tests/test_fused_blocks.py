@@ -19,6 +19,7 @@ from conserve.kernels import optim_step as K
 from conserve.models import MLP
 from conserve.models.lm import DecoderLM, LMConfig
 from conserve.optim import FusedAdamW, FusedSGD
+from test_fused_optim import _requests
 
 # (shape, transposed): several blocks of whole batch entries, of rows, of columns of one row (a row
 # longer than the bound), a scalar, and a transposed (non-contiguous) parameter
@@ -36,14 +37,6 @@ def _tensor(shape, transposed, g, scale=1.0):
     t = torch.randn(shape, generator=g) * scale
     return t.t().contiguous().t() if transposed else t
 
-
-def _requests(shapes):
-    reqs, n = [], 0
-    for s in shapes:
-        B, R, C = K.matrix_shape(s)
-        reqs.append(K.StatsRequest(n, n + B * R, n + 2 * B * R, n + 2 * B * R + B * C))
-        n += 2 * B * R + 2 * B * C
-    return reqs, n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -247,15 +247,21 @@ def test_triton_stats_match_torch_twin():
     assert o1.tracker.last["residual"].vec.abs().max() < 1e-9 * o1.tracker.h.vec.abs().max()
 
 
-@pytest.mark.parametrize("shapes", [[(5, 7), (13,), (2, 3, 9), (0, 4), ()],
-                                    [(4, 8), (3, 5), (16,), (2, 4, 12)]])  # 16-byte aligned mixed with not
-def test_stats_kernel_vs_reference(shapes):
-    """Row/column statistics of the kernel == the torch twin, for every (axis, kind) on odd shapes."""
+def _requests(shapes):
+    """Every statistic of each shape, laid out one after the other: (requests, total slots)."""
     reqs, n = [], 0
     for s in shapes:
         B, R, C = K.matrix_shape(s)
         reqs.append(K.StatsRequest(n, n + B * R, n + 2 * B * R, n + 2 * B * R + B * C))
         n += 2 * B * R + 2 * B * C
+    return reqs, n
+
+
+@pytest.mark.parametrize("shapes", [[(5, 7), (13,), (2, 3, 9), (0, 4), ()],
+                                    [(4, 8), (3, 5), (16,), (2, 4, 12)]])  # 16-byte aligned mixed with not
+def test_stats_kernel_vs_reference(shapes):
+    """Row/column statistics of the kernel == the torch twin, for every (axis, kind) on odd shapes."""
+    reqs, n = _requests(shapes)
     torch.manual_seed(0)
     h = K.Hyper("sgd", lr=0.1, weight_decay=0.3)
     P = [torch.randn(s) for s in shapes]
