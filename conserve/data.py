@@ -79,7 +79,8 @@ class Batches:
 
     def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, *, seed: int = 0, fixed: bool = False):
         if tokens.numel() < seq_len + 2:
-            raise UsageError(f"the corpus has {tokens.numel()} tokens, fewer than --seq-len {seq_len} + 2; "
+            n = tokens.numel()
+            raise UsageError(f"the corpus has {n} token{'' if n == 1 else 's'}, fewer than --seq-len {seq_len} + 2; "
                              "use a longer text or a shorter --seq-len")
         self.tokens, self.batch_size, self.seq_len, self.fixed = tokens, batch_size, seq_len, fixed
         self.gen = torch.Generator().manual_seed(seed)
