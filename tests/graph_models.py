@@ -344,3 +344,48 @@ class NormedSequential(nn.Module):
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
+
+
+# ------------------------------------------------------------------------------ chained MLPs
+class ChainMLP(nn.Module):
+    """``head(act(fc_k(... act(fc1 x))))`` as a plain module (not ``nn.Sequential``): ``acts[i]`` sits between
+    the i-th and the (i+1)-th Linear (None: nothing between); ``n_linear`` Linears in all, the last one
+    ``head``."""
+
+    def __init__(self, n_linear=3, acts=None, bias=True, d_in=8, width=16, d_out=4):
+        super().__init__()
+        self.acts = list(acts) if acts is not None else [torch.relu] * (n_linear - 1)
+        assert len(self.acts) == n_linear - 1
+        dims = [d_in] + [width] * (n_linear - 1) + [d_out]
+        self.names = [f"fc{i + 1}" for i in range(n_linear - 1)] + ["head"]
+        for i, name in enumerate(self.names):
+            setattr(self, name, nn.Linear(dims[i], dims[i + 1], bias=bias))
+
+    def forward(self, x):
+        for i, name in enumerate(self.names):
+            x = getattr(self, name)(x)
+            if i < len(self.acts) and self.acts[i] is not None:
+                x = self.acts[i](x)
+        return x
+
+
+class BranchMLP(nn.Module):
+    """``fc2``'s units read twice: ``head(relu(z)) + aux(relu(z))`` (``where='act'``: one ReLU output read by
+    both), ``head(relu(z)) + aux(leaky_relu(z))`` (``'pre'``: the pre-activation read twice) or
+    ``head(relu(z)) + z[..., :4]`` (``'raw'``: a residual-like read of the pre-activation)."""
+
+    def __init__(self, where="act"):
+        super().__init__()
+        self.where = where
+        self.fc1, self.fc2, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        if where != "raw":
+            self.aux = nn.Linear(16, 4)
+
+    def forward(self, x):
+        z = self.fc2(torch.relu(self.fc1(x)))
+        if self.where == "act":
+            h = torch.relu(z)
+            return self.head(h) + self.aux(h)
+        if self.where == "pre":
+            return self.head(torch.relu(z)) + self.aux(F.leaky_relu(z, 0.1))
+        return self.head(torch.relu(z)) + z[..., :4]

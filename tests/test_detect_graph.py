@@ -24,8 +24,8 @@ from conserve.detection.graph import Graph, check_laws, detect_graph, make_probe
 from conserve.errors import UnsupportedModelError
 from conserve.laws import QKGram, ReLUUnit, RopePairs, RouterSum, SwiGLUUnit, VOGram, GainBalance, cols, rows, vector
 from conserve.analysis.verify import TOL, first_order
-from graph_models import (GPT, EinsumAttention, LayerScaleMLP, Llama, MyMLP, NormedSequential, QKNormAttention, Top2MoE,
-                          Unknown)
+from graph_models import (GPT, BranchMLP, ChainMLP, EinsumAttention, LayerScaleMLP, Llama, MyMLP, NormedSequential,
+                          QKNormAttention, Top2MoE, Unknown)
 from test_detect_torch import WRONG, randomize, violations
 
 
@@ -98,6 +98,69 @@ def test_structural_is_available_explicitly_and_on_wrappers():
     a = detect(m, structural=True)
     assert a.detector == "graph" and a.laws == detect(m).laws
     assert detect(nn.DataParallel(m)).laws == a.laws
+
+
+# ------------------------------------------------------------------------------ chained MLPs
+def leaky(z):
+    return F.leaky_relu(z, 0.2)
+
+
+def where_leaky(z):  # a hand-written leaky ReLU: positively homogeneous, found numerically
+    return torch.where(z > 0, z, 0.1 * z)
+
+
+@pytest.mark.parametrize("n, acts, bias, names", [
+    (3, None, True, ["fc1/unit", "fc2/unit"]),  # the user's report: fc2/unit was missing, neither declined nor undetected
+    (4, None, True, ["fc1/unit", "fc2/unit", "fc3/unit"]),  # the middle unit was dropped
+    (5, None, False, ["fc1/unit", "fc2/unit", "fc3/unit", "fc4/unit"]),
+    (4, [torch.relu, nn.LeakyReLU(0.1), leaky], True, ["fc1/unit", "fc2/unit", "fc3/unit"]),
+    (4, [where_leaky, F.relu, torch.relu], True, ["fc1/unit", "fc2/unit", "fc3/unit"]),
+    (4, [torch.relu, None, torch.relu], True, ["fc1/unit", "fc2-fc3/gram", "fc3/unit"]),
+    (4, [None, torch.relu, None], False, ["fc1-fc2/gram", "fc2/unit", "fc3-head/gram"]),
+    (4, [torch.relu, F.gelu, torch.relu], True, ["fc1/unit", "fc3/unit"]),
+])
+def test_chained_mlp_one_law_per_hidden_layer(n, acts, bias, names):
+    """The down side of one law is the up side of the next: a plain-module chain gets the laws its
+    ``nn.Sequential`` twin gets, each passing the first-order check, and every other block is declined."""
+    m = randomize(ChainMLP(n, acts, bias))
+    found = detect(m)
+    assert found.detector == "graph" and [x.name for x in found.laws] == names and found.undetected == []
+    x = floats(4, 8)
+    hold(m, found, x)
+    for unit in found.laws:
+        assert first_order(m, unit, x) <= TOL, unit.name
+    r = reasons(found)
+    assert "loss='ce'" in r["head"]
+    if acts is not None and F.gelu in acts:
+        assert "no continuous rescaling symmetry" in r["fc2"]
+    if acts is None:
+        seq = nn.Sequential(*[mod for name in m.names for mod in (getattr(m, name), nn.ReLU())][:-1])
+        assert len(detect(seq).laws) == len(names)  # its torch.nn twin
+    # the law pairs each layer's rows with the NEXT layer's columns: skipping a layer or dropping the bias fails
+    w = {k: tuple(v.shape) for k, v in m.named_parameters()}
+    third = m.names[2] + ".weight"
+    planted = {"fc1 rows vs the third layer's cols": ReLUUnit.build("p", None, up=rows("fc1.weight", w["fc1.weight"], 0, 16),
+                                                                    down=cols(third, w[third], 0, 16))}
+    if bias and acts is None:
+        planted["fc2 without its bias"] = ReLUUnit.build("q", None, up=rows("fc2.weight", w["fc2.weight"], 0, 16),
+                                                         down=cols(third, w[third], 0, 16))
+    fail(m, planted, x)
+
+
+@pytest.mark.parametrize("where", ["act", "pre", "raw"])
+def test_units_read_twice_are_declined_with_the_reason(where):
+    """fc2's units read by head and by another reader: no fc2 law (it would need every reader's columns),
+    fc2 declined naming both readers; fc1's law is still found and holds."""
+    m = randomize(BranchMLP(where))
+    found = detect(m)
+    assert [x.name for x in found.laws] == ["fc1/unit"] and found.undetected == []
+    r = reasons(found)
+    assert "also by" in r["fc2"] and "'head'" in r["fc2"] and "every reader" in r["fc2"]
+    hold(m, found, floats(4, 8))
+    w = {k: tuple(v.shape) for k, v in m.named_parameters()}  # the law the branch rules out indeed fails
+    fail(m, {"fc2/unit, head only": ReLUUnit.build("p", None, up=rows("fc2.weight", w["fc2.weight"], 0, 16),
+                                                   down=cols("head.weight", w["head.weight"], 0, 16),
+                                                   up_bias=vector("fc2.bias", 0, 16))}, floats(4, 8))
 
 
 # --------------------------------------------------------------------------------------------- nanoGPT

@@ -31,7 +31,10 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
      pair; one law for gains shared by all heads, one per kv group for a norm over all heads; ``1 + w``
      gains too). The ``||Q||^2`` scale laws are not built structurally.
    * element-wise MLPs ``down(act(up x))``: ReLU / leaky-ReLU unit laws; GELU, SiLU, tanh, ... declined
-     (spec: GELU / SiLU FFN row); ``down(up x)`` with nothing between: deep-linear Gram.
+     (spec: GELU / SiLU FFN row); ``down(up x)`` with nothing between: deep-linear Gram. In a chain
+     ``l3(act(l2(act(l1 x))))`` the down side of one law is the up side of the next (one law per hidden
+     layer). An up whose output is also read outside the block (a branch) is declined: its law would need
+     the columns of every reader.
    * gated MLPs ``down(g * up x)`` where ``up x`` reaches the product through index operations only (any
      gate g: SwiGLU, GeGLU, fused ``gate_up`` chunks): SwiGLU unit law on up rows and down columns.
    * gains: every per-feature scale ``g * x (+ beta)`` (LayerNorm / RMSNorm modules, ``F.layer_norm``,
@@ -619,7 +622,9 @@ class _Found:
 
     def __init__(self, g: Graph, c: Collector):
         self.g, self.c = g, c
-        self.used: set = set()  # linear nodes explained by a block
+        # linear nodes whose output side is explained by a block (the up side of an MLP law, an attention or
+        # router block); the down side of an MLP law stays free: it is the up side of the next law in a chain
+        self.used: set = set()
         self.cands: list[tuple[Law, str]] = []  # (law, block description)
         self.heads: dict[str, fx.Node] = {}  # translation law name -> head output node
         self.explained: set = set()  # parameters of candidate laws (claimed or declined with a reason)
@@ -990,7 +995,7 @@ def _mlps(f: _Found):
     for n, down in f.free_lins():
         u = g.back_pass(down.x)
         o = g.op(u)
-        if u in g.lins and u not in f.used and len(u.users) == 1:
+        if u in g.lins and u not in f.used and len(u.users) == 1 and _branch(g, u, n) is None:
             up = g.lins[u]
             fm = g.feature_map(u, down.x)
             if fm and -1 not in fm:
@@ -999,7 +1004,7 @@ def _mlps(f: _Found):
                                          [builders.block(down.w, down.shape, range(len(fm)), kind="cols", transposed=down.t)],
                                          note="structural: two linear maps with nothing but index ops between (spec: "
                                               "deep linear row)"), "deep linear")
-                f.used.update({u, n})
+                f.used.add(u)
             continue
         chain, src = [], u
         while isinstance(src, fx.Node) and src not in g.lins and g.op(src) in ELEMENTWISE and src.args \
@@ -1009,7 +1014,10 @@ def _mlps(f: _Found):
         if chain and src in g.lins and src not in f.used:
             up = g.lins[src]
             kinds = "-".join(reversed(chain))
+            f.used.add(src)
             if all(o_ in POSITIVE for o_ in chain):
+                if _declined_branch(f, src, n, f"Linear-{kinds}-Linear"):
+                    continue
                 fm = g.feature_map(src, down.x)
                 if not fm or -1 in fm:
                     c.decline(up.module, f"Linear-{kinds}-Linear", "the units between the two maps are not an index map")
@@ -1026,7 +1034,6 @@ def _mlps(f: _Found):
                 c.decline(up.module, f"Linear-{kinds}-Linear", f"the element-wise map {kinds!r} is not in the catalogue "
                           "(no rescaling symmetry is known for it): no law")
                 c.decline(down.module, f"Linear-{kinds}-Linear output", "see the MLP's input layer")
-            f.used.update({src, n})
         elif o != "mul" and _generic_act(f, n, down):
             continue
         elif o == "mul":
@@ -1053,7 +1060,7 @@ def _mlps(f: _Found):
                                         note=f"structural: down({gate} gate * up x); the gate is not involved (spec: "
                                              "SwiGLU row)"), "gated unit")
                 c.know(down.b)
-                f.used.update({n, src} | {x for x in g.nearest_lins(other)})
+                f.used.update({src} | {x for x in g.nearest_lins(other)})
                 break
 
 
@@ -1093,7 +1100,10 @@ def _generic_act(f: _Found, n: fx.Node, down: Lin) -> bool:
     if kind is None:
         return False
     up = g.lins[src]
+    f.used.add(src)
     if kind == "positive":
+        if _declined_branch(f, src, n, "Linear-activation-Linear"):
+            return True
         f.add(builders.unit_law(ReLUUnit, f"{up.module}/unit", _layer(up.module), up=up.w, up_shape=up.shape,
                                 units=range(up.n_out), down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t,
                                 down_t=down.t, note="structural: positively homogeneous element-wise activation "
@@ -1102,7 +1112,36 @@ def _generic_act(f: _Found, n: fx.Node, down: Lin) -> bool:
     else:
         c.decline(up.module, "Linear-activation-Linear", NO_LAW_ACT + " (element-wise, not positively homogeneous)")
         c.decline(down.module, "Linear-activation-Linear output", "see the MLP's input layer")
-    f.used.update({src, n})
+    return True
+
+
+def _branch(g: Graph, src: fx.Node, down: fx.Node) -> fx.Node | None:
+    """A node reading a value computed from ``src`` (an up map's output) that is not on a path to the linear
+    node ``down`` (a second reader of the units: another linear, a residual, the output); None when the
+    units reach the rest of the model only through ``down``. Shape reads (``SHAPE_ONLY``) are not readers."""
+    to_down = g.ancestors([down])
+    seen, stack = {src}, [src]
+    while stack:
+        m = stack.pop()
+        for u in m.users:
+            if u is down or u in seen or g.op(u) in SHAPE_ONLY:
+                continue
+            if u not in to_down:
+                return u
+            seen.add(u)
+            stack.append(u)
+    return None
+
+
+def _declined_branch(f: _Found, src: fx.Node, down: fx.Node, block: str) -> bool:
+    """Decline the up map ``src`` of a unit law when its units are also read outside ``down`` (``_branch``)."""
+    other = _branch(f.g, src, down)
+    if other is None:
+        return False
+    up, lin = f.g.lins[src], f.g.lins[down]
+    reader = repr(f.g.lins[other].module) if other in f.g.lins else f"a {f.g.op(other)!r} op"
+    f.c.decline(up.module, block, f"its units are read by {lin.module!r} and also by {reader}: a per-unit law would "
+                "need the columns of every reader (not in the catalogue): no law")
     return True
 
 
