@@ -82,6 +82,9 @@ class NotKept(dict):
     """``Tracker.last`` of a tracker built without ``keep_last``: empty, and reading a term raises a
     ``KeyError`` that names the fix (no stale terms are ever returned)."""
 
+    def __repr__(self) -> str:
+        return "NotKept(): the per-entry drift terms are not kept; build the tracker with keep_last=True"
+
     def __missing__(self, key):
         raise KeyError(f"tracker.last[{key!r}]: the tracker does not keep the per-entry drift terms; build it "
                        "with keep_last=True (conserve.track(..., keep_last=True) or the fused optimizer's "
@@ -94,7 +97,9 @@ class Tracker:
     Args:
         model: the module whose laws are tracked (``model.conservation_laws()`` if it has it, else
             ``conserve.detect(model)``), unless ``laws`` is given.
-        laws: explicit list of ``Law`` (parameter names as in ``model.named_parameters()``).
+        laws: explicit list of ``Law`` (parameter names as in ``model.named_parameters()``), or a
+            ``Detection`` (``conserve.detect(model, loss="ce")``: detection options such as the loss;
+            its ``declined`` are kept).
         every: flush period in steps (host sync and sink writes happen only then: when the next step
             finds ``every`` rows pending, and at ``flush()``/``close()``).
         sinks: objects with ``write(step, metrics: dict[str, float])`` and ``close()``.
@@ -177,6 +182,8 @@ class Tracker:
         self.declined: list[Declined] = []
         if laws is None:
             laws, self.declined = _model_laws(_unwrap(model))
+        elif hasattr(laws, "laws") and hasattr(laws, "declined"):  # a Detection (conserve.detect(model, loss="ce"))
+            laws, self.declined = laws.laws, list(laws.declined)
         laws = list(laws)
         kept = []
         for law in laws:
