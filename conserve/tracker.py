@@ -595,8 +595,11 @@ class Tracker:
         and ``second`` terms (norms of their per-entry sums), ``predicted`` = ||decay + first + second||
         (equals ``measured_sampled`` by the identity) and ``predicted_no_first`` = ||decay + second||
         (the GD/SGD prediction, where the first-order term vanishes); ``sampled_steps``: drift steps
-        that decomposed some law of the family, of ``steps``.  Nothing is extrapolated to the
-        steps or laws that were not decomposed.  Host floats (one sync)."""
+        that decomposed some law of the family, of ``steps``; ``scale`` = ||h_0||; ``guarded``: the
+        fraction of the family's instances whose ``eps`` divides by their magnitude (the same law with
+        every sign +) because ``|h_0|`` is ~0; ``balance``: the mean over instances of ``|h_0|`` / magnitude
+        (1: one side of the law dominates, 0: balanced).  Nothing is extrapolated to the steps or laws
+        that were not decomposed.  Host floats (one sync)."""
         c = self.cumulative
         parts = {"measured": self._fam_norm(self.h.map(torch.sub, self.h0)),
                  "measured_sampled": self._fam_norm(c["measured"]),

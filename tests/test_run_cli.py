@@ -143,3 +143,13 @@ def test_rerun_into_the_same_directory_says_it_replaces_the_earlier_run(tmp_path
     err = capsys.readouterr().err
     assert "held an earlier run (3 metric rows): replaced" in err and "--out" in err
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_argument_errors_point_to_the_sub_command_help(capsys):
+    for argv, hint in ((["run", "--bogus"], "`conserve run --help`"), (["run", "--steps", "x"], "`conserve run --help`"),
+                       (["bogus"], "`conserve --help`")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.endswith(f"(see {hint})"), err

@@ -93,7 +93,8 @@ def add_arguments(p) -> None:
     m.add_argument("--rope-layout", choices=("half", "interleaved"), default="half")
     m.add_argument("--rotary-dim", type=int, default=None, help="partial rotary: rotary dims per head (< head_dim)")
     m.add_argument("--nope-layers", type=_int_tuple, default=(1,), help="layers without RoPE (default 1)")
-    m.add_argument("--ffn", choices=("swiglu", "relu", "gelu", "silu"), default="swiglu")
+    m.add_argument("--ffn", choices=("swiglu", "relu", "gelu", "silu"), default="swiglu",
+                   help="dense FFN kind (the MoE layers' experts stay SwiGLU; --experts 0 for no MoE layer)")
     m.add_argument("--experts", type=int, default=4, help="MoE experts (0 = dense everywhere)")
     m.add_argument("--moe-layers", type=_int_tuple, default=(2,), help="which layers are MoE (default 2)")
     m.add_argument("--top-k", type=int, default=2)
