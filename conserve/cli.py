@@ -3,7 +3,8 @@
 Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
 only the module of the command being run is imported (``conserve --help`` imports neither torch nor any
 command). User errors are raised as ``UsageError`` and printed as one line with exit code 2 (no
-traceback). Also runs as ``python -m conserve``.
+traceback); a ``conserve run`` that diverged exits 3, one interrupted with Ctrl-C 130. Also runs as
+``python -m conserve``.
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_bad_option_value_and_unwritable_output(tmp_path, capsys):
 
 
 def test_nan_loss_stops_names_the_step_and_keeps_files(tmp_path, capsys):
-    assert _run(tmp_path, "--steps", "40", "--lr", "1e6", "--every", "1", "--max-eps", "0") == 2
+    assert _run(tmp_path, "--steps", "40", "--lr", "1e6", "--every", "1", "--max-eps", "0") == 3  # diverged (2: bad input)
     err = _err(capsys)
     assert "NaN/Inf at step" in err and ("--lr" in err or "learning rate" in err)
     step = int(err.split("at step ")[1].split()[0].rstrip(";"))

@@ -313,8 +313,8 @@ def _main(args) -> int:
         train(model, tracked, batches, args.steps, device=device, progress=not args.no_progress,
               log_every=max(1, min(args.every, 10)), description=f"{args.optimizer} lr={lr:g}",
               max_eps=args.max_eps or None, max_loss_ratio=3.0)
-    except (NonFiniteError, DivergenceError) as e:
-        stopped, code = str(e), 2
+    except (NonFiniteError, DivergenceError) as e:  # exit 3: the run diverged (2: bad input)
+        stopped, code = str(e), 3
     except KeyboardInterrupt:
         stopped, code = f"interrupted (Ctrl-C) after step {tracker.step_count}", 130
     except RuntimeError as e:
@@ -341,6 +341,9 @@ def _main(args) -> int:
     lock.release()
     if code == 2:
         raise UsageError(stopped)
+    if code == 3:  # diverged: the same one line as a usage error, its own exit code
+        print(f"conserve run: error: {stopped}", file=sys.stderr)
+        return 3
     if not records:
         raise UsageError(f"no metrics were recorded in {out}/metrics.jsonl (the summary is empty); check that the disk "
                          "is writable and run again")
