@@ -3,7 +3,8 @@
 Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
 only the module of the command being run is imported (``conserve --help`` imports neither torch nor any
 command). User errors are raised as ``UsageError`` and printed as one line with exit code 2 (no
-traceback). Also runs as ``python -m conserve``.
+traceback); a ``conserve run`` that diverged exits 3, one interrupted with Ctrl-C 130. Also runs as
+``python -m conserve``.
 """
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
+    command: str | None = None  # the sub-command being parsed (its help is the one to read)
+
     def error(self, message):  # exit 2 with one line, as argparse does, but name the fix
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        where = f"conserve {self.command}" if self.prog == "conserve" and self.command else self.prog
+        self.exit(2, f"{self.prog}: error: {message} (see `{where} --help`)\n")
 
 
 def build_parser(only: str | None = "*") -> argparse.ArgumentParser:
@@ -54,7 +58,9 @@ def build_parser(only: str | None = "*") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    parser = build_parser(command if command in COMMANDS else None)
+    parser.command = command if command in COMMANDS else None
+    args = parser.parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"conserve {args.command}: not available in this build ({args._missing})", file=sys.stderr)
         return 2

@@ -82,6 +82,9 @@ class NotKept(dict):
     """``Tracker.last`` of a tracker built without ``keep_last``: empty, and reading a term raises a
     ``KeyError`` that names the fix (no stale terms are ever returned)."""
 
+    def __repr__(self) -> str:
+        return "NotKept(): the per-entry drift terms are not kept; build the tracker with keep_last=True"
+
     def __missing__(self, key):
         raise KeyError(f"tracker.last[{key!r}]: the tracker does not keep the per-entry drift terms; build it "
                        "with keep_last=True (conserve.track(..., keep_last=True) or the fused optimizer's "
@@ -94,7 +97,9 @@ class Tracker:
     Args:
         model: the module whose laws are tracked (``model.conservation_laws()`` if it has it, else
             ``conserve.detect(model)``), unless ``laws`` is given.
-        laws: explicit list of ``Law`` (parameter names as in ``model.named_parameters()``).
+        laws: explicit list of ``Law`` (parameter names as in ``model.named_parameters()``), or a
+            ``Detection`` (``conserve.detect(model, loss="ce")``: detection options such as the loss;
+            its ``declined`` are kept).
         every: flush period in steps (host sync and sink writes happen only then: when the next step
             finds ``every`` rows pending, and at ``flush()``/``close()``).
         sinks: objects with ``write(step, metrics: dict[str, float])`` and ``close()``.
@@ -177,6 +182,8 @@ class Tracker:
         self.declined: list[Declined] = []
         if laws is None:
             laws, self.declined = _model_laws(_unwrap(model))
+        elif hasattr(laws, "laws") and hasattr(laws, "declined"):  # a Detection (conserve.detect(model, loss="ce"))
+            laws, self.declined = laws.laws, list(laws.declined)
         laws = list(laws)
         kept = []
         for law in laws:
@@ -588,8 +595,11 @@ class Tracker:
         and ``second`` terms (norms of their per-entry sums), ``predicted`` = ||decay + first + second||
         (equals ``measured_sampled`` by the identity) and ``predicted_no_first`` = ||decay + second||
         (the GD/SGD prediction, where the first-order term vanishes); ``sampled_steps``: drift steps
-        that decomposed some law of the family, of ``steps``.  Nothing is extrapolated to the
-        steps or laws that were not decomposed.  Host floats (one sync)."""
+        that decomposed some law of the family, of ``steps``; ``scale`` = ||h_0||; ``guarded``: the
+        fraction of the family's instances whose ``eps`` divides by their magnitude (the same law with
+        every sign +) because ``|h_0|`` is ~0; ``balance``: the mean over instances of ``|h_0|`` / magnitude
+        (1: one side of the law dominates, 0: balanced).  Nothing is extrapolated to the steps or laws
+        that were not decomposed.  Host floats (one sync)."""
         c = self.cumulative
         parts = {"measured": self._fam_norm(self.h.map(torch.sub, self.h0)),
                  "measured_sampled": self._fam_norm(c["measured"]),

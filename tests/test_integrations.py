@@ -137,7 +137,8 @@ def _lightning():
             return __import__(name, fromlist=["Trainer"])
         except Exception as e:  # noqa: BLE001 - absent, or broken by its own dependencies
             errors.append(f"{name}: {type(e).__name__}: {e}")
-    pytest.skip(f"lightning unavailable (pip install 'torch-conserve[lightning]'): {errors[0][:200]}")
+    pytest.skip(f"lightning does not import (absent: pip install 'torch-conserve[lightning]'; or broken by its "
+                f"dependencies): {errors[0][:200]}")
 
 
 def _lit_module(L):

@@ -99,7 +99,7 @@ def test_report_of_rows_that_went_non_finite_says_so(tmp_path, capsys):
 
 def test_divergence_stops_names_the_step_and_writes_the_summary(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "30", "--lr", "1e4"]) == 2
+    assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "30", "--lr", "1e4"]) == 3
     err = _one_line(capsys)
     assert "diverged at step" in err and "--lr" in err
     step = int(err.split("at step ")[1].split(":")[0])

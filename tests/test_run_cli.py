@@ -91,7 +91,7 @@ def test_bad_option_value_and_unwritable_output(tmp_path, capsys):
 
 
 def test_nan_loss_stops_names_the_step_and_keeps_files(tmp_path, capsys):
-    assert _run(tmp_path, "--steps", "40", "--lr", "1e6", "--every", "1", "--max-eps", "0") == 2
+    assert _run(tmp_path, "--steps", "40", "--lr", "1e6", "--every", "1", "--max-eps", "0") == 3  # diverged (2: bad input)
     err = _err(capsys)
     assert "NaN/Inf at step" in err and ("--lr" in err or "learning rate" in err)
     step = int(err.split("at step ")[1].split()[0].rstrip(";"))
@@ -143,3 +143,13 @@ def test_rerun_into_the_same_directory_says_it_replaces_the_earlier_run(tmp_path
     err = capsys.readouterr().err
     assert "held an earlier run (3 metric rows): replaced" in err and "--out" in err
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_argument_errors_point_to_the_sub_command_help(capsys):
+    for argv, hint in ((["run", "--bogus"], "`conserve run --help`"), (["run", "--steps", "x"], "`conserve run --help`"),
+                       (["bogus"], "`conserve --help`")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.endswith(f"(see {hint})"), err

@@ -294,6 +294,16 @@ def test_nonfinite_error_from_the_lazy_flush_books_the_step_and_is_raised_once_p
     assert [r["loss"] for r in sink.records] == [float(s) for s in steps]  # extras stay with their rows
 
 
+def test_track_takes_a_detection_with_options_and_last_says_how_to_keep_terms():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    plain = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    assert [l.name for l in plain.tracker.laws] == ["0-2/unit"]
+    assert "loss='ce'" in plain.tracker.declined[0].reason and "laws=conserve.detect" in plain.tracker.declined[0].reason
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, laws=conserve.detect(m, loss="ce"))
+    assert [l.name for l in opt.tracker.laws] == ["0-2/unit", "2/translation"] and opt.tracker.declined == []
+    assert "keep_last=True" in repr(opt.tracker.last)
+
+
 def test_track_needs_a_model_and_rejects_double_wrapping():
     m = _model(dtype=torch.float32)
     with pytest.raises(ValueError, match="needs the model"):

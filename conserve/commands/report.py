@@ -17,7 +17,7 @@ def main(args) -> int:
     summary = report(args.path, args.out)
     fams = summary["families"]
     width = max((len(f) for f in fams), default=6)
-    print(f"conserve report: {summary['steps']} steps, {len(fams)} families")
+    print(f"conserve report: {summary['steps']} steps, {len(fams)} famil{'y' if len(fams) == 1 else 'ies'}")
     for f, r in fams.items():
         print(f"  {f:<{width}}  {r['verdict']}")
     return 0

@@ -93,7 +93,8 @@ def add_arguments(p) -> None:
     m.add_argument("--rope-layout", choices=("half", "interleaved"), default="half")
     m.add_argument("--rotary-dim", type=int, default=None, help="partial rotary: rotary dims per head (< head_dim)")
     m.add_argument("--nope-layers", type=_int_tuple, default=(1,), help="layers without RoPE (default 1)")
-    m.add_argument("--ffn", choices=("swiglu", "relu", "gelu", "silu"), default="swiglu")
+    m.add_argument("--ffn", choices=("swiglu", "relu", "gelu", "silu"), default="swiglu",
+                   help="dense FFN kind (the MoE layers' experts stay SwiGLU; --experts 0 for no MoE layer)")
     m.add_argument("--experts", type=int, default=4, help="MoE experts (0 = dense everywhere)")
     m.add_argument("--moe-layers", type=_int_tuple, default=(2,), help="which layers are MoE (default 2)")
     m.add_argument("--top-k", type=int, default=2)
@@ -312,8 +313,8 @@ def _main(args) -> int:
         train(model, tracked, batches, args.steps, device=device, progress=not args.no_progress,
               log_every=max(1, min(args.every, 10)), description=f"{args.optimizer} lr={lr:g}",
               max_eps=args.max_eps or None, max_loss_ratio=3.0)
-    except (NonFiniteError, DivergenceError) as e:
-        stopped, code = str(e), 2
+    except (NonFiniteError, DivergenceError) as e:  # exit 3: the run diverged (2: bad input)
+        stopped, code = str(e), 3
     except KeyboardInterrupt:
         stopped, code = f"interrupted (Ctrl-C) after step {tracker.step_count}", 130
     except RuntimeError as e:
@@ -340,6 +341,9 @@ def _main(args) -> int:
     lock.release()
     if code == 2:
         raise UsageError(stopped)
+    if code == 3:  # diverged: the same one line as a usage error, its own exit code
+        print(f"conserve run: error: {stopped}", file=sys.stderr)
+        return 3
     if not records:
         raise UsageError(f"no metrics were recorded in {out}/metrics.jsonl (the summary is empty); check that the disk "
                          "is writable and run again")

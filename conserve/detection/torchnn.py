@@ -206,7 +206,8 @@ def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, 
             c.mark(pl)
         else:
             c.declined.append(Declined(pl, "output layer", "translation law holds only for softmax cross-entropy: "
-                                       f"pass loss='ce' if the model is trained with it (got loss={loss!r})"))
+                                       f"if the model is trained with it, pass loss='ce' (conserve.track(opt, model, "
+                                       f"laws=conserve.detect(model, loss='ce'))) (got loss={loss!r})"))
 
 
 def walk(c: Collector, model: nn.Module, loss: str | None, skip: Iterable[str] = ()) -> None:

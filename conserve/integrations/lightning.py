@@ -26,10 +26,15 @@ import torch
 
 try:
     from lightning.pytorch import Callback
-except ImportError:  # the standalone package
+except ImportError as first:  # the standalone package
     try:
         from pytorch_lightning import Callback
     except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("lightning") or importlib.util.find_spec("pytorch_lightning"):
+            raise ImportError(f"conserve.integrations.lightning: Lightning is installed but does not import ({first}); "
+                              "fix that environment (e.g. a torchvision that does not match torch)") from first
         raise ImportError("conserve.integrations.lightning needs Lightning: pip install 'torch-conserve[lightning]'") \
             from None
 

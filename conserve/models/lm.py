@@ -25,7 +25,7 @@ class LMConfig:
         position: 'none', 'sinusoidal', 'learned' (added to the input) or 'rope'.
         rope_layout: 'half' (HF rotate_half) or 'interleaved' (GPT-J); rotary_dim: None = head_dim.
         nope_layers: layers that skip RoPE (as Llama 4 does), so QK Gram laws also appear.
-        hidden_act: 'swiglu', 'relu', 'gelu' or 'silu' (dense FFN and experts' kind).
+        hidden_act: 'swiglu', 'relu', 'gelu' or 'silu': the dense FFNs' kind (MoE experts are SwiGLU FFNs).
         num_experts: 0 = dense; moe_layers: which layers are MoE (None = all when num_experts > 0).
         router: 'softmax' or 'sigmoid' (normalised over the top_k).
     """
@@ -59,7 +59,7 @@ class LMConfig:
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                                 f"{self.num_attention_heads}; set head_dim explicitly")
+                                 f"{self.num_attention_heads}; set head_dim explicitly (conserve run: --head-dim)")
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.position not in POSITIONS:
             raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")

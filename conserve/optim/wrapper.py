@@ -346,7 +346,9 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
             tracks inside its own step when given ``model``/``laws`` at construction).
         model: the module (HF, timm, torch.nn or a conserve reference model); its laws come from
             ``model.conservation_laws()`` or ``conserve.detect(model)``.
-        laws: explicit laws instead of detection.
+        laws: explicit laws instead of detection, or a ``Detection`` made with options, e.g.
+            ``laws=conserve.detect(model, loss="ce")`` (the output layer's translation law, which holds
+            only under softmax cross-entropy).
         **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``drift_every``, ``snapshot_budget``, ``fp64``,
             ``backend``, ``monitors``, ``on_nonfinite``, ``keep_last`` (see ``conserve.tracker.Tracker``).
 
