@@ -16,6 +16,13 @@ from ..laws import GainBalance, Law, LayerScaleBalance, QKNormGain, RopePairs, T
 from ..laws.base import Ref
 
 
+
+def ce_only(loss) -> str:
+    """The reason an output layer's translation law is declined when the loss is not known to be softmax
+    cross-entropy (spec table: "untied softmax output layer"), naming how to claim it."""
+    return ("the translation law holds only for softmax cross-entropy: if the model is trained with it, pass "
+            f"loss='ce' (conserve.track(opt, model, laws=conserve.detect(model, loss='ce'))) (got loss={loss!r})")
+
 def strided(idx: Sequence[int]) -> tuple[int, int, int] | None:
     """``(start, n, step)`` when ``idx`` is an arithmetic progression with step >= 1, else None."""
     idx = list(idx)

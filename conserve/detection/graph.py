@@ -1326,8 +1326,7 @@ def _output_layers(f: _Found):
             f.add(law, "translation")
             f.heads[law.name] = n
         else:
-            c.decline(lin.module, "output layer", "the translation law holds only for softmax cross-entropy: pass "
-                      f"loss='ce' if the model is trained with it (got loss={loss!r})")
+            c.decline(lin.module, "output layer", builders.ce_only(loss))
 
 
 # ------------------------------------------------------------------------------------------- the check

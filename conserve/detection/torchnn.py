@@ -205,9 +205,7 @@ def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, 
                                        note="softmax cross-entropy only"))
             c.mark(pl)
         else:
-            c.declined.append(Declined(pl, "output layer", "translation law holds only for softmax cross-entropy: "
-                                       f"if the model is trained with it, pass loss='ce' (conserve.track(opt, model, "
-                                       f"laws=conserve.detect(model, loss='ce'))) (got loss={loss!r})"))
+            c.declined.append(Declined(pl, "output layer", builders.ce_only(loss)))
 
 
 def walk(c: Collector, model: nn.Module, loss: str | None, skip: Iterable[str] = ()) -> None:
