@@ -85,14 +85,20 @@ class Hyper:
     nesterov: bool = False
 
     @property
-    def a(self) -> float:
-        """Rounded to fp32 (the kernels' scalar type), so every path uses the very same ``a`` and
-        ``a^2 - 1`` is exact in double."""
+    def a_exact(self) -> float:
+        """The decay factor ``a`` of ``theta_{k+1} = a theta_k + Delta`` in float64: ``1 - lr wd`` for
+        decoupled (AdamW) and momentum-free SGD weight decay, else 1 (``tracking.breakers.decay_factor``)."""
         if self.weight_decay == 0:
             return 1.0
         if (self.algo == "adam" and self.decoupled) or (self.algo == "sgd" and self.momentum == 0):
-            return float(np.float32(1.0 - self.lr * self.weight_decay))
+            return 1.0 - self.lr * self.weight_decay
         return 1.0
+
+    @property
+    def a(self) -> float:
+        """``a_exact`` rounded to fp32 (the kernels' scalar type), so every path uses the very same ``a``
+        and ``a^2 - 1`` is exact in double (``Assembly.correct`` turns the terms into those of ``a_exact``)."""
+        return float(np.float32(self.a_exact))
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch import nn
 
 import conserve
 from conserve.kernels import bilinear_reference, evaluate_reference
+from conserve.kernels.reference import drift_factors
 from conserve.kernels import optim_step as K
 from conserve.models import MLP
 from conserve.models.lm import DecoderLM, LMConfig
@@ -110,6 +111,19 @@ def drift_f64(tracker, old, a):
             "second": Values((1 - lin) * hd.vec, hd.grams)}
 
 
+def drift_f64_mixed(tracker, old, a):
+    """``drift_f64`` at the exact decay factors ``a``, except at the entries whose tensors have different
+    factors (a law split over param groups): those are decomposed at the kernels' fp32-rounded factors
+    (``Assembly.correct`` leaves them, on the ``conserve.track`` path too)."""
+    exact, rounded = drift_f64(tracker, old, a), drift_f64(tracker, old, drift_factors(a, len(a)))
+    fv, fg = tracker.assembly._factors(a)[0]
+
+    def pick(e, r, f):
+        return torch.where(torch.from_numpy(np.isnan(f)).view((-1,) + (1,) * (e.dim() - 1)), r, e)
+    return {k: Values(pick(exact[k].vec, rounded[k].vec, fv), {d: pick(g, rounded[k].grams[d], fg[d])
+                                                             for d, g in exact[k].grams.items()}) for k in exact}
+
+
 def close_values(a: Values, b: Values, rtol, scale=None):
     s = scale if scale is not None else max(b.vec.abs().max().item() if b.vec.numel() else 0.0,
                                             max([g.abs().max().item() for g in b.grams.values()] + [0.0]))
@@ -144,7 +158,7 @@ def test_parity_and_drift_reference_models(config, model_name):
         old = [t.detach().clone() for t in tr.tensors]
         a = [K.Hyper("adam" if ours_cls is not FusedSGD else "sgd", lr=group_of[id(t)]["lr"],
                      weight_decay=group_of[id(t)]["weight_decay"], decoupled=group_of[id(t)].get("decoupled_weight_decay", False),
-                     momentum=group_of[id(t)].get("momentum", 0.0)).a for t in tr.tensors]
+                     momentum=group_of[id(t)].get("momentum", 0.0)).a_exact for t in tr.tensors]
         for model, o in ((m1, opt), (m2, ref)):
             o.zero_grad()
             lm_loss(model, x).backward()
@@ -181,7 +195,7 @@ def test_deep_linear_gram_and_frozen_zero_element():
             o.zero_grad()
             (model(x).square().mean() + model.extra.sum()).backward()
             o.step()
-        exp = drift_f64(tr, old, [K.Hyper("adam", lr=1e-2, weight_decay=1e-2).a] * len(old))
+        exp = drift_f64(tr, old, [K.Hyper("adam", lr=1e-2, weight_decay=1e-2).a_exact] * len(old))
         for key in ("decay", "first", "second"):
             close_values(tr.last[key], exp[key], 1e-6)
     check_params(m1, m2)
@@ -409,7 +423,7 @@ def test_accumulation_scheduler_add_param_group():
             o1.add_param_group({"params": late1, "lr": 3e-3, "weight_decay": 0.0})
             o2.add_param_group({"params": late2, "lr": 3e-3, "weight_decay": 0.0})
         group_of = {id(p): g for g in o1.param_groups for p in g["params"]}
-        a = [K.Hyper("adam", lr=group_of[id(t)]["lr"], weight_decay=group_of[id(t)]["weight_decay"]).a
+        a = [K.Hyper("adam", lr=group_of[id(t)]["lr"], weight_decay=group_of[id(t)]["weight_decay"]).a_exact
              if id(t) in group_of else 1.0 for t in tr.tensors]
         old = [t.detach().clone() for t in tr.tensors]
         for model, o, s in ((m1, o1, sch[0]), (m2, o2, sch[1])):
@@ -418,7 +432,7 @@ def test_accumulation_scheduler_add_param_group():
                 (lm_loss(model, micro) / 2).backward()
             o.step()
             s.step()
-        exp = drift_f64(tr, old, a)
+        exp = drift_f64_mixed(tr, old, a)
         scale = max(v.vec.abs().max().item() for v in exp.values())
         for key in ("decay", "first", "second"):
             close_values(tr.last[key], exp[key], 1e-6, scale=scale)
@@ -568,3 +582,33 @@ def test_finish_compact_equals_padded_finish():
     coef = torch.randn(K.NQ, 20, 4, generator=g, dtype=torch.float64) * (torch.rand(1, 20, 4, generator=g) > 0.4)
     want = K.finish_reference(stats, idx, coef)
     torch.testing.assert_close(K.finish_compact(stats, *K.compact_terms(idx, coef), 20), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused_cls,torch_cls,kw", [
+    (FusedSGD, torch.optim.SGD, dict(lr=0.05, weight_decay=0.01)),
+    (FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))])
+def test_drift_terms_at_the_exact_decay_factor_as_track(fused_cls, torch_cls, kw):
+    """The fused step forms Delta with ``a = 1 - lr wd`` rounded to fp32 (``Hyper.a``); its drift terms
+    are those of the exact ``a`` (``Hyper.a_exact``), as ``conserve.track``'s: float64 laws, the same
+    decay / first / second entry by entry, and SGD's first-order term 0 (Noether) -- with the fp32 ``a``
+    it was ``2 (a - a_f) a_f h``, 5e-5 of the decay."""
+    x = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    last = {}
+    for name in ("fused", "track"):
+        m = lm().double()
+        opts = dict(every=100, drift_every=1, snapshot_budget=None, keep_last=True, fp64=True)
+        o = (fused_cls(m.parameters(), **kw, track=m, **opts) if name == "fused"
+             else conserve.track(torch_cls(m.parameters(), **kw), m, **opts))
+        for _ in range(3):
+            o.zero_grad()
+            lm_loss(m, x).backward()
+            o.step()
+        last[name] = o.tracker.last
+        o.close()
+    for key in ("decay", "first", "second"):
+        close_values(last["fused"][key], last["track"][key], 1e-9, scale=last["track"]["decay"].vec.abs().max().item())
+    if fused_cls is FusedSGD:
+        f = last["fused"]["first"]
+        assert f.vec.abs().max() <= 1e-9 * last["fused"]["decay"].vec.abs().max()
+        for d, g in f.grams.items():
+            assert g.abs().max() <= 1e-9 * last["fused"]["decay"].grams[d].abs().max()

@@ -349,7 +349,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                                            stats, drift=drift_step, bound=self._chunk, scratch=scratch)
             for i in ids:
                 if i >= 0:
-                    a_of[i] = h.a
+                    a_of[i] = h.a_exact  # the statistics use h.a (fp32); _record corrects to a_exact
         if tr is not None:
             del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
             vals = self._finish(a_of, stats)
@@ -434,7 +434,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 sg[d].zero_()
         if kg is None:
             kg = {d: torch.zeros_like(g) for d, g in fg.items()}
-        decay = tr.assembly.decay((tr.h.vec, tr.h.grams), a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
+        h_old = (tr.h.vec, tr.h.grams)
+        # the statistics and the DRIFT pass form Delta with a rounded to fp32: the terms of the exact a
+        # (Assembly.terms does the same on the conserve.track path; Noether: SGD's first term is 0)
+        (cfv, cfg), (csv, csg) = tr.assembly.correct(h_old, (fv, fg), (sv, sg), a)
+        for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in fg] + [(sg[d], csg[d]) for d in sg]:
+            if r is not o:
+                o.copy_(r)
+        del cfv, cfg, csv, csg
+        decay = tr.assembly.decay(h_old, a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
         del vals, kv, kg
         mask.restrict_((fv, fg), (sv, sg))
         tr._terms_buf = buf  # taken by record_step
