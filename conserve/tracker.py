@@ -299,19 +299,15 @@ class Tracker:
         self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
         self._group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
         self._inst_group = inst_group.to(dev, torch.int32)
-        # the family of each (family, layer) group: an instance's family and an entry's are gathered from
-        # it when needed (not held: 4 bytes per instance and per entry), unless an entry belongs to no law
+        # the family of each (family, layer) group and of each instance (read every step: held, 4 bytes
+        # per instance); an entry's is gathered from it when needed, unless an entry belongs to no law
         self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
+        self._inst_fam = self._group_fam.index_select(0, self._inst_group)
         self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
         self._lin = c.linear_mask.to(dev)
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
-
-    @property
-    def _inst_fam(self) -> torch.Tensor:
-        """(instances,) int32: the family of each instance (gathered from its group's)."""
-        return self._group_fam.index_select(0, self._inst_group)
 
     @property
     def _fam_all(self) -> torch.Tensor:

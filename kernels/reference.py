@@ -454,9 +454,8 @@ def _temp_cap(plan: Plan, xs, acc) -> int:
     """Elements of the largest temporary a strided reduction of ``plan`` over ``xs`` may make:
     ``_CHUNK``, and at most ``1 / _TEMP_SHARE`` of the bytes of the tensors the plan reads (in ``acc``
     elements; at least ``_TEMP_MIN``), so no reduction's temporary is a large share of small weights."""
-    used = {t.view.tensor for t in list(plan.grams) + list(plan.norms) + list(plan.sums)}
-    nbytes = sum(xs[i].numel() * xs[i].element_size() for i in used if 0 <= i < len(xs) and xs[i] is not None)
-    return int(min(_CHUNK, max(_TEMP_MIN, nbytes // (_TEMP_SHARE * torch.tensor([], dtype=acc).element_size()))))
+    nbytes = sum(xs[i].numel() * xs[i].element_size() for i in used_tensors(plan) if 0 <= i < len(xs) and xs[i] is not None)
+    return int(min(_CHUNK, max(_TEMP_MIN, nbytes // (_TEMP_SHARE * acc.itemsize))))
 
 
 def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torch.Tensor:

@@ -82,6 +82,7 @@ class Assembly:
         self.vec_size, self.gram_slots = plan.vec_size, dict(plan.gram_slots)
         self.device = device
         self._lin = linear.to(device)
+        self._lin_np = linear.detach().cpu().numpy().astype(bool)  # host copy, once (no device->host copy per step)
         # per output entry the set of (tensor, shifted) pairs its terms read, as one small set id
         # (entries of one law share it); the sets' members are kept, not one row per term row
         codes = [(e, 2 * t + int(sh)) for e, t, sh in vec] + [(self.vec_size + self._slot_at(d, sl), 2 * t)
@@ -116,7 +117,7 @@ class Assembly:
         return ~self._lin
 
     def _lin_host(self) -> np.ndarray:
-        return self._lin.cpu().numpy().astype(bool, copy=False)
+        return self._lin_np
 
     def _set_factors(self, a: Sequence[float]):
         """Per tensor set the common ``a`` of its tensors (nan if they differ or a shifted term's tensor
@@ -292,7 +293,8 @@ class _Restricted(Assembly):
                                                                                       for d in parent.gram_slots}
         self.vec_size, self.gram_slots = len(self._vi), {d: len(x) for d, x in self._si.items()}
         self.device = parent.device
-        self._lin = torch.from_numpy(parent._lin_host()[self._vi]).to(parent.device)
+        self._lin_np = parent._lin_host()[self._vi]
+        self._lin = torch.from_numpy(self._lin_np).to(parent.device)
         at, ids = parent.vec_size, [parent._set_id[self._vi]]
         for d, n in parent.gram_slots.items():
             ids.append(parent._set_id[at: at + n][self._si[d]])
@@ -301,9 +303,6 @@ class _Restricted(Assembly):
 
     def _set_factors(self, a: Sequence[float]):
         return self._parent._set_factors(a)
-
-    def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
-        return bool(np.isnan(self._set_factors(a)[0][self._set_id]).any())
 
 
 @dataclass
