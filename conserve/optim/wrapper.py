@@ -57,7 +57,8 @@ def _books_training_steps(step):
     the steps that reach the tracker (``record`` uses the count to detect skipped steps)."""
     @functools.wraps(step)
     def wrapper(self, closure=None):
-        if _in_dcp_state_init():
+        # (not while torch.compile traces: DCP never compiles its state init, and dynamo cannot trace frames)
+        if not torch.compiler.is_compiling() and _in_dcp_state_init():
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
         return step(self, closure)
