@@ -572,3 +572,43 @@ def test_base_model_inside_a_container_with_its_own_sequential_head():
     ids = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(1))
     with exact64(m):
         assert max(first_order(m, l, ids, trials=1) for l in d.laws) <= TOL
+
+
+def test_rotary_width_is_the_models_own_when_its_code_ignores_partial_rotary_factor():
+    """QA: Llama's default RoPE ignores ``partial_rotary_factor`` and rotates the whole head; detection raised
+    'rotary width mismatch' (with the wrong numbers). The model's ``inv_freq`` gives the width: RoPE pairs over
+    the whole head, no pass-through Gram law, and every law holds."""
+    rp = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    m = logits_model(build("llama", head_dim=8, rope_parameters=rp))
+    d = detect(m)
+    assert d.families() == CAUSAL and d.undetected == []
+    assert max(check(m, l) for l in d.laws) <= TOL
+
+
+def test_gate_bias_is_accounted_for():
+    """QA: with ``mlp_bias=True`` the gate's bias (in no law: the SwiGLU symmetry scales up rows only) was listed
+    as undetected."""
+    m = logits_model(build("llama", mlp_bias=True, attention_bias=True))
+    d = detect(m)
+    assert d.undetected == [] and d.families() == CAUSAL
+    assert max(check(m, l) for l in d.laws) <= TOL
+
+
+def test_family_variant_without_a_handler_goes_to_structural_detection():
+    """QA: a BERT config with ``position_embedding_type='relative_key'`` made ``detect`` raise UsageError (the
+    whole model untrackable); it now goes to structural detection (every law checked) with the reason first."""
+    m = build("bert", position_embedding_type="relative_key")
+    d = detect(m)
+    assert d.detector == "hf->graph" and "relative_key" in d.declined[0].reason and d.laws
+
+
+def test_forward_whose_outputs_do_not_depend_on_the_parameters_is_declined_not_raised():
+    """QA: structural detection of a model whose ``forward`` is bound to another instance (the probe's own
+    parameters then reach no output) raised TypeError inside the first-order check; now nothing is claimed and
+    the reason is given."""
+    o = T.AutoModelForCausalLM.from_config(T.OlmoConfig(**TINY, num_key_value_heads=2),
+                                           attn_implementation="eager").double()
+    fwd = type(o).forward
+    o.forward = lambda input_ids: fwd(o, input_ids=input_ids, use_cache=False).logits
+    d = detect(o)
+    assert d.laws == [] and any("no floating output" in x.reason for x in d.declined)

@@ -112,8 +112,11 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
-            if name == "torch.nn" and found.undetected:
-                found = _with_structural(model, found, options)
+            if name == "torch.nn":
+                found.laws, more = _checked(model, found.laws, options)
+                found.declined += more
+                if found.undetected:
+                    found = _with_structural(model, found, options)
             return found
     last = getattr(dict(_DETECTORS).get("graph"), "last", None)
     why = "; ".join(f"{d.module}: {d.reason}" for d in (last.declined if last else [])[:3])
@@ -168,7 +171,10 @@ def _nested(model: nn.Module, options: dict) -> tuple[Detection, tuple[str, ...]
         c.declined += [replace(x, module=f"{path}.{x.module}" if x.module else path) for x in d.declined]
         inner_undetected += [f"{path}.{u}" for u in d.undetected]
     c.mark(*inside)
+    n_inner = len(c.laws)
     walk(c, model, options.get("loss"), skip=inside)  # the container's own torch.nn blocks (a Sequential head)
+    c.laws[n_inner:], more = _checked(model, c.laws[n_inner:], options)
+    c.declined += more
     detector = "+".join(dict.fromkeys(d.detector for _, d in found))
     # finish on the container: frozen / tied checks see every use of a parameter, the container's own
     # parameterised modules are listed in ``undetected`` (``detect`` gives them to structural detection)
@@ -188,6 +194,35 @@ def _nested_rest(model: nn.Module, found: Detection, inside: tuple[str, ...], op
     merged.declined = [x for x in merged.declined
                        if id(x) in mine or not any(x.module == p or x.module.startswith(p + ".") for p in inside)]
     return merged
+
+
+def _checked(model: nn.Module, laws: list[Law], options: dict) -> tuple[list[Law], list[Declined]]:
+    """The torch.nn detector's laws that pass the spec's first-order check on the model's own forward
+    (``graph.check_on_probe``), and a decline with the violation for each that fails: a module type says what
+    its ``forward`` computes, not that the model calls it (an ``nn.Sequential``'s layers called one by one with
+    another map between them, a hidden layer also read elsewhere). When the probe cannot run (meta device, an
+    input that cannot be synthesised) the laws are kept as the module types give them."""
+    from ..analysis.verify import TOL
+    from .graph import check_on_probe
+
+    viol, _ = check_on_probe(model, laws, **options)
+    if viol is None:
+        return laws, []
+    kept, declined = [], []
+    for law in laws:
+        v = viol.get(law.name, 0.0)
+        if v > TOL:
+            declined.append(Declined(law.name, f"{law.family} law (module type)",
+                                     f"fails the first-order check on the model's forward in float64 (relative "
+                                     f"violation {v:.2e} > {TOL:g}): the model does not use the block as its module's "
+                                     "own forward does (e.g. an nn.Sequential's layers called one by one with another "
+                                     "map between them): not claimed"))
+        elif v < 0:
+            declined.append(Declined(law.name, f"{law.family} law (module type)", "identically constant on this model "
+                                     "(zero gradient): nothing to track"))
+        else:
+            kept.append(law)
+    return kept, declined
 
 
 def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:

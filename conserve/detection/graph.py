@@ -101,12 +101,21 @@ SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
 NO_LAW_ACT = "no law beyond constants: the activation has no continuous rescaling symmetry (spec: GELU / SiLU FFN row)"
 
 
+# torch.nn modules made of other modules: fx's default keeps every torch.nn module a leaf, which would hide their
+# Linears and norms from the graph (their blocks then looked "not used by the traced forward")
+_TORCH_CONTAINERS = (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer,
+                     nn.TransformerDecoderLayer)
+
+
 class _Tracer(fx.Tracer):
-    """fx tracer that keeps norms, embeddings and GPT-2 ``Conv1D`` as leaves (plus torch.nn's own leaves)."""
+    """fx tracer that keeps norms, embeddings and GPT-2 ``Conv1D`` as leaves (plus torch.nn's own leaves, except
+    the transformer containers ``_TORCH_CONTAINERS``, traced through)."""
 
     def is_leaf_module(self, m, qualname):
         if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers"):
             return True
+        if isinstance(m, _TORCH_CONTAINERS):
+            return False
         return super().is_leaf_module(m, qualname)
 
 
@@ -1350,6 +1359,9 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
     for _ in range(trials):
         outs = [t for t in _flat(functional_call(g.gm, {**params, **buffers}, g.inputs, g.kwargs))
                 if t.is_floating_point() and t.requires_grad]
+        if not outs:
+            raise ValueError("no floating output of the forward depends on the model's parameters (e.g. a forward "
+                             "bound to another instance, or outputs detached)")
         obj = sum((torch.randn(t.shape, generator=gen, dtype=t.dtype) * t).sum() for t in outs)
         raw.append(flat(torch.autograd.grad(obj, plist, retain_graph=True, allow_unused=True)))
         if heads:
@@ -1384,6 +1396,34 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
             worst = max(worst, float(dot.abs() / (an * bn)))
         out[law.name] = worst
     return out
+
+
+def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward_kwargs: dict | None = None,
+                   max_probe_params: float = 3e8, **_options) -> tuple[dict[str, float] | None, str]:
+    """Spec check 1 (``check_laws``' measure) of ``laws`` found by a type-based detector, on ``model``'s own
+    forward: a float64 copy with random parameters, run as is (not traced), on ``example_inputs`` or synthesised
+    ones. A module type says what its own ``forward`` computes, not how the model calls it (an
+    ``nn.Sequential``'s layers may be called one by one, with other maps between them). Returns
+    ``({law name: worst violation}, "")`` (-1: identically constant; nan: reads a parameter the model does not
+    hold under that name, e.g. tied) or ``(None, reason)`` when the probe cannot run (meta device, no input)."""
+    if not laws:
+        return {}, ""
+    try:
+        probe = make_probe(model, max_probe_params)
+        kwargs = dict(forward_kwargs or {})
+        inputs = synth_inputs(probe, example_inputs, kwargs)
+    except Exception as e:  # noqa: BLE001 - the caller keeps the laws and says why they were not checked
+        return None, str(e)
+
+    class _Probe:  # what check_laws reads of a Graph: the module run, its parameters, inputs and kwargs
+        gm, params = probe, dict(probe.named_parameters())
+
+    _Probe.inputs, _Probe.kwargs = inputs, kwargs
+    heads = {law.name: None for law in laws if isinstance(law, Translation)}
+    try:
+        return check_laws(_Probe, laws, heads), ""
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}"
 
 
 # ------------------------------------------------------------------------------------------- entry point
@@ -1432,7 +1472,13 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
             c.decline(f"<{step.__name__.strip('_')}>", "structural analysis error",
                       f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
     cands = [(law, what) for law, what in f.cands if not set(law.params) <= skip]  # something new to say
-    viol = check_laws(g, [law for law, _ in cands], f.heads)
+    try:
+        viol = check_laws(g, [law for law, _ in cands], f.heads)
+    except Exception as e:  # noqa: BLE001 - nothing unchecked is claimed; each candidate is declined with the reason
+        c.decline("<check>", "first-order check", f"could not run on the traced probe: {e}; no law is claimed")
+        for law, what in cands:
+            c.decline(law.name, f"{law.family} law ({what})", f"the first-order check could not run: {e}: not claimed")
+        cands, viol = [], {}
     aliases: dict = {}
     for k, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(k)

@@ -7,7 +7,7 @@ from torch import nn
 
 from ...errors import UsageError
 from ...laws import ReLUUnit
-from .parts import (_Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
+from .parts import (Unhandled, _Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
                     _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _unit,
                     _w, NO_EMBED)
 from .rope import _probe_gptj, _rope_layout, _rotary_dim
@@ -212,7 +212,8 @@ def _bert(ctx: _Ctx):
     pre = "bert." if bert is not model else ""
     nh, h, d = _heads(config)
     if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
-        raise UsageError(f"BERT with position_embedding_type={config.position_embedding_type!r} is not analysed")
+        raise Unhandled(f"BERT with position_embedding_type={config.position_embedding_type!r} (relative position "
+                        "scores q.E_rel are not invariant under the QK symmetry) has no family handler")
     for i, layer in enumerate(bert.encoder.layer):
         lp = f"{pre}encoder.layer.{i}"
         sa = layer.attention.self
