@@ -492,8 +492,9 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
         elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and m.normalized_shape and len(m.normalized_shape) == 1:
             width = m.normalized_shape[0]
         elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
-            shape = (2, m.in_channels) + (8,) * (1 if isinstance(m, nn.Conv1d) else 2)
-            cands.append((torch.randn(shape, generator=g, dtype=torch.float64),))
+            nd = 1 if isinstance(m, nn.Conv1d) else 2
+            for size in dict.fromkeys(_declared_sizes(model, nd) + [(8,) * nd, (32,) * nd, (64,) * nd]):
+                cands.append((torch.randn((2, m.in_channels) + size, generator=g, dtype=torch.float64),))
         if width is not None:
             cands += [(torch.randn(2, 6, width, generator=g, dtype=torch.float64),),
                       (torch.randn(4, width, generator=g, dtype=torch.float64),)]
@@ -507,6 +508,20 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
         except Exception:  # noqa: BLE001 - try the next shape
             continue
     raise ValueError("cannot synthesise an input for this model: pass example_inputs=(...) (what forward takes)")
+
+
+def _declared_sizes(model: nn.Module, nd: int) -> list[tuple]:
+    """Input sizes the model declares (timm ``pretrained_cfg['input_size']`` / ``patch_embed.img_size``, HF
+    ``config.image_size``, an ``img_size`` attribute): Swin, EVA or a strided ConvNeXt run on no other size."""
+    out = []
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
+    for v in ((cfg or {}).get("input_size"), getattr(getattr(model, "patch_embed", None), "img_size", None),
+              getattr(getattr(model, "config", None), "image_size", None), getattr(model, "img_size", None)):
+        if isinstance(v, int):
+            v = (v,) * nd
+        if isinstance(v, (tuple, list)) and len(v) >= nd and all(isinstance(a, int) and a > 0 for a in v[-nd:]):
+            out.append(tuple(v[-nd:]))
+    return out
 
 
 def _flat(out) -> list:
