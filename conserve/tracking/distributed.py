@@ -211,8 +211,11 @@ class DistributedTracker(Tracker):
 
     def _adopt(self) -> None:
         """Per-rank state from the full ``h``/``cumulative`` (after construction or a load): this rank's
-        partial ``h`` (its complete entries are exact) and the full values of the split entries."""
-        self._hp = self.h.clone()
+        partial ``h`` (its complete entries are exact) and the full values of the split entries. The partial ``h``
+        is this rank's local plan at its current shards, as after every step: the drift assembly corrects the
+        first/second terms of a decay factor that is not an fp32 number with ``h_k`` (linear in it), so a split
+        entry's correction must be this rank's share of ``h_k`` (the full value would be counted once per rank)."""
+        self._hp = self._values(self._local_plan, [_local(p) for p in self.params])
         self._h_split, self._h0_split = self._split.take(self.h), self._split.take(self.h0)
         self._cum_p = {k: v.clone() for k, v in self.cumulative.items()}
         self._cum_split = {k: self._split.take(v) for k, v in self.cumulative.items()}
@@ -406,8 +409,11 @@ class DistributedTracker(Tracker):
                 continue
             news = [f[0] for f in full]
             olds = [f[1] for f in full] if p.drift else None
+            # h_k of the straddling terms (the assembly's correction for a non-fp32 decay factor reads it; their
+            # decay is formed at the flush from the reduced h_k)
+            h_old = self._values(self._mini, olds) if olds is not None else self._zeros()
             h1, terms, kdec = self._pieces(self._mini, news, olds, [p.a[s.term.view.tensor] for _, s in self._mine],
-                                           p.a, self._zeros())
+                                           p.a, h_old)
             add = torch.cat(self._split_blocks(h1, terms, kdec if p.kdecay else None))
             p.pack[r: r + add.numel()] += add
 
