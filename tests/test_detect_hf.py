@@ -612,3 +612,21 @@ def test_forward_whose_outputs_do_not_depend_on_the_parameters_is_declined_not_r
     o.forward = lambda input_ids: fwd(o, input_ids=input_ids, use_cache=False).logits
     d = detect(o)
     assert d.laws == [] and any("no floating output" in x.reason for x in d.declined)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gptj", "gpt_neox", "falcon"])
+def test_bare_base_models_of_the_fused_families(name):
+    """QA: ``AutoModel`` of GPT-2 / GPT-J / GPT-NeoX / Falcon (no ``.transformer`` / ``.gpt_neox`` attribute:
+    the model is the base) raised AttributeError; the block laws are those of the LM without its prefix, the
+    final norm is declined (no output layer after it), and every law holds on ``last_hidden_state``."""
+    torch.manual_seed(0)
+    lm = detect(build(name))
+    m = randomize(T.AutoModel.from_config(config(name), attn_implementation="eager").eval())
+    d = detect(m)
+    pre = {"gpt_neox": "gpt_neox."}.get(name, "transformer.")
+    assert {l.name for l in d.laws} == {l.name[len(pre):] for l in lm.laws if ".h." in l.name or ".layers." in l.name}
+    assert d.undetected == []
+    m = m.to(torch.float64)
+    fwd = type(m).forward
+    m.forward = lambda input_ids: fwd(m, input_ids=input_ids).last_hidden_state
+    assert max(check(m, l) for l in d.laws) <= TOL
