@@ -630,3 +630,28 @@ def test_bare_base_models_of_the_fused_families(name):
     fwd = type(m).forward
     m.forward = lambda input_ids: fwd(m, input_ids=input_ids).last_hidden_state
     assert max(check(m, l) for l in d.laws) <= TOL
+
+
+class _SoftCappedLlama(T.LlamaForCausalLM):
+    """A user subclass that soft-caps the logits in its own forward (model_type is still 'llama')."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 5 * torch.tanh(out.logits / 5)
+        return out
+
+
+def test_user_forward_override_is_checked_and_its_broken_law_declined():
+    """QA: the family handler reads transformers' modeling code; a subclass whose own forward soft-caps the
+    logits got the translation law (violation 4e-4: silently wrong). The handler's laws are now checked to
+    first order on the model's own (traced, float64) forward: the translation law is declined with the reason,
+    the others are kept and hold."""
+    torch.manual_seed(0)
+    m = randomize(_SoftCappedLlama(config("llama")).eval())
+    d = detect(m)
+    assert d.families() == {k: v for k, v in CAUSAL.items() if k != "translation"}
+    dec = next(x for x in d.declined if x.module == "lm_head/translation")
+    assert "forward overridden" in dec.reason and "_SoftCappedLlama" in dec.reason
+    m = logits_model(m)
+    assert check(m, Translation.build("t", None, weight=rows("lm_head.weight", (17, 16), 0, 17))) > 1e-6
+    assert max(check(m, l) for l in d.laws) <= TOL

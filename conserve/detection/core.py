@@ -205,6 +205,9 @@ def _checked(model: nn.Module, laws: list[Law], options: dict) -> tuple[list[Law
     from ..analysis.verify import TOL
     from .graph import check_on_probe
 
+    options = dict(options)
+    why = options.pop("why", "the model does not use the block as its module's own forward does (e.g. an "
+                             "nn.Sequential's layers called one by one with another map between them)")
     viol, _ = check_on_probe(model, laws, **options)
     if viol is None:
         return laws, []
@@ -214,9 +217,7 @@ def _checked(model: nn.Module, laws: list[Law], options: dict) -> tuple[list[Law
         if v > TOL:
             declined.append(Declined(law.name, f"{law.family} law (module type)",
                                      f"fails the first-order check on the model's forward in float64 (relative "
-                                     f"violation {v:.2e} > {TOL:g}): the model does not use the block as its module's "
-                                     "own forward does (e.g. an nn.Sequential's layers called one by one with another "
-                                     "map between them): not claimed"))
+                                     f"violation {v:.2e} > {TOL:g}): {why}: not claimed"))
         elif v < 0:
             declined.append(Declined(law.name, f"{law.family} law (module type)", "identically constant on this model "
                                      "(zero gradient): nothing to track"))

@@ -1426,14 +1426,24 @@ def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward
     try:
         probe = make_probe(model, max_probe_params)
         kwargs = dict(forward_kwargs or {})
+        try:
+            if "use_cache" in inspect.signature(model.forward).parameters:
+                kwargs.setdefault("use_cache", False)
+        except (TypeError, ValueError):
+            pass
         inputs = synth_inputs(probe, example_inputs, kwargs)
     except Exception as e:  # noqa: BLE001 - the caller keeps the laws and says why they were not checked
         return None, str(e)
+    try:  # traced: the code's float32 casts made float64 (HF modeling code), so the check resolves 1e-10
+        gm, how = trace(probe, inputs, kwargs)
+        run_kwargs = kwargs if how == "torch.export" else {}
+    except Exception:  # noqa: BLE001 - the module as is (plain torch.nn code computes in the probe's float64)
+        gm, run_kwargs = probe, kwargs
 
     class _Probe:  # what check_laws reads of a Graph: the module run, its parameters, inputs and kwargs
-        gm, params = probe, dict(probe.named_parameters())
+        params = dict(probe.named_parameters(remove_duplicate=False))
 
-    _Probe.inputs, _Probe.kwargs = inputs, kwargs
+    _Probe.gm, _Probe.inputs, _Probe.kwargs = gm, inputs, run_kwargs
     heads = {law.name: None for law in laws if isinstance(law, Translation)}
     try:
         return check_laws(_Probe, laws, heads), ""

@@ -73,7 +73,30 @@ def detect_hf(model, config, **options):
         fam(ctx)
     except Unhandled as e:
         return _structural(model, model_type, options, str(e))
-    return ctx.finish("hf")
+    d = ctx.finish("hf")
+    mine = _own_forwards(model)
+    if mine:  # the family handler read transformers' code, not this: keep only the laws the model's forward keeps
+        from ..core import _checked
+
+        d.laws, more = _checked(model, d.laws, {**options, "why": f"forward overridden in {mine[0]}"})
+        d.declined += more
+    return d
+
+
+def _own_forwards(model) -> list[str]:
+    """Classes in ``model`` that subclass a transformers class but define ``forward`` outside transformers (a
+    user subclass adding e.g. a logit soft-cap): the family handler's reading of the modeling code may not hold."""
+    out = []
+    for m in model.modules():
+        cls = type(m)
+        if not any(c.__module__.startswith("transformers.") for c in cls.__mro__[1:]):
+            continue
+        fwd = getattr(cls, "forward", None)
+        where = getattr(fwd, "__module__", None) or ""
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if not where.startswith(("transformers.", "torch.")) and name not in out:
+            out.append(name)
+    return out
 
 
 def _structural(model, model_type, options, why: str | None = None) -> Detection:
