@@ -515,3 +515,26 @@ def test_gains_read_only_by_linear_maps(name):
 
         lm = logits_model(m)
         assert all(check(lm, gains[0][n]) < 1e-9 for n in laws)
+
+
+class _SharedBlock(nn.Module):
+    """QA: one residual ReLU MLP applied three times (weights shared across depth, as ALBERT's layer group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = x + self.down(F.relu(self.up(x)))
+        return x
+
+
+def test_block_called_several_times_gives_one_law():
+    """QA: each call of a shared block gave its own copy of the law (same name, same rows: ALBERT got every
+    law three times, each tracked and counted again); now one law per block, and it holds for all the uses."""
+    m = randomize(_SharedBlock())
+    found = detect(m)
+    assert [l.name for l in found.laws] == ["up/unit"] and found.undetected == []
+    assert len(found.declined) == len(set(found.declined))
+    hold(m, found, floats(4, 8))

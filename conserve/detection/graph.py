@@ -1496,7 +1496,13 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         except Exception as e:  # noqa: BLE001 - one block kind failing never fails the whole model
             c.decline(f"<{step.__name__.strip('_')}>", "structural analysis error",
                       f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
-    cands = [(law, what) for law, what in f.cands if not set(law.params) <= skip]  # something new to say
+    cands, seen = [], set()
+    for law, what in f.cands:
+        key = (law.name, law.family, repr(law.terms))  # a block called more than once (ALBERT's shared layer): one law
+        if set(law.params) <= skip or key in seen:  # (nothing new to say about skipped parameters)
+            continue
+        seen.add(key)
+        cands.append((law, what))
     try:
         viol = check_laws(g, [law for law, _ in cands], f.heads)
     except Exception as e:  # noqa: BLE001 - nothing unchecked is claimed; each candidate is declined with the reason
@@ -1524,6 +1530,7 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
                       f"found in the graph but fails the first-order check in float64 (relative violation {v:.2e} > "
                       f"{TOL:g}): not claimed")
     _decline_rest(f, model, skip, how)
+    c.declined = list(dict.fromkeys(c.declined))  # a shared block's uses give the same decline once
     return c.finish("graph")
 
 
