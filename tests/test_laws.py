@@ -210,3 +210,14 @@ def test_verify_runs_on_hf_and_timm_models():
                             embed_dim=8, num_heads=2, num_classes=3)
     checks = conserve.verify(vit, trials=1)
     assert checks and all(c.ok for c in checks)
+
+
+def test_duplicate_law_names_are_refused():
+    """QA: ``conserve.track(..., laws=laws + laws)`` was accepted: both copies tracked, ``values()`` kept one
+    (the other's entry hidden under the same name). Compiling two laws of one name is now a one-line error."""
+    import conserve
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    laws = conserve.detect(m).laws
+    with pytest.raises(ValueError, match="law names must be unique"):
+        conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, laws=laws + laws)
