@@ -34,7 +34,8 @@ from .tables import GRAM_TERM as GT
 from .tables import REGION as RG
 from .reference import check_drift_inputs, drift_compose, drift_factors
 
-__all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare", "Prepared", "clear_cache"]
+__all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare_drift_triton", "prepare", "Prepared",
+           "clear_cache"]
 
 DRIFT_WARPS = 4  # DRIFT mode (64 x 64 tiles, 4 accumulators): see README "DRIFT mode" for the sm_90 compile
 
@@ -376,3 +377,22 @@ def drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.
         vecs = [torch.zeros(plan.vec_size, device=pr.device, dtype=acc) if decay or k != 1 else None
                 for k in range(4)]
     return [None if g is None else (v, g) for v, g in zip(vecs, grams)]
+
+
+def prepare_drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a,
+                         fp64: bool = False, config: Config | None = None) -> None:
+    """Do now, on the current stream, every host->device copy that ``drift_triton`` with these arguments
+    would make: build (first call) the cached DRIFT tables, bind them to these addresses, upload the
+    per-term factors of ``a``.  The call that follows (same plan, tensors, ``a`` and ``config``) then
+    only allocates its outputs and launches: nothing in it waits for the stream it runs on (a pageable
+    host->device copy synchronises its stream, which on a side stream still waiting on an event would
+    hold the host until the event, and with it the launches queued after the pass).  Vector terms and
+    ``fp64=True`` (``drift_compose`` over fresh ``a old`` / ``Delta`` tensors, re-bound at every call)
+    are not covered: their bindings are made in the call.  Raises like ``drift_triton``."""
+    olds, news = list(olds), list(news)
+    if fp64 or not plan.grams:
+        return
+    check_drift_inputs(plan, olds, news)
+    pr = prepare(plan, olds, news, drift=True, config=config)
+    pr._bind(olds, news)
+    pr._factors(drift_factors(a, len(news)))
