@@ -246,11 +246,16 @@ class Prepared:
                 xb, yb = self.bases[l.group]
                 if bucket_decay and not dec:  # these items store no decay partial: zeros
                     part[plane + l.item_base * b.BT * b.BT: plane + (l.item_base + len(l.items)) * b.BT * b.BT].zero_()
-                _gram_kernel[(len(l.items),)](
-                    xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], f, plane,
-                    D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=True, FP64=False,
-                    UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, DRIFT=True, DECAY=dec,
-                    num_warps=DRIFT_WARPS)
+                # Config.drift_programs: consecutive launches of at most that many programs (a program
+                # reads its item row and writes its partial tile by program id: slices of both)
+                n = len(l.items)
+                cap = self.cfg.drift_programs or n
+                for s0 in range(0, n, cap):
+                    _gram_kernel[(min(cap, n - s0),)](
+                        xb, yb, terms, ls["signs"], ls["items"][s0:], part[(l.item_base + s0) * b.BT * b.BT:], f,
+                        plane, D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=True, FP64=False,
+                        UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, DRIFT=True, DECAY=dec,
+                        num_warps=DRIFT_WARPS)
             i += len(b.launches)
             if len(b.groups):  # planes h_new, [decay], bil, h_delta
                 _gram_finish[(len(b.groups), 4 if bucket_decay else 3)](

@@ -397,3 +397,23 @@ def test_prepare_drift_leaves_only_launches(monkeypatch):
     assert not copies
     _same([x for x in got if x is not None], [x for x in want if x is not None])
     CK.prepare_drift(plan, fresh2, news, a, backend="torch")  # the torch twin: nothing to prepare
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_drift_program_cap_same_bits(cap):
+    """``Config(drift_programs=cap)``: the DRIFT launch issued as slices of at most ``cap`` programs
+    gives the very bits of the single launch (D = 24: several 16-wide output tiles and items)."""
+    g = torch.Generator().manual_seed(1)
+    olds = [torch.randn(24, 40, generator=g), torch.randn(40, 24, generator=g)]
+    news = [o + 1e-2 * torch.randn(o.shape, generator=g) for o in olds]
+    plan = Plan(grams=[GramTerm(View(0, (0, 0), 0, 24, 1, 40), 1.0, 0), GramTerm(View(1, (0, 0), 1, 24, 0, 40), -1.0, 0),
+                       GramTerm(View(0, (0, 0), 0, 24, 1, 40), 0.5, 1)], vec_size=0, gram_slots={24: 2})
+    a = [0.999, 0.98]
+    want = CK.drift(plan, olds, news, a, backend="triton", config=CK.Config(gram_bt=16))
+    from conserve.kernels import runner
+    pr = runner.prepare(plan, olds, news, drift=True, config=CK.Config(gram_bt=16, drift_programs=cap))
+    assert max(len(l.items) for b in pr.st.gram for l in b.launches) > cap  # the cap splits a launch
+    got = CK.drift(plan, olds, news, a, backend="triton", config=CK.Config(gram_bt=16, drift_programs=cap))
+    _same([x for x in got if x is not None], [x for x in want if x is not None])
+    with pytest.raises(ValueError, match="drift_programs"):
+        CK.Config(drift_programs=-1)

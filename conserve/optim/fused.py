@@ -219,6 +219,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self._side = None
         self._stream_api = None
         self._early = None
+        self._drift_config = "auto"  # the side stream's kernels.Config (bench/fused_optim.py A/Bs it)
         self._layouts: dict = {}
         self._chunk = K.CHUNK_MAX
         if track is None and laws is None:
@@ -430,11 +431,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if side is None:
                 job.pieces = drift_pieces(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend, decay=decay)
             else:
-                kernels.prepare_drift(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend)
+                cfg = self._drift_config
+                kernels.prepare_drift(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend, config=cfg)
                 job.main = side.fork()
                 with side.on_side():
                     job.pieces = drift_pieces(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend,
-                                              decay=decay)
+                                              decay=decay, config=cfg)
         except Exception as e:  # noqa: BLE001 - re-raised by step once every weight is stepped
             job.error = e
         return job
@@ -457,6 +459,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
             if api is None:
                 return None
             self._side = streams.SideStream(self.tracker.device, api)
+            if self._drift_config == "auto":
+                # grid of the pass beside the step kernel: at most one DRIFT program per SM at a time
+                # (kernels/README.md, "Overlap with the step"); the step kernel keeps the rest of each SM
+                dev = torch.device(self.tracker.device)
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+                self._drift_config = kernels.Config(drift_programs=sms)
         return self._side
 
     def _drift_pass(self, snap, news, a, mask):
