@@ -429,14 +429,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
         side = self._side_stream()
         try:
             if side is None:
-                job.pieces = drift_pieces(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend, decay=decay)
+                job.pieces = _pass(snap, news, fa, tr, decay)
             else:
                 cfg = self._drift_config
                 kernels.prepare_drift(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend, config=cfg)
                 job.main = side.fork()
                 with side.on_side():
-                    job.pieces = drift_pieces(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend,
-                                              decay=decay, config=cfg)
+                    job.pieces = _pass(snap, news, fa, tr, decay, cfg)
         except Exception as e:  # noqa: BLE001 - re-raised by step once every weight is stepped
             job.error = e
         return job
@@ -473,10 +472,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tr = self.tracker
         job, self._early = self._early, None
         decay = tr.assembly.needs_kernel_decay(a, mask)
-        if job is not None and job.snap is snap and job.key == (tuple(a), decay) and job.pieces is not None:
+        if job is not None and job.snap is snap:  # the pass ran in step(): its snapshot is donated (Delta)
+            if job.key != (tuple(a), decay) or job.pieces is None:
+                raise RuntimeError("conserve internal error: the overlapped DRIFT pass ran with other arguments "
+                                   "than the step's terms need; pass overlap=False and report it")
             return job.pieces
-        return drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
-                            backend=tr.backend, decay=decay)
+        return _pass(snap, news, self._sampler.factors(snap, a), tr, decay)
 
     def _scratch(self, scratch, p: torch.Tensor):
         """Two flat buffers (old weights, Delta) of one block (``self._chunk`` elements at most)."""
@@ -523,16 +524,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tr, fp = self.tracker, self._fp
         drift_step = tr.drift and tr.step_count % tr.drift_every == 0
         dev, dt = tr.device, vals.dtype
-        if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
-            h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
-                                              backend=tr.backend))
-            h1 = Values(h_rest.vec.add_(vals[0]), h_rest.grams)
-            del h_rest
-        else:  # a copy: a view would keep all four statistics rows alive as tracker.h
-            h1 = Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
-                                          for d, n in tr.compiled.plan.gram_slots.items()})
+
+        def h_new() -> Values:  # evaluated after the DRIFT pass: the snapshot is freed by then
+            if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
+                h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
+                                                  backend=tr.backend))
+                return Values(h_rest.vec.add_(vals[0]), h_rest.grams)
+            # a copy: a view would keep all four statistics rows alive as tracker.h
+            return Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
+                                            for d, n in tr.compiled.plan.gram_slots.items()})
         if not drift_step:
-            tr.record_step(h1, None)
+            tr.record_step(h_new(), None)
             return
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         mask = self._mask(snap)
@@ -574,10 +576,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 o.copy_(r)
         del cfv, cfg, csv, csg
         decay = tr.assembly.decay(h_old, a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
+        h1 = h_new()
         del vals, kv, kg
         mask.restrict_((fv, fg), (sv, sg))
         tr._terms_buf = buf  # taken by record_step
         tr.record_step(h1, {"decay": Values(*decay), "first": Values(fv, fg), "second": Values(sv, sg)}, mask)
+
+
+def _pass(snap, news, a, tr: Tracker, decay: bool, config=None):
+    """The DRIFT pass of a snapshot (one call for both orderings): the snapshot copies are the step's
+    own, so the pass may form Delta in them (``donate``); ``h(new)`` comes from the every-step evaluation."""
+    return drift_pieces(snap.plan, snap.olds, news, a, fp64=tr.fp64, backend=tr.backend, decay=decay, donate=True,
+                        values=False, config=config)
 
 
 class _EarlyDrift:
