@@ -417,3 +417,36 @@ def test_drift_program_cap_same_bits(cap):
     _same([x for x in got if x is not None], [x for x in want if x is not None])
     with pytest.raises(ValueError, match="drift_programs"):
         CK.Config(drift_programs=-1)
+
+
+def test_stream_path_triton_no_host_copies_on_the_side_stream(monkeypatch):
+    """The Triton step and DRIFT kernels (interpreter) through the stream path (recording fake), the
+    pass's grid capped at one program per launch slice: the same bits as the serial ordering, and no
+    host->device table copy (``Prepared._dev``) is made while the side stream is current (they are made
+    before the fork by ``kernels.prepare_drift``: on a GPU a pageable copy there would wait on the fork
+    event and hold the host)."""
+    from conserve.kernels import runner
+
+    mk = dict(hidden_size=8, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ref, _ = _run(FusedAdamW, kw, False, 2, model_kw=mk, backend="triton", drift_every=1, snapshot_budget=None)
+    api = _FakeApi()
+    on_side = []
+    dev = runner.Prepared._dev
+
+    def dev_spy(self, x, dtype=torch.int64):
+        on_side.append(api.cur.name == "side")
+        return dev(self, x, dtype)
+
+    monkeypatch.setattr(runner.Prepared, "_dev", dev_spy)
+
+    def spy(o):
+        o._stream_api = api
+        o._drift_config = CK.Config(drift_programs=1)
+
+    got, opt = _run(FusedAdamW, kw, True, 2, model_kw=mk, spy=spy, backend="triton", drift_every=1,
+                    snapshot_budget=None)
+    _same(got, ref)
+    assert opt._fp.rest is not None and not opt._fp.rest.norms and not opt._fp.rest.sums  # Gram terms only
+    assert sum(1 for e in api.log if e == ("enter", "side")) == 2
+    assert on_side and not any(on_side)  # copies were made, none of them on the side stream
