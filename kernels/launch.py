@@ -244,6 +244,10 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | Non
         for e in by_d[D]:
             per_group[_group(xs, ys, e[0].view.tensor)].append(e)
         n_out_tiles = len({(e[0].slot,) for e in by_d[D]}) * len(tiles)
+        # one program per item: at least target_items (GPU: 4 per SM) items.  In DRIFT mode that is
+        # more programs than can be resident (2 per SM at 255 registers): run beside the step kernel
+        # (fused optimizers, overlap=True) the launch is sliced by Config.drift_programs instead
+        # (runner.Prepared.run_drift; kernels/README.md "Overlap with the step", grid sizing)
         nchunk = max(1, -(-cfg.target_items // max(1, n_out_tiles)))
         launches, item_base = [], 0
         tile_items = defaultdict(list)  # (slot, ti, tj) -> item ids
