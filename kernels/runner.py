@@ -90,7 +90,11 @@ class Prepared:
 
     # ---- device tables -------------------------------------------------------------------------
     def _dev(self, a, dtype=torch.int64):
-        return torch.as_tensor(np.asarray(a), dtype=dtype).to(self.device)
+        t = torch.as_tensor(np.asarray(a), dtype=dtype)
+        if self.device.type == "cuda" and t.numel():  # staged through pinned memory: no host wait (a pageable copy
+            # synchronises its stream, and a side stream still waiting on its fork event with it)
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def _static_tables(self):
         st, acc = self.st, self.acc
@@ -389,9 +393,9 @@ def prepare_drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequenc
     """Do now, on the current stream, every host->device copy that ``drift_triton`` with these arguments
     would make: build (first call) the cached DRIFT tables, bind them to these addresses, upload the
     per-term factors of ``a``.  The call that follows (same plan, tensors, ``a`` and ``config``) then
-    only allocates its outputs and launches: nothing in it waits for the stream it runs on (a pageable
-    host->device copy synchronises its stream, which on a side stream still waiting on an event would
-    hold the host until the event, and with it the launches queued after the pass).  Vector terms and
+    only allocates its outputs and launches (the copies go through pinned memory, ``Prepared._dev``,
+    so they do not wait for the stream either; made here they are also the caller's stream's own
+    persistent tables, not side-stream allocations).  Vector terms and
     ``fp64=True`` (``drift_compose`` over fresh ``a old`` / ``Delta`` tensors, re-bound at every call)
     are not covered: their bindings are made in the call.  Raises like ``drift_triton``."""
     olds, news = list(olds), list(news)
