@@ -374,8 +374,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
             job = self._drift_early(snap, a_of)
             try:
                 scratch = self._step_work(tail, stats, drift_step, scratch)
-            finally:
-                self._join_early(job)  # also when stepping the rest raised: the side stream is joined
+            except BaseException:
+                self._join_early(job)  # the side stream is joined, nothing of the step is kept
+                self._early = None
+                raise
+            self._join_early(job)
             if job.error is not None:  # the pass failed: every weight is stepped, no row is recorded
                 self._early = None
                 raise job.error
