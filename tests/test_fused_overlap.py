@@ -161,6 +161,8 @@ def test_overlap_ordering_is_bit_identical(monkeypatch, cls, kw, every, budget):
         assert len(before) + len(after) == len(kinds) - 1  # each tensor stepped once
         if budget is None:
             assert before == gram
+        else:  # a group of the round robin: part of the Gram-law tensors
+            assert before < gram
         seen |= before
     assert seen == gram  # round robin: every Gram-law tensor is stepped first on some drift step
 
