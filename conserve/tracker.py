@@ -372,13 +372,13 @@ class Tracker:
     @torch.no_grad()
     def after_step(self) -> None:
         """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``)."""
-        h1 = self._eval(self.tensors)
         snap, self._snap = self._snap, None
         terms = mask = None
-        if snap is not None:
+        if snap is not None:  # the DRIFT pass first: the snapshot is freed before h1 is evaluated
             terms = self.drift_terms(snap, [float(a) for a in self._a])
             mask = snap.mask
             del snap
+        h1 = self._eval(self.tensors)
         self.record_step(h1, terms, mask)
 
     def drift_terms(self, snap, a: list[float]) -> dict[str, "Values"]:
