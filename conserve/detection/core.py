@@ -299,6 +299,12 @@ class Collector:
         """
         from ..laws import compile_laws
 
+        # law names must be unique (values are reported by name): a second law of a name gets '#2', ...
+        count: dict[str, int] = {}
+        for i, law in enumerate(self.laws):
+            count[law.name] = count.get(law.name, 0) + 1
+            if count[law.name] > 1:
+                self.laws[i] = replace(law, name=f"{law.name}#{count[law.name]}")
         every = dict(self.model.named_parameters(remove_duplicate=False))  # tied parameters under every name
         compile_laws(self.laws, {k: tuple(v.shape) for k, v in every.items()})
         params = every

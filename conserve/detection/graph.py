@@ -61,6 +61,7 @@ Options: ``example_inputs`` (a tensor or tuple for ``forward``), ``loss`` ('ce' 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Iterable
@@ -1310,7 +1311,10 @@ def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
     if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
         return False
     path = w.rsplit(".", 1)[0] if "." in w else w
-    f.add(builders.layer_scale_law(f"{path}/layer_scale", _layer(path), w, h, [(lin.w, lin.shape, lin.b, lin.t)],
+    # a LayerScale module's one parameter (ls1.gamma): the module names the law; a block's own parameters
+    # (EVA's gamma_1, gamma_2 on the block): the parameter does, so that the two laws keep two names
+    label = path if w.rsplit(".", 1)[-1] in ("gamma", "weight", "scale") else w
+    f.add(builders.layer_scale_law(f"{label}/layer_scale", _layer(path), w, h, [(lin.w, lin.shape, lin.b, lin.t)],
                                    note=f"structural: {path} scales the output features of {lin.module} (diagonal "
                                         "rescaling, as the spec's deep-linear row)"), "LayerScale")
     return True
@@ -1496,12 +1500,15 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         except Exception as e:  # noqa: BLE001 - one block kind failing never fails the whole model
             c.decline(f"<{step.__name__.strip('_')}>", "structural analysis error",
                       f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
-    cands, seen = [], set()
+    cands, seen, named = [], set(), {}
     for law, what in f.cands:
         key = (law.name, law.family, repr(law.terms))  # a block called more than once (ALBERT's shared layer): one law
         if set(law.params) <= skip or key in seen:  # (nothing new to say about skipped parameters)
             continue
         seen.add(key)
+        named[law.name] = named.get(law.name, 0) + 1
+        if named[law.name] > 1:  # two different laws under one name: the check's verdicts are kept by name
+            law = dataclasses.replace(law, name=f"{law.name}#{named[law.name]}")
         cands.append((law, what))
     try:
         viol = check_laws(g, [law for law, _ in cands], f.heads)
