@@ -655,3 +655,12 @@ def test_user_forward_override_is_checked_and_its_broken_law_declined():
     m = logits_model(m)
     assert check(m, Translation.build("t", None, weight=rows("lm_head.weight", (17, 16), 0, 17))) > 1e-6
     assert max(check(m, l) for l in d.laws) <= TOL
+
+
+def test_gpt2_with_cross_attention_declines_its_norm():
+    """QA: GPT-2 with ``add_cross_attention`` listed ``ln_cross_attn`` as undetected (its reader, the declined
+    cross-attention, is not analysed); it is declined with that reason and the other laws hold."""
+    m = logits_model(build("gpt2", add_cross_attention=True))
+    d = detect(m)
+    assert d.undetected == [] and "not analysed" in next(x.reason for x in d.declined
+                                                         if x.module == "transformer.h.0.ln_cross_attn")

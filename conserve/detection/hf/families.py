@@ -119,6 +119,9 @@ def _gpt2(ctx: _Ctx):
         lp = f"{pre}h.{i}"
         if getattr(blk, "crossattention", None) is not None:
             ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
+            if getattr(blk, "ln_cross_attn", None) is not None:
+                ctx.decline(f"{lp}.ln_cross_attn", "norm before the cross-attention",
+                            "no gain law: its reader (the cross-attention's queries) is not analysed")
         at = blk.attn
         c = _w(f"{lp}.attn.c_attn", at.c_attn)
         o = _w(f"{lp}.attn.c_proj", at.c_proj)
