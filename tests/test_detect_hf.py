@@ -664,3 +664,12 @@ def test_gpt2_with_cross_attention_declines_its_norm():
     d = detect(m)
     assert d.undetected == [] and "not analysed" in next(x.reason for x in d.declined
                                                          if x.module == "transformer.h.0.ln_cross_attn")
+
+
+def test_structural_reasons_name_what_the_graph_does():
+    """QA: RoBERTa's LM head (parameters used only through export placeholders) was declined as 'used by '?''."""
+    m = randomize(T.AutoModelForMaskedLM.from_config(T.RobertaConfig(**TINY, max_position_embeddings=32, pad_token_id=1),
+                                                     attn_implementation="eager").eval())
+    d = detect(m)
+    assert d.detector == "hf->graph" and d.undetected == [] and d.families()["vo"] == 4
+    assert not any("'?'" in x.reason for x in d.declined), [x.reason for x in d.declined if "'?'" in x.reason]

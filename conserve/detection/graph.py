@@ -1579,8 +1579,10 @@ def _decline_rest(f: _Found, model: nn.Module, skip, how: str):
                       f"not used by the traced forward ({how}): no law")
         else:
             kind = type(m).__name__ if m is not None else "parameter"
-            c.decline(mod, kind, f"no catalogue block reads it this way (used by {used.get(mod, '?')!r} in the "
-                      f"{how} graph): no law detected")
+            op = used.get(mod)
+            c.decline(mod, kind, f"no catalogue block reads it this way (used by {op!r} in the {how} graph): no law "
+                      "detected" if op is not None else f"no catalogue block reads it this way (its uses in the {how} "
+                      "graph match none): no law detected")
 
 
 def _is_module(model, path):
