@@ -474,3 +474,19 @@ def test_transformer_decoder_layer_is_traced_through(norm_first):
     fam = found.families()
     assert fam["qk"] == fam["vo"] == 4 and fam["relu"] == 1 and fam.get("gain", 0) == (1 if norm_first else 0)
     assert_all_hold(m, found, x_seq())
+
+
+def test_parametrized_weights_are_declined_not_raised():
+    """QA: ``weight_norm`` / ``spectral_norm`` make ``weight`` a computed tensor (the parameters are
+    ``parametrizations.weight.original*``): detection raised ValueError ('reads 0.weight, which is not a
+    parameter'); the law is declined naming the parametrization, the other laws stay."""
+    from torch.nn.utils import parametrizations
+
+    m = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 5))
+    parametrizations.weight_norm(m[0])
+    assert "parametrize" in reasons(detect(m))["0-2/unit"]
+    enc = encoder(norm_first=True, layers=1)
+    parametrizations.spectral_norm(enc.layers[0].linear1)
+    found = detect(enc)
+    assert found.families() == {"qk": 2, "vo": 2, "gain": 1}
+    assert "weight_norm" in reasons(found)["layers.0/ffn/unit"]

@@ -306,6 +306,15 @@ class Collector:
             if count[law.name] > 1:
                 self.laws[i] = replace(law, name=f"{law.name}#{count[law.name]}")
         every = dict(self.model.named_parameters(remove_duplicate=False))  # tied parameters under every name
+        computed = [law for law in self.laws if any(p not in every for p in law.params)]
+        for law in computed:  # e.g. weight_norm / parametrize: `weight` is computed from other parameters
+            missing = [p for p in law.params if p not in every]
+            self.declined.append(Declined(law.name, f"{law.family} law", f"reads {missing}, computed from other "
+                                          "parameters (torch.nn.utils.parametrize, weight_norm, spectral_norm), not a "
+                                          "parameter: the tracker reads parameters; remove the parametrization or track "
+                                          "explicit laws of its parameters"))
+        gone = {id(law) for law in computed}
+        self.laws = [law for law in self.laws if id(law) not in gone]
         compile_laws(self.laws, {k: tuple(v.shape) for k, v in every.items()})
         params = every
         aliases: dict[int, list[str]] = {}
