@@ -490,3 +490,17 @@ def test_parametrized_weights_are_declined_not_raised():
     found = detect(enc)
     assert found.families() == {"qk": 2, "vo": 2, "gain": 1}
     assert "weight_norm" in reasons(found)["layers.0/ffn/unit"]
+
+
+def test_lazy_parameters_get_a_one_line_error():
+    """QA: an ``nn.LazyLinear`` not yet run made detection (and ``conserve.track``) fail with torch's
+    'Can't access the shape of an uninitialized parameter'; now a UsageError naming the fix; after one forward
+    the model is detected."""
+    import conserve
+    from conserve.errors import UsageError
+
+    m = nn.Sequential(nn.LazyLinear(6), nn.ReLU(), nn.Linear(6, 3))
+    with pytest.raises(UsageError, match="run one forward pass"):
+        conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    m(torch.randn(2, 4))
+    assert detect(m).families() == {"relu": 1}

@@ -94,11 +94,19 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
 
     Raises:
         conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
+        conserve.errors.UsageError: the model still has uninitialised lazy parameters (run a forward first).
     """
     _load()
     model = unwrap(model)
     config = config if config is not None else getattr(model, "config", None)
-    from ..errors import UnsupportedModelError
+    from ..errors import UnsupportedModelError, UsageError
+
+    from torch.nn.parameter import UninitializedParameter
+
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, UninitializedParameter)]
+    if lazy:
+        raise UsageError(f"{lazy[0]} (and {len(lazy) - 1} more) not initialised yet (a lazy module, e.g. nn.LazyLinear):"
+                         " run one forward pass before detecting or tracking the model's laws")
 
     if structural:
         from .graph import detect_graph
