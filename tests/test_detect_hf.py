@@ -673,3 +673,24 @@ def test_structural_reasons_name_what_the_graph_does():
     d = detect(m)
     assert d.detector == "hf->graph" and d.undetected == [] and d.families()["vo"] == 4
     assert not any("'?'" in x.reason for x in d.declined), [x.reason for x in d.declined if "'?'" in x.reason]
+
+
+def test_structural_detection_with_tensor_forward_kwargs():
+    """QA: ``forward_kwargs={'decoder_input_ids': ids}`` (an encoder-decoder's second input) never reached the
+    traced probe (fx baked it in as a constant, the recorded graph bound only positional inputs): Whisper was
+    declined whole ('got None for indices'). Tensor kwargs now go to torch.export and are bound by name; the
+    laws equal those found with the same inputs given positionally, and hold on the model's own forward."""
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    m = randomize(T.WhisperForConditionalGeneration(T.WhisperConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=12, decoder_ffn_dim=12, vocab_size=17, num_mel_bins=4, max_source_positions=4,
+        max_target_positions=8, pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)).eval())
+    feat, ids = torch.randn(2, 4, 8, generator=g), torch.randint(0, 17, (2, 3), generator=g)
+    d = detect(m, example_inputs=(feat,), forward_kwargs={"decoder_input_ids": ids})
+    assert d.families()["vo"] == 12 and d.laws == detect(m, example_inputs=(feat, None, ids)).laws
+    m = m.to(torch.float64)
+    fwd = type(m).forward
+    m.forward = lambda x: fwd(m, input_features=x, decoder_input_ids=ids, use_cache=False).logits
+    with exact64(m):
+        assert max(first_order(m, l, feat.double(), trials=1) for l in d.laws if l.family in ("vo", "qk")) <= TOL

@@ -187,8 +187,12 @@ class Graph:
     @torch.no_grad()
     def _record(self):
         it = iter(self.inputs)
+        kw = {k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}  # export: by placeholder name
         for n in self.nodes:
             if n.op == "placeholder":
+                if n.target in kw or n.name in kw:
+                    self.env[n] = kw[n.target if n.target in kw else n.name]
+                    continue
                 try:
                     self.env[n] = next(it)
                 except StopIteration:
@@ -604,6 +608,8 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
     gm = None
     kwargs = dict(kwargs or {})
     try:
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):  # fx bakes kwargs in as constants
+            raise ValueError("tensor keyword arguments are inputs, not constants")
         graph = _Tracer().trace(probe, concrete_args=kwargs or None)
         gm = fx.GraphModule(probe, graph)
         how = "torch.fx"
@@ -1429,7 +1435,8 @@ def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward
         return {}, ""
     try:
         probe = make_probe(model, max_probe_params)
-        kwargs = dict(forward_kwargs or {})
+        kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in (forward_kwargs or {}).items()}
         try:
             if "use_cache" in inspect.signature(model.forward).parameters:
                 kwargs.setdefault("use_cache", False)
@@ -1478,7 +1485,8 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     skip = set(skip_params)
     try:
         probe = make_probe(model, max_probe_params)
-        kwargs = dict(forward_kwargs or {})
+        kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in (forward_kwargs or {}).items()}  # tensors: inputs of the float64 probe, as example_inputs
         try:
             if "use_cache" in inspect.signature(model.forward).parameters:
                 kwargs.setdefault("use_cache", False)  # a KV cache is inference state, not part of the function
