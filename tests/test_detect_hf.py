@@ -651,7 +651,7 @@ def test_user_forward_override_is_checked_and_its_broken_law_declined():
     d = detect(m)
     assert d.families() == {k: v for k, v in CAUSAL.items() if k != "translation"}
     dec = next(x for x in d.declined if x.module == "lm_head/translation")
-    assert "forward overridden" in dec.reason and "_SoftCappedLlama" in dec.reason
+    assert "has a forward of its own" in dec.reason and "_SoftCappedLlama" in dec.reason
     m = logits_model(m)
     assert check(m, Translation.build("t", None, weight=rows("lm_head.weight", (17, 16), 0, 17))) > 1e-6
     assert max(check(m, l) for l in d.laws) <= TOL
@@ -694,3 +694,36 @@ def test_structural_detection_with_tensor_forward_kwargs():
     m.forward = lambda x: fwd(m, input_features=x, decoder_input_ids=ids, use_cache=False).logits
     with exact64(m):
         assert max(first_order(m, l, feat.double(), trials=1) for l in d.laws if l.family in ("vo", "qk")) <= TOL
+
+
+class _QKNormedAttention(nn.Module):
+    """A user attention in place of LlamaAttention: the same projections, but q and k L2-normalised per head."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        self.head_dim = a.head_dim
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        q, k, v = (p(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        rep = q.shape[1] // k.shape[1]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                             is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1)), None
+
+
+def test_user_module_in_place_of_an_hf_block_is_checked():
+    """QA: a user attention with Llama's q/k/v/o_proj but a QK-norm, detected with ``rope_layout='half'``, got
+    RoPE-pair laws (its own forward breaks them). Laws of a model holding user-defined forwards are checked on
+    the model's forward: the RoPE laws are declined naming the class, the VO and gain laws are kept and hold."""
+    m = build("llama")
+    m.model.layers[0].self_attn = _QKNormedAttention(m.model.layers[0].self_attn)
+    d = detect(m, rope_layout="half")
+    assert "rope_pair" not in d.families() and d.families()["vo"] == 2
+    assert "_QKNormedAttention has a forward of its own" in next(x.reason for x in d.declined
+                                                                 if x.module == f"{A}/rope/group0")
+    m = logits_model(m)
+    assert max(check(m, l) for l in d.laws) <= TOL

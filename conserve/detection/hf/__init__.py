@@ -78,19 +78,19 @@ def detect_hf(model, config, **options):
     if mine:  # the family handler read transformers' code, not this: keep only the laws the model's forward keeps
         from ..core import _checked
 
-        d.laws, more = _checked(model, d.laws, {**options, "why": f"forward overridden in {mine[0]}"})
+        why = f"{mine[0]} has a forward of its own (not transformers' code, which the family handler read)"
+        d.laws, more = _checked(model, d.laws, {**options, "why": why})
         d.declined += more
     return d
 
 
 def _own_forwards(model) -> list[str]:
-    """Classes in ``model`` that subclass a transformers class but define ``forward`` outside transformers (a
-    user subclass adding e.g. a logit soft-cap): the family handler's reading of the modeling code may not hold."""
+    """Classes in ``model`` whose ``forward`` is defined outside transformers and torch: a user subclass of a
+    transformers class (adding e.g. a logit soft-cap) or a user module put in place of one (an attention of one's
+    own with the same projections): the family handler's reading of the modeling code may not hold for them."""
     out = []
     for m in model.modules():
         cls = type(m)
-        if not any(c.__module__.startswith("transformers.") for c in cls.__mro__[1:]):
-            continue
         fwd = getattr(cls, "forward", None)
         where = getattr(fwd, "__module__", None) or ""
         name = f"{cls.__module__}.{cls.__qualname__}"
