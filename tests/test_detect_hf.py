@@ -651,7 +651,7 @@ def test_user_forward_override_is_checked_and_its_broken_law_declined():
     d = detect(m)
     assert d.families() == {k: v for k, v in CAUSAL.items() if k != "translation"}
     dec = next(x for x in d.declined if x.module == "lm_head/translation")
-    assert "has a forward of its own" in dec.reason and "_SoftCappedLlama" in dec.reason
+    assert "is not transformers' code" in dec.reason and "_SoftCappedLlama" in dec.reason
     m = logits_model(m)
     assert check(m, Translation.build("t", None, weight=rows("lm_head.weight", (17, 16), 0, 17))) > 1e-6
     assert max(check(m, l) for l in d.laws) <= TOL
@@ -723,7 +723,7 @@ def test_user_module_in_place_of_an_hf_block_is_checked():
     m.model.layers[0].self_attn = _QKNormedAttention(m.model.layers[0].self_attn)
     d = detect(m, rope_layout="half")
     assert "rope_pair" not in d.families() and d.families()["vo"] == 2
-    assert "_QKNormedAttention has a forward of its own" in next(x.reason for x in d.declined
+    assert "_QKNormedAttention is not transformers' code" in next(x.reason for x in d.declined
                                                                  if x.module == f"{A}/rope/group0")
     m = logits_model(m)
     assert max(check(m, l) for l in d.laws) <= TOL

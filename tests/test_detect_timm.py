@@ -147,3 +147,22 @@ def test_models_that_run_only_at_their_declared_image_size_are_probed_at_it():
     assert d.families()["qk"] == 2 and d.families()["vo"] == 2 and d.undetected == []
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     assert max(first_order(m, l, x, trials=1) for l in d.laws) <= TOL
+
+
+class _CappedViT(timm_vit.VisionTransformer):
+    """A user subclass soft-capping the logits in its own forward_head."""
+
+    def forward_head(self, x, pre_logits: bool = False):
+        return 2 * torch.tanh(super().forward_head(x, pre_logits) / 2)
+
+
+def test_user_subclass_of_a_timm_vit_is_checked():
+    """QA: the timm detector reads timm's code; a subclass whose forward_head soft-caps the logits got the
+    translation law (broken by the cap). Its laws are now checked on the model's forward: the translation law is
+    declined naming the class, the block laws are kept and hold."""
+    torch.manual_seed(0)
+    m = _CappedViT(img_size=8, patch_size=4, embed_dim=8, depth=1, num_heads=2, mlp_ratio=2, num_classes=3).double()
+    d = detect(m)
+    assert d.detector == "timm" and "translation" not in d.families() and d.families()["qk"] == 2
+    assert "is not timm's code" in next(x.reason for x in d.declined if x.module == "head/translation")
+    assert max(worst(m, d.laws).values()) <= TOL

@@ -204,6 +204,21 @@ def _nested_rest(model: nn.Module, found: Detection, inside: tuple[str, ...], op
     return merged
 
 
+def user_classes(model: nn.Module, trusted: tuple[str, ...]) -> list[str]:
+    """Module classes in ``model`` defined outside the packages ``trusted`` (module prefixes such as
+    ``('transformers.', 'torch.')``): a user subclass of a library class (overriding ``forward`` or a helper such as
+    timm's ``forward_head``, e.g. to soft-cap the logits), a user module put in place of one (an attention of one's
+    own with the same projections), remote code. A library detector reads the library's code, which may not hold
+    for them: their laws go through ``_checked``."""
+    out = []
+    for m in model.modules():
+        cls = type(m)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if not cls.__module__.startswith(trusted) and name not in out:
+            out.append(name)
+    return out
+
+
 def _checked(model: nn.Module, laws: list[Law], options: dict) -> tuple[list[Law], list[Declined]]:
     """The torch.nn detector's laws that pass the spec's first-order check on the model's own forward
     (``graph.check_on_probe``), and a decline with the violation for each that fails: a module type says what

@@ -44,7 +44,7 @@ import sys
 import torch
 
 from ...errors import UsageError
-from ..core import Detection, register
+from ..core import Detection, user_classes, register
 from .families import FAMILIES
 from .parts import Unhandled, _Ctx
 from .rope import LAYOUTS, probe_rope
@@ -74,29 +74,16 @@ def detect_hf(model, config, **options):
     except Unhandled as e:
         return _structural(model, model_type, options, str(e))
     d = ctx.finish("hf")
-    mine = _own_forwards(model)
+    mine = user_classes(model, ("transformers.", "torch."))
     if mine:  # the family handler read transformers' code, not this: keep only the laws the model's forward keeps
         from ..core import _checked
 
-        why = f"{mine[0]} has a forward of its own (not transformers' code, which the family handler read)"
+        why = f"{mine[0]} is not transformers' code (which the family handler read)"
         d.laws, more = _checked(model, d.laws, {**options, "why": why})
         d.declined += more
     return d
 
 
-def _own_forwards(model) -> list[str]:
-    """Classes in ``model`` whose ``forward`` is defined outside transformers and torch: a user subclass of a
-    transformers class (adding e.g. a logit soft-cap) or a user module put in place of one (an attention of one's
-    own with the same projections): the family handler's reading of the modeling code may not hold for them."""
-    out = []
-    for m in model.modules():
-        cls = type(m)
-        fwd = getattr(cls, "forward", None)
-        where = getattr(fwd, "__module__", None) or ""
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if not where.startswith(("transformers.", "torch.")) and name not in out:
-            out.append(name)
-    return out
 
 
 def _structural(model, model_type, options, why: str | None = None) -> Detection:
@@ -150,4 +137,3 @@ def meta_model(config):
     cls = _model_class(config)
     with torch.device("meta"):
         return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
-
