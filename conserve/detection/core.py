@@ -231,16 +231,19 @@ def _checked(model: nn.Module, laws: list[Law], options: dict) -> tuple[list[Law
     options = dict(options)
     why = options.pop("why", "the model does not use the block as its module's own forward does (e.g. an "
                              "nn.Sequential's layers called one by one with another map between them)")
-    viol, _ = check_on_probe(model, laws, **options)
+    viol, _, traced = check_on_probe(model, laws, **options)
     if viol is None:
         return laws, []
+    # untraced, the model's own float32 casts (HF's upcasts of norms, softmax, routers) bound the measure near
+    # 1e-8; a law the forward breaks violates it by far more (1e-4 and above on every case seen)
+    tol = TOL if traced else 1e-6
     kept, declined = [], []
     for law in laws:
         v = viol.get(law.name, 0.0)
-        if v > TOL:
+        if v > tol:
             declined.append(Declined(law.name, f"{law.family} law (module type)",
                                      f"fails the first-order check on the model's forward in float64 (relative "
-                                     f"violation {v:.2e} > {TOL:g}): {why}: not claimed"))
+                                     f"violation {v:.2e} > {tol:g}): {why}: not claimed"))
         elif v < 0:
             declined.append(Declined(law.name, f"{law.family} law (module type)", "identically constant on this model "
                                      "(zero gradient): nothing to track"))

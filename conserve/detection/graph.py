@@ -1424,15 +1424,16 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
 
 
 def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward_kwargs: dict | None = None,
-                   max_probe_params: float = 3e8, **_options) -> tuple[dict[str, float] | None, str]:
+                   max_probe_params: float = 3e8, **_options) -> tuple[dict[str, float] | None, str, bool]:
     """Spec check 1 (``check_laws``' measure) of ``laws`` found by a type-based detector, on ``model``'s own
     forward: a float64 copy with random parameters, run as is (not traced), on ``example_inputs`` or synthesised
     ones. A module type says what its own ``forward`` computes, not how the model calls it (an
     ``nn.Sequential``'s layers may be called one by one, with other maps between them). Returns
-    ``({law name: worst violation}, "")`` (-1: identically constant; nan: reads a parameter the model does not
-    hold under that name, e.g. tied) or ``(None, reason)`` when the probe cannot run (meta device, no input)."""
+    ``({law name: worst violation}, "", traced)`` (-1: identically constant; nan: reads a parameter the model does
+    not hold under that name, e.g. tied; ``traced``: False when the module ran as is, its own float32 casts then
+    bound the measure near 1e-8) or ``(None, reason, False)`` when the probe cannot run (meta device, no input)."""
     if not laws:
-        return {}, ""
+        return {}, "", True
     try:
         probe = make_probe(model, max_probe_params)
         kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
@@ -1444,12 +1445,12 @@ def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward
             pass
         inputs = synth_inputs(probe, example_inputs, kwargs)
     except Exception as e:  # noqa: BLE001 - the caller keeps the laws and says why they were not checked
-        return None, str(e)
+        return None, str(e), False
     try:  # traced: the code's float32 casts made float64 (HF modeling code), so the check resolves 1e-10
         gm, how = trace(probe, inputs, kwargs)
-        run_kwargs = kwargs if how == "torch.export" else {}
+        run_kwargs, traced = (kwargs if how == "torch.export" else {}), True
     except Exception:  # noqa: BLE001 - the module as is (plain torch.nn code computes in the probe's float64)
-        gm, run_kwargs = probe, kwargs
+        gm, run_kwargs, traced = probe, kwargs, False
 
     class _Probe:  # what check_laws reads of a Graph: the module run, its parameters, inputs and kwargs
         params = dict(probe.named_parameters(remove_duplicate=False))
@@ -1457,9 +1458,9 @@ def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward
     _Probe.gm, _Probe.inputs, _Probe.kwargs = gm, inputs, run_kwargs
     heads = {law.name: None for law in laws if isinstance(law, Translation)}
     try:
-        return check_laws(_Probe, laws, heads), ""
+        return check_laws(_Probe, laws, heads), "", traced
     except Exception as e:  # noqa: BLE001
-        return None, f"{type(e).__name__}: {e}"
+        return None, f"{type(e).__name__}: {e}", False
 
 
 # ------------------------------------------------------------------------------------------- entry point
