@@ -1533,6 +1533,8 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     for law, what in cands:
         v = viol[law.name]
         f.explained.update(law.params)
+        if not (v <= TOL or (v != v and set(law.params) & tied)):
+            c.know(*law.params)  # declined below, with the reason: accounted for, not 'undetected'
         if v < 0:
             c.decline(law.name, f"{law.family} law ({what})", "identically constant on this model (zero gradient, e.g. "
                       "q and k from the same rows): nothing to track")
