@@ -211,11 +211,12 @@ class DistributedTracker(Tracker):
 
     def _adopt(self) -> None:
         """Per-rank state from the full ``h``/``cumulative`` (after construction or a load): this rank's
-        partial ``h`` (its complete entries are exact) and the full values of the split entries. The partial ``h``
-        is this rank's local plan at its current shards, as after every step: the drift assembly corrects the
-        first/second terms of a decay factor that is not an fp32 number with ``h_k`` (linear in it), so a split
-        entry's correction must be this rank's share of ``h_k`` (the full value would be counted once per rank)."""
-        self._hp = self._values(self._local_plan, [_local(p) for p in self.params])
+        partial ``h`` (its complete entries are exact) and the full values of the split entries. ``_hp`` holds the
+        full ``h`` until the next step (``_hp_full``): that step's drift terms take this rank's share of ``h_k`` from
+        its shards of ``theta_k`` instead (the assembly corrects first/second for a decay factor that is not an fp32
+        number with ``h_k``, linearly: a split entry's full value would be counted once per rank)."""
+        self._hp = self.h.clone()
+        self._hp_full = True
         self._h_split, self._h0_split = self._split.take(self.h), self._split.take(self.h0)
         self._cum_p = {k: v.clone() for k, v in self.cumulative.items()}
         self._cum_split = {k: self._split.take(v) for k, v in self.cumulative.items()}
@@ -483,13 +484,14 @@ class DistributedTracker(Tracker):
         cur = [_local(p) for p in self.params]
         self.tensors = cur
         a = [float(x) for x in self._a]
-        h1, terms, kdec = self._pieces(self._local_plan, cur, prev, a, a, self._hp)
+        h_old = self._values(self._local_plan, prev) if self._hp_full and prev is not None else self._hp
+        h1, terms, kdec = self._pieces(self._local_plan, cur, prev, a, a, h_old)
         # a step without drift terms packs h(new) only (every rank agrees on which steps have them)
         parts = [self._own_row(h1, terms).to(self._pack_dtype)] + self._split_blocks(h1, terms, kdec)
         held = self._held(cur, prev) if self._straddles else None
         self._pend.append(_Pending(torch.cat(parts), terms is not None, held, a, kdec is not None))
         del prev
-        self._hp = h1
+        self._hp, self._hp_full = h1, False
         if terms is not None:
             for k in _CUM:
                 self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
