@@ -80,7 +80,10 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
     The name/type-based detectors (reference models, HF transformers, timm, torch.nn modules) are the fast
     path; any model (or part of one) they do not explain goes to structural detection
     (``conserve.detection.graph.detect_graph``: the laws found from what the traced graph computes, each
-    passing the spec's first-order check in float64, every other block declined with the reason).
+    passing the spec's first-order check in float64, every other block declined with the reason). The laws the
+    torch.nn detector reads from module types, and those of an HF / timm model holding user classes
+    (``user_classes``: a subclass, a module put in place of a library block), pass the same check on the model's
+    own forward (``_checked``; kept unchecked only when no probe can run: meta device, FSDP, no input).
 
     Args:
         model: an ``nn.Module`` (HF transformers, timm, torch.nn, plain torch code, conserve reference
