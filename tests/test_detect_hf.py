@@ -740,3 +740,16 @@ def test_untraceable_user_subclass_keeps_its_laws():
     m = randomize(MyMixtral._from_config(config("mixtral"), attn_implementation="eager",
                                          experts_implementation="eager").eval())
     assert detect(m).families() == {**CAUSAL, "swiglu": 3, "router_sum": 1}
+
+
+def test_use_cache_off_when_forward_takes_it_through_kwargs():
+    """QA: Llava's forward takes ``use_cache`` only through ``**kwargs`` (its config has none, its text config
+    does): the probe returned a DynamicCache, torch.export refused it, and the whole model was declined. The
+    cache is turned off for such HF forwards too: the language model's laws are found."""
+    cfg = T.LlavaConfig(text_config=T.LlamaConfig(**TINY, num_key_value_heads=2).to_dict(),
+                        vision_config=T.CLIPVisionConfig(hidden_size=16, num_attention_heads=2, intermediate_size=12,
+                                                         num_hidden_layers=1, image_size=28, patch_size=14).to_dict())
+    torch.manual_seed(0)
+    d = detect(T.LlavaForConditionalGeneration(cfg).eval())
+    assert d.detector == "hf->graph" and d.undetected == []
+    assert d.families() == {"rope_pair": 2, "vo": 2, "swiglu": 1, "gain": 3, "translation": 1}

@@ -82,14 +82,9 @@ def exact64(model: nn.Module, inputs) -> tuple[nn.Module, dict]:
     model itself (and no kwargs) when it cannot be traced. ``model`` must already be float64."""
     from ..detection.graph import trace
 
-    import inspect
+    from ..detection.graph import no_cache
 
-    kwargs = {}
-    try:
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            kwargs["use_cache"] = False  # a KV cache is inference state, not part of the function
-    except (TypeError, ValueError):
-        pass
+    kwargs = no_cache(model, {})
     x = inputs if isinstance(inputs, tuple) else (inputs,)
     try:
         gm, how = trace(model, x, kwargs)

@@ -515,6 +515,22 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
     raise ValueError("cannot synthesise an input for this model: pass example_inputs=(...) (what forward takes)")
 
 
+def no_cache(model: nn.Module, kwargs: dict) -> dict:
+    """``use_cache=False`` in ``kwargs`` when ``model.forward`` takes it, by name or through ``**kwargs`` of an HF
+    model (Llava, Gemma3 multimodal: a KV cache in the output stops torch.export); it is inference state, not part
+    of the function. Returns ``kwargs``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "use_cache" in params or (var_kw and (hasattr(config, "use_cache") or hasattr(text, "use_cache"))):
+        kwargs.setdefault("use_cache", False)
+    return kwargs
+
+
 def _declared_sizes(model: nn.Module, nd: int) -> list[tuple]:
     """Input sizes the model declares (timm ``pretrained_cfg['input_size']`` / ``patch_embed.img_size``, HF
     ``config.image_size``, an ``img_size`` attribute): Swin, EVA or a strided ConvNeXt run on no other size."""
@@ -1438,11 +1454,7 @@ def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward
         probe = make_probe(model, max_probe_params)
         kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                   for k, v in (forward_kwargs or {}).items()}
-        try:
-            if "use_cache" in inspect.signature(model.forward).parameters:
-                kwargs.setdefault("use_cache", False)
-        except (TypeError, ValueError):
-            pass
+        no_cache(model, kwargs)
         inputs = synth_inputs(probe, example_inputs, kwargs)
     except Exception as e:  # noqa: BLE001 - the caller keeps the laws and says why they were not checked
         return None, str(e), False
@@ -1488,11 +1500,7 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         probe = make_probe(model, max_probe_params)
         kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                   for k, v in (forward_kwargs or {}).items()}  # tensors: inputs of the float64 probe, as example_inputs
-        try:
-            if "use_cache" in inspect.signature(model.forward).parameters:
-                kwargs.setdefault("use_cache", False)  # a KV cache is inference state, not part of the function
-        except (TypeError, ValueError):
-            pass
+        no_cache(model, kwargs)
         inputs = synth_inputs(probe, example_inputs, kwargs)
         gm, how = trace(probe, inputs, kwargs)
         g = Graph(gm, inputs, dict(probe.named_parameters(remove_duplicate=False)),
