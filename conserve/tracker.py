@@ -38,7 +38,7 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
-from .tracking.breakers import check_optimizer, decay_factor  # noqa: F401  (decay_factor: re-exported)
+from .tracking.breakers import check_optimizer, decay_factor, per_param_decay  # noqa: F401  (decay_factor: re-exported)
 from .tracking.drift import Assembly, Mask, Sampler, drift_pieces
 
 GUARD = 1e-4
@@ -375,7 +375,7 @@ class Tracker:
         snap, self._snap = self._snap, None
         terms = mask = None
         if snap is not None:  # the DRIFT pass first: the snapshot is freed before h1 is evaluated
-            terms = self.drift_terms(snap, [float(a) for a in self._a])
+            terms = self.drift_terms(snap, stepped_factors(self._a, self.params))
             mask = snap.mask
             del snap
         h1 = self._eval(self.tensors)
@@ -888,12 +888,19 @@ def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:
     computed once per group."""
     if optimizer is None:
         return [1.0] * len(tensors)
-    of = {}
+    of, per_param = {}, per_param_decay(optimizer)
     for g in optimizer.param_groups:
         a = decay_factor(optimizer, g)
         for p in g["params"]:
-            of[id(p)] = a  # a tensor in two groups: the last one (torch refuses that anyway)
+            of[id(p)] = decay_factor(optimizer, g, p) if per_param else a  # (a tensor is in one group only)
     return [of.get(id(t), 1.0) for t in tensors]
+
+
+def stepped_factors(a: Sequence, params: Sequence[torch.Tensor]) -> list[float]:
+    """``a`` as floats, 1.0 for a parameter whose ``.grad`` is None after the step: torch optimizers (and
+    conserve's fused ones) skip such a parameter, so it is not decayed either (read after the step, so
+    the gradients a ``step(closure)`` computes count)."""
+    return [1.0 if p.grad is None else float(x) for p, x in zip(params, a)]
 
 
 _LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()  # trackers not closed yet

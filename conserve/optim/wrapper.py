@@ -52,13 +52,28 @@ def _in_dcp_state_init(depth: int = 8) -> bool:
     return False
 
 
+@torch.compiler.disable
+def _found_inf(found) -> bool:
+    return bool(found.item())
+
+
+def _scaler_skips(optimizer) -> bool:
+    """True when ``GradScaler`` steps an optimizer that unscales inside its own step
+    (``_step_supports_amp_scaling``, e.g. ``Adam(fused=True)``) and found inf/NaN gradients: that step
+    leaves the weights and the state alone, so it is no training step (one host read of ``found_inf``,
+    as GradScaler's own skip test of any other optimizer; none when GradScaler set no ``found_inf``)."""
+    found = optimizer.__dict__.get("found_inf")
+    return found is not None and torch.is_tensor(found) and _found_inf(found)
+
+
 def _books_training_steps(step):
-    """Step the inner optimizer only (nothing booked) for DCP's zero-lr state initialisation; count
-    the steps that reach the tracker (``record`` uses the count to detect skipped steps)."""
+    """Step the inner optimizer only (nothing booked) for DCP's zero-lr state initialisation and for a
+    step GradScaler's ``found_inf`` skips inside the inner optimizer; count the steps that reach the
+    tracker (``record`` uses the count to detect skipped steps)."""
     @functools.wraps(step)
     def wrapper(self, closure=None):
         # (not while torch.compile traces: DCP never compiles its state init, and dynamo cannot trace frames)
-        if not torch.compiler.is_compiling() and _in_dcp_state_init():
+        if (not torch.compiler.is_compiling() and _in_dcp_state_init()) or _scaler_skips(self.optimizer):
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
         return step(self, closure)
@@ -300,7 +315,8 @@ class _Attached:
 def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     """Drive ``tracker`` from ``optimizer``'s own step hooks, without wrapping it (the optimizer
     object a framework holds stays the same). Each ``optimizer.step()`` that runs is booked; a step
-    GradScaler skips never runs, so it is not booked; DCP's zero-lr state initialisation is not.
+    GradScaler skips never runs, so it is not booked (nor is one it skips inside an optimizer that unscales
+    in its own step, ``Adam(fused=True)``); DCP's zero-lr state initialisation is not booked either.
 
     Returns a handle with ``remove()``. Raises ``ValueError`` for an optimizer that tracks already
     (``TrackedOptimizer``, fused conserve optimizer with ``track=``): use its ``tracker``."""
@@ -312,12 +328,15 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     tracker.check_optimizer(optimizer)  # laws the param_groups break (as TrackedOptimizer does)
     handle = _Attached(optimizer, tracker)
 
+    skipped = [False]  # this step is DCP's state init or skipped by GradScaler inside the optimizer
+
     def pre(opt, args, kwargs):
-        if not _in_dcp_state_init():
+        skipped[0] = _in_dcp_state_init() or _scaler_skips(opt)
+        if not skipped[0]:
             tracker.before_step(opt)
 
     def post(opt, args, kwargs):
-        if not _in_dcp_state_init():
+        if not skipped[0]:
             tracker.after_step()
             handle.steps += 1
 

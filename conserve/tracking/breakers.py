@@ -10,7 +10,8 @@ optimizer's ``param_groups`` and marks the law ``broken_by`` (it is still tracke
   term of the drift identity is then not a common rescaling of the law;
 * some of its parameters are not held by the optimizer ("not held by the optimizer: ..."): they do
   not move, the others do;
-* ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``) or ``maximize`` differ.
+* ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``), ``dampening`` under
+  momentum (it scales the step by ``1 - dampening``), ``maximize`` or ASGD's ``lambd`` (its decay) differ.
 
 ``decay_factor(optimizer, group)`` is ``a`` in ``theta_{k+1} = a theta_k + Delta`` (spec "Discrete
 steps"), read from the group's hyper-parameters and the update rule of the optimizer's class found by
@@ -25,6 +26,7 @@ import warnings
 from typing import Mapping
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 # (module, class, attribute holding the wrapped optimizer); checked only when the module is imported
 _WRAPPERS = (("conserve.optim.wrapper", "TrackedOptimizer", "optimizer"),
@@ -66,25 +68,40 @@ def _decoupled(opt, group: Mapping) -> bool:
     return isinstance(opt, FusedAdam) and bool(group.get("decoupled_weight_decay", False))
 
 
-def decay_factor(optimizer, group: Mapping) -> float | torch.Tensor:
-    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for the parameters of ``group``.
+def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -> float | torch.Tensor:
+    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for the parameters of ``group`` (``param``: for the
+    optimizers whose factor is per parameter, ``per_param_decay``; read before the step).
 
     * decoupled weight decay (``AdamW`` and subclasses; ``Adam``/``NAdam``/``RAdam`` and conserve's
       ``FusedAdam`` with ``decoupled_weight_decay=True``): ``1 - lr * weight_decay``;
     * ``SGD`` (and conserve's ``FusedSGD``) without momentum: the L2 term gives exactly
       ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``;
+    * ``ASGD``: its step is ``(1 - eta lambd) theta - eta (g + wd theta)`` with ``eta`` the parameter's
+      state (``lr`` before its first step), so ``1 - eta * (lambd + weight_decay)``;
     * anything else (momentum, coupled L2 in Adam, unknown rules): 1, the decay is inside ``Delta``.
 
     ``optimizer`` may be wrapped (see ``unwrap_optimizer``); ``lr`` may be a tensor (then so is ``a``)."""
     opt = unwrap_optimizer(optimizer)
     wd = group.get("weight_decay", 0.0) or 0.0
     lr = group.get("lr", 0.0)
+    if isinstance(opt, torch.optim.ASGD):
+        eta = opt.state.get(param, {}).get("eta") if param is not None else None
+        rate = (group.get("lambd", 0.0) or 0.0) + wd
+        if eta is None:  # before its first step: the state ASGD will make from lr (a float32 scalar by default)
+            eta = torch.tensor(_num(lr), dtype=_get_scalar_dtype())
+        eta = eta.double() if torch.is_tensor(eta) else eta  # torch reads the float32 state as a double
+        return 1.0 - eta * rate if rate else 1.0
     from ..optim.fused import FusedSGD
 
     sgd = isinstance(opt, (torch.optim.SGD, FusedSGD)) and not group.get("momentum", 0.0)
     if wd and (_decoupled(opt, group) or sgd):
         return 1.0 - lr * wd
     return 1.0
+
+
+def per_param_decay(optimizer) -> bool:
+    """True when ``decay_factor`` depends on the parameter (``ASGD``: its ``eta`` is per-parameter state)."""
+    return isinstance(unwrap_optimizer(optimizer), torch.optim.ASGD)
 
 
 def _num(x) -> float:
@@ -108,7 +125,9 @@ def _describe(names: list[str], vals: list[float]) -> str:
 # group keys that must agree inside a law: the step size, the decay, the momentum (heavy ball scales the
 # effective step by 1 / (1 - momentum)) and the sign of the step (``maximize``)
 _COMPARED = (("lr", "different lr in one law"), ("weight_decay", "weight decay on only part of one law"),
-             ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"))
+             ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"),
+             ("dampening", "different dampening in one law"), ("lambd", "different ASGD decay (lambd) in one law"))
+_ONLY_WITH = {"dampening": "momentum"}  # dampening scales the step only under momentum
 
 
 def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str, str]:
@@ -133,7 +152,8 @@ def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str
         for key, what in _COMPARED:
             if not any(key in g for g in groups):
                 continue
-            vals = [_num(g.get(key, 0.0) or 0.0) for g in groups]
+            need = _ONLY_WITH.get(key)
+            vals = [_num(g.get(key, 0.0) or 0.0) if need is None or g.get(need) else 0.0 for g in groups]
             if len(set(vals)) > 1:
                 reasons.append(f"{what}: {_describe(ps, vals)}")
         if reasons:

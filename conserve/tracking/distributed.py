@@ -51,7 +51,7 @@ from torch import nn
 from .. import kernels
 from ..errors import NonFiniteError, UsageError
 from ..laws import Law
-from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors
+from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors, stepped_factors
 from .shard_plan import _Entries, _Layout, comm_schedule
 from .drift import drift_pieces
 
@@ -476,7 +476,7 @@ class DistributedTracker(Tracker):
                 err = e
         cur = [_local(p) for p in self.params]
         self.tensors = cur
-        a = [float(x) for x in self._a]
+        a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
         h1, terms, kdec = self._pieces(self._local_plan, cur, prev, a, a, self._hp)
         # a step without drift terms packs h(new) only (every rank agrees on which steps have them)
         parts = [self._own_row(h1, terms).to(self._pack_dtype)] + self._split_blocks(h1, terms, kdec)

@@ -1,0 +1,175 @@
+"""Training stacks a PyTorch user plausibly runs through ``conserve.track``: the decay factor of each
+torch optimizer against its update rule (ASGD), parameters that get no gradient on a step, GradScaler
+skipping inside an optimizer that unscales in its own step, and the group keys that break a law."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conserve
+from conserve.optim import FusedSGD
+from conserve.tracking.breakers import BrokenLawWarning
+
+LAW = "0-2/unit"
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+
+
+def _track(opt, m, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BrokenLawWarning)
+        return conserve.track(opt, m, fp64=True, every=100, drift_every=1, snapshot_budget=None, keep_last=True, **kw)
+
+
+def _terms(tr, name):
+    """{term: per-entry values of law ``name``} of the last drift step."""
+    names = [l.name for l in tr.laws]
+    return {t: dict(zip(names, tr.compiled.split(tr.last[t].vec, tr.last[t].grams)))[name]
+            for t in ("measured", "decay", "first", "second", "residual")}
+
+
+def _sgd_step(m, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    m(torch.randn(5, 4, dtype=torch.float64, generator=g)).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_asgd_decay_is_its_lambd_decay_and_noether_holds(weight_decay, foreach):
+    """ASGD steps ``(1 - eta lambd) theta - eta (g + wd theta)``: its decay factor is
+    ``1 - eta (lambd + wd)`` (eta from its state), so the first-order term vanishes as for SGD
+    (it was booked with a = 1: the lambd decay showed up as a first-order drift of ~40% of the change)."""
+    m = _mlp()
+    opt = _track(torch.optim.ASGD(m.parameters(), lr=0.05, lambd=0.01, weight_decay=weight_decay, foreach=foreach), m)
+    p0 = opt.tracker.params[0]
+    for k in range(4):
+        eta = float(opt.optimizer.state[p0]["eta"]) if k else float(torch.tensor(0.05))  # ASGD's state: fp32
+        _sgd_step(m, opt, k)
+        assert float(opt.tracker._a[0]) == pytest.approx(1 - eta * (0.01 + weight_decay), rel=0, abs=1e-15)
+        t = _terms(opt.tracker, LAW)
+        assert t["decay"].norm() > 0.3 * t["measured"].norm()
+        assert t["first"].norm() < 1e-10 * t["decay"].norm(), k
+        assert t["residual"].norm() < 1e-10 * t["measured"].norm()
+
+
+def test_asgd_different_lambd_in_one_law_is_broken():
+    m = _mlp()
+    opt = torch.optim.ASGD([{"params": m[0].parameters(), "lambd": 0.01}, {"params": m[2].parameters()}], lr=0.05)
+    with pytest.warns(BrokenLawWarning, match="lambd"):
+        t = conserve.track(opt, m, every=100)
+    assert "different ASGD decay (lambd) in one law" in t.tracker.broken_by[LAW]
+
+
+def test_dampening_breaks_a_law_only_under_momentum():
+    """Heavy ball with dampening d steps by ``lr (1 - d)`` times the gradient average: a law split over
+    groups with different dampening moves with two step sizes (broken); without momentum dampening
+    does nothing (not broken)."""
+    m = _mlp()
+    groups = lambda mom: [{"params": m[0].parameters(), "dampening": 0.5}, {"params": m[2].parameters()}]  # noqa: E731
+    with pytest.warns(BrokenLawWarning, match="different dampening"):
+        t = conserve.track(torch.optim.SGD(groups(0.9), lr=0.1, momentum=0.9), m, every=100)
+    assert "different dampening in one law" in t.tracker.broken_by[LAW]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BrokenLawWarning)
+        t = conserve.track(torch.optim.SGD(groups(0.0), lr=0.1), m, every=100)
+    assert t.tracker.broken_by == {}
+
+
+class _TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _mlp(0), _mlp(1)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + (self.b(x) if use_b else 0.0)
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1),
+                                  lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+                                  lambda p: torch.optim.ASGD(p, lr=0.05, lambd=0.01)],
+                         ids=["SGD", "AdamW", "ASGD"])
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_parameter_without_grad_is_not_decayed(make, closure):
+    """torch optimizers skip a parameter whose grad is None (an unused branch, an expert no token
+    reached): no decay either. Its law did not move: every drift term is 0 (it was booked a decay
+    (a^2 - 1) h that did not happen, cancelled by a first-order term: a false Noether violation).
+    The same with ``step(closure)``, whose gradients exist only inside the step."""
+    m = _TwoBranches()
+    opt = _track(make(m.parameters()), m)
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for k, use_b in enumerate([True, False, True]):
+        def loss():
+            opt.zero_grad(set_to_none=True)
+            out = m(x, use_b).square().mean()
+            out.backward()
+            return out
+        if closure:
+            opt.zero_grad(set_to_none=True)
+            opt.step(loss)
+        else:
+            loss()
+            opt.step()
+        b, a = _terms(opt.tracker, "b.0-2/unit"), _terms(opt.tracker, "a.0-2/unit")
+        assert a["decay"].abs().max() > 0  # the stepped branch is decayed
+        if not use_b:
+            assert all(b[t].abs().max() == 0 for t in b), (k, {t: float(v.norm()) for t, v in b.items()})
+        else:
+            assert b["decay"].abs().max() > 0
+
+
+def test_fused_sgd_and_track_agree_on_a_parameter_without_grad():
+    ms = [_TwoBranches(), _TwoBranches()]
+    opts = [_track(torch.optim.SGD(ms[0].parameters(), lr=0.1, weight_decay=0.1), ms[0]),
+            FusedSGD(ms[1].parameters(), lr=0.1, weight_decay=0.1, track=ms[1], fp64=True, every=100, drift_every=1,
+                     snapshot_budget=None, keep_last=True)]
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for m, o in zip(ms, opts):
+        for use_b in (True, False):
+            o.zero_grad(set_to_none=True)
+            m(x, use_b).square().mean().backward()
+            o.step()
+    for t in ("decay", "first", "second"):
+        torch.testing.assert_close(opts[0].tracker.last[t].vec, opts[1].tracker.last[t].vec, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("how", ["track", "attach"])
+def test_gradscaler_skip_inside_a_fused_torch_optimizer_is_not_booked(how):
+    """``AdamW(fused=True)`` unscales in its own step: GradScaler calls its step() with ``found_inf`` set
+    and the step leaves the weights alone. That is no training step: not booked (it was booked with the
+    decay ``(a^2 - 1) h`` of a weight decay that did not happen, and the step count ran ahead)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    inner = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True, weight_decay=0.1)
+    sink = conserve.MemorySink()
+    if how == "track":
+        opt = conserve.track(inner, m, every=50, drift_every=1, sinks=[sink], snapshot_budget=None)
+        tr = opt.tracker
+    else:
+        opt, tr = inner, conserve.Tracker(m, every=50, drift_every=1, sinks=[sink], snapshot_budget=None)
+        handle = conserve.optim.attach(inner, tr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    g = torch.Generator().manual_seed(1)
+    for inf in (False, True, False):
+        opt.zero_grad()
+        loss = F.cross_entropy(m(torch.randn(5, 4, generator=g)), torch.tensor([0, 1, 2, 0, 1]))
+        before = [p.detach().clone() for p in m.parameters()]
+        scaler.scale(loss * (float("inf") if inf else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        if inf:
+            assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    assert tr.step_count == 2 == int(inner.state[m[0].weight]["step"])
+    tr.close()
+    assert [r["step"] for r in sink.records] == [1, 2]
+    assert all(r["drift/relu/measured"] > 0 for r in sink.records)
+    if how == "attach":
+        assert handle.steps == 2
