@@ -800,6 +800,16 @@ class Tracker:
         _LIVE.add(new)
         return new
 
+    def __getstate__(self) -> dict:
+        """Pickling keeps the series (values, pending rows, cumulative terms) without the sinks, as
+        ``copy.deepcopy`` does: an unpickled tracker is a snapshot, not a second writer (set ``sinks``)."""
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False}
+        return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _LIVE.add(self)
+
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Everything needed to continue the same series: ``h0``, ``h_k``, the guards, the cumulative

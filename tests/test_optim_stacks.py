@@ -173,3 +173,64 @@ def test_gradscaler_skip_inside_a_fused_torch_optimizer_is_not_booked(how):
     assert all(r["drift/relu/measured"] > 0 for r in sink.records)
     if how == "attach":
         assert handle.steps == 2
+
+
+# ----------------------------------------------------------------------------- copies and pickles
+def _ce_step(m, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    F.cross_entropy(m(torch.randn(5, 4, dtype=torch.float64, generator=g)), torch.tensor([0, 1, 0, 1, 0])).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("make", [lambda m: conserve.optim.FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+                                  lambda m: conserve.optim.FusedSGD(m.parameters(), lr=0.1, momentum=0.9),
+                                  lambda m: conserve.optim.FusedAdamW(m.parameters(), lr=1e-2, track=m, every=100,
+                                                                      drift_every=1)],
+                         ids=["adamw", "sgd", "adamw-tracked"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_fused_optimizer_copies_and_pickles_whole(make, how):
+    """``copy.deepcopy`` / pickle of a fused optimizer (with its model) steps on as the original (the
+    copy had no tracker, plan or backend: Optimizer.__getstate__ keeps three attributes, and its
+    ``step()`` raised AttributeError)."""
+    import pickle
+
+    m = _mlp()
+    opt = make(m)
+    _ce_step(m, opt, 0)
+    mc, oc = copy_of((m, opt), how)
+    for k in (1, 2):
+        _ce_step(m, opt, k)
+        _ce_step(mc, oc, k)
+    for p, q in zip(m.parameters(), mc.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+    if opt.tracker is not None:
+        assert oc.tracker is not opt.tracker and oc.tracker.step_count == 3
+        torch.testing.assert_close(torch.stack(oc.tracker._rows), torch.stack(opt.tracker._rows), equal_nan=True)
+
+
+def copy_of(obj, how):
+    import copy
+    import pickle
+
+    return copy.deepcopy(obj) if how == "deepcopy" else pickle.loads(pickle.dumps(obj))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_tracked_optimizer_copy_watches_its_own_groups(how, tmp_path):
+    """A copy (deepcopy, pickle: the JSONL sink's open file is not pickled, the copy has no sinks) of a
+    tracked optimizer re-checks the laws against ITS groups when their lr changes (the watch hook was a
+    closure: pickling failed, and a copy's inner optimizer kept no hook, so the copy never re-checked)."""
+    m = _mlp()
+    opt = torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.1)
+    opt = conserve.track(opt, m, every=100, sinks=[conserve.JSONLSink(tmp_path / "m.jsonl")])
+    _ce_step(m, opt, 0)
+    mc, oc = copy_of((m, opt), how)
+    assert oc.tracker.sinks == [] and oc.tracker.step_count == 1
+    oc.param_groups[0]["lr"] = 0.5
+    with pytest.warns(BrokenLawWarning, match="different lr"):
+        _ce_step(mc, oc, 1)
+    assert "different lr" in oc.tracker.broken_by[LAW] and opt.tracker.broken_by == {}
+    _ce_step(m, opt, 1)
+    opt.close()
+    assert (tmp_path / "m.jsonl").read_text().count("\n") == 2  # the original's rows only

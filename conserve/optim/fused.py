@@ -235,8 +235,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} does not support {key}=True; use torch.optim with "
                                  f"conserve.track(optimizer, model) for that option")
 
+    def __getstate__(self) -> dict:
+        # the whole optimizer (Optimizer.__getstate__ keeps defaults, state and param_groups only: a copy
+        # or an unpickled one had no tracker, no plan and no backend, and its step() failed)
+        return dict(self.__dict__)
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        tr = self.__dict__.get("tracker")
+        if tr is not None and "tensors" in tr.__dict__:  # a copy's tensors are new objects: ids again
+            self._tracked = {id(t): i for i, t in enumerate(tr.tensors)}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)

@@ -173,6 +173,8 @@ class TrackedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._patch_step_function()
+        # the inner optimizer's copy has no hooks (Optimizer.__getstate__ keeps none): watch its groups again
+        self.tracker.check_optimizer(self.optimizer)
 
     def __enter__(self) -> "TrackedOptimizer":
         return self

@@ -192,22 +192,33 @@ def _signature(opt) -> tuple:
     return tuple(out)
 
 
+class _Watch:
+    """The step pre-hook of ``_watch`` (a class, not a closure: ``copy.deepcopy`` of an optimizer that holds
+    it gives the copy's tracker, and the optimizer pickles)."""
+
+    def __init__(self, tracker, sig: tuple):
+        self.tracker, self.sig = tracker, sig
+
+    def __call__(self, o, args, kwargs) -> None:
+        sig = _signature(o)
+        if sig != self.sig:
+            self.sig = sig
+            check_optimizer(self.tracker, o, _watching=True)
+
+
 def _watch(tracker, optimizer) -> None:
     """Re-check before every step of the innermost optimizer when its groups stop agreeing the way they
-    did (e.g. a LambdaLR with one lambda per group), via ``register_step_pre_hook``: O(groups) per step."""
+    did (e.g. a LambdaLR with one lambda per group), via ``register_step_pre_hook``: O(groups) per step.
+    Registered once per (tracker, optimizer); again on a copy whose hooks were not copied (torch
+    optimizers' ``__getstate__`` keeps no hook)."""
     opt = unwrap_optimizer(optimizer)
-    if tracker.__dict__.get("_broken_watch") is opt or not hasattr(opt, "register_step_pre_hook"):
+    if not hasattr(opt, "register_step_pre_hook"):
         return
-    state = {"sig": _signature(opt)}
-
-    def hook(o, args, kwargs):
-        sig = _signature(o)
-        if sig != state["sig"]:
-            state["sig"] = sig
-            check_optimizer(tracker, o, _watching=True)
-
+    hooks = getattr(opt, "_optimizer_step_pre_hooks", None) or {}
+    if any(isinstance(h, _Watch) and h.tracker is tracker for h in hooks.values()):
+        return
     tracker._broken_watch = opt
-    tracker._broken_hook = opt.register_step_pre_hook(hook)
+    tracker._broken_hook = opt.register_step_pre_hook(_Watch(tracker, _signature(opt)))
 
 
 def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str, str]:
