@@ -234,3 +234,39 @@ def test_tracked_optimizer_copy_watches_its_own_groups(how, tmp_path):
     _ce_step(m, opt, 1)
     opt.close()
     assert (tmp_path / "m.jsonl").read_text().count("\n") == 2  # the original's rows only
+
+
+# ------------------------------------------------------------------------------------- state dicts
+def test_fused_adamw_loads_a_torch_fused_adamw_state_and_continues_it():
+    """A checkpoint of ``torch.optim.AdamW(fused=True)`` (``fused``/``foreach`` choose torch's
+    implementation, not the math) loads into ``FusedAdamW`` and continues the same run; it was refused
+    ("does not support fused=True") after the groups were replaced, leaving an optimizer that refused
+    every step."""
+    ms = [_mlp(), _mlp()]
+    tor = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True) for m in ms]
+    for k in range(2):
+        for m, o in zip(ms, tor):
+            _ce_step(m, o, k)
+    ours = conserve.optim.FusedAdamW(ms[1].parameters(), lr=1e-2, weight_decay=0.1, track=ms[1], every=100)
+    ours.load_state_dict(tor[1].state_dict())
+    assert ours.param_groups[0]["fused"] is None and ours.state[ms[1][0].weight]["step"] == 2
+    for k in (2, 3):
+        _ce_step(ms[0], tor[0], k)
+        _ce_step(ms[1], ours, k)
+    for p, q in zip(ms[0].parameters(), ms[1].parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+
+
+def test_a_refused_option_in_a_loaded_state_leaves_the_fused_optimizer_as_it_was():
+    m = _mlp()
+    tor = torch.optim.AdamW(m.parameters(), lr=1e-2, amsgrad=True)
+    _ce_step(m, tor, 0)
+    ours = conserve.optim.FusedAdamW(m.parameters(), lr=1e-3)
+    _ce_step(m, ours, 1)
+    before = ours.state_dict()
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        ours.load_state_dict(tor.state_dict())
+    after = ours.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert all(torch.equal(after["state"][i]["exp_avg"], before["state"][i]["exp_avg"]) for i in before["state"])
+    _ce_step(m, ours, 2)  # still steps

@@ -67,6 +67,8 @@ __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
                  "on_nonfinite", "keep_last")
+# param_group keys of torch's optimizers that choose an implementation of the same update (not the math)
+_IMPLEMENTATION = ("fused", "capturable", "foreach")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
 # block by block) besides the sampled Gram-law views; between drift steps the statistics cost one read
 # of the new weights (in cache: block by block).  Every 10th step keeps a tracked CPU step within
@@ -260,11 +262,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this class or of its torch twin. The twin's ``fused`` / ``capturable`` /
+        ``foreach`` say how torch ran the same update: they take this optimizer's values. An option
+        that changes the math and is not supported (``amsgrad``...) raises ``ValueError`` before
+        anything is loaded (the optimizer is left as it was)."""
         state_dict = dict(state_dict)
         tracked = state_dict.pop("conserve", None)
-        super().load_state_dict(state_dict)
-        for g in self.param_groups:
+        groups = [{**g, **{k: self.defaults[k] for k in _IMPLEMENTATION if k in g and k in self.defaults}}
+                  for g in state_dict.get("param_groups", [])]
+        for g in groups:
             self._check_group(g)
+        state_dict["param_groups"] = groups
+        super().load_state_dict(state_dict)
         if tracked is not None and self.tracker is not None:
             self.tracker.load_state_dict(tracked)
 
