@@ -270,3 +270,36 @@ def test_a_refused_option_in_a_loaded_state_leaves_the_fused_optimizer_as_it_was
     assert after["param_groups"] == before["param_groups"]
     assert all(torch.equal(after["state"][i]["exp_avg"], before["state"][i]["exp_avg"]) for i in before["state"])
     _ce_step(m, ours, 2)  # still steps
+
+
+def test_a_float32_tensor_lr_equal_to_a_float_lr_does_not_break_a_law():
+    """``lr=torch.tensor(0.01)`` (float32, as for compiled optimizers) in one group and ``lr=0.01`` in the
+    other are the same step size (they were "different lr in one law: 0.weight 0.01, ... 2.weight 0.01")."""
+    m = _mlp()
+    opt = torch.optim.AdamW([{"params": m[0].parameters(), "lr": torch.tensor(1e-2)},
+                             {"params": m[2].parameters(), "lr": 1e-2}], lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BrokenLawWarning)
+        t = conserve.track(opt, m, every=100)
+        _ce_step(m, t, 0)
+    assert t.tracker.broken_by == {}
+    t.param_groups[1]["lr"] = 2e-2
+    with pytest.warns(BrokenLawWarning, match="different lr"):
+        _ce_step(m, t, 1)
+
+
+def test_per_group_tensor_lrs_that_a_scheduler_moves_apart_break_the_law():
+    """Two groups with their own (CPU) tensor lr, LambdaLR with one lambda per group: the scheduler
+    writes the tensors in place, so the groups stop agreeing without any key changing identity; the
+    laws are re-checked (they were compared by tensor identity: never re-checked)."""
+    m = _mlp()
+    opt = torch.optim.SGD([{"params": m[0].parameters(), "lr": torch.tensor(0.1)},
+                           {"params": m[2].parameters(), "lr": torch.tensor(0.1)}], lr=0.1)
+    t = conserve.track(opt, m, every=100)
+    sched = torch.optim.lr_scheduler.LambdaLR(t, [lambda s: 1.0, lambda s: 0.5 ** s])
+    _ce_step(m, t, 0)
+    sched.step()
+    assert t.tracker.broken_by == {}
+    with pytest.warns(BrokenLawWarning, match="different lr"):
+        _ce_step(m, t, 1)
+    assert "different lr in one law" in t.tracker.broken_by[LAW]

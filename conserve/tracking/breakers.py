@@ -25,6 +25,7 @@ import sys
 import warnings
 from typing import Mapping
 
+import numpy as np
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
@@ -154,7 +155,7 @@ def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str
                 continue
             need = _ONLY_WITH.get(key)
             vals = [_num(g.get(key, 0.0) or 0.0) if need is None or g.get(need) else 0.0 for g in groups]
-            if len(set(vals)) > 1:
+            if len({float(np.float32(v)) for v in vals}) > 1:  # at fp32 resolution: lr=tensor(0.01) is lr=0.01
                 reasons.append(f"{what}: {_describe(ps, vals)}")
         if reasons:
             out[law.name] = "; ".join(reasons)
@@ -179,13 +180,19 @@ class BrokenMonitor:
 
 
 def _signature(opt) -> tuple:
-    """Which groups agree on each compared key, and their sizes: a law's breakers can only change when this
-    does (a scheduler scaling every group alike leaves it unchanged). Tensor values (capturable lr) count by
-    identity, so reading them never syncs the device."""
+    """Which groups agree on each compared key (at fp32 resolution, as ``law_breakers`` compares), and their
+    sizes: a law's breakers can only change when this does (a scheduler scaling every group alike leaves it
+    unchanged). Tensor values on the CPU are read; off the CPU (capturable lr) they count by identity, so
+    reading them never syncs the device, and beside plain numbers the numbers' values count (a change of
+    one of them re-checks)."""
     out = []
     for key, _ in _COMPARED:
         vals = [g.get(key, 0.0) for g in opt.param_groups]
-        vals = [id(v) if torch.is_tensor(v) else float(v or 0.0) for v in vals]
+        vals = [("tensor", id(v)) if torch.is_tensor(v) and v.device.type != "cpu" else float(np.float32(_num(v or 0.0)))
+                for v in vals]
+        if len({type(v) for v in vals}) > 1:
+            out.append(tuple(vals))
+            continue
         first = {}
         out.append(tuple(first.setdefault(v, len(first)) for v in vals))
     out.append(tuple(len(g["params"]) for g in opt.param_groups))
