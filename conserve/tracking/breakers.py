@@ -182,14 +182,17 @@ class BrokenMonitor:
 def _signature(opt) -> tuple:
     """Which groups agree on each compared key (at fp32 resolution, as ``law_breakers`` compares), and their
     sizes: a law's breakers can only change when this does (a scheduler scaling every group alike leaves it
-    unchanged). Tensor values on the CPU are read; off the CPU (capturable lr) they count by identity, so
-    reading them never syncs the device, and beside plain numbers the numbers' values count (a change of
+    unchanged). Tensor values on the CPU are read; off the CPU (capturable lr) and while torch.compile traces
+    they count by identity, so reading them never syncs the device nor breaks a graph, and beside plain numbers the numbers' values count (a change of
     one of them re-checks)."""
-    out = []
+    out, tracing = [], torch.compiler.is_compiling()  # (traced: by identity too, no graph break on a read)
     for key, _ in _COMPARED:
         vals = [g.get(key, 0.0) for g in opt.param_groups]
-        vals = [("tensor", id(v)) if torch.is_tensor(v) and v.device.type != "cpu" else float(np.float32(_num(v or 0.0)))
-                for v in vals]
+        if tracing:
+            vals = [id(v) if torch.is_tensor(v) else float(v or 0.0) for v in vals]
+        else:
+            vals = [("tensor", id(v)) if torch.is_tensor(v) and v.device.type != "cpu"
+                    else float(np.float32(_num(v or 0.0))) for v in vals]
         if len({type(v) for v in vals}) > 1:
             out.append(tuple(vals))
             continue
