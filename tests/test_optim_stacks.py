@@ -3,6 +3,7 @@ torch optimizer against its update rule (ASGD), parameters that get no gradient 
 skipping inside an optimizer that unscales in its own step, and the group keys that break a law."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -303,3 +304,61 @@ def test_per_group_tensor_lrs_that_a_scheduler_moves_apart_break_the_law():
     with pytest.warns(BrokenLawWarning, match="different lr"):
         _ce_step(m, t, 1)
     assert "different lr in one law" in t.tracker.broken_by[LAW]
+
+
+# ------------------------------------------------------------------ decay factors against the update rule
+def _timm(name):
+    timm_optim = pytest.importorskip("timm.optim")
+    return getattr(timm_optim, name)
+
+
+def _lr(opt, lr):
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return opt
+
+
+_RULES = {  # name: (factory(params, weight_decay), its decay factor, from the optimizer's code); decoupled
+    # rules only (a coupled L2 under momentum or Adam is inside Delta: a = 1, nothing to compare)
+    "SGD": (lambda p, wd: torch.optim.SGD(p, lr=0.1, weight_decay=wd), lambda wd: 1 - 0.1 * wd),
+    "Adam-decoupled": (lambda p, wd: torch.optim.Adam(p, lr=0.01, weight_decay=wd, decoupled_weight_decay=True),
+                       lambda wd: 1 - 0.01 * wd),
+    "AdamW": (lambda p, wd: torch.optim.AdamW(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
+    "NAdam-decoupled": (lambda p, wd: torch.optim.NAdam(p, lr=0.01, weight_decay=wd, decoupled_weight_decay=True),
+                        lambda wd: 1 - 0.01 * wd),
+    "RAdam-decoupled": (lambda p, wd: torch.optim.RAdam(p, lr=0.01, weight_decay=wd, decoupled_weight_decay=True),
+                        lambda wd: 1 - 0.01 * wd),
+    "Adafactor": (lambda p, wd: torch.optim.Adafactor(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
+    "timm-SGDW-momentum": (lambda p, wd: _timm("SGDW")(p, lr=0.1, momentum=0.9, weight_decay=wd), lambda wd: 1 - 0.1 * wd),
+    "timm-Lion": (lambda p, wd: _timm("Lion")(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
+    "timm-NAdamW": (lambda p, wd: _timm("NAdamW")(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
+    "timm-AdamWLegacy-corrected": (lambda p, wd: _lr(_timm("AdamWLegacy")(p, lr=0.01, weight_decay=wd,
+                                                                            corrected_weight_decay=True), 0.005),
+                                   lambda wd: 1 - 0.005 ** 2 / 0.01 * wd),  # scheduled down to half its max lr
+}
+
+
+@pytest.mark.parametrize("name", list(_RULES))
+def test_decay_factor_matches_the_update_rule(name):
+    """Independent reference: the same step from the same state without weight decay gives the update
+    ``Delta`` that does not depend on the decay; ``theta_{k+1} = a theta_k + Delta`` then fixes ``a``
+    (after a first step, so momentum and moment buffers are non-zero). A factor left at 1 (torch's
+    Adafactor, timm's decoupled optimizers) booked the decay as first-order drift."""
+    make, rule = _RULES[name]
+    wd = 0.5
+    m = _mlp()
+    opt = _track(make(m.parameters(), wd), m)
+    _sgd_step(m, opt, 0)
+    twin = _mlp()
+    twin.load_state_dict(m.state_dict())
+    t_opt = make(twin.parameters(), wd)
+    t_opt.load_state_dict(copy.deepcopy(opt.optimizer.state_dict()))  # (torch would share the buffers)
+    for g in t_opt.param_groups:
+        g["weight_decay"] = 0.0
+    theta = [p.detach().clone() for p in m.parameters()]
+    _sgd_step(twin, t_opt, 1)
+    _sgd_step(m, opt, 1)
+    a = rule(wd)
+    for p, q, t in zip(m.parameters(), twin.parameters(), theta):
+        torch.testing.assert_close(p - a * t, q - t, rtol=1e-9, atol=1e-12)  # the rule is the optimizer's
+    assert [float(x) for x in opt.tracker._a] == pytest.approx([a] * len(opt.tracker._a), rel=0, abs=1e-15)

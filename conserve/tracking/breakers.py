@@ -57,10 +57,21 @@ def unwrap_optimizer(optimizer, *, frameworks_only: bool = False):
     return optimizer
 
 
+# timm optimizers that multiply the weights by ``1 - s * weight_decay`` before their step, ``s`` = lr (or
+# lr^2 / max_lr_snapshot with ``corrected_weight_decay``); checked only when their module is imported
+_TIMM_DECOUPLED = (("timm.optim.adamw", "AdamWLegacy"), ("timm.optim.nadamw", "NAdamW"), ("timm.optim.sgdw", "SGDW"),
+                   ("timm.optim.lion", "Lion"))
+
+
+def _timm_decoupled(opt) -> bool:
+    return any(isinstance(opt, c) for c in (getattr(sys.modules.get(m), n, None) for m, n in _TIMM_DECOUPLED)
+               if isinstance(c, type))
+
+
 def _decoupled(opt, group: Mapping) -> bool:
     """True when the update rule multiplies the weights by ``1 - lr * weight_decay`` before the step."""
     O = torch.optim
-    if isinstance(opt, O.AdamW):
+    if isinstance(opt, O.AdamW) or isinstance(opt, getattr(O, "Adafactor", ())):
         return True
     if isinstance(opt, (O.Adam, O.NAdam, O.RAdam)):
         return bool(group.get("decoupled_weight_decay", False))
@@ -79,6 +90,9 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
       ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``;
     * ``ASGD``: its step is ``(1 - eta lambd) theta - eta (g + wd theta)`` with ``eta`` the parameter's
       state (``lr`` before its first step), so ``1 - eta * (lambd + weight_decay)``;
+    * ``Adafactor`` (torch's): ``1 - lr * weight_decay``; timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW``
+      (with or without momentum) and ``Lion``: ``1 - s * weight_decay``, ``s = lr`` (``lr^2 / max_lr`` with
+      ``corrected_weight_decay``);
     * anything else (momentum, coupled L2 in Adam, unknown rules): 1, the decay is inside ``Delta``.
 
     ``optimizer`` may be wrapped (see ``unwrap_optimizer``); ``lr`` may be a tensor (then so is ``a``)."""
@@ -94,6 +108,8 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
         return 1.0 - eta * rate if rate else 1.0
     from ..optim.fused import FusedSGD
 
+    if wd and _timm_decoupled(opt):
+        return 1.0 - (lr * lr / group["max_lr_snapshot"] if group.get("corrected_weight_decay") else lr) * wd
     sgd = isinstance(opt, (torch.optim.SGD, FusedSGD)) and not group.get("momentum", 0.0)
     if wd and (_decoupled(opt, group) or sgd):
         return 1.0 - lr * wd
