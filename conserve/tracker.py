@@ -49,6 +49,19 @@ DRIFT_EVERY = 4  # default drift cadence (see Tracker)
 SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
 
 
+EAGER_REASON = ("conserve's tracking and fused optimizer steps run eagerly, outside torch.compile graphs: compile the "
+                "training step without fullgraph=True (torch.optim's own step breaks the graph too)")
+
+
+def eager(fn):
+    """``torch.compiler.disable(fn)``, with the reason dynamo prints when ``fullgraph=True`` refuses it
+    (its default hint, "remove the torch.compiler.disable call", is not the user's fix)."""
+    try:
+        return torch.compiler.disable(fn, reason=EAGER_REASON)
+    except TypeError:  # torch without the reason argument
+        return torch.compiler.disable(fn)
+
+
 def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
     return kernels.Plan([replace(t, sign=abs(t.sign)) for t in plan.grams],
                         [replace(t, sign=abs(t.sign)) for t in plan.norms],
@@ -357,7 +370,7 @@ class Tracker:
         """Whether the next step (``step_count + 1``) decomposes the drift."""
         return self.drift and self.step_count % self.drift_every == 0
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Right before the optimizer step: on a drift step, copy what it reads of ``theta_k`` and take
@@ -368,7 +381,7 @@ class Tracker:
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
         self._a = decay_factors(optimizer, self.tensors)
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def after_step(self) -> None:
         """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``)."""
@@ -563,7 +576,7 @@ class Tracker:
         else:
             self.sampled_steps += 1
 
-    @torch.compiler.disable
+    @eager
     def record(self, **scalars) -> None:
         """Attach scalars (tensors stay on the device; floats are fine) to the current step's row."""
         if not self._rows:

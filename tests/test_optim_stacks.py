@@ -362,3 +362,20 @@ def test_decay_factor_matches_the_update_rule(name):
     for p, q, t in zip(m.parameters(), twin.parameters(), theta):
         torch.testing.assert_close(p - a * t, q - t, rtol=1e-9, atol=1e-12)  # the rule is the optimizer's
     assert [float(x) for x in opt.tracker._a] == pytest.approx([a] * len(opt.tracker._a), rel=0, abs=1e-15)
+
+
+# ----------------------------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("fused", [False, True])
+def test_fullgraph_compile_of_a_tracked_step_names_the_fix(fused):
+    """``fullgraph=True`` cannot hold the tracker's eager bookkeeping (nor torch.optim's own step): dynamo's
+    error carries conserve's reason, naming the fix, instead of "(reason: None) ... remove the
+    torch.compiler.disable call"."""
+    m = _mlp()
+    opt = (conserve.optim.FusedAdamW(m.parameters(), lr=torch.tensor(1e-2), track=m, every=100) if fused else
+           conserve.track(torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2)), m, every=100))
+    step = torch.compile(lambda: opt.step(), fullgraph=True, backend="eager")
+    opt.zero_grad()
+    m(torch.randn(5, 4, dtype=torch.float64)).square().mean().backward()
+    with pytest.raises(Exception, match="without fullgraph=True"):
+        step()
+    torch._dynamo.reset()

@@ -60,7 +60,7 @@ from .. import kernels
 from ..kernels import optim_step as K
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
-from ..tracker import Tracker, Values
+from ..tracker import Tracker, Values, eager
 from ..tracking.drift import Mask, Sampler, drift_pieces, make_mask
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
@@ -310,7 +310,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Params with a gradient (each once), their state buffers, steps and fresh-buffer flags."""
         raise NotImplementedError
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step (and, when tracking, one row of law values; drift terms on drift steps).

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from ..tracker import Tracker
+from ..tracker import Tracker, eager
 from ..tracking.breakers import unwrap_optimizer as _unwrap
 
 
@@ -52,7 +52,7 @@ def _in_dcp_state_init(depth: int = 8) -> bool:
     return False
 
 
-@torch.compiler.disable
+@eager
 def _found_inf(found) -> bool:
     return bool(found.item())
 

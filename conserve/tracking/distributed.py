@@ -51,7 +51,7 @@ from torch import nn
 from .. import kernels
 from ..errors import NonFiniteError, UsageError
 from ..laws import Law
-from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors, stepped_factors
+from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors, eager, stepped_factors
 from .shard_plan import _Entries, _Layout, comm_schedule
 from .drift import drift_pieces
 
@@ -416,7 +416,7 @@ class DistributedTracker(Tracker):
         """Whether the next step decomposes the drift (steps 1, 1 + N, ...; pending steps count)."""
         return self.drift and (self.step_count + len(self._pend)) % self.drift_every == 0
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """On a drift step, copy this rank's shards of ``theta_k`` (dropped after the step: no copy is
@@ -452,7 +452,7 @@ class DistributedTracker(Tracker):
                     parts.append(self._sq_bins(self._masked(v), self._vec_fam, self._gram_fam, nf))
         return torch.cat(parts)
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def after_step(self) -> None:
         """Evaluate this rank's terms at ``theta_{k+1}`` (and the drift terms when ``before_step`` ran)
@@ -580,7 +580,7 @@ class DistributedTracker(Tracker):
                              "use a torch optimizer with conserve.distributed.track (or Tracker.after_step)")
         super().record_step(h1, terms, sampled)
 
-    @torch.compiler.disable
+    @eager
     def record(self, **scalars) -> None:
         """Attach scalars to the current step's row (rank 0's values are the ones written)."""
         if self._pend:
