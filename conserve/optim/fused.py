@@ -408,16 +408,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tr, fp = self.tracker, self._fp
         drift_step = tr.drift and tr.step_count % tr.drift_every == 0
         dev, dt = tr.device, vals.dtype
-        if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
-            h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
-                                              backend=tr.backend))
-            h1 = Values(h_rest.vec.add_(vals[0]), h_rest.grams)
-            del h_rest
-        else:  # a copy: a view would keep all four statistics rows alive as tracker.h
-            h1 = Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
-                                          for d, n in tr.compiled.plan.gram_slots.items()})
+
+        def h_new() -> Values:  # evaluated after the DRIFT pass: the snapshot is freed by then
+            if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
+                h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
+                                                  backend=tr.backend))
+                return Values(h_rest.vec.add_(vals[0]), h_rest.grams)
+            # a copy: a view would keep all four statistics rows alive as tracker.h
+            return Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
+                                            for d, n in tr.compiled.plan.gram_slots.items()})
         if not drift_step:
-            tr.record_step(h1, None)
+            tr.record_step(h_new(), None)
             return
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         mask = self._mask(snap)
@@ -429,7 +430,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             asm = tr.assembly
             news = self._sampler.news(snap, tr.tensors)
             pieces = drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
-                                  backend=tr.backend, decay=asm.needs_kernel_decay(a, mask))
+                                  backend=tr.backend, decay=asm.needs_kernel_decay(a, mask), donate=True,
+                                  values=False)  # the snapshot is ours (Delta is formed in it)
             snap.olds.clear()
             del snap, news
             _, dec, b, hd = (None if x is None else Values(*x) for x in pieces)
@@ -460,6 +462,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 o.copy_(r)
         del cfv, cfg, csv, csg
         decay = tr.assembly.decay(h_old, a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
+        h1 = h_new()
         del vals, kv, kg
         mask.restrict_((fv, fg), (sv, sg))
         tr._terms_buf = buf  # taken by record_step
