@@ -328,6 +328,11 @@ _RULES = {  # name: (factory(params, weight_decay), its decay factor, from the o
                         lambda wd: 1 - 0.01 * wd),
     "RAdam-decoupled": (lambda p, wd: torch.optim.RAdam(p, lr=0.01, weight_decay=wd, decoupled_weight_decay=True),
                         lambda wd: 1 - 0.01 * wd),
+    # a float32 tensor lr: SGD steps with it as a double, AdamW multiplies by 1 - lr wd formed in float32
+    "SGD-tensor-lr": (lambda p, wd: torch.optim.SGD(p, lr=torch.tensor(0.1), weight_decay=wd),
+                      lambda wd: 1 - float(torch.tensor(0.1)) * wd),
+    "AdamW-tensor-lr": (lambda p, wd: torch.optim.AdamW(p, lr=torch.tensor(0.01), weight_decay=wd),
+                        lambda wd: float(1 - torch.tensor(0.01) * wd)),
     "Adafactor": (lambda p, wd: torch.optim.Adafactor(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
     "timm-SGDW-momentum": (lambda p, wd: _timm("SGDW")(p, lr=0.1, momentum=0.9, weight_decay=wd), lambda wd: 1 - 0.1 * wd),
     "timm-Lion": (lambda p, wd: _timm("Lion")(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),

@@ -106,14 +106,18 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
             eta = torch.tensor(_num(lr), dtype=_get_scalar_dtype())
         eta = eta.double() if torch.is_tensor(eta) else eta  # torch reads the float32 state as a double
         return 1.0 - eta * rate if rate else 1.0
-    from ..optim.fused import FusedSGD
+    from ..optim.fused import FusedAdam, FusedSGD
 
     if wd and _timm_decoupled(opt):
-        return 1.0 - (lr * lr / group["max_lr_snapshot"] if group.get("corrected_weight_decay") else lr) * wd
+        return 1.0 - (lr ** 2 / group["max_lr_snapshot"] if group.get("corrected_weight_decay") else lr) * wd
     sgd = isinstance(opt, (torch.optim.SGD, FusedSGD)) and not group.get("momentum", 0.0)
-    if wd and (_decoupled(opt, group) or sgd):
-        return 1.0 - lr * wd
-    return 1.0
+    if not wd or not (sgd or _decoupled(opt, group)):
+        return 1.0
+    if torch.is_tensor(lr) and (sgd or isinstance(opt, FusedAdam)):
+        # these step with the lr as a double (SGD: ``add_(grad, alpha=-lr)``; conserve's: ``float(lr)``), while
+        # torch's decoupled rules multiply by ``1 - lr * wd`` formed in the tensor's dtype, as here
+        lr = lr.double()
+    return 1.0 - lr * wd
 
 
 def per_param_decay(optimizer) -> bool:
