@@ -333,6 +333,8 @@ _RULES = {  # name: (factory(params, weight_decay), its decay factor, from the o
                       lambda wd: 1 - float(torch.tensor(0.1)) * wd),
     "AdamW-tensor-lr": (lambda p, wd: torch.optim.AdamW(p, lr=torch.tensor(0.01), weight_decay=wd),
                         lambda wd: float(1 - torch.tensor(0.01) * wd)),
+    "AdamW-fused-tensor-lr": (lambda p, wd: torch.optim.AdamW(p, lr=torch.tensor(0.01), weight_decay=wd, fused=True),
+                              lambda wd: 1 - float(torch.tensor(0.01)) * wd),  # float64 weights: a double
     "Adafactor": (lambda p, wd: torch.optim.Adafactor(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
     "timm-SGDW-momentum": (lambda p, wd: _timm("SGDW")(p, lr=0.1, momentum=0.9, weight_decay=wd), lambda wd: 1 - 0.1 * wd),
     "timm-Lion": (lambda p, wd: _timm("Lion")(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),

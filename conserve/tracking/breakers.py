@@ -113,9 +113,11 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
     sgd = isinstance(opt, (torch.optim.SGD, FusedSGD)) and not group.get("momentum", 0.0)
     if not wd or not (sgd or _decoupled(opt, group)):
         return 1.0
-    if torch.is_tensor(lr) and (sgd or isinstance(opt, FusedAdam)):
-        # these step with the lr as a double (SGD: ``add_(grad, alpha=-lr)``; conserve's: ``float(lr)``), while
-        # torch's decoupled rules multiply by ``1 - lr * wd`` formed in the tensor's dtype, as here
+    if torch.is_tensor(lr) and (sgd or isinstance(opt, FusedAdam) or (
+            group.get("fused") and all(p.dtype == torch.float64 for p in group["params"]))):
+        # these step with the lr as a double (SGD: ``add_(grad, alpha=-lr)``; conserve's: ``float(lr)``; torch's
+        # fused kernels on float64 weights), while torch's other decoupled rules multiply by ``1 - lr * wd``
+        # formed in the tensor's dtype, as here
         lr = lr.double()
     return 1.0 - lr * wd
 
