@@ -386,3 +386,34 @@ def test_fullgraph_compile_of_a_tracked_step_names_the_fix(fused):
     with pytest.raises(Exception, match="without fullgraph=True"):
         step()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cls", [FusedSGD, conserve.optim.FusedAdamW])
+def test_fused_record_after_a_gradscaler_skipped_step_keeps_the_step_values(cls):
+    """GradScaler skips the fused optimizer's step on inf gradients; a ``record(loss=...)`` of the skipped
+    step keeps the loss of the step that ran (it overwrote it silently), as ``TrackedOptimizer.record``."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    sink = conserve.MemorySink()
+    opt = cls(m.parameters(), lr=0.1, track=m, every=50, sinks=[sink])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    g = torch.Generator().manual_seed(0)
+
+    def step(inf):
+        opt.zero_grad()
+        loss = F.cross_entropy(m(torch.randn(5, 4, generator=g)), torch.tensor([0, 1, 2, 0, 1]))
+        scaler.scale(loss * (float("inf") if inf else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+
+    first = step(False)
+    opt.record(loss=first)
+    step(True)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        opt.record(loss=torch.tensor(123.0))
+    third = step(False)
+    opt.record(loss=third)
+    opt.close()
+    assert [(r["step"], r["loss"]) for r in sink.records] == [(1, pytest.approx(float(first))),
+                                                              (2, pytest.approx(float(third)))]

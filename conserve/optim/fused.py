@@ -279,8 +279,13 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # ---- tracker conveniences -------------------------------------------------------------------
     def record(self, **scalars) -> None:
-        """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row."""
-        self._need_tracker().record(**scalars)
+        """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row. A key recorded
+        again before the next step (that step was skipped, e.g. by ``GradScaler``) keeps the value of the
+        step it belongs to (one warning), as ``TrackedOptimizer.record``."""
+        from .wrapper import record_once
+
+        tr = self._need_tracker()
+        record_once(self, tr, tr.step_count, scalars)
 
     def flush(self):
         return self._need_tracker().flush()

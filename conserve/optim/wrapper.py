@@ -96,6 +96,27 @@ def _check_trackable(optimizer) -> None:
                          "conserve.integrations.hf.ConserveCallback")
 
 
+def record_once(owner, tracker, steps: int, scalars: dict) -> None:
+    """``tracker.record(**scalars)``, except keys already recorded since step ``steps`` (the count of steps
+    ``owner`` booked): the step in between was skipped (GradScaler), so the later values are not booked
+    (one ``RuntimeWarning`` per ``owner``) and the row keeps the values of the step it belongs to."""
+    seen = owner.__dict__.get("_recorded")
+    if seen is None or seen[0] != steps:
+        seen = owner.__dict__["_recorded"] = (steps, set())
+    again = [k for k in scalars if k in seen[1]]
+    if again:
+        if not owner.__dict__.get("_warned_skip"):
+            owner.__dict__["_warned_skip"] = True
+            warnings.warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
+                          "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
+                          "the later ones are not booked", RuntimeWarning, stacklevel=3)
+        scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
+        if not scalars:
+            return
+    tracker.record(**scalars)
+    seen[1].update(scalars)
+
+
 class TrackedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer``; ``tracker`` (a ``Tracker``) sees every step. See ``conserve.track``.
 
@@ -235,22 +256,7 @@ class TrackedOptimizer(torch.optim.Optimizer):
         A key recorded again before the next step (the step was skipped, e.g. by ``GradScaler`` on
         inf/NaN gradients) keeps the value of the step it belongs to; the later value is not booked
         (one warning)."""
-        steps = self.__dict__.get("_steps", 0)
-        seen = self.__dict__.get("_recorded")
-        if seen is None or seen[0] != steps:
-            seen = self.__dict__["_recorded"] = (steps, set())
-        again = [k for k in scalars if k in seen[1]]
-        if again:
-            if not self.__dict__.get("_warned_skip"):
-                self.__dict__["_warned_skip"] = True
-                warnings.warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
-                              "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
-                              "the later ones are not booked", RuntimeWarning, stacklevel=2)
-            scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
-            if not scalars:
-                return
-        self.tracker.record(**scalars)
-        seen[1].update(scalars)
+        record_once(self, self.tracker, self.__dict__.get("_steps", 0), scalars)
 
     def flush(self):
         return self.tracker.flush()
