@@ -923,7 +923,8 @@ def stepped_factors(a: Sequence, params: Sequence[torch.Tensor]) -> list[float]:
     """``a`` as floats, 1.0 for a parameter whose ``.grad`` is None after the step: torch optimizers (and
     conserve's fused ones) skip such a parameter, so it is not decayed either (read after the step, so
     the gradients a ``step(closure)`` computes count)."""
-    return [1.0 if p.grad is None else float(x) for p, x in zip(params, a)]
+    return [1.0 if p.is_leaf and p.grad is None else float(x) for p, x in zip(params, a)]  # (no .grad warning
+    # for a non-leaf tensor given as ``params=``: no optimizer holds it, its factor is 1 already)
 
 
 _LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()  # trackers not closed yet
