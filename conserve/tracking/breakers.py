@@ -71,7 +71,7 @@ def _timm_decoupled(opt) -> bool:
 def _decoupled(opt, group: Mapping) -> bool:
     """True when the update rule multiplies the weights by ``1 - lr * weight_decay`` before the step."""
     O = torch.optim
-    if isinstance(opt, O.AdamW) or isinstance(opt, getattr(O, "Adafactor", ())):
+    if isinstance(opt, (O.AdamW, *(getattr(O, n) for n in ("Adafactor", "Muon") if hasattr(O, n)))):
         return True
     if isinstance(opt, (O.Adam, O.NAdam, O.RAdam)):
         return bool(group.get("decoupled_weight_decay", False))
@@ -90,7 +90,7 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
       ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``;
     * ``ASGD``: its step is ``(1 - eta lambd) theta - eta (g + wd theta)`` with ``eta`` the parameter's
       state (``lr`` before its first step), so ``1 - eta * (lambd + weight_decay)``;
-    * ``Adafactor`` (torch's): ``1 - lr * weight_decay``; timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW``
+    * torch's ``Adafactor`` and ``Muon``: ``1 - lr * weight_decay`` (Muon: the group lr, not its adjusted one); timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW``
       (with or without momentum) and ``Lion``: ``1 - s * weight_decay``, ``s = lr`` (``lr^2 / max_lr`` with
       ``corrected_weight_decay``);
     * anything else (momentum, coupled L2 in Adam, unknown rules): 1, the decay is inside ``Delta``.
