@@ -578,12 +578,13 @@ class Tracker:
 
     @eager
     def record(self, **scalars) -> None:
-        """Attach scalars (tensors stay on the device; floats are fine) to the current step's row."""
+        """Attach scalars (tensors stay on the device; floats are fine) to the current step's row. Tensors
+        are kept detached: ``record(loss=loss)`` does not hold the step's autograd graph until the flush."""
         if not self._rows:
             raise RuntimeError("record() needs a step first: call it after optimizer.step()")
         while len(self._extras) < len(self._rows):
             self._extras.append({})
-        self._extras[len(self._rows) - 1].update(scalars)
+        self._extras[len(self._rows) - 1].update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
 
     def latest(self) -> dict | None:
         """The most recent step's row (``eps/...``, ``drift/...`` and the ``step``) as host floats, without

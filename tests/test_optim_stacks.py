@@ -430,3 +430,24 @@ def test_fused_record_after_a_gradscaler_skipped_step_keeps_the_step_values(cls)
     opt.close()
     assert [(r["step"], r["loss"]) for r in sink.records] == [(1, pytest.approx(float(first))),
                                                               (2, pytest.approx(float(third)))]
+
+
+def test_record_of_a_loss_with_its_graph_does_not_keep_the_graph():
+    """``opt.record(loss=loss)`` without ``.detach()`` (a plausible slip): the row keeps a detached value,
+    so the step's autograd graph (its activations) is not held until the flush, ``every`` steps later."""
+    import weakref
+
+    m = _mlp()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=100)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    opt.zero_grad()
+    h = m[0](x).relu()  # an activation the graph saves
+    loss = m[2](h).square().mean()
+    loss.backward()
+    opt.step()
+    opt.record(loss=loss)
+    alive = weakref.ref(h)
+    del h, loss
+    assert alive() is None
+    assert not opt.tracker._extras[-1]["loss"].requires_grad
+    assert opt.flush()[-1]["loss"] > 0

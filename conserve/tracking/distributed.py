@@ -584,7 +584,7 @@ class DistributedTracker(Tracker):
     def record(self, **scalars) -> None:
         """Attach scalars to the current step's row (rank 0's values are the ones written)."""
         if self._pend:
-            self._pend[-1].extras.update(scalars)
+            self._pend[-1].extras.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
         else:
             super().record(**scalars)
 
