@@ -268,8 +268,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         # the whole optimizer (Optimizer.__getstate__ keeps defaults, state and param_groups only: a copy
-        # or an unpickled one had no tracker, no plan and no backend, and its step() failed)
-        return dict(self.__dict__)
+        # or an unpickled one had no tracker, no plan and no backend, and its step() failed); the side
+        # stream (overlap=True on CUDA) is made again on first use
+        return {**self.__dict__, "_side": None, "_early": None}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
