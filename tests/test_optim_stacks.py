@@ -451,3 +451,17 @@ def test_record_of_a_loss_with_its_graph_does_not_keep_the_graph():
     assert alive() is None
     assert not opt.tracker._extras[-1]["loss"].requires_grad
     assert opt.flush()[-1]["loss"] > 0
+
+
+def test_asgd_alpha_breaks_a_law_but_rmsprop_alpha_does_not():
+    """ASGD's eta_t = lr / (1 + lambd lr t)^alpha: groups with different alpha step a law with two step
+    sizes (broken); RMSprop's alpha (a smoothing constant, no lambd) is not compared."""
+    m = _mlp()
+    groups = lambda: [{"params": m[0].parameters(), "alpha": 0.5}, {"params": m[2].parameters()}]  # noqa: E731
+    with pytest.warns(BrokenLawWarning, match="alpha"):
+        t = conserve.track(torch.optim.ASGD(groups(), lr=0.05, lambd=0.01), m, every=100)
+    assert "different ASGD step-size power (alpha)" in t.tracker.broken_by[LAW]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BrokenLawWarning)
+        t = conserve.track(torch.optim.RMSprop(groups(), lr=0.01), m, every=100)
+    assert t.tracker.broken_by == {}

@@ -11,7 +11,8 @@ optimizer's ``param_groups`` and marks the law ``broken_by`` (it is still tracke
 * some of its parameters are not held by the optimizer ("not held by the optimizer: ..."): they do
   not move, the others do;
 * ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``), ``dampening`` under
-  momentum (it scales the step by ``1 - dampening``), ``maximize`` or ASGD's ``lambd`` (its decay) differ.
+  momentum (it scales the step by ``1 - dampening``), ``maximize`` or ASGD's ``lambd`` (its decay) or
+  ``alpha`` (its step-size schedule) differ.
 
 ``decay_factor(optimizer, group)`` is ``a`` in ``theta_{k+1} = a theta_k + Delta`` (spec "Discrete
 steps"), read from the group's hyper-parameters and the update rule of the optimizer's class found by
@@ -149,8 +150,12 @@ def _describe(names: list[str], vals: list[float]) -> str:
 # effective step by 1 / (1 - momentum)) and the sign of the step (``maximize``)
 _COMPARED = (("lr", "different lr in one law"), ("weight_decay", "weight decay on only part of one law"),
              ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"),
-             ("dampening", "different dampening in one law"), ("lambd", "different ASGD decay (lambd) in one law"))
-_ONLY_WITH = {"dampening": "momentum"}  # dampening scales the step only under momentum
+             ("dampening", "different dampening in one law"), ("lambd", "different ASGD decay (lambd) in one law"),
+             ("alpha", "different ASGD step-size power (alpha) in one law"))
+# keys that matter only with another one: dampening scales the step under momentum only; ASGD's eta =
+# lr / (1 + lambd lr t)^alpha depends on alpha only when lambd != 0 (other optimizers' alpha, RMSprop's
+# smoothing constant, has no lambd beside it: not compared)
+_ONLY_WITH = {"dampening": "momentum", "alpha": "lambd"}
 
 
 def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str, str]:
