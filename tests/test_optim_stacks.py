@@ -465,3 +465,26 @@ def test_asgd_alpha_breaks_a_law_but_rmsprop_alpha_does_not():
         warnings.simplefilter("error", BrokenLawWarning)
         t = conserve.track(torch.optim.RMSprop(groups(), lr=0.01), m, every=100)
     assert t.tracker.broken_by == {}
+
+
+def test_attach_remove_also_stops_the_group_watch():
+    """After ``handle.remove()`` the optimizer steps on untracked: no hook of the tracker is left on it
+    (the breakers' watch stayed, re-checking a detached tracker and warning on a later lr change)."""
+    m = _mlp()
+    opt = torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.1)
+    tr = conserve.Tracker(m, every=100)
+    handle = conserve.optim.attach(opt, tr)
+    _ce_step(m, opt, 0)
+    handle.remove()
+    assert len(opt._optimizer_step_pre_hooks) == 0 and len(opt._optimizer_step_post_hooks) == 0
+    opt.param_groups[0]["lr"] = 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BrokenLawWarning)
+        _ce_step(m, opt, 1)
+    assert tr.step_count == 1 and tr.broken_by == {}
+    opt.param_groups[0]["lr"] = 0.1
+    conserve.optim.attach(opt, tr)  # attaches (and watches) again
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.warns(BrokenLawWarning, match="different lr"):
+        _ce_step(m, opt, 2)
+    assert tr.step_count == 2

@@ -309,7 +309,7 @@ class OptimizerState:
 
 class _Attached:
     """The step hooks ``attach`` registered (``steps``: how many steps they booked); ``remove()``
-    takes them off."""
+    takes them off (and the tracker's watch of this optimizer's groups, ``check_optimizer``)."""
 
     def __init__(self, optimizer, tracker):
         self.optimizer, self.tracker, self.steps, self._handles = optimizer, tracker, 0, []
@@ -318,6 +318,9 @@ class _Attached:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.tracker.__dict__.get("_broken_watch") is _unwrap(self.optimizer):
+            self.tracker.__dict__.pop("_broken_hook").remove()
+            del self.tracker.__dict__["_broken_watch"]
 
 
 def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
