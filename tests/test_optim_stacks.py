@@ -488,3 +488,36 @@ def test_attach_remove_also_stops_the_group_watch():
     with pytest.warns(BrokenLawWarning, match="different lr"):
         _ce_step(m, opt, 2)
     assert tr.step_count == 2
+
+
+def test_stepping_the_inner_optimizer_outside_the_tracked_one_warns_once():
+    """``opt = torch.optim.SGD(...); t = conserve.track(opt, model)`` then ``opt.step()`` (or
+    ``GradScaler.step(opt)``): the step is not tracked; one warning names the fix (it was silent: no
+    rows at all, or a residual jump at the next tracked step). Steps through the tracked optimizer and
+    DCP's state initialisation do not warn; a copy keeps the watch."""
+    import copy as copy_mod
+
+    m = _mlp()
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = conserve.track(inner, m, every=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _ce_step(m, opt, 0)
+    with pytest.warns(RuntimeWarning, match="outside the optimizer conserve.track returned"):
+        _ce_step(m, inner, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _ce_step(m, inner, 2)  # once
+    assert opt.tracker.step_count == 1
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    m3 = _mlp()
+    inner3 = torch.optim.AdamW(m3.parameters(), lr=1e-2)
+    conserve.track(inner3, m3, every=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        get_optimizer_state_dict(m3, inner3)  # its zero-lr state initialisation steps the inner optimizer
+    m2 = _mlp()
+    mc, oc = copy_mod.deepcopy((m2, conserve.track(torch.optim.SGD(m2.parameters(), lr=0.1), m2, every=100)))
+    with pytest.warns(RuntimeWarning, match="outside"):
+        _ce_step(mc, oc.optimizer, 3)

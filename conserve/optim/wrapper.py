@@ -72,12 +72,36 @@ def _books_training_steps(step):
     tracker (``record`` uses the count to detect skipped steps)."""
     @functools.wraps(step)
     def wrapper(self, closure=None):
-        # (not while torch.compile traces: DCP never compiles its state init, and dynamo cannot trace frames)
-        if (not torch.compiler.is_compiling() and _in_dcp_state_init()) or _scaler_skips(self.optimizer):
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
-        return step(self, closure)
+        self.__dict__["_stepping"] = True  # the inner optimizer steps inside the tracked one (_OutsideStep)
+        try:
+            # (not while torch.compile traces: DCP never compiles its state init, and dynamo cannot trace frames)
+            if (not torch.compiler.is_compiling() and _in_dcp_state_init()) or _scaler_skips(self.optimizer):
+                return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
+            return step(self, closure)
+        finally:
+            self.__dict__["_stepping"] = False
     return wrapper
+
+
+class _OutsideStep:
+    """Step post-hook on the inner optimizer: one warning when it steps outside its ``TrackedOptimizer``
+    (``opt.step()`` on the optimizer given to ``conserve.track``, ``GradScaler.step(inner)``): that step
+    is not booked (no row; its change shows in the next tracked step's ``residual``). A class, not a
+    closure, so the optimizer pickles."""
+
+    def __init__(self, tracked: "TrackedOptimizer"):
+        self.tracked = tracked
+
+    def __call__(self, opt, args, kwargs) -> None:
+        d = self.tracked.__dict__
+        if d.get("_stepping") or d.get("_warned_outside") or torch.compiler.is_compiling() or _in_dcp_state_init():
+            return
+        d["_warned_outside"] = True
+        warnings.warn(f"conserve: {type(opt).__name__}.step() ran outside the optimizer conserve.track returned: "
+                      "that step is not tracked (no row; its change shows in the next tracked step's residual); "
+                      "step the tracked optimizer (opt = conserve.track(opt, model), also in GradScaler.step(opt))",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _check_trackable(optimizer) -> None:
@@ -134,6 +158,12 @@ class TrackedOptimizer(torch.optim.Optimizer):
         finally:
             self.__dict__["_building"] = False
         tracker.check_optimizer(optimizer)  # laws whose parameters the param_groups treat differently
+        self._watch_outside_steps()
+
+    def _watch_outside_steps(self) -> None:
+        inner = unwrap_optimizer(self.optimizer)  # the torch optimizer under accelerate / Lightning wrappers
+        if isinstance(getattr(inner, "_optimizer_step_post_hooks", None), dict):
+            self.__dict__["_outside_hook"] = inner.register_step_post_hook(_OutsideStep(self))
 
     # shared with the inner optimizer, so schedulers and GradScaler act on it
     @property
@@ -196,6 +226,9 @@ class TrackedOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
         # the inner optimizer's copy has no hooks (Optimizer.__getstate__ keeps none): watch its groups again
         self.tracker.check_optimizer(self.optimizer)
+        if not any(isinstance(h, _OutsideStep) and h.tracked is self
+                   for h in (getattr(unwrap_optimizer(self.optimizer), "_optimizer_step_post_hooks", None) or {}).values()):
+            self._watch_outside_steps()
 
     def __enter__(self) -> "TrackedOptimizer":
         return self
