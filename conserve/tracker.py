@@ -584,7 +584,8 @@ class Tracker:
             raise RuntimeError("record() needs a step first: call it after optimizer.step()")
         while len(self._extras) < len(self._rows):
             self._extras.append({})
-        self._extras[len(self._rows) - 1].update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
+        self._extras[len(self._rows) - 1].update({k: v.detach() if torch.is_tensor(v) else v
+                                                  for k, v in scalars.items()})
 
     def latest(self) -> dict | None:
         """The most recent step's row (``eps/...``, ``drift/...`` and the ``step``) as host floats, without

@@ -346,7 +346,8 @@ _RULES = {  # name: (factory(params, weight_decay), its decay factor, from the o
                               lambda wd: 1 - float(torch.tensor(0.01)) * wd),  # float64 weights: a double
     "Adafactor": (lambda p, wd: torch.optim.Adafactor(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
     "Muon": (lambda p, wd: _muon(p, wd), lambda wd: 1 - 0.02 * wd),
-    "timm-SGDW-momentum": (lambda p, wd: _timm("SGDW")(p, lr=0.1, momentum=0.9, weight_decay=wd), lambda wd: 1 - 0.1 * wd),
+    "timm-SGDW-momentum": (lambda p, wd: _timm("SGDW")(p, lr=0.1, momentum=0.9, weight_decay=wd),
+                           lambda wd: 1 - 0.1 * wd),
     "timm-Lion": (lambda p, wd: _timm("Lion")(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
     "timm-NAdamW": (lambda p, wd: _timm("NAdamW")(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
     "timm-AdamWLegacy-corrected": (lambda p, wd: _lr(_timm("AdamWLegacy")(p, lr=0.01, weight_decay=wd,

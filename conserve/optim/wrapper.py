@@ -226,8 +226,8 @@ class TrackedOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
         # the inner optimizer's copy has no hooks (Optimizer.__getstate__ keeps none): watch its groups again
         self.tracker.check_optimizer(self.optimizer)
-        if not any(isinstance(h, _OutsideStep) and h.tracked is self
-                   for h in (getattr(unwrap_optimizer(self.optimizer), "_optimizer_step_post_hooks", None) or {}).values()):
+        hooks = getattr(unwrap_optimizer(self.optimizer), "_optimizer_step_post_hooks", None) or {}
+        if not any(isinstance(h, _OutsideStep) and h.tracked is self for h in hooks.values()):
             self._watch_outside_steps()
 
     def __enter__(self) -> "TrackedOptimizer":

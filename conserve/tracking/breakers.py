@@ -91,9 +91,9 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
       ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``;
     * ``ASGD``: its step is ``(1 - eta lambd) theta - eta (g + wd theta)`` with ``eta`` the parameter's
       state (``lr`` before its first step), so ``1 - eta * (lambd + weight_decay)``;
-    * torch's ``Adafactor`` and ``Muon``: ``1 - lr * weight_decay`` (Muon: the group lr, not its adjusted one); timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW``
-      (with or without momentum) and ``Lion``: ``1 - s * weight_decay``, ``s = lr`` (``lr^2 / max_lr`` with
-      ``corrected_weight_decay``);
+    * torch's ``Adafactor`` and ``Muon``: ``1 - lr * weight_decay`` (Muon: the group lr, not its adjusted
+      one); timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW`` (with or without momentum) and ``Lion``:
+      ``1 - s * weight_decay``, ``s = lr`` (``lr^2 / max_lr`` with ``corrected_weight_decay``);
     * anything else (momentum, coupled L2 in Adam, unknown rules): 1, the decay is inside ``Delta``.
 
     ``optimizer`` may be wrapped (see ``unwrap_optimizer``); ``lr`` may be a tensor (then so is ``a``)."""
@@ -210,8 +210,8 @@ def _signature(opt) -> tuple:
     """Which groups agree on each compared key (at fp32 resolution, as ``law_breakers`` compares), and their
     sizes: a law's breakers can only change when this does (a scheduler scaling every group alike leaves it
     unchanged). Tensor values on the CPU are read; off the CPU (capturable lr) and while torch.compile traces
-    they count by identity, so reading them never syncs the device nor breaks a graph, and beside plain numbers the numbers' values count (a change of
-    one of them re-checks)."""
+    they count by identity, so reading them never syncs the device nor breaks a graph, and beside plain
+    numbers the numbers' values count (a change of one of them re-checks)."""
     out, tracing = [], torch.compiler.is_compiling()  # (traced: by identity too, no graph break on a read)
     for key, _ in _COMPARED:
         vals = [g.get(key, 0.0) for g in opt.param_groups]
