@@ -522,3 +522,17 @@ def test_stepping_the_inner_optimizer_outside_the_tracked_one_warns_once():
     mc, oc = copy_mod.deepcopy((m2, conserve.track(torch.optim.SGD(m2.parameters(), lr=0.1), m2, every=100)))
     with pytest.warns(RuntimeWarning, match="outside"):
         _ce_step(mc, oc.optimizer, 3)
+
+
+def test_after_close_the_optimizer_trains_on_untracked_without_warnings():
+    """``with conserve.track(opt, model) as t: ...`` then training goes on with ``opt``: neither the
+    outside-step warning nor a re-check of the closed tracker's laws fires."""
+    m = _mlp()
+    inner = torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters()}], lr=0.1)
+    with conserve.track(inner, m, every=100) as t:
+        _ce_step(m, t, 0)
+    inner.param_groups[0]["lr"] = 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _ce_step(m, inner, 1)
+    assert t.tracker.step_count == 1 and t.tracker.broken_by == {}

@@ -95,8 +95,9 @@ class _OutsideStep:
 
     def __call__(self, opt, args, kwargs) -> None:
         d = self.tracked.__dict__
-        if d.get("_stepping") or d.get("_warned_outside") or torch.compiler.is_compiling() or _in_dcp_state_init():
-            return
+        if d.get("_stepping") or d.get("_warned_outside") or getattr(d.get("tracker"), "_closed", False) \
+                or torch.compiler.is_compiling() or _in_dcp_state_init():
+            return  # (a closed tracker: training goes on untracked, as asked)
         d["_warned_outside"] = True
         warnings.warn(f"conserve: {type(opt).__name__}.step() ran outside the optimizer conserve.track returned: "
                       "that step is not tracked (no row; its change shows in the next tracked step's residual); "

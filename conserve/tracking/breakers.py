@@ -237,6 +237,8 @@ class _Watch:
         self.tracker, self.sig = tracker, sig
 
     def __call__(self, o, args, kwargs) -> None:
+        if getattr(self.tracker, "_closed", False):  # a closed tracker books nothing more: nothing to re-check
+            return
         sig = _signature(o)
         if sig != self.sig:
             self.sig = sig
