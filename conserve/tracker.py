@@ -367,14 +367,26 @@ class Tracker:
         return self._assembly
 
     def is_drift_step(self) -> bool:
-        """Whether the next step (``step_count + 1``) decomposes the drift."""
-        return self.drift and self.step_count % self.drift_every == 0
+        """Whether the next step (``step_count + 1``) decomposes the drift (never once closed)."""
+        return self.drift and not self._closed and self.step_count % self.drift_every == 0
+
+    def _books_after_close(self) -> bool:
+        """False once ``close()`` ran: later steps are not booked (one warning names how to track them);
+        before, a step after ``close()`` was booked and its flush failed in the closed sinks."""
+        if not self._closed:
+            return True
+        if not self.__dict__.get("_warned_closed"):
+            self._warned_closed = True
+            warnings.warn("conserve: the tracker is closed (close() or the end of its `with` block): steps after it "
+                          "are not tracked; build a new tracker (conserve.track, or a fused optimizer's track=) to "
+                          "track them", RuntimeWarning, stacklevel=3)
+        return False
 
     @eager
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Right before the optimizer step: on a drift step, copy what it reads of ``theta_k`` and take
-        each parameter's decay factor ``a``; on the other steps nothing."""
+        each parameter's decay factor ``a``; on the other steps nothing (nor after ``close()``)."""
         self._snap = None
         if not self.is_drift_step():
             return
@@ -384,7 +396,10 @@ class Tracker:
     @eager
     @torch.no_grad()
     def after_step(self) -> None:
-        """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``)."""
+        """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``);
+        nothing after ``close()`` (one warning)."""
+        if not self._books_after_close():
+            return
         snap, self._snap = self._snap, None
         terms = mask = None
         if snap is not None:  # the DRIFT pass first: the snapshot is freed before h1 is evaluated
@@ -468,7 +483,9 @@ class Tracker:
         the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it).
         The tracker's own budgeted drift steps (``drift_terms`` over a compact sub-plan) form them over
         the group's entries only (the scratch is the group's size, not five law-sized rows); terms
-        given here are in the full layout."""
+        given here are in the full layout.  Nothing is booked after ``close()`` (one warning)."""
+        if not self._books_after_close():
+            return
         err = None
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             try:
@@ -580,6 +597,8 @@ class Tracker:
     def record(self, **scalars) -> None:
         """Attach scalars (tensors stay on the device; floats are fine) to the current step's row. Tensors
         are kept detached: ``record(loss=loss)`` does not hold the step's autograd graph until the flush."""
+        if self._closed:  # steps after close() are not booked (after_step / record_step warned)
+            return
         if not self._rows:
             raise RuntimeError("record() needs a step first: call it after optimizer.step()")
         while len(self._extras) < len(self._rows):

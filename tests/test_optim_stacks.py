@@ -536,3 +536,24 @@ def test_after_close_the_optimizer_trains_on_untracked_without_warnings():
         warnings.simplefilter("error")
         _ce_step(m, inner, 1)
     assert t.tracker.step_count == 1 and t.tracker.broken_by == {}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_steps_after_close_are_not_booked_and_warn_once(fused, tmp_path):
+    """After ``close()`` a step was booked and its flush failed inside the closed JSONL sink ("sink failed
+    ... TypeError"), keeping rows in memory; now: nothing booked, one warning naming how to track on."""
+    m = _mlp()
+    sink = conserve.JSONLSink(tmp_path / "m.jsonl")
+    opt = (conserve.optim.FusedAdamW(m.parameters(), lr=1e-2, track=m, every=2, sinks=[sink]) if fused else
+           conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2), m, every=2, sinks=[sink]))
+    for k in range(3):
+        _ce_step(m, opt, k)
+    opt.close()
+    with pytest.warns(RuntimeWarning, match="tracker is closed") as seen:
+        for k in range(3, 8):
+            _ce_step(m, opt, k)
+            opt.record(loss=1.0)
+    assert len([w for w in seen if "closed" in str(w.message)]) == 1
+    assert not [w for w in seen if "sink" in str(w.message)]
+    assert opt.tracker.step_count == 3 and opt.tracker._rows == [] and opt.tracker.unwritten == {}
+    assert (tmp_path / "m.jsonl").read_text().count("\n") == 3
