@@ -269,6 +269,8 @@ class _Reference:
         # (a Tracker on fp32 weights rounds a*theta_k to fp32 before its fp64 evaluation)
         self.model = _model(cfg, seed=123).to(dtype)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, weight_decay=WD)  # decay factors only
+        for p in self.model.parameters():  # stepped (a parameter without grad is not: no decay), never stepped here
+            p.grad = torch.zeros_like(p)
         self.sink = MemorySink()
         self.named = dict(self.model.named_parameters())
         self.kw, self.laws = kw, laws

@@ -51,7 +51,7 @@ from torch import nn
 from .. import kernels
 from ..errors import NonFiniteError, UsageError
 from ..laws import Law
-from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors
+from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors, eager, stepped_factors
 from .shard_plan import _Entries, _Layout, comm_schedule
 from .drift import drift_pieces
 
@@ -423,7 +423,7 @@ class DistributedTracker(Tracker):
         """Whether the next step decomposes the drift (steps 1, 1 + N, ...; pending steps count)."""
         return self.drift and (self.step_count + len(self._pend)) % self.drift_every == 0
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """On a drift step, copy this rank's shards of ``theta_k`` (dropped after the step: no copy is
@@ -459,7 +459,7 @@ class DistributedTracker(Tracker):
                     parts.append(self._sq_bins(self._masked(v), self._vec_fam, self._gram_fam, nf))
         return torch.cat(parts)
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def after_step(self) -> None:
         """Evaluate this rank's terms at ``theta_{k+1}`` (and the drift terms when ``before_step`` ran)
@@ -483,7 +483,7 @@ class DistributedTracker(Tracker):
                 err = e
         cur = [_local(p) for p in self.params]
         self.tensors = cur
-        a = [float(x) for x in self._a]
+        a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
         h_old = self._values(self._local_plan, prev) if self._hp_full and prev is not None else self._hp
         h1, terms, kdec = self._pieces(self._local_plan, cur, prev, a, a, h_old)
         # a step without drift terms packs h(new) only (every rank agrees on which steps have them)
@@ -588,11 +588,11 @@ class DistributedTracker(Tracker):
                              "use a torch optimizer with conserve.distributed.track (or Tracker.after_step)")
         super().record_step(h1, terms, sampled)
 
-    @torch.compiler.disable
+    @eager
     def record(self, **scalars) -> None:
         """Attach scalars to the current step's row (rank 0's values are the ones written)."""
         if self._pend:
-            self._pend[-1].extras.update(scalars)
+            self._pend[-1].extras.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
         else:
             super().record(**scalars)
 
