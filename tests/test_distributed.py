@@ -666,7 +666,8 @@ def _scenario_nan(rank, world, cfg, tmpdir=None):
 def _scenario_inexact_decay(rank, world, cfg):
     """QA: a decay factor a = 1 - lr*wd that is no fp32 number (here 1 - 1e-3): the drift assembly corrects
     first/second with h_k, which was the full (reduced) h on every rank at the first step (split entries
-    corrected once per rank) and zero for the straddling heads' terms; rows equal the single-process ones."""
+    corrected once per rank) and zero for the straddling heads' terms; rows equal the single-process ones. The last
+    step is still pending at close(): its recorded loss is written too."""
     model, laws = _fsdp(cfg, world)
     lr, wd = 0.05, 0.02
     opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd)

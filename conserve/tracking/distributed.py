@@ -564,8 +564,10 @@ class DistributedTracker(Tracker):
                 err = e
         self.step_count += 1
         self._rows.append(torch.cat(parts).float())
-        if p.extras:
-            Tracker.record(self, **p.extras)
+        if p.extras:  # (not Tracker.record: it ignores scalars once closed, and close() books the pending steps)
+            while len(self._extras) < len(self._rows):
+                self._extras.append({})
+            self._extras[len(self._rows) - 1].update(p.extras)
         if err is not None:
             raise err
 
