@@ -104,6 +104,27 @@ class NotKept(dict):
                        "keep_last=True)")
 
 
+def record_value(key: str, v):
+    """A ``record(key=v)`` value as a row holds it: a detached one-element tensor (kept on its device,
+    reshaped to ``()``), a Python ``int``/``float``/``bool`` (numpy scalars and one-element arrays
+    converted), a ``str`` or None. Checked at ``record`` time, so a value no sink can write never
+    reaches (and blocks) the sinks. Raises ``ValueError`` for a tensor/array of several elements,
+    ``TypeError`` for anything else."""
+    if torch.is_tensor(v) or isinstance(v, np.ndarray):
+        if (v.numel() if torch.is_tensor(v) else v.size) != 1:
+            raise ValueError(f"record({key}=...): a {type(v).__name__} of shape {tuple(v.shape)}; record one number "
+                             f"per key (e.g. {key}=x.mean(), or one key per element)")
+        return v.detach().reshape(()) if torch.is_tensor(v) else record_value(key, v.item())
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    raise TypeError(f"record({key}=...): {type(v).__name__} is not a number; record a float, an int or a "
+                    "one-element tensor")
+
+
 class Tracker:
     """Evaluate laws after every optimizer step; keep ``h_0``, ``eps`` and the drift terms on the device.
 
@@ -603,8 +624,7 @@ class Tracker:
             raise RuntimeError("record() needs a step first: call it after optimizer.step()")
         while len(self._extras) < len(self._rows):
             self._extras.append({})
-        self._extras[len(self._rows) - 1].update({k: v.detach() if torch.is_tensor(v) else v
-                                                  for k, v in scalars.items()})
+        self._extras[len(self._rows) - 1].update({k: record_value(k, v) for k, v in scalars.items()})
 
     def latest(self) -> dict | None:
         """The most recent step's row (``eps/...``, ``drift/...`` and the ``step``) as host floats, without

@@ -283,3 +283,49 @@ def test_a_second_process_on_the_same_run_directory_is_refused(tmp_path):
             assert lock.held
         assert lock.held
     assert not lock.held
+
+
+def test_two_open_sinks_on_one_file_in_one_process_are_refused(tmp_path):
+    """Two trackers of one process (two models, two callbacks) on the same metrics file: the second
+    sink's first row would cut the first one's rows and interleave the steps (1, 2, 2, 3, 3): refused,
+    naming the fix; once the first sink is closed the file can be written again."""
+    path = tmp_path / "metrics.jsonl"
+    first = JSONLSink(path)
+    with pytest.raises(UsageError, match=r"already written by JSONLSink.*close that tracker first"):
+        JSONLSink(tmp_path / "." / "metrics.jsonl")
+    first.write(1, {"step": 1, "eps/relu": 0.5})  # the refusal left the first sink and its lock alone
+    JSONLSink(tmp_path / "other.jsonl").close()
+    first.close()
+    again = JSONLSink(path)
+    again.close()
+    assert [r["step"] for r in _lines(path)] == [1]
+
+
+def test_recorded_values_no_sink_can_write_are_refused_at_record_time(tmp_path):
+    """numpy scalars are converted (json cannot write np.float32: the JSONL sink would fail on that row
+    at every retry and hold every later row back); a several-element tensor is refused when recorded,
+    not at the flush (which then failed at every flush and lost the pending rows)."""
+    import numpy as np
+
+    path = tmp_path / "m.jsonl"
+    torch.manual_seed(0)
+    m = MLP([4, 8, 3])
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=2, sinks=[JSONLSink(path)])
+    values = [np.float32(1.5), np.int64(3), np.array([2.0]), torch.tensor([0.25]), 7, True, None]
+    for v in values:
+        opt.zero_grad()
+        F.cross_entropy(m(torch.randn(5, 4)), torch.randint(0, 3, (5,))).backward()
+        opt.step()
+        opt.record(x=v)
+    with pytest.raises(ValueError, match=r"record\(h=\.\.\.\): a Tensor of shape \(2,\); record one number"):
+        opt.record(h=torch.ones(2))
+    with pytest.raises(TypeError, match=r"record\(c=\.\.\.\): complex is not a number"):
+        opt.record(c=1j)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no sink failure
+        opt.close()
+    assert opt.tracker.unwritten == {}
+    rows = _lines(path)
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert [r["x"] for r in rows] == [1.5, 3, 2.0, 0.25, 7, True, None]
+    assert "h" not in rows[-1] and "c" not in rows[-1]

@@ -51,7 +51,7 @@ from torch import nn
 from .. import kernels
 from ..errors import NonFiniteError, UsageError
 from ..laws import Law
-from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors, eager, stepped_factors
+from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors, eager, record_value, stepped_factors
 from .shard_plan import _Entries, _Layout, comm_schedule
 from .drift import drift_pieces
 
@@ -594,7 +594,7 @@ class DistributedTracker(Tracker):
     def record(self, **scalars) -> None:
         """Attach scalars to the current step's row (rank 0's values are the ones written)."""
         if self._pend:
-            self._pend[-1].extras.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
+            self._pend[-1].extras.update({k: record_value(k, v) for k, v in scalars.items()})
         else:
             super().record(**scalars)
 

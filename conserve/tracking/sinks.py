@@ -15,6 +15,7 @@ import math
 import os
 import re
 import warnings
+import weakref
 from pathlib import Path
 
 from ..errors import UsageError
@@ -23,6 +24,7 @@ from .lock import RunDirLock
 
 __all__ = ["JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "RunDirLock", "tensorboard_available"]
 
+_OPEN: dict[str, "weakref.ref[JSONLSink]"] = {}  # realpath -> the JSONLSink of this process writing it
 _STEP = re.compile(rb'^\{"step": (-?\d+)[,}]')
 
 
@@ -42,7 +44,8 @@ class JSONLSink:
     """One JSON object per step, appended with one ``write(2)`` per row (a crash keeps what was written).
 
     Non-finite floats are written as ``null``. The file is locked for this process (``RunDirLock`` on
-    ``<dir>/.<name>.lock``): a second process writing the same file is refused. At the first row
+    ``<dir>/.<name>.lock``): a second process writing the same file is refused, and so is a second
+    open ``JSONLSink`` on it in this process (close the first one's tracker first). At the first row
     (or at ``resume(step)``) rows left by an earlier run at or after that step are cut off, with a
     warning naming how many. A failed write leaves no partial line (the file is cut back to its
     previous length), so the tracker's retry writes each row exactly once.
@@ -52,7 +55,7 @@ class JSONLSink:
         lock: take the per-file lock (default True).
 
     Raises:
-        UsageError: the file cannot be opened, or another process writes it.
+        UsageError: the file cannot be opened, or another process or open sink writes it.
     """
 
     def __init__(self, path: str | Path, *, lock: bool = True):
@@ -63,11 +66,26 @@ class JSONLSink:
             if lock:
                 self._lock = RunDirLock(self.path.parent, name=f".{self.path.name}.lock",
                                         hint=f"write the metrics to another file than {self.path}").acquire()
+                self._claim()
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
             self._release()
             raise UsageError(f"cannot write metrics to {self.path}: {e.strerror}; choose a writable --out directory") from None
         self._started = False
+
+    def _claim(self) -> None:
+        """One open sink per file in this process too (the OS lock only keeps other processes out): a
+        second tracker writing the same file would cut the first one's rows and interleave its steps."""
+        key = os.path.realpath(self.path)
+        other = _OPEN.get(key)
+        other = other() if other is not None else None
+        if other is not None and getattr(other, "_fd", None) is not None:
+            self._release()
+            raise UsageError(f"{self.path} is already written by {other!r} in this process (another tracker, or an "
+                             "earlier one not closed): close that tracker first (tracker.close()) or give each "
+                             "tracker its own file")
+        _OPEN[key] = weakref.ref(self)
+        self._key = key
 
     def resume(self, step: int) -> None:
         """Keep the rows up to ``step`` (the last step of the restored run); cut off the rest."""
@@ -122,6 +140,9 @@ class JSONLSink:
         self._release()
 
     def _release(self) -> None:
+        key = self.__dict__.pop("_key", None)
+        if key is not None and _OPEN.get(key) is not None and _OPEN[key]() in (self, None):
+            del _OPEN[key]
         if self._lock is not None:
             self._lock.release()
             self._lock = None
