@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 from .errors import UsageError
@@ -28,20 +29,37 @@ def json_safe(x):
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics.jsonl file (one JSON object per line with a ``step``; a truncated last
-    line, from a crash, is skipped). Raises ``UsageError`` for a missing file or one without records."""
+    line, from a crash, is skipped; other unreadable lines, and steps that go back, are skipped/kept with a
+    ``RuntimeWarning``; integer-valued float steps become ints). Raises ``UsageError`` for a missing file or one without records."""
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
     if not p.is_file():
         raise UsageError(f"{p} not found; pass a run directory or a metrics.jsonl file written by conserve")
-    out = []
-    for line in p.read_text(errors="replace").splitlines():
+    out, bad, back = [], [], None
+    lines = p.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
+            if i < len(lines) and line.strip():  # a torn last line is a crash's; one inside the file is damage
+                bad.append(i)
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
+        step = rec.get("step") if isinstance(rec, dict) else None
+        if isinstance(step, float) and step.is_integer():
+            rec["step"] = step = int(step)
+        if isinstance(step, int) and not isinstance(step, bool):
+            if back is None and out and step <= out[-1]["step"]:
+                back = (i, out[-1]["step"], step)
             out.append(rec)
+    if bad:
+        warnings.warn(f"conserve: {p}: skipped {len(bad)} line(s) that are not JSON (line {bad[0]}"
+                      f"{'...' if len(bad) > 1 else ''}); the report covers the other records", RuntimeWarning,
+                      stacklevel=2)
+    if back is not None:
+        warnings.warn(f"conserve: {p}: the steps go back at line {back[0]} (step {back[2]} after {back[1]}): two "
+                      "runs in one file? the report mixes them; write each run to its own file", RuntimeWarning,
+                      stacklevel=2)
     return out
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -188,3 +189,23 @@ def test_a_locked_run_directory_is_refused_before_anything_in_it_is_touched(tmp_
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_report_names_damaged_lines_and_steps_that_go_back(tmp_path):
+    """A corrupt line inside the file (not a crash's torn last line) and a second run appended to the
+    same file are said, not silently skipped/mixed; float steps written by other tools (2.0) are steps."""
+    from conserve.report import read_metrics
+
+    rows = [json.dumps({"step": s, "eps/vo": 0.1 * s}) for s in (1, 2, 3)]
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join([rows[0], '{"step": 2, "eps/v', rows[2], '{"step": 4.0, "eps/vo": 0.4}', '{"st']) + "\n")
+    with pytest.warns(RuntimeWarning, match=r"skipped 1 line\(s\) that are not JSON \(line 2\)"):
+        recs = read_metrics(path)
+    assert [r["step"] for r in recs] == [1, 3, 4] and isinstance(recs[-1]["step"], int)
+    path.write_text("\n".join(rows + rows[:2]) + "\n")
+    with pytest.warns(RuntimeWarning, match=r"steps go back at line 4 \(step 1 after 3\): two runs in one file"):
+        assert len(read_metrics(path)) == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path.write_text("\n".join(rows) + "\n" + rows[0][:9])  # a crash's torn last line: no warning
+        assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
