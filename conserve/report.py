@@ -63,6 +63,24 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
+def _json_object(path: Path) -> dict:
+    """The JSON object in ``path`` beside a metrics file (``config.json``, ``summary.json``), or ``{}``
+    when absent; one that is unreadable or not an object (damaged, another program's) is ignored with
+    a ``RuntimeWarning``: the report is then built from the metrics alone."""
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        obj = e
+    if isinstance(obj, dict):
+        return obj
+    why = f"unreadable ({type(obj).__name__})" if isinstance(obj, Exception) else f"a JSON {type(obj).__name__}, not an object"
+    warnings.warn(f"conserve: {path} is {why}; ignored (the report uses the metrics file alone): remove or "
+                  "restore it", RuntimeWarning, stacklevel=3)
+    return {}
+
+
 def families(records: list[dict]) -> list[str]:
     keys = set().union(*(r.keys() for r in records)) if records else set()
     return sorted(k[4:] for k in keys if k.startswith("eps/") and k.count("/") == 1)
@@ -392,21 +410,13 @@ def report(path: str | Path, out: str | Path | None = None) -> dict:
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"cannot create {dest}: {e.strerror}; pass --out to a writable directory") from None
-    config = {"command": "conserve report", "data_source": str(metrics)}
-    if (here / "config.json").is_file():
-        try:
-            config = json.loads((here / "config.json").read_text())
-        except json.JSONDecodeError:
-            pass
-    old = {}
-    if (here / "summary.json").is_file():
-        try:
-            old = json.loads((here / "summary.json").read_text())
-        except json.JSONDecodeError:
-            old = {}
+    config = _json_object(here / "config.json") or {"command": "conserve report", "data_source": str(metrics)}
+    old = _json_object(here / "summary.json")
     extra = {k: old[k] for k in ("declined", "stopped", "seconds", "broken_by") if k in old}
+    totals, broken = old.get("totals"), old.get("broken_by")
     try:
-        summary = write_summary(dest, records, config, old.get("totals"), extra, old.get("broken_by"))
+        summary = write_summary(dest, records, config, totals if isinstance(totals, dict) else None, extra,
+                                broken if isinstance(broken, dict) else None)
         plot_all(records, dest, f"{config.get('optimizer', '')} {metrics.parent.name}".strip())
     except OSError as e:
         raise UsageError(f"cannot write the report into {dest}: {e.strerror}; pass --out to a writable directory") from None

@@ -209,3 +209,18 @@ def test_report_names_damaged_lines_and_steps_that_go_back(tmp_path):
         warnings.simplefilter("error")
         path.write_text("\n".join(rows) + "\n" + rows[0][:9])  # a crash's torn last line: no warning
         assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+
+
+def test_report_beside_a_damaged_or_foreign_summary_and_config(tmp_path, capsys):
+    """config.json / summary.json of another program or version (a JSON list) or damaged (binary): the
+    report is built from the metrics, with one warning per file, not a traceback."""
+    rows = [json.dumps({"step": s, "eps/vo": 0.1 * s}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    (tmp_path / "summary.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.warns(RuntimeWarning) as w:
+        assert main(["report", str(tmp_path)]) == 0
+    said = sorted(str(x.message) for x in w if "ignored" in str(x.message))
+    assert len(said) == 2 and "config.json is a JSON list, not an object" in said[0]
+    assert "summary.json is unreadable (UnicodeDecodeError)" in said[1]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
