@@ -346,6 +346,10 @@ _RULES = {  # name: (factory(params, weight_decay), its decay factor, from the o
                               lambda wd: 1 - float(torch.tensor(0.01)) * wd),  # float64 weights: a double
     "Adafactor": (lambda p, wd: torch.optim.Adafactor(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
     "Muon": (lambda p, wd: _muon(p, wd), lambda wd: 1 - 0.02 * wd),
+    # as the HF Trainer's optim="adafactor" builds it (the decay was booked as first-order drift)
+    "transformers-Adafactor": (lambda p, wd: _hf_adafactor(p, lr=0.01, weight_decay=wd, scale_parameter=False,
+                                                           relative_step=False, warmup_init=False),
+                               lambda wd: 1 - 0.01 * wd),
     "timm-SGDW-momentum": (lambda p, wd: _timm("SGDW")(p, lr=0.1, momentum=0.9, weight_decay=wd),
                            lambda wd: 1 - 0.1 * wd),
     "timm-Lion": (lambda p, wd: _timm("Lion")(p, lr=0.01, weight_decay=wd), lambda wd: 1 - 0.01 * wd),
@@ -354,6 +358,14 @@ _RULES = {  # name: (factory(params, weight_decay), its decay factor, from the o
                                                                             corrected_weight_decay=True), 0.005),
                                    lambda wd: 1 - 0.005 ** 2 / 0.01 * wd),  # scheduled down to half its max lr
 }
+
+
+def _hf_adafactor(params, **kw):
+    try:
+        from transformers.optimization import Adafactor
+    except Exception as e:  # noqa: BLE001 - absent, or broken by its own dependencies
+        pytest.skip(f"transformers unavailable: {e}")
+    return Adafactor(params, **kw)
 
 
 @pytest.mark.parametrize("name", list(_RULES))

@@ -76,6 +76,10 @@ def _decoupled(opt, group: Mapping) -> bool:
         return True
     if isinstance(opt, (O.Adam, O.NAdam, O.RAdam)):
         return bool(group.get("decoupled_weight_decay", False))
+    if any(c.__name__ == "Adafactor" and c.__module__.startswith("transformers.") for c in type(opt).__mro__):
+        # ``p -= lr wd p`` then the update, with lr = the group's own only without relative_step and
+        # scale_parameter (as the HF Trainer's optim="adafactor" builds it); else lr is per-step/parameter
+        return not group.get("relative_step") and not group.get("scale_parameter")
     from ..optim.fused import FusedAdam
 
     return isinstance(opt, FusedAdam) and bool(group.get("decoupled_weight_decay", False))
@@ -92,7 +96,8 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
     * ``ASGD``: its step is ``(1 - eta lambd) theta - eta (g + wd theta)`` with ``eta`` the parameter's
       state (``lr`` before its first step), so ``1 - eta * (lambd + weight_decay)``;
     * torch's ``Adafactor`` and ``Muon``: ``1 - lr * weight_decay`` (Muon: the group lr, not its adjusted
-      one); timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW`` (with or without momentum) and ``Lion``:
+      one); transformers' ``Adafactor`` with ``relative_step=False, scale_parameter=False`` (the HF
+      Trainer's ``optim="adafactor"``): ``1 - lr * weight_decay``; timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW`` (with or without momentum) and ``Lion``:
       ``1 - s * weight_decay``, ``s = lr`` (``lr^2 / max_lr`` with ``corrected_weight_decay``);
     * anything else (momentum, coupled L2 in Adam, unknown rules): 1, the decay is inside ``Delta``.
 
