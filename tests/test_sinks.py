@@ -329,3 +329,25 @@ def test_recorded_values_no_sink_can_write_are_refused_at_record_time(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 8))
     assert [r["x"] for r in rows] == [1.5, 3, 2.0, 0.25, 7, True, None]
     assert "h" not in rows[-1] and "c" not in rows[-1]
+
+
+def test_wandb_rows_after_the_run_finished_are_kept_and_the_fix_named(tmp_path, monkeypatch):
+    """``wandb.finish()`` before the tracker is closed: the rows still pending are kept (tracker.unwritten)
+    and the warning says to close the tracker first, not "disk space, permissions, network"."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(project="conserve-test", dir=str(tmp_path))
+    torch.manual_seed(0)
+    m = MLP([4, 8, 3])
+    sink = conserve.WandbSink(run)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=100, sinks=[sink])
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(m(torch.randn(5, 4)), torch.randint(0, 3, (5,))).backward()
+        opt.step()
+    run.finish()
+    with pytest.warns(RuntimeWarning, match=r"W&B run \w+ is finished: close the tracker \(tracker.close\(\)\) "
+                                            r"before wandb.finish\(\)"):
+        opt.close()
+    assert [r["step"] for r in opt.tracker.unwritten[sink]] == [1, 2, 3]

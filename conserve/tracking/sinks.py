@@ -225,6 +225,9 @@ class WandbSink:
         self._run.define_metric(f"{prefix}*", step_metric=self.step_metric)
 
     def write(self, step: int, metrics: dict) -> None:
+        if getattr(self._run, "_is_finished", False):  # W&B would only say "the call to `log` will be ignored"
+            raise RuntimeError(f"the W&B run {getattr(self._run, 'id', '')} is finished: close the tracker "
+                               "(tracker.close()) before wandb.finish(), or pass a live run")
         row = {f"{self.prefix}{k}": v for k, v in metrics.items() if k != "step"}
         row[self.step_metric] = step
         self._run.log(row)
