@@ -297,3 +297,30 @@ def test_logged_drift_columns_come_from_the_latest_decomposition():
     assert run.scalars() == {}  # nothing new
     run.close()
     assert not any(type(s).__name__ == "_Seen" for s in run.tracker.sinks)
+
+
+def test_hf_new_trainer_after_one_that_raised_keeps_one_clean_series(tmp_path):
+    """A Trainer interrupted at step 7 (no callback hook closes its tracker), then a new Trainer and
+    callback resumed from checkpoint-5 in the same process: the file holds the resumed series 1..10;
+    the stale tracker's pending step-7 row was appended after it when collected, or cut the new rows."""
+    import gc
+
+    T = _hf()
+    from conserve.integrations.hf import ConserveCallback
+
+    class Interrupt(T.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 7:
+                raise KeyboardInterrupt
+
+    trainer = _hf_trainer(tmp_path, [ConserveCallback(), Interrupt()])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    jsonl = tmp_path / "conserve" / "metrics.jsonl"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _hf_trainer(tmp_path, [ConserveCallback()]).train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+        del trainer
+        gc.collect()
+    assert [r["step"] for r in _rows(jsonl)] == list(range(1, 11))
+    assert any("still open in another JSONLSink" in str(x.message) for x in w)

@@ -285,20 +285,39 @@ def test_a_second_process_on_the_same_run_directory_is_refused(tmp_path):
     assert not lock.held
 
 
-def test_two_open_sinks_on_one_file_in_one_process_are_refused(tmp_path):
-    """Two trackers of one process (two models, two callbacks) on the same metrics file: the second
-    sink's first row would cut the first one's rows and interleave the steps (1, 2, 2, 3, 3): refused,
-    naming the fix; once the first sink is closed the file can be written again."""
+def test_two_open_sinks_on_one_file_in_one_process_never_interleave(tmp_path):
+    """Two trackers of one process on the same metrics file (two models; a new Trainer after one that
+    raised, its tracker never closed): the second sink's first row cut the first one's rows and the
+    steps interleaved (1, 2, 2, 3, 3). The newer sink takes the file, with a warning; the older
+    tracker's rows stay in its ``unwritten``, named at its close."""
     path = tmp_path / "metrics.jsonl"
-    first = JSONLSink(path)
-    with pytest.raises(UsageError, match=r"already written by JSONLSink.*close that tracker first"):
-        JSONLSink(tmp_path / "." / "metrics.jsonl")
-    first.write(1, {"step": 1, "eps/relu": 0.5})  # the refusal left the first sink and its lock alone
-    JSONLSink(tmp_path / "other.jsonl").close()
-    first.close()
-    again = JSONLSink(path)
-    again.close()
-    assert [r["step"] for r in _lines(path)] == [1]
+
+    def tracker():
+        torch.manual_seed(0)
+        m = MLP([4, 8, 3])
+        opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=1, sinks=[JSONLSink(path)])
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(m(torch.randn(5, 4)), torch.randint(0, 3, (5,))).backward()
+            opt.step()
+        return opt, step
+
+    old, old_step = tracker()
+    old_step()
+    with pytest.warns(RuntimeWarning, match=r"still open in another JSONLSink of this process.*stops writing"):
+        new, new_step = tracker()
+    with pytest.warns(RuntimeWarning, match=r"written by a newer JSONLSink of this process"):
+        for _ in range(3):
+            old_step()
+            new_step()
+    new.close()
+    assert [r["step"] for r in _lines(path)] == [1, 2, 3]  # the newer run's series, nothing interleaved
+    with pytest.warns(RuntimeWarning, match=r"could not write 4 row\(s\) \(steps 1..4\)"):
+        old.close()  # (its step-1 row was still pending when the newer sink took the file)
+    assert [r["step"] for r in old.tracker.unwritten[old.tracker.sinks[0]]] == [1, 2, 3, 4]
+    assert [r["step"] for r in _lines(path)] == [1, 2, 3]
+    JSONLSink(path).close()  # both closed: the file can be written again, without a warning
 
 
 def test_recorded_values_no_sink_can_write_are_refused_at_record_time(tmp_path):

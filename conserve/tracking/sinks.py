@@ -44,8 +44,9 @@ class JSONLSink:
     """One JSON object per step, appended with one ``write(2)`` per row (a crash keeps what was written).
 
     Non-finite floats are written as ``null``. The file is locked for this process (``RunDirLock`` on
-    ``<dir>/.<name>.lock``): a second process writing the same file is refused, and so is a second
-    open ``JSONLSink`` on it in this process (close the first one's tracker first). At the first row
+    ``<dir>/.<name>.lock``): a second process writing the same file is refused; in this process a
+    newer ``JSONLSink`` on the same file takes it over, with a warning (the older sink's rows stay in its
+    tracker's ``unwritten``, never interleaved into the file). At the first row
     (or at ``resume(step)``) rows left by an earlier run at or after that step are cut off, with a
     warning naming how many. A failed write leaves no partial line (the file is cut back to its
     previous length), so the tracker's retry writes each row exactly once.
@@ -55,7 +56,7 @@ class JSONLSink:
         lock: take the per-file lock (default True).
 
     Raises:
-        UsageError: the file cannot be opened, or another process or open sink writes it.
+        UsageError: the file cannot be opened, or another process writes it.
     """
 
     def __init__(self, path: str | Path, *, lock: bool = True):
@@ -73,17 +74,21 @@ class JSONLSink:
             raise UsageError(f"cannot write metrics to {self.path}: {e.strerror}; choose a writable --out directory") from None
         self._started = False
 
+    _superseded = False
+
     def _claim(self) -> None:
-        """One open sink per file in this process too (the OS lock only keeps other processes out): a
-        second tracker writing the same file would cut the first one's rows and interleave its steps."""
+        """One writing sink per file in this process too (the OS lock only keeps other processes out): a
+        second tracker writing the same file would cut the first one's rows and interleave its steps. The
+        newest sink writes; an older one still open (another tracker, or an earlier run that was not
+        closed, e.g. a Trainer that raised) stops writing: its tracker keeps its rows (``unwritten``)."""
         key = os.path.realpath(self.path)
         other = _OPEN.get(key)
         other = other() if other is not None else None
         if other is not None and getattr(other, "_fd", None) is not None:
-            self._release()
-            raise UsageError(f"{self.path} is already written by {other!r} in this process (another tracker, or an "
-                             "earlier one not closed): close that tracker first (tracker.close()) or give each "
-                             "tracker its own file")
+            other._superseded = True
+            warnings.warn(f"conserve: {self.path} was still open in another JSONLSink of this process (another "
+                          "tracker, or an earlier one not closed): that one stops writing, its rows stay in its "
+                          "tracker (tracker.unwritten); give each tracker its own file", RuntimeWarning, stacklevel=4)
         _OPEN[key] = weakref.ref(self)
         self._key = key
 
@@ -93,6 +98,8 @@ class JSONLSink:
 
     def _cut(self, first_new: int) -> None:
         """Truncate the file at its first line whose step is >= ``first_new`` (or that is incomplete)."""
+        if self._superseded:  # the file is a newer sink's
+            return
         try:
             size = os.fstat(self._fd).st_size
         except OSError:
@@ -117,6 +124,9 @@ class JSONLSink:
         self._started = True
 
     def write(self, step: int, metrics: dict) -> None:
+        if self._superseded:
+            raise RuntimeError(f"{self.path} is written by a newer JSONLSink of this process; this sink's rows are "
+                               "kept by its tracker: give each tracker its own file")
         if not self._started:
             self._cut(step)
         data = (json.dumps(json_safe(metrics)) + "\n").encode()
