@@ -370,3 +370,20 @@ def test_wandb_rows_after_the_run_finished_are_kept_and_the_fix_named(tmp_path, 
                                             r"before wandb.finish\(\)"):
         opt.close()
     assert [r["step"] for r in opt.tracker.unwritten[sink]] == [1, 2, 3]
+
+
+def test_a_closed_jsonl_sink_reopens_for_the_next_run(tmp_path):
+    """``ConserveCallback(sinks=[JSONLSink(p)])``: the callback closes its sinks at the end of each
+    ``train``/``fit``; the next one reuses the object. A closed sink failed every row of the next run
+    (TypeError on the closed descriptor; the rows only in memory); it reopens, as TensorBoardSink does."""
+    path = tmp_path / "m.jsonl"
+    sink, mem = JSONLSink(path), conserve.MemorySink()
+    _run([sink, mem], steps=3)
+    assert sink._fd is None  # closed with its tracker
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no sink failure ...
+        warnings.filterwarnings("ignore", r".*cut off so the series continues")  # ... the re-run restarts the series
+        opt, _ = _run([sink, mem], steps=5)
+    assert opt.tracker.unwritten == {}
+    assert [r["step"] for r in _lines(path)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in mem.records] == [1, 2, 3, 1, 2, 3, 4, 5]

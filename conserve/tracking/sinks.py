@@ -49,7 +49,8 @@ class JSONLSink:
     tracker's ``unwritten``, never interleaved into the file). At the first row
     (or at ``resume(step)``) rows left by an earlier run at or after that step are cut off, with a
     warning naming how many. A failed write leaves no partial line (the file is cut back to its
-    previous length), so the tracker's retry writes each row exactly once.
+    previous length), so the tracker's retry writes each row exactly once. A closed sink reopens at its
+    next row (a new series: as a re-run, it cuts the rows from that row's step on).
 
     Args:
         path: the ``.jsonl`` file (its directory is created).
@@ -60,11 +61,17 @@ class JSONLSink:
     """
 
     def __init__(self, path: str | Path, *, lock: bool = True):
-        self.path = Path(path)
-        self._lock = None
+        self.path, self._locking = Path(path), lock
+        self._lock = self._fd = None
+        self._open()
+
+    def _open(self) -> None:
+        """Open the file (at construction, and again at the first row after a ``close``: a sink given to
+        a framework callback is closed at the end of each ``fit``/``train`` and reused by the next)."""
+        self._superseded = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if lock:
+            if self._locking:
                 self._lock = RunDirLock(self.path.parent, name=f".{self.path.name}.lock",
                                         hint=f"write the metrics to another file than {self.path}").acquire()
                 self._claim()
@@ -94,6 +101,8 @@ class JSONLSink:
 
     def resume(self, step: int) -> None:
         """Keep the rows up to ``step`` (the last step of the restored run); cut off the rest."""
+        if self._fd is None:
+            self._open()
         self._cut(step + 1)
 
     def _cut(self, first_new: int) -> None:
@@ -127,6 +136,8 @@ class JSONLSink:
         if self._superseded:
             raise RuntimeError(f"{self.path} is written by a newer JSONLSink of this process; this sink's rows are "
                                "kept by its tracker: give each tracker its own file")
+        if self._fd is None:
+            self._open()
         if not self._started:
             self._cut(step)
         data = (json.dumps(json_safe(metrics)) + "\n").encode()
