@@ -318,7 +318,12 @@ def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[s
                         "guarded": t.get("guarded"), "balance": t.get("balance"),
                         # the change over the decomposed (law, step) pairs: what decay+1st+2nd predicts
                         "total_drift_measured_sampled": t.get("measured_sampled", t.get("measured"))})
-        row["verdict_key"], row["verdict"] = verdict(row, (broken_by or {}).get(f))
+        reasons = (broken_by or {}).get(f)
+        if not reasons:  # a run without a summary.json (a framework callback, a user's loop): the rows' count
+            n = next((r[f"broken/{f}"] for r in reversed(records) if _finite(r.get(f"broken/{f}"))), 0)
+            reasons = [f"{n:g} law(s) broken by the optimizer's param_groups (broken/{f}; the run's "
+                       "BrokenLawWarning names them)"] if n > 0 else None
+        row["verdict_key"], row["verdict"] = verdict(row, reasons)
         out[f] = row
     return out
 

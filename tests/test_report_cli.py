@@ -224,3 +224,16 @@ def test_report_beside_a_damaged_or_foreign_summary_and_config(tmp_path, capsys)
     assert len(said) == 2 and "config.json is a JSON list, not an object" in said[0]
     assert "summary.json is unreadable (UnicodeDecodeError)" in said[1]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+
+
+def test_report_of_a_callback_run_names_the_laws_its_param_groups_break(tmp_path, capsys):
+    """A framework run (HF Trainer: no weight decay on the norms) has no summary.json with ``broken_by``;
+    its rows count them in ``broken/<family>``: the verdict says so instead of judging the family."""
+    rows = [json.dumps({"step": s, "eps/gain": 0.01 * s, "broken/gain": 5, "eps/vo": 0.1, "broken/vo": 0})
+            for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    assert main(["report", str(tmp_path)]) == 0
+    fams = json.loads((tmp_path / "summary.json").read_text())["families"]
+    assert fams["gain"]["verdict_key"] == "broken_by" and "5 law(s) broken by the optimizer's param_groups" in \
+        fams["gain"]["verdict"]
+    assert fams["vo"]["verdict_key"] != "broken_by"
