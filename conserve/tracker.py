@@ -884,6 +884,11 @@ class Tracker:
         if list(state["laws"]) != [l.name for l in self.laws]:
             raise ValueError("tracker state was saved for a different set of laws; build the tracker with the same "
                              "model and laws as the saved run")
+        shapes = lambda v: {k: tuple(t.shape) for k, t in v.items()}  # noqa: E731
+        if shapes(state["h0"]) != shapes(self.h0.state()):  # same law names, other sizes (hidden, heads...)
+            raise ValueError(f"tracker state was saved for laws of other sizes (law values {shapes(state['h0'])}, this "
+                             f"tracker's {shapes(self.h0.state())}); build the tracker with the same model sizes as "
+                             "the saved run")
         dev = self.device
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)

@@ -370,3 +370,25 @@ def test_fused_optimizer_as_a_context_manager_with_a_nan_policy(tmp_path):
             _step(m, opt, i)
         assert opt.tracker.on_nonfinite == "warn"
     assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_loading_a_state_of_other_law_sizes_is_refused_at_load():
+    """Same law names, other sizes (a resumed run whose hidden width changed): the state loaded and the
+    next step failed deep inside the tracker ("The size of tensor a (6) must match ... (8)")."""
+    from conserve.models import MLP
+
+    def tracked(widths):
+        torch.manual_seed(0)
+        m = MLP(widths)
+        opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=2, sinks=[])
+        opt.zero_grad()
+        m(torch.randn(5, widths[0])).square().mean().backward()
+        opt.step()
+        return opt
+
+    state = tracked([4, 8, 3]).tracker.state_dict()
+    other = tracked([4, 6, 3])
+    with pytest.raises(ValueError, match=r"saved for laws of other sizes .*\(8,\).*\(6,\).*same model sizes"):
+        other.tracker.load_state_dict(state)
+    assert other.tracker.step_count == 1  # untouched
+    tracked([4, 8, 3]).tracker.load_state_dict(state)  # the same sizes load
