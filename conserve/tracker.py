@@ -109,7 +109,11 @@ def record_value(key: str, v):
     reshaped to ``()``), a Python ``int``/``float``/``bool`` (numpy scalars and one-element arrays
     converted), a ``str`` or None. Checked at ``record`` time, so a value no sink can write never
     reaches (and blocks) the sinks. Raises ``ValueError`` for a tensor/array of several elements,
-    ``TypeError`` for anything else."""
+    ``TypeError`` for anything else, ``ValueError`` for the key ``step`` (the row's own step number:
+    another value there would misplace the row in every sink and in a resume's cut)."""
+    if key == "step":
+        raise ValueError("record(step=...): 'step' is the tracker's own step number, the row's key; record your "
+                         "counter under another name (e.g. global_step=...)")
     if torch.is_tensor(v) or isinstance(v, np.ndarray):
         if (v.numel() if torch.is_tensor(v) else v.size) != 1:
             raise ValueError(f"record({key}=...): a {type(v).__name__} of shape {tuple(v.shape)}; record one number "

@@ -340,6 +340,8 @@ def test_recorded_values_no_sink_can_write_are_refused_at_record_time(tmp_path):
         opt.record(h=torch.ones(2))
     with pytest.raises(TypeError, match=r"record\(c=\.\.\.\): complex is not a number"):
         opt.record(c=1j)
+    with pytest.raises(ValueError, match=r"'step' is the tracker's own step number.*global_step="):
+        opt.record(step=70, loss=1.0)  # the rows' step was silently replaced by the user's value
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no sink failure
         opt.close()
@@ -347,7 +349,7 @@ def test_recorded_values_no_sink_can_write_are_refused_at_record_time(tmp_path):
     rows = _lines(path)
     assert [r["step"] for r in rows] == list(range(1, 8))
     assert [r["x"] for r in rows] == [1.5, 3, 2.0, 0.25, 7, True, None]
-    assert "h" not in rows[-1] and "c" not in rows[-1]
+    assert "h" not in rows[-1] and "c" not in rows[-1] and "loss" not in rows[-1]
 
 
 def test_wandb_rows_after_the_run_finished_are_kept_and_the_fix_named(tmp_path, monkeypatch):
