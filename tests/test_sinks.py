@@ -389,3 +389,28 @@ def test_a_closed_jsonl_sink_reopens_for_the_next_run(tmp_path):
     assert opt.tracker.unwritten == {}
     assert [r["step"] for r in _lines(path)] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in mem.records] == [1, 2, 3, 1, 2, 3, 4, 5]
+
+
+def test_tensorboard_sink_beside_the_users_own_writer_keeps_the_users_events(tmp_path):
+    """``TensorBoardSink(args.logging_dir)`` / ``TensorBoardSink(trainer.log_dir)``: the directory the
+    user's own writer logs to. Its ``purge_step`` made TensorBoard discard every event of the user's
+    writer from that step on (``train/loss`` showed nothing). conserve's events go to the run
+    ``<dir>/conserve``, where a resumed series is still one."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    tb = tmp_path / "tb"
+    user = SummaryWriter(str(tb))
+    for s in range(1, 11):
+        user.add_scalar("train/loss", 1.0 / s, s)
+    user.flush()
+    _, ck = _run([TensorBoardSink(tb)], steps=8, every=3, save_at=5)
+    _run([TensorBoardSink(tb)], steps=8, every=3, state=ck)  # resumed at 5: steps 6..8 again
+    user.close()
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 11))
+    own = EventAccumulator(str(tb / "conserve"))  # conserve's run, beside the user's
+    own.Reload()
+    assert [e.step for e in own.Scalars("conserve/eps/relu")] == list(range(1, 9))

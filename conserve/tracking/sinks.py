@@ -24,6 +24,7 @@ from .lock import RunDirLock
 
 __all__ = ["JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "RunDirLock", "tensorboard_available"]
 
+_TB_SUFFIX = ".conserve"  # conserve's TensorBoard event files (``filename_suffix``)
 _OPEN: dict[str, "weakref.ref[JSONLSink]"] = {}  # realpath -> the JSONLSink of this process writing it
 _STEP = re.compile(rb'^\{"step": (-?\d+)[,}]')
 
@@ -193,7 +194,10 @@ class TensorBoardSink:
 
     The event writer opens at the first row (or ``resume``) with ``purge_step`` at that step, so
     events an earlier run left at or after it are discarded by TensorBoard: one series per tag,
-    no duplicated steps."""
+    no duplicated steps. The purge covers every tag of the directory, so in a directory another
+    writer already logs to (the Trainer's, Lightning's ``TensorBoardLogger``) the events go to the
+    run ``<log_dir>/conserve`` instead (``events_dir``), not to discard that writer's events.
+    conserve's event files end in ``.conserve``."""
 
     def __init__(self, log_dir: str | Path):
         try:
@@ -204,7 +208,13 @@ class TensorBoardSink:
 
     def _open(self, purge_step: int):
         if self._w is None:
-            self._w = self._cls(self.log_dir, purge_step=purge_step)
+            d = Path(self.log_dir)
+            # TensorBoard's purge drops the events of every tag in the directory, the user's own writer's too
+            # (train/loss...): beside another writer, conserve's events go to their own run, <log_dir>/conserve
+            if d.is_dir() and any(not p.name.endswith(_TB_SUFFIX) for p in d.glob("events.out.tfevents.*")):
+                d = d / "conserve"
+            self.events_dir = str(d)
+            self._w = self._cls(self.events_dir, purge_step=purge_step, filename_suffix=_TB_SUFFIX)
         return self._w
 
     def resume(self, step: int) -> None:
