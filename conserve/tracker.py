@@ -39,7 +39,7 @@ from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
 from .tracking.breakers import check_optimizer, decay_factor  # noqa: F401  (decay_factor: re-exported)
-from .tracking.drift import Assembly, Mask, Sampler, drift_pieces
+from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
@@ -216,6 +216,7 @@ class Tracker:
         self.keep_last = bool(keep_last)
         self.last: dict[str, Values] = {} if self.keep_last else NotKept()
         self._hits: dict = {}  # Mask.key -> (families,) bool: the families a sampler group decomposes
+        self._entries_of: dict = {}  # Mask.key -> _Entries: a sampler group's compact layout
         self.last_record: dict | None = None
         self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
         self._setup()
@@ -381,34 +382,59 @@ class Tracker:
             del snap
         self.record_step(h1, terms, mask)
 
-    def drift_terms(self, snap, a: list[float]) -> dict[str, "Values"]:
+    def drift_terms(self, snap, a: list[float]) -> "DriftTerms":
         """The identity's ``decay``/``first``/``second`` from one DRIFT pass over ``snap`` (old copies)
         and the live weights; ``a``: decay factor per tracked tensor.  The terms are written into the
         step scratch of ``record_step``, which consumes it (squares it in place): pass them to the next
         ``record_step`` once, clone them to keep them."""
-        asm = self.assembly
         news = self.sampler.news(snap, self.tensors)
         pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
-                              backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask), donate=True,
+                              backend=self.backend, decay=self.assembly.needs_kernel_decay(a, snap.mask), donate=True,
                               values=False)  # the snapshot is ours (Delta is formed in it); h1 is the eps evaluation
         snap.olds.clear()  # the copies of theta_k (now Delta) are read: free them before the terms are formed
         del news
-        pieces = (None,) + tuple(pieces[1:])  # h(new) of the pass: not used (h1 is the eps evaluation)
+        # h(new) of the pass: not used (h1 is the eps evaluation); a list, which the assembly empties once read
+        pieces = [None, *pieces[1:]]
+        return self.assemble(pieces, a, snap.mask, compact=snap.compact)
+
+    def assemble(self, pieces, a: Sequence[float], mask: Mask, *, compact: bool = False,
+                 stats: StepStats | None = None) -> "DriftTerms":
+        """One drift step's ``decay``/``first``/``second`` from the DRIFT pass's ``pieces`` and, for a fused
+        optimizer, its step statistics ``stats``: ``Assembly.terms`` (the one assembly), written into the
+        step scratch that ``record_step`` consumes (squares in place: pass the result to one
+        ``record_step``, clone it to keep it).
+
+        ``pieces``: ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` over the entries of ``mask`` (a
+        list is emptied once read), or None (no DRIFT pass this step); ``a``: decay factor per tracked
+        tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``; no
+        ``stats`` then, they are in the full layout)."""
+        if compact and stats is not None:
+            raise ValueError("assemble: step statistics are in the full law layout; compact=True takes none")
+        asm = self.assembly
         # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
-        at = _Entries(self, snap.mask) if snap.compact else None
+        at = self._entries(mask) if compact else None
         if at is None:
             buf, wv, wg = self._scratch((len(TERMS),), self.h.vec.dtype)
-            h_old, sampled = (self.h.vec, self.h.grams), snap.mask
+            h_old, sampled = (self.h.vec, self.h.grams), mask
         else:  # a compact sub-plan: the pieces, terms and scratch hold the group's entries only
             buf, wv, wg = self._views(torch.empty(len(TERMS), at.layout[0], dtype=self.h.vec.dtype, device=self.device),
                                       at.layout)
             h_old, sampled = at.take(self.h), None
-            asm = asm.restrict(at.vi_np, at.si_np)
+            asm = at.assembly
         out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
-        terms = _Terms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out).items()})
-        terms.at = at
-        self._terms_buf = buf  # taken by the next record_step
+        terms = DriftTerms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out, stats=stats).items()})
+        terms.at, terms.buf, terms.h_old = at, buf, (h_old if at is not None else None)
         return terms
+
+    def _entries(self, mask: Mask) -> "_Entries":
+        """The compact layout of ``mask``'s entries (``_Entries``), cached per ``mask.key``: a sampler group
+        decomposes the same entries every time it comes round (held: see ``_Entries``)."""
+        got = self._entries_of.get(mask.key) if mask.key is not None else None
+        if got is None:
+            got = _Entries(self, mask)
+            if mask.key is not None:
+                self._entries_of[mask.key] = got
+        return got
 
     def _family_hit(self, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
         """(families,) bool: the family has a decomposed entry under ``mask``, and its negation (cached per ``mask.key``:
@@ -456,12 +482,9 @@ class Tracker:
         The tracker's own budgeted drift steps (``drift_terms`` over a compact sub-plan) form them over
         the group's entries only (the scratch is the group's size, not five law-sized rows); terms
         given here are in the full layout."""
-        err = None
+        deferred = _Deferred()
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
-            try:
-                self.flush()
-            except NonFiniteError as e:  # raised after this step is booked: the optimizer has applied it
-                err = e
+            deferred.call(self.flush)  # a NonFiniteError is raised once this step is booked
         self.step_count += 1
         nf, ng, dev = len(self.families), len(self.groups), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
@@ -488,9 +511,7 @@ class Tracker:
         self.h = h1
         for m in self.monitors:
             m.update()
-        if err is not None:
-            self._nonfinite_reported = self.step_count  # this step was booked before the caller saw the error
-            raise err
+        deferred.raise_booked(self, self.step_count)  # this step was booked before the caller saw the error
 
     def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
         """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four, and per
@@ -503,13 +524,16 @@ class Tracker:
         partial = sampled is not None and not sampled.full
         at = getattr(terms, "at", None)  # compact terms (drift_terms over a compact sub-plan): the group's entries
         layout = self._layout if at is None else at.layout
-        buf = self.__dict__.pop("_terms_buf", None)  # drift_terms wrote the terms into rows 1-3 of it
+        buf = getattr(terms, "buf", None)  # assemble wrote the terms into rows 1-3 of it: taken (consumed) here
+        if buf is not None:
+            terms.buf = None
         if buf is None or buf.dtype != dt or buf.shape[-1] != layout[0] \
                 or self._views(buf, layout)[1][1].data_ptr() != dec.vec.data_ptr():
             buf = torch.empty(len(TERMS), layout[0], dtype=dt, device=dev)
         buf, wv, wg = self._views(buf, layout)
-        if at is not None:  # the group's entries of h_{k+1} and h_k; the terms need no mask
-            h1, h_k, partial_masks = at.take(h1), at.take(self.h), False
+        if at is not None:  # the group's entries of h_{k+1} and h_k (taken by assemble); the terms need no mask
+            h_k = terms.h_old if terms.h_old is not None else at.take(self.h)
+            h1, partial_masks = at.take(h1), False
         else:
             h_k, partial_masks = (self.h.vec, self.h.grams), partial
 
@@ -842,11 +866,44 @@ class Tracker:
                 s.resume(written)
 
 
-class _Terms(dict):
-    """``Tracker.drift_terms``'s result: ``{"decay", "first", "second"}`` -> ``Values``; ``at``: the
-    ``_Entries`` they hold when compact (None: the full law layout)."""
+class DriftTerms(dict):
+    """``Tracker.assemble``'s result: ``{"decay", "first", "second"}`` -> ``Values``, views of rows 1-3
+    of ``buf``, the step scratch ``record_step`` forms the five terms in (it takes ``buf`` and squares
+    it in place: pass them to one ``record_step``).  ``at``: the ``_Entries`` they hold when compact
+    (None: the full law layout), ``h_old``: then ``h_k`` at those entries (taken once per step)."""
 
-    at = None
+    __slots__ = ("at", "buf", "h_old")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at = self.buf = self.h_old = None
+
+
+class _Deferred:
+    """A ``NonFiniteError`` raised by a flush due while a step is being booked (inside
+    ``optimizer.step()``: the optimizer has applied the step): held by ``call`` until the step is
+    booked, then raised by ``raise_booked``, which first marks the steps booked so far as covered
+    by it (``Tracker._nonfinite_reported``), so a caller who catches it loses no step and gets one
+    error per divergence.  ``call`` keeps the first error of several."""
+
+    __slots__ = ("err",)
+
+    def __init__(self):
+        self.err: NonFiniteError | None = None
+
+    def call(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except NonFiniteError as e:
+            self.err = self.err or e
+
+    def raise_booked(self, tracker: "Tracker", booked: int | None) -> None:
+        """Raise the held error, if any, after setting ``tracker._nonfinite_reported = booked`` (None:
+        leave it to the caller that books the remaining steps)."""
+        if self.err is not None:
+            if booked is not None:
+                tracker._nonfinite_reported = booked
+            raise self.err
 
 
 class _Entries:
@@ -855,7 +912,7 @@ class _Entries:
     compact scratch layout ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``.  Built per
     drift step from the mask's host arrays (a few bytes per decomposed entry; nothing is held)."""
 
-    __slots__ = ("vi_np", "si_np", "vi", "si", "fam", "flat_at", "layout")
+    __slots__ = ("vi_np", "si_np", "vi", "si", "fam", "flat_at", "layout", "assembly")
 
     def __init__(self, tr: "Tracker", mask: Mask):
         dev = tr.device
@@ -877,6 +934,7 @@ class _Entries:
             spans.append((d, at, at + n * d * d, (n, d, d)))
             at += n * d * d
         self.layout = (at, nv, spans)
+        self.assembly = tr.assembly.restrict(self.vi_np, self.si_np)  # the assembly in this layout
 
     def take(self, v: "Values") -> tuple:
         """``(vec, {D: grams})`` of ``v`` at these entries (gathered copies)."""

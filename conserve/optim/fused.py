@@ -61,7 +61,7 @@ from ..kernels import optim_step as K
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
 from ..tracker import Tracker, Values
-from ..tracking.drift import Mask, Sampler, drift_pieces, make_mask
+from ..tracking.drift import Mask, Sampler, StepStats, drift_pieces, make_mask
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
@@ -404,49 +404,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
             return
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         mask = self._mask(snap)
-        # the terms go straight into rows 1-3 of the tracker's step scratch (see Tracker.drift_terms)
-        buf, wv, wg = tr._scratch((5,), tr.h.vec.dtype)
-        (fv, fg), (sv, sg) = (wv[2], {d: g[2] for d, g in wg.items()}), (wv[3], {d: g[3] for d, g in wg.items()})
-        kv, kg = vals[3], None  # per-term decay of the step statistics (+ the pass's)
+        pieces = None  # no DRIFT pass: every term this step comes from the step statistics
         if snap is not None:
-            asm = tr.assembly
             news = self._sampler.news(snap, tr.tensors)
-            pieces = drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
-                                  backend=tr.backend, decay=asm.needs_kernel_decay(a, mask))
+            pieces = list(drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
+                                       backend=tr.backend, decay=tr.assembly.needs_kernel_decay(a, mask)))
             snap.olds.clear()
             del snap, news
-            _, dec, b, hd = (None if x is None else Values(*x) for x in pieces)
-            del pieces
-            if dec is not None:
-                kv, kg = vals[3] + dec.vec, dec.grams
-            torch.mul(b.vec, 2, out=fv)  # first = stats + 2 B + lin h(Delta); second = stats + (1 - lin) h(Delta)
-            fv.add_(torch.mul(hd.vec, tr._lin, out=sv)).add_(vals[1])
-            torch.mul(hd.vec, asm._nlin, out=sv).add_(vals[2])
-            for d in fg:
-                torch.mul(b.grams[d], 2, out=fg[d])
-                sg[d].copy_(hd.grams[d])
-            del b, hd, dec
-        else:
-            fv.copy_(vals[1])
-            sv.copy_(vals[2])
-            for d in fg:
-                fg[d].zero_()
-                sg[d].zero_()
-        if kg is None:
-            kg = {d: torch.zeros_like(g) for d, g in fg.items()}
-        h_old = (tr.h.vec, tr.h.grams)
-        # the statistics and the DRIFT pass form Delta with a rounded to fp32: the terms of the exact a
-        # (Assembly.terms does the same on the conserve.track path; Noether: SGD's first term is 0)
-        (cfv, cfg), (csv, csg) = tr.assembly.correct(h_old, (fv, fg), (sv, sg), a)
-        for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in fg] + [(sg[d], csg[d]) for d in sg]:
-            if r is not o:
-                o.copy_(r)
-        del cfv, cfg, csv, csg
-        decay = tr.assembly.decay(h_old, a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
-        del vals, kv, kg
-        mask.restrict_((fv, fg), (sv, sg))
-        tr._terms_buf = buf  # taken by record_step
-        tr.record_step(h1, {"decay": Values(*decay), "first": Values(fv, fg), "second": Values(sv, sg)}, mask)
+        # the one assembly (Tracker.assemble -> Assembly.terms): the statistics' terms (rows 1, 2; their
+        # per-term decay, row 3) join the pass's, at the exact a (the statistics use a rounded to fp32)
+        terms = tr.assemble(pieces, a, mask, stats=StepStats(vals[1], vals[2], vals[3]))
+        del pieces, vals
+        tr.record_step(h1, terms, mask)
 
 
 def _params_with_grad(group, done: set):

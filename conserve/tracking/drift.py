@@ -37,7 +37,7 @@ try:  # the kernels' reference module (after the vectorised twin); before it, pl
 except ImportError:  # pragma: no cover - depends on the kernels version
     from ..kernels.plan import drift_factors
 
-__all__ = ["drift_pieces", "drift_factors", "Assembly", "Sampler", "Snapshot", "Mask", "make_mask"]
+__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Snapshot", "Mask", "make_mask"]
 
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
                  fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True):
@@ -248,7 +248,8 @@ class Assembly:
             fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], tg[d], rg[d], None)
         return (fv, fg), (sv, sg)
 
-    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None, out=None) -> dict:
+    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None, out=None,
+              stats: "StepStats | None" = None) -> dict:
         """The identity's terms for the true ``a`` (python floats per tensor).  The kernels form
         ``Delta_f = new - a_f old`` with ``a_f`` = ``a`` rounded to fp32; with ``d = a - a_f`` per entry
         (``old`` = theta_k, ``Delta = new - a old = Delta_f - d old``), exactly::
@@ -259,30 +260,71 @@ class Assembly:
         so a decay factor that is not an fp32 number (``1 - lr*wd`` in double) keeps the first-order
         term at its true value (Noether: it vanishes for SGD with weight decay) in float64.
 
+        ``pieces``: the DRIFT pass's ``(h_new, decay, bil, h_delta)``; a list is consumed (cleared when
+        read, so its law-sized pieces are freed before the corrections are formed); None: no DRIFT pass
+        this step (every term then comes from ``stats``; the Gram terms are 0).  ``stats``: the step
+        statistics' contributions to the vec entries (``StepStats``, the fused optimizers': their
+        terms are added to ``2 B + lin h(Delta)`` / ``(1 - lin) h(Delta)`` before the exact-``a``
+        correction, their per-term decay to the pass's).
         ``out``: ``{"decay", "first", "second"}`` -> ``(vec, {D: grams})`` tensors of ``h_old``'s shapes and
         dtype to write the terms into (e.g. rows of the tracker's step scratch); None: fresh tensors."""
-        _, dec, (bv, bg), (dv, dg) = pieces  # h_new is not used (None is fine)
         hv, hg = h_old
         dt = hv.dtype
         if out is None:
             out = {k: (torch.empty_like(hv), {d: torch.empty_like(g) for d, g in hg.items()})
                    for k in ("decay", "first", "second")}
         (fv, fg), (sv, sg) = out["first"], out["second"]
-        bv, dv = bv.to(dt), dv.to(dt)
-        torch.mul(bv, 2, out=fv)  # first = 2 B + lin * h(Delta), second = (1 - lin) * h(Delta)
-        fv.add_(torch.mul(dv, self._lin, out=sv))
-        torch.mul(dv, self._nlin, out=sv)
-        for d in hg:
-            torch.mul(bg[d].to(dt), 2, out=fg[d])
-            sg[d].copy_(dg[d])
+        dec = None
+        if pieces is None:  # the step statistics alone (no term outside them this step)
+            if stats is None:
+                fv.zero_()
+                sv.zero_()
+            else:
+                fv.copy_(stats.first)
+                sv.copy_(stats.second)
+            for d in hg:
+                fg[d].zero_()
+                sg[d].zero_()
+        else:
+            _, dec, (bv, bg), (dv, dg) = pieces  # h_new is not used (None is fine)
+            if isinstance(pieces, list):
+                pieces.clear()
+            bv, dv = bv.to(dt), dv.to(dt)
+            torch.mul(bv, 2, out=fv)  # first = 2 B + lin * h(Delta) (+ stats), second = (1 - lin) * h(Delta) (+ stats)
+            fv.add_(torch.mul(dv, self._lin, out=sv))
+            if stats is not None:
+                fv.add_(stats.first)
+            torch.mul(dv, self._nlin, out=sv)
+            if stats is not None:
+                sv.add_(stats.second)
+            for d in hg:
+                torch.mul(bg[d].to(dt), 2, out=fg[d])
+                sg[d].copy_(dg[d])
+            del bv, bg, dv, dg
         (cfv, cfg), (csv, csg) = self.correct(h_old, (fv, fg), (sv, sg), a)
         for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in hg] + [(sg[d], csg[d]) for d in hg]:
             if r is not o:
                 o.copy_(r)
+        del cfv, cfg, csv, csg
         if sampled is not None:  # the corrections touch every entry: mask again
             sampled.restrict_((fv, fg), (sv, sg))
+        if stats is not None and stats.decay is not None:  # the statistics' per-term decay (+ the pass's)
+            dec = (stats.decay, {}) if dec is None else (stats.decay + dec[0], dec[1])
         self.decay(h_old, a, dec, sampled, out=out["decay"])
         return out
+
+
+@dataclass
+class StepStats:
+    """The step statistics' part of one drift step's terms (the fused optimizers, spec "Discrete
+    steps"): ``(vec_size,)`` tensors in the law values' dtype, 0 at entries no statistic covers.
+    ``first``/``second``: their first- and second-order terms (fp32-rounded ``a``, as the DRIFT pass);
+    ``decay``: their per-term decay ``sum_t s_t (a_t^2 - 1) h_t(old)`` (read where the tensors of an
+    entry have different ``a``), or None."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+    decay: torch.Tensor | None = None
 
 
 class _Restricted(Assembly):
