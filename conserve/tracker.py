@@ -373,29 +373,36 @@ class Tracker:
     @torch.no_grad()
     def after_step(self) -> None:
         """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``)."""
-        h1 = self._eval(self.tensors)
         snap, self._snap = self._snap, None
-        terms = mask = None
-        if snap is not None:
-            terms = self.drift_terms(snap, [float(a) for a in self._a])
-            mask = snap.mask
-            del snap
-        self.record_step(h1, terms, mask)
+        if snap is None:
+            self.record_step(self._eval(self.tensors))
+            return
+        a = [float(a) for a in self._a]
+        # the DRIFT pass first: it frees the copies of theta_k before h(theta_{k+1}) is evaluated (the
+        # pass's pieces, smaller, are held instead); then the terms
+        pieces = self._drift_pass(snap, a)
+        h1 = self._eval(self.tensors)
+        terms = self.assemble(pieces, a, snap.mask, compact=snap.compact)
+        del pieces
+        self.record_step(h1, terms, snap.mask)
+
+    def _drift_pass(self, snap, a: list[float]) -> list:
+        """The DRIFT pass's ``[None, decay, bil, h_delta]`` over ``snap`` (its copies of theta_k are
+        overwritten with Delta and freed) and the live weights, for ``assemble``."""
+        news = self.sampler.news(snap, self.tensors)
+        pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
+                              backend=self.backend, decay=self.assembly.needs_kernel_decay(a, snap.mask), donate=True,
+                              values=False)  # the snapshot is ours (Delta is formed in it); h1 is the eps evaluation
+        snap.olds.clear()  # the copies of theta_k (now Delta) are read: free them before the terms are formed
+        # h(new) of the pass: not used (h1 is the eps evaluation); a list, which the assembly empties once read
+        return [None, *pieces[1:]]
 
     def drift_terms(self, snap, a: list[float]) -> "DriftTerms":
         """The identity's ``decay``/``first``/``second`` from one DRIFT pass over ``snap`` (old copies)
         and the live weights; ``a``: decay factor per tracked tensor.  The terms are written into the
         step scratch of ``record_step``, which consumes it (squares it in place): pass them to the next
         ``record_step`` once, clone them to keep them."""
-        news = self.sampler.news(snap, self.tensors)
-        pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
-                              backend=self.backend, decay=self.assembly.needs_kernel_decay(a, snap.mask), donate=True,
-                              values=False)  # the snapshot is ours (Delta is formed in it); h1 is the eps evaluation
-        snap.olds.clear()  # the copies of theta_k (now Delta) are read: free them before the terms are formed
-        del news
-        # h(new) of the pass: not used (h1 is the eps evaluation); a list, which the assembly empties once read
-        pieces = [None, *pieces[1:]]
-        return self.assemble(pieces, a, snap.mask, compact=snap.compact)
+        return self.assemble(self._drift_pass(snap, a), a, snap.mask, compact=snap.compact)
 
     def assemble(self, pieces, a: Sequence[float], mask: Mask, *, compact: bool = False,
                  stats: StepStats | None = None) -> "DriftTerms":
@@ -463,8 +470,8 @@ class Tracker:
                  at: "_Entries | None" = None) -> torch.Tensor:
         """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
         returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
-        (``at``: of ``at.fam``)."""
-        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.fam.numel())
+        (``at``: of ``at.families``)."""
+        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.flat.numel())
         vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
             g, o = grams[d], flat_at[d]
@@ -568,12 +575,12 @@ class Tracker:
                 _, kv, kg = self._views(buf.clone())
             else:
                 _, kv, kg = self._scratch((len(TERMS),), dt)
-                kv.zero_().index_copy_(1, at.vi, wv)
+                kv.zero_().index_copy_(1, at.vi.long(), wv)  # (index_copy_ takes int64 indices)
                 for d, g in kg.items():
-                    g.zero_().index_copy_(1, at.si[d], wg[d])
+                    g.zero_().index_copy_(1, at.si[d].long(), wg[d])
             self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
         sq = self._squares(buf, wv, wg, at)
-        fam = self._fam_all if at is None else at.fam
+        fam = self._fam_all if at is None else at.families(self)
         out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
         for i in range(len(TERMS)):
             out[i].index_add_(0, fam, sq[i])
@@ -907,34 +914,42 @@ class _Deferred:
 
 
 class _Entries:
-    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``vi`` / ``si[D]``
-    (int64, on the device; ``*_np`` on the host), their flat ``_fam_all`` ids ``fam`` (int32), and the
-    compact scratch layout ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``.  Built per
-    drift step from the mask's host arrays (a few bytes per decomposed entry; nothing is held)."""
+    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``flat`` (their
+    ids in the flat layout of ``_fam_all``: the vec entries, then each D's slots), ``vi`` (its vec
+    part, a view) and ``si[D]`` (Gram slots), int32 on the device; the compact scratch layout
+    ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``; ``assembly``, the drift assembly
+    in this layout (``Assembly.restrict``).  Built once per sampler group from the mask's host arrays
+    and cached per ``Mask.key`` (``Tracker._entries``): the groups partition the entries, so all the
+    cached layouts together hold 5 bytes per law entry (4 for ``flat``, 1 for ``assembly``'s linear
+    flags), plus per group its Gram slot ids (4 bytes per slot), its set-id runs (16 bytes per run, a
+    few per group) and a few Python objects."""
 
-    __slots__ = ("vi_np", "si_np", "vi", "si", "fam", "flat_at", "layout", "assembly")
+    __slots__ = ("flat", "vi", "si", "flat_at", "layout", "assembly")
 
     def __init__(self, tr: "Tracker", mask: Mask):
         dev = tr.device
-        self.vi_np = np.flatnonzero(mask.vec_np)
-        self.si_np = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
-        self.vi = torch.from_numpy(self.vi_np).to(dev)
-        self.si = {d: torch.from_numpy(x).to(dev) for d, x in self.si_np.items()}
-        flat = np.concatenate([self.vi_np] + [tr._flat_at[d] + self.si_np[d] for d in tr._gram_ds])
-        held = tr.__dict__.get("_fam_all_held")
-        flat = torch.from_numpy(flat).to(dev)
-        self.fam = held[flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[flat])
-        nv, at, self.flat_at = len(self.vi_np), len(self.vi_np), {}
+        vi = np.flatnonzero(mask.vec_np)
+        si = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
+        flat = np.concatenate([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds])
+        self.flat = torch.from_numpy(flat).to(dev, torch.int32)  # index_add_/index_select/[] take int32
+        self.vi = self.flat[: len(vi)]
+        self.si = {d: torch.from_numpy(x).to(dev, torch.int32) for d, x in si.items()}
+        nv, at, self.flat_at = len(vi), len(vi), {}
         for d in tr._gram_ds:
             self.flat_at[d] = at
-            at += len(self.si_np[d])
+            at += len(si[d])
         spans = []
         for d in tr._gram_ds:
-            n = len(self.si_np[d])
+            n = len(si[d])
             spans.append((d, at, at + n * d * d, (n, d, d)))
             at += n * d * d
         self.layout = (at, nv, spans)
-        self.assembly = tr.assembly.restrict(self.vi_np, self.si_np)  # the assembly in this layout
+        self.assembly = tr.assembly.restrict(vi, si)  # the assembly in this layout
+
+    def families(self, tr: "Tracker") -> torch.Tensor:
+        """(entries,) int32: the family of each of these entries (gathered per call: not held)."""
+        held = tr.__dict__.get("_fam_all_held")
+        return held[self.flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[self.flat])
 
     def take(self, v: "Values") -> tuple:
         """``(vec, {D: grams})`` of ``v`` at these entries (gathered copies)."""

@@ -34,8 +34,8 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
   across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
   block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps);
-  between steps the optimizer holds one sign and one slot index per (entry, statistic) pair and a
-  pair count per entry.
+  between steps the optimizer holds, per (entry, statistic) pair, its entry and slot index (int32)
+  and one sign.
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
@@ -156,19 +156,16 @@ class _FusedPlan:
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
         o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
-        # held between steps: the pairs per entry (the pairs are in entry order: ``_finish`` expands the
-        # counts back into each pair's entry), one sign per pair (K.finish_signed rebuilds the four
-        # coefficients from it and the slot's kind), int8 when the signs are small integers (exact in
-        # the product with the float statistics), and the slot indices, in int16 when they fit
+        # held between steps (CPU finish, ``K.finish_signed``): per pair its entry and slot, int32 (the
+        # index type index_add_/index_select take: no widening per step), and one sign, int8 when the
+        # signs are small integers (exact in the product with the float statistics; the finish rebuilds
+        # the four coefficients from it and the slot's kind)
         sign = cf[0]
         small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
-        counts = torch.bincount(o, minlength=plan.vec_size)
-        top = int(counts.max()) if counts.numel() else 0
-        narrow = lambda x, n: x.to(dev, torch.int16 if n < 2 ** 15 else torch.int32)  # noqa: E731
-        self.compact = (counts.to(dev, torch.uint8) if top < 256 else narrow(counts, top),
-                        narrow(sl, self.n_slots), sign.to(dev, torch.int8 if small else acc))
-        # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         cuda = torch.device(dev).type == "cuda"
+        wide = torch.int32 if max(plan.vec_size, self.n_slots) < 2 ** 31 else torch.int64
+        self.compact = None if cuda else (o.to(dev, wide), sl.to(dev, wide), sign.to(dev, torch.int8 if small else acc))
+        # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
@@ -384,8 +381,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 K.stats_reference(None, t, 1.0, fp.reqs[i], stats)
         if fp.idx is not None:  # deterministic (CUDA)
             return K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]])
-        counts, slot, sign = fp.compact
-        return K.finish_signed(stats, torch.repeat_interleave(counts.int()), slot, sign, fp.n_quad, fp.n_entries)
+        entry, slot, sign = fp.compact
+        return K.finish_signed(stats, entry, slot, sign, fp.n_quad, fp.n_entries)
 
     def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None) -> None:
         tr, fp = self.tracker, self._fp

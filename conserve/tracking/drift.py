@@ -62,6 +62,35 @@ def _entries_of(plan: Plan):
     return vec, gram
 
 
+@dataclass
+class _Runs:
+    """Per-entry set ids in run-length form, per part of the layout (``"vec"``, then each D's slots):
+    the entries of one law share a set and lie side by side, so a layout has a few runs per law
+    family, not one id per entry.  ``sets[p]``/``lengths[p]``: the set and length of each run of part
+    ``p`` (host int32); ``*_dev``: the same on the device (views of them on the CPU)."""
+
+    sets: dict
+    lengths: dict
+    sets_dev: dict
+    lengths_dev: dict
+
+    def expand(self, f: np.ndarray, p) -> np.ndarray:
+        """``f[set of each entry of part p]`` (a per-set host array at the entries)."""
+        return np.repeat(f[self.sets[p]], self.lengths[p])
+
+
+def _runs(ids: np.ndarray, vec_size: int, gram_slots: Mapping[int, int], device) -> _Runs:
+    """``_Runs`` of the per-entry set ids ``ids`` (flat layout: the vec entries, then each D's slots)."""
+    ps, pl, at = {}, {}, 0
+    for p, n in [("vec", vec_size)] + list(gram_slots.items()):
+        x = ids[at: at + n]
+        starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]]) if n else np.zeros(0, dtype=np.int64)
+        ps[p], pl[p] = x[starts].astype(np.int32), np.diff(np.r_[starts, n]).astype(np.int32)
+        at += n
+    dev = lambda xs: {p: torch.from_numpy(x).to(device) for p, x in xs.items()}  # noqa: E731
+    return _Runs(ps, pl, dev(ps), dev(pl))
+
+
 class Assembly:
     """Turns the DRIFT pieces of one step into the identity's ``decay``, ``first``, ``second`` terms.
 
@@ -82,7 +111,8 @@ class Assembly:
         self.vec_size, self.gram_slots = plan.vec_size, dict(plan.gram_slots)
         self.device = device
         self._lin = linear.to(device)
-        self._lin_np = linear.detach().cpu().numpy().astype(bool)  # host copy, once (no device->host copy per step)
+        # host copy, once (no device->host copy per step); on the CPU it views ``linear`` (bool already)
+        self._lin_np = linear.detach().cpu().numpy().astype(bool, copy=False)
         # per output entry the set of (tensor, shifted) pairs its terms read, as one small set id
         # (entries of one law share it); the sets' members are kept, not one row per term row
         codes = [(e, 2 * t + int(sh)) for e, t, sh in vec] + [(self.vec_size + self._slot_at(d, sl), 2 * t)
@@ -93,14 +123,15 @@ class Assembly:
             per[e].add(c)
         ids: dict = {}
         flat = np.asarray([ids.setdefault(tuple(sorted(x)), len(ids)) for x in per], dtype=np.int64)
-        it = np.int16 if len(ids) < np.iinfo(np.int16).max else np.int32
-        self._set_id = flat.astype(it)  # (vec entries, then each D's slots) -> set
+        # (vec entries, then each D's slots) -> set, held as runs (the entries of a law lie side by side)
+        self._runs = _runs(flat, self.vec_size, self.gram_slots, self.device)
         members = [(k, c) for key, k in ids.items() for c in key]
         self._m_set = np.asarray([k for k, _ in members], dtype=np.int64)
         self._m_tensor = np.asarray([c // 2 for _, c in members], dtype=np.int64)
         self._m_shift = np.asarray([c % 2 == 1 for _, c in members], dtype=bool)
         self._n_sets = len(ids)
         self._cache: tuple | None = None
+        self._ccache: tuple | None = None  # correct's per-set table for the last (a, dtype)
 
     def _slot_at(self, d: int, slot: int) -> int:
         """Flat index of Gram slot ``slot`` of size ``d`` after the vec entries (D in ``gram_slots`` order)."""
@@ -145,21 +176,17 @@ class Assembly:
         """Per entry the common ``a`` of its tensors (nan if they differ, or a shifted term's tensor has
         ``a != 1``, or it reads none): ``(true, rounded)`` pairs of ``(vec, {D: slots})`` arrays
         (``_set_factors`` expanded to the entries per call: nothing entry-sized is kept)."""
-        out, nv = [], self.vec_size
-        for f in self._set_factors(a):
-            e = f[self._set_id]
-            fg, at = {}, nv
-            for d, n in self.gram_slots.items():
-                fg[d] = e[at: at + n]
-                at += n
-            out.append((e[:nv], fg))
+        out, runs = [], self._runs
+        for f in self._set_factors(a):  # f at each entry's set
+            out.append((runs.expand(f, "vec"), {d: runs.expand(f, d) for d in self.gram_slots}))
         return tuple(out)
 
     def restrict(self, vi: np.ndarray, si: Mapping[int, np.ndarray]) -> "Assembly":
         """The assembly of the entries ``vi`` (vec indices) and ``si[D]`` (Gram slots), renumbered in
         order (the layout of a ``Sampler(compact=True)`` sub-plan): its ``terms``/``decay`` take and
         return values of those entries only, equal entry by entry to the full layout's (the
-        operations are per entry).  Built per drift step (a few entry-sized arrays, nothing cached)."""
+        operations are per entry).  Holds 1 byte per entry (its linear flag) and its set ids as runs
+        (``_Runs``): the tracker caches one per sampler group (``conserve.tracker._Entries``)."""
         return _Restricted(self, vi, si)
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
@@ -167,17 +194,12 @@ class Assembly:
         nan = np.isnan(self._set_factors(a)[0])  # true factors: entries mixed there are decayed by the kernel
         if not nan.any():
             return False
+        runs = self._runs
         if sampled is None or sampled.full:
-            return bool(nan[self._set_id].any())
-        nv = self.vec_size
-        if nan[self._set_id[:nv][sampled.vec_np]].any():
+            return any(bool(nan[x].any()) for x in runs.sets.values())
+        if runs.expand(nan, "vec")[sampled.vec_np].any():
             return True
-        at = nv
-        for d, n in self.gram_slots.items():
-            if nan[self._set_id[at: at + n][sampled.gram_np[d]]].any():
-                return True
-            at += n
-        return False
+        return any(bool(runs.expand(nan, d)[sampled.gram_np[d]].any()) for d in self.gram_slots)
 
     def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None, out=None):
         """``(a^2 - 1) h_old`` (quadratic entries) / ``(a - 1) h_old`` (linear), ``(vec, {D: grams})``;
@@ -220,21 +242,22 @@ class Assembly:
 
     def correct(self, h_old, first, second, a: Sequence[float]):
         """``first``/``second`` (``(vec, {D: grams})``) computed with the fp32-rounded ``a`` (the kernels'
-        ``Delta_f``) turned into those of the true ``a`` (see ``terms``); unchanged where they agree."""
+        ``Delta_f``) turned into those of the true ``a`` (see ``terms``); unchanged where they agree.
+        The per-entry factors are the per-set ones (``_correction_table``, held per ``a``) expanded on
+        the device: nothing law-sized is uploaded per step."""
         hv, hg = h_old
         dt = hv.dtype
-        (tv, tg), (rv, rg) = self._factors(a)
+        table, nonzero = self._correction_table(a, dt)
+        runs = self._runs
 
-        def fix(first, second, h, t, r, lin_mask):
-            uni = ~np.isnan(t) & ~np.isnan(r)
-            d = np.where(uni, t - r, 0.0)
-            if not d.any():
+        def fix(first, second, h, part, lin_mask):
+            if not nonzero[runs.sets[part]].any():  # d = 0 at every entry of this part
                 return first, second
             shape = (-1,) + (1,) * (h.dim() - 1)
-            dd = torch.from_numpy(d).to(self.device, dt).view(shape)
-            ratio = torch.from_numpy(np.where(uni, t / np.where(uni, r, 1.0), 1.0)).to(self.device, dt).view(shape)
-            tt = torch.from_numpy(np.where(uni, t, 1.0)).to(self.device, dt).view(shape)
-            rr = torch.from_numpy(np.where(uni, r, 1.0)).to(self.device, dt).view(shape)
+            # (4, entries): d, a / a_f, a, a_f per entry (1 where an entry's tensors have different a)
+            e = torch.repeat_interleave(table[:, runs.sets_dev[part]], runs.lengths_dev[part], dim=1,
+                                        output_size=h.shape[0])
+            dd, ratio, tt, rr = (x.view(shape) for x in e.unbind(0))
             f_quad = ratio * (first - 2 * dd * rr * h)
             s_quad = second - (dd / tt) * f_quad - dd * dd * h
             if lin_mask is None:
@@ -242,11 +265,29 @@ class Assembly:
             lm = lin_mask.view(shape)
             return torch.where(lm, first - dd * h, f_quad), torch.where(lm, second, s_quad)
 
-        fv, sv = fix(first[0], second[0], hv, tv, rv, self._lin)
+        fv, sv = fix(first[0], second[0], hv, "vec", self._lin)
         fg, sg = {}, {}
         for d in first[1]:
-            fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], tg[d], rg[d], None)
+            fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], d, None)
         return (fv, fg), (sv, sg)
+
+    def _correction_table(self, a: Sequence[float], dt):
+        """Per tensor set, for ``correct``: ``(4, sets)`` tensor of ``d = a - a_f``, ``a / a_f``, ``a``,
+        ``a_f`` in ``dt`` on the device (``0, 1, 1, 1`` for a set whose tensors have different ``a``),
+        and the host bool ``d != 0`` per set.  The factors in float64 on the host, one rounding to
+        ``dt`` (as per entry).  Held for the last ``(a, dt)`` (it changes only with the lr): a few
+        floats per set."""
+        key = (tuple(map(float, a)), dt)
+        if self._ccache is not None and self._ccache[0] == key:
+            return self._ccache[1]
+        t, r = self._set_factors(a)
+        uni = ~np.isnan(t) & ~np.isnan(r)
+        d = np.where(uni, t - r, 0.0)
+        ratio = np.where(uni, t / np.where(uni, r, 1.0), 1.0)
+        cols = np.stack([d, ratio, np.where(uni, t, 1.0), np.where(uni, r, 1.0)])
+        got = (torch.from_numpy(cols).to(self.device, dt), d != 0)
+        self._ccache = (key, got)
+        return got
 
     def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None, out=None,
               stats: "StepStats | None" = None) -> dict:
@@ -331,20 +372,24 @@ class _Restricted(Assembly):
     """``Assembly.restrict``: the parent's per-entry facts (linear mask, decay factors) at some entries."""
 
     def __init__(self, parent: Assembly, vi: np.ndarray, si: Mapping[int, np.ndarray]):
-        self._parent, self._vi, self._si = parent, np.asarray(vi, dtype=np.int64), {d: np.asarray(si[d], dtype=np.int64)
-                                                                                      for d in parent.gram_slots}
-        self.vec_size, self.gram_slots = len(self._vi), {d: len(x) for d, x in self._si.items()}
+        # held: per entry its linear flag (host; the device tensor views it on the CPU); the set ids as runs
+        vi, si = np.asarray(vi), {d: np.asarray(si[d]) for d in parent.gram_slots}
+        self._parent = parent
+        self.vec_size, self.gram_slots = len(vi), {d: len(x) for d, x in si.items()}
         self.device = parent.device
-        self._lin_np = parent._lin_host()[self._vi]
+        self._lin_np = parent._lin_host()[vi]
         self._lin = torch.from_numpy(self._lin_np).to(parent.device)
-        at, ids = parent.vec_size, [parent._set_id[self._vi]]
-        for d, n in parent.gram_slots.items():
-            ids.append(parent._set_id[at: at + n][self._si[d]])
-            at += n
-        self._set_id = np.concatenate(ids)  # the parent's set of each of these entries (vec, then slots)
+        pr = parent._runs
+        ids = [np.repeat(pr.sets["vec"], pr.lengths["vec"])[vi]] + [np.repeat(pr.sets[d], pr.lengths[d])[si[d]]
+                                                                   for d in parent.gram_slots]
+        # the parent's set of each of these entries (vec, then slots), held as runs (no per-entry id)
+        self._runs = _runs(np.concatenate(ids), self.vec_size, self.gram_slots, self.device)
 
     def _set_factors(self, a: Sequence[float]):
         return self._parent._set_factors(a)
+
+    def _correction_table(self, a: Sequence[float], dt):
+        return self._parent._correction_table(a, dt)
 
 
 @dataclass
