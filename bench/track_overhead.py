@@ -11,8 +11,9 @@ Prints, with one intra-op thread and the library defaults everywhere:
 3. ``FusedAdamW(track=model)`` optimizer step / ``torch.optim.AdamW`` step (same hyper-parameters,
    random gradients) on a ~14M-parameter LM; target <= 1.5;
 4. peak extra memory of tracking over the untracked optimizer, divided by the tracked bytes, over
-   2 x the drift cycle steps (``conserve.track`` on the default model, and FusedAdamW on it; both again
-   on a ~14M-parameter LM); target <= 0.15.  Measured exactly: a ``TorchDispatchMode`` counts every
+   2 x the drift cycle steps (``conserve.track`` on the default model, and FusedAdamW on it -- tracked
+   over untracked FusedAdamW, and tracked FusedAdamW over ``torch.optim.AdamW``; all again on a
+   ~14M-parameter LM); target <= 0.15.  Measured exactly: a ``TorchDispatchMode`` counts every
    tensor storage created while the optimizer (and its tracker) is built and inside each
    ``optimizer.step()``, until it is freed; the figure is the peak of that live total minus the
    untracked optimizer's peak, so state moved into construction (``h_0``, ``h``, the ``eps`` guards,
@@ -207,7 +208,10 @@ def memory_ratio(kind: str, build=lambda: run_model("tiny")) -> dict:
     if kind == "track":
         plain = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
         tracked = lambda m: conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=10)  # noqa: E731
-    else:
+    elif kind == "fused":  # what tracking adds to the fused optimizer
+        plain = lambda m: conserve.optim.FusedAdamW(m.parameters(), lr=1e-3)  # noqa: E731
+        tracked = lambda m: conserve.optim.FusedAdamW(m.parameters(), lr=1e-3, track=m, every=10)  # noqa: E731
+    else:  # "fused_vs_adamw": what swapping torch's AdamW for the tracked fused one adds
         plain = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
         tracked = lambda m: conserve.optim.FusedAdamW(m.parameters(), lr=1e-3, track=m, every=10)  # noqa: E731
     probe = tracked(build())
@@ -248,9 +252,11 @@ def main(argv=None) -> None:
     # the default model is tiny (62k parameters): its law values (a D x D Gram per kv group, one entry
     # per unit) are a large fraction of its weights; the ~14M model shows the ratio at a realistic shape
     models = (("default model", lambda: run_model("tiny")), ("14M model", lm14m))
-    for (label, build), kind in [(m, k) for m in models for k in ("track", "fused")] if "memory" in parts else ():
+    names = {"track": "conserve.track (SGD)", "fused": "FusedAdamW tracked vs untracked",
+             "fused_vs_adamw": "FusedAdamW tracked vs torch AdamW (negative: smaller step temporaries than torch's)"}
+    for (label, build), kind in [(m, k) for m in models for k in names] if "memory" in parts else ():
         r = memory_ratio(kind, build)
-        name = "conserve.track (SGD)" if kind == "track" else "FusedAdamW vs AdamW"
+        name = names[kind]
         print(f"peak extra memory / tracked bytes, {name}, {label}, {r['steps']} steps: {r['extra']} / {r['tracked']} B = "
               f"{r['total']:.3f} (target <= 0.15) = built with the tracker and still held (h0, h, guards, totals, "
               f"indices, caches) {r['built']:.3f} + created inside the step at the peak {r['step_peak']:.3f} "

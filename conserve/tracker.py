@@ -470,7 +470,7 @@ class Tracker:
                  at: "_Entries | None" = None) -> torch.Tensor:
         """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
         returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
-        (``at``: of ``at.families``)."""
+        (``at``: of its ``families``)."""
         flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.flat.numel())
         vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
@@ -539,8 +539,10 @@ class Tracker:
             buf = torch.empty(len(TERMS), layout[0], dtype=dt, device=dev)
         buf, wv, wg = self._views(buf, layout)
         if at is not None:  # the group's entries of h_{k+1} and h_k (taken by assemble); the terms need no mask
-            h_k = terms.h_old if terms.h_old is not None else at.take(self.h)
-            h1, partial_masks = at.take(h1), False
+            ids = at.ids()
+            vi = ids[: at.layout[1]]
+            h_k = terms.h_old if terms.h_old is not None else at.take(self.h, ids)
+            h1, partial_masks = at.take(h1, ids), False
         else:
             h_k, partial_masks = (self.h.vec, self.h.grams), partial
 
@@ -567,7 +569,7 @@ class Tracker:
                 for d, g in c.grams.items():
                     g.add_(wg[d][i])
             else:  # at the group's entries only (the others would add zeros)
-                c.vec.index_add_(0, at.vi, wv[i])
+                c.vec.index_add_(0, vi, wv[i])
                 for d, g in c.grams.items():
                     g.index_add_(0, at.si[d], wg[d][i])
         if self.keep_last:  # a copy: ``buf`` is squared below (compact: scattered into the full layout)
@@ -575,12 +577,12 @@ class Tracker:
                 _, kv, kg = self._views(buf.clone())
             else:
                 _, kv, kg = self._scratch((len(TERMS),), dt)
-                kv.zero_().index_copy_(1, at.vi.long(), wv)  # (index_copy_ takes int64 indices)
+                kv.zero_().index_copy_(1, vi.long(), wv)  # (index_copy_ takes int64 indices)
                 for d, g in kg.items():
                     g.zero_().index_copy_(1, at.si[d].long(), wg[d])
             self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
         sq = self._squares(buf, wv, wg, at)
-        fam = self._fam_all if at is None else at.families(self)
+        fam = self._fam_all if at is None else at.families(self, ids)
         out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
         for i in range(len(TERMS)):
             out[i].index_add_(0, fam, sq[i])
@@ -920,19 +922,19 @@ class _Entries:
     ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``; ``assembly``, the drift assembly
     in this layout (``Assembly.restrict``).  Built once per sampler group from the mask's host arrays
     and cached per ``Mask.key`` (``Tracker._entries``): the groups partition the entries, so all the
-    cached layouts together hold 5 bytes per law entry (4 for ``flat``, 1 for ``assembly``'s linear
-    flags), plus per group its Gram slot ids (4 bytes per slot), its set-id runs (16 bytes per run, a
+    cached layouts together hold 3 bytes per law entry (2 for ``flat``, 1 for ``assembly``'s linear
+    flags; 5 beyond 32767 entries), plus per group its Gram slot ids (4 bytes per slot), its set-id runs (16 bytes per run, a
     few per group) and a few Python objects."""
 
-    __slots__ = ("flat", "vi", "si", "flat_at", "layout", "assembly")
+    __slots__ = ("flat", "si", "flat_at", "layout", "assembly")
 
     def __init__(self, tr: "Tracker", mask: Mask):
         dev = tr.device
         vi = np.flatnonzero(mask.vec_np)
         si = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
         flat = np.concatenate([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds])
-        self.flat = torch.from_numpy(flat).to(dev, torch.int32)  # index_add_/index_select/[] take int32
-        self.vi = self.flat[: len(vi)]
+        # held narrow (int16 when the layout fits, else int32); ``ids`` widens it once per drift step
+        self.flat = torch.from_numpy(flat).to(dev, torch.int16 if len(tr._inst_all) < 2 ** 15 else torch.int32)
         self.si = {d: torch.from_numpy(x).to(dev, torch.int32) for d, x in si.items()}
         nv, at, self.flat_at = len(vi), len(vi), {}
         for d in tr._gram_ds:
@@ -946,14 +948,20 @@ class _Entries:
         self.layout = (at, nv, spans)
         self.assembly = tr.assembly.restrict(vi, si)  # the assembly in this layout
 
-    def families(self, tr: "Tracker") -> torch.Tensor:
-        """(entries,) int32: the family of each of these entries (gathered per call: not held)."""
-        held = tr.__dict__.get("_fam_all_held")
-        return held[self.flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[self.flat])
+    def ids(self) -> torch.Tensor:
+        """``flat`` as int32 (the index type of index_add_ / index_select), a copy of the group's size."""
+        return self.flat if self.flat.dtype == torch.int32 else self.flat.int()
 
-    def take(self, v: "Values") -> tuple:
-        """``(vec, {D: grams})`` of ``v`` at these entries (gathered copies)."""
-        return v.vec[self.vi], {d: g[self.si[d]] for d, g in v.grams.items()}
+    @staticmethod
+    def families(tr: "Tracker", flat: torch.Tensor) -> torch.Tensor:
+        """(entries,) int32: the family of each entry of ``flat`` (``ids()``; gathered per call: not held)."""
+        held = tr.__dict__.get("_fam_all_held")
+        return held[flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[flat])
+
+    def take(self, v: "Values", flat: torch.Tensor | None = None) -> tuple:
+        """``(vec, {D: grams})`` of ``v`` at these entries (gathered copies; ``flat``: ``ids()`` if at hand)."""
+        vi = (self.ids() if flat is None else flat)[: self.layout[1]]
+        return v.vec[vi], {d: g[self.si[d]] for d, g in v.grams.items()}
 
 
 def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:

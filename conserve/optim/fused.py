@@ -34,8 +34,8 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
   across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
   block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps);
-  between steps the optimizer holds, per (entry, statistic) pair, its entry and slot index (int32)
-  and one sign.
+  between steps the optimizer holds, per (entry, statistic) pair, its entry (int32) and slot (int16)
+  index and one sign.
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
@@ -156,15 +156,17 @@ class _FusedPlan:
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
         o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
-        # held between steps (CPU finish, ``K.finish_signed``): per pair its entry and slot, int32 (the
-        # index type index_add_/index_select take: no widening per step), and one sign, int8 when the
-        # signs are small integers (exact in the product with the float statistics; the finish rebuilds
-        # the four coefficients from it and the slot's kind)
+        # held between steps (CPU finish, ``K.finish_signed``): per pair its entry, int32 (the index type
+        # index_add_ takes: not widened per step), its slot, int16 when it fits (the finish widens it
+        # once per step: held narrow, the in-step peak is lower), and one sign, int8 when the signs
+        # are small integers (exact in the product with the float statistics; the finish rebuilds the
+        # four coefficients from it and the slot's kind)
         sign = cf[0]
         small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
         cuda = torch.device(dev).type == "cuda"
-        wide = torch.int32 if max(plan.vec_size, self.n_slots) < 2 ** 31 else torch.int64
-        self.compact = None if cuda else (o.to(dev, wide), sl.to(dev, wide), sign.to(dev, torch.int8 if small else acc))
+        entry = o.to(dev, torch.int32 if plan.vec_size < 2 ** 31 else torch.int64)
+        slot = sl.to(dev, torch.int16 if self.n_slots < 2 ** 15 else torch.int32)
+        self.compact = None if cuda else (entry, slot, sign.to(dev, torch.int8 if small else acc))
         # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
@@ -388,16 +390,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tr, fp = self.tracker, self._fp
         drift_step = tr.drift and tr.step_count % tr.drift_every == 0
         dev, dt = tr.device, vals.dtype
-        if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
-            h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
-                                              backend=tr.backend))
-            h1 = Values(h_rest.vec.add_(vals[0]), h_rest.grams)
-            del h_rest
-        else:  # a copy: a view would keep all four statistics rows alive as tracker.h
-            h1 = Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
-                                          for d, n in tr.compiled.plan.gram_slots.items()})
+
+        def h_new() -> Values:  # evaluated after the DRIFT pass: the snapshot is freed by then
+            if fp.rest is not None:  # h(new) = the statistics' entries + the rest plan's evaluation
+                h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
+                                                  backend=tr.backend))
+                return Values(h_rest.vec.add_(vals[0]), h_rest.grams)
+            # a copy: a view would keep all four statistics rows alive as tracker.h
+            return Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
+                                            for d, n in tr.compiled.plan.gram_slots.items()})
         if not drift_step:
-            tr.record_step(h1, None)
+            tr.record_step(h_new(), None)
             return
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         mask = self._mask(snap)
@@ -405,12 +408,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if snap is not None:
             news = self._sampler.news(snap, tr.tensors)
             pieces = list(drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
-                                       backend=tr.backend, decay=tr.assembly.needs_kernel_decay(a, mask)))
+                                       backend=tr.backend, decay=tr.assembly.needs_kernel_decay(a, mask), donate=True,
+                                       values=False))  # the snapshot is ours (Delta is formed in it)
             snap.olds.clear()
             del snap, news
         # the one assembly (Tracker.assemble -> Assembly.terms): the statistics' terms (rows 1, 2; their
         # per-term decay, row 3) join the pass's, at the exact a (the statistics use a rounded to fp32)
         terms = tr.assemble(pieces, a, mask, stats=StepStats(vals[1], vals[2], vals[3]))
+        h1 = h_new()
         del pieces, vals
         tr.record_step(h1, terms, mask)
 
