@@ -305,7 +305,6 @@ class Tracker:
         self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
         self._inst_fam = self._group_fam.index_select(0, self._inst_group)
         self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
-        self._lin = c.linear_mask.to(dev)
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
@@ -471,7 +470,7 @@ class Tracker:
         """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
         returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
         (``at``: of its ``families``)."""
-        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.flat.numel())
+        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.size)
         vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
             g, o = grams[d], flat_at[d]
@@ -539,10 +538,8 @@ class Tracker:
             buf = torch.empty(len(TERMS), layout[0], dtype=dt, device=dev)
         buf, wv, wg = self._views(buf, layout)
         if at is not None:  # the group's entries of h_{k+1} and h_k (taken by assemble); the terms need no mask
-            ids = at.ids()
-            vi = ids[: at.layout[1]]
-            h_k = terms.h_old if terms.h_old is not None else at.take(self.h, ids)
-            h1, partial_masks = at.take(h1, ids), False
+            h_k = terms.h_old if terms.h_old is not None else at.take(self.h)
+            h1, partial_masks = at.take(h1), False
         else:
             h_k, partial_masks = (self.h.vec, self.h.grams), partial
 
@@ -569,20 +566,20 @@ class Tracker:
                 for d, g in c.grams.items():
                     g.add_(wg[d][i])
             else:  # at the group's entries only (the others would add zeros)
-                c.vec.index_add_(0, vi, wv[i])
+                _add_at(c.vec, at.vec, wv[i])
                 for d, g in c.grams.items():
-                    g.index_add_(0, at.si[d], wg[d][i])
+                    _add_at(g, at.slots[d], wg[d][i])
         if self.keep_last:  # a copy: ``buf`` is squared below (compact: scattered into the full layout)
             if at is None:
                 _, kv, kg = self._views(buf.clone())
             else:
                 _, kv, kg = self._scratch((len(TERMS),), dt)
-                kv.zero_().index_copy_(1, vi.long(), wv)  # (index_copy_ takes int64 indices)
+                kv.zero_()[:, at.vec] = wv
                 for d, g in kg.items():
-                    g.zero_().index_copy_(1, at.si[d].long(), wg[d])
+                    g.zero_()[:, at.slots[d]] = wg[d]
             self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
         sq = self._squares(buf, wv, wg, at)
-        fam = self._fam_all if at is None else at.families(self, ids)
+        fam = self._fam_all if at is None else at.families(self)
         out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
         for i in range(len(TERMS)):
             out[i].index_add_(0, fam, sq[i])
@@ -915,27 +912,43 @@ class _Deferred:
             raise self.err
 
 
-class _Entries:
-    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``flat`` (their
-    ids in the flat layout of ``_fam_all``: the vec entries, then each D's slots), ``vi`` (its vec
-    part, a view) and ``si[D]`` (Gram slots), int32 on the device; the compact scratch layout
-    ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``; ``assembly``, the drift assembly
-    in this layout (``Assembly.restrict``).  Built once per sampler group from the mask's host arrays
-    and cached per ``Mask.key`` (``Tracker._entries``): the groups partition the entries, so all the
-    cached layouts together hold 3 bytes per law entry (2 for ``flat``, 1 for ``assembly``'s linear
-    flags; 5 beyond 32767 entries), plus per group its Gram slot ids (4 bytes per slot), its set-id runs (16 bytes per run, a
-    few per group) and a few Python objects."""
+def _selector(ids: np.ndarray, device):
+    """Sorted distinct indices ``ids`` as a ``slice`` when they are one run of consecutive integers (every
+    sampler group's are: a unit is a run of the layout, a group consecutive units), so selecting them
+    is a view and nothing is held; else an int32 index tensor on ``device`` (4 bytes per index)."""
+    if len(ids) == 0 or int(ids[-1]) - int(ids[0]) + 1 == len(ids):
+        return slice(int(ids[0]) if len(ids) else 0, int(ids[-1]) + 1 if len(ids) else 0)
+    return torch.from_numpy(ids).to(device, torch.int32)
 
-    __slots__ = ("flat", "si", "flat_at", "layout", "assembly")
+
+def _add_at(x: torch.Tensor, sel, y: torch.Tensor) -> None:
+    """``x[sel] += y`` in place (``sel``: a ``_selector``; each selected entry gets one addition)."""
+    if isinstance(sel, slice):
+        x[sel].add_(y)
+    else:
+        x.index_add_(0, sel, y)
+
+
+class _Entries:
+    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``vec`` / ``slots[D]``
+    / ``flat`` select them in the vec layout, each D's Gram slots and the flat layout of ``_fam_all``
+    (``_selector``: slices, or int32 index tensors when not one run); ``size`` of them; the compact
+    scratch layout ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``; ``assembly``, the
+    drift assembly in this layout (``Assembly.restrict``).  Built once per sampler group from the
+    mask's host arrays and cached per ``Mask.key`` (``Tracker._entries``).  Held per group: a few
+    Python objects, the assembly's set-id runs (a few, 8 bytes each) and, for selections that are
+    not one run, 4 bytes per entry (index) + 1 (linear flag); none for the samplers' groups (every
+    group is one run of the layout: slices and views)."""
+
+    __slots__ = ("vec", "slots", "flat", "size", "flat_at", "layout", "assembly")
 
     def __init__(self, tr: "Tracker", mask: Mask):
         dev = tr.device
         vi = np.flatnonzero(mask.vec_np)
         si = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
-        flat = np.concatenate([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds])
-        # held narrow (int16 when the layout fits, else int32); ``ids`` widens it once per drift step
-        self.flat = torch.from_numpy(flat).to(dev, torch.int16 if len(tr._inst_all) < 2 ** 15 else torch.int32)
-        self.si = {d: torch.from_numpy(x).to(dev, torch.int32) for d, x in si.items()}
+        self.vec, self.slots = _selector(vi, dev), {d: _selector(x, dev) for d, x in si.items()}
+        self.flat = _selector(np.concatenate([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds]), dev)
+        self.size = len(vi) + sum(len(x) for x in si.values())
         nv, at, self.flat_at = len(vi), len(vi), {}
         for d in tr._gram_ds:
             self.flat_at[d] = at
@@ -946,22 +959,18 @@ class _Entries:
             spans.append((d, at, at + n * d * d, (n, d, d)))
             at += n * d * d
         self.layout = (at, nv, spans)
-        self.assembly = tr.assembly.restrict(vi, si)  # the assembly in this layout
+        # the assembly in this layout (slices: its per-entry flags are views of the parent's)
+        host = lambda sel, ids: sel if isinstance(sel, slice) else ids  # noqa: E731
+        self.assembly = tr.assembly.restrict(host(self.vec, vi), {d: host(self.slots[d], si[d]) for d in si})
 
-    def ids(self) -> torch.Tensor:
-        """``flat`` as int32 (the index type of index_add_ / index_select), a copy of the group's size."""
-        return self.flat if self.flat.dtype == torch.int32 else self.flat.int()
-
-    @staticmethod
-    def families(tr: "Tracker", flat: torch.Tensor) -> torch.Tensor:
-        """(entries,) int32: the family of each entry of ``flat`` (``ids()``; gathered per call: not held)."""
+    def families(self, tr: "Tracker") -> torch.Tensor:
+        """(size,) int32: the family of each of these entries (gathered per call: not held)."""
         held = tr.__dict__.get("_fam_all_held")
-        return held[flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[flat])
+        return held[self.flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[self.flat])
 
-    def take(self, v: "Values", flat: torch.Tensor | None = None) -> tuple:
-        """``(vec, {D: grams})`` of ``v`` at these entries (gathered copies; ``flat``: ``ids()`` if at hand)."""
-        vi = (self.ids() if flat is None else flat)[: self.layout[1]]
-        return v.vec[vi], {d: g[self.si[d]] for d, g in v.grams.items()}
+    def take(self, v: "Values") -> tuple:
+        """``(vec, {D: grams})`` of ``v`` at these entries (views for slices, else gathered copies): read only."""
+        return v.vec[self.vec], {d: g[self.slots[d]] for d, g in v.grams.items()}
 
 
 def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:

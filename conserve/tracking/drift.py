@@ -181,12 +181,13 @@ class Assembly:
             out.append((runs.expand(f, "vec"), {d: runs.expand(f, d) for d in self.gram_slots}))
         return tuple(out)
 
-    def restrict(self, vi: np.ndarray, si: Mapping[int, np.ndarray]) -> "Assembly":
-        """The assembly of the entries ``vi`` (vec indices) and ``si[D]`` (Gram slots), renumbered in
+    def restrict(self, vi, si: Mapping) -> "Assembly":
+        """The assembly of the entries ``vi`` (vec indices) and ``si[D]`` (Gram slots; index arrays, or
+        slices: then its linear flags are views of this assembly's), renumbered in
         order (the layout of a ``Sampler(compact=True)`` sub-plan): its ``terms``/``decay`` take and
         return values of those entries only, equal entry by entry to the full layout's (the
-        operations are per entry).  Holds 1 byte per entry (its linear flag) and its set ids as runs
-        (``_Runs``): the tracker caches one per sampler group (``conserve.tracker._Entries``)."""
+        operations are per entry).  Holds its set ids as runs (``_Runs``) and, for index arrays, 1 byte
+        per entry (its linear flag): the tracker caches one per sampler group (``conserve.tracker._Entries``)."""
         return _Restricted(self, vi, si)
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
@@ -371,17 +372,17 @@ class StepStats:
 class _Restricted(Assembly):
     """``Assembly.restrict``: the parent's per-entry facts (linear mask, decay factors) at some entries."""
 
-    def __init__(self, parent: Assembly, vi: np.ndarray, si: Mapping[int, np.ndarray]):
-        # held: per entry its linear flag (host; the device tensor views it on the CPU); the set ids as runs
-        vi, si = np.asarray(vi), {d: np.asarray(si[d]) for d in parent.gram_slots}
+    def __init__(self, parent: Assembly, vi, si: Mapping):
+        # held: per entry its linear flag (host; a view of the parent's for a slice; the device tensor
+        # views it on the CPU, a slice of the parent's elsewhere); the set ids as runs
         self._parent = parent
-        self.vec_size, self.gram_slots = len(vi), {d: len(x) for d, x in si.items()}
         self.device = parent.device
         self._lin_np = parent._lin_host()[vi]
-        self._lin = torch.from_numpy(self._lin_np).to(parent.device)
+        self._lin = parent._lin[vi] if isinstance(vi, slice) else torch.from_numpy(self._lin_np).to(parent.device)
         pr = parent._runs
         ids = [np.repeat(pr.sets["vec"], pr.lengths["vec"])[vi]] + [np.repeat(pr.sets[d], pr.lengths[d])[si[d]]
                                                                    for d in parent.gram_slots]
+        self.vec_size, self.gram_slots = len(ids[0]), {d: len(x) for d, x in zip(parent.gram_slots, ids[1:])}
         # the parent's set of each of these entries (vec, then slots), held as runs (no per-entry id)
         self._runs = _runs(np.concatenate(ids), self.vec_size, self.gram_slots, self.device)
 
