@@ -9,9 +9,10 @@ decoupled decay of each tensor) and a quadratic law ``h``::
 (linear laws: ``(a - 1) h_k + c . Delta``, no second order).  The pieces ``(h_new, decay, bil, h_delta)``
 come from ONE call of the DRIFT pass ``conserve.kernels.drift`` (Triton on CUDA, its torch twin on CPU);
 this module turns them into ``decay / first / second`` (``Assembly``), and chooses which law entries
-a drift step decomposes under a snapshot budget (``Sampler``).  Every path uses it: ``conserve.track``
-(``conserve.tracker.Tracker``), the fused optimizers (``conserve.optim.fused``) and, next, the
-distributed tracker.
+a drift step decomposes under a snapshot budget (``Sampler``).  Every path uses the one
+``Assembly.terms``: ``conserve.track`` (``Tracker.drift_terms`` -> ``Tracker.assemble``), the fused
+optimizers (``Tracker.assemble`` with their step statistics, ``StepStats``) and the distributed
+tracker (``DistributedTracker._pieces``).
 
 Decay without cancellation: when every tensor an entry reads has the same ``a`` (the usual case: one
 parameter group per law), ``decay = (a^2 - 1) h_k`` from the stored ``h_k`` (``a^2 - 1`` is exact in
