@@ -2,6 +2,11 @@
 
     python -m bench.drift_counts                  # 8 Llama-3-8B layers, no-RoPE (QK + VO) and RoPE (VO) plans
 
+Then the overlap ordering of the fused optimizers (``overlap=True``): the bytes of the AdamW step of
+the Gram-law tensors (stepped first, after their snapshot copy) and of the other tensors (stepped
+while the pass runs on a side stream) against the pass's FLOP and bytes, and the expected hidden
+fraction of the pass at those floors (see ``overlap_model``).
+
 For each plan, dtype and mode (decay computed / compiled out), walks every item of the tables
 ``launch.build_drift`` builds for a 132-SM GPU and adds up, per contracted block of each term:
 the dots of ``gram._drift_dots`` (h_new 1, decay 1 if DECAY, bil 2 -- 1 on a diagonal tile --,
@@ -13,6 +18,7 @@ tiles it writes (3 or 4 planes) that ``_gram_finish`` reads back.  Time floors u
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -45,6 +51,38 @@ def counts(plan, ts, decay: bool):
     return flop, loaded, partial, unique
 
 
+# AdamW step traffic per parameter: read p, g, m, v and write p, m, v (torch's fused AdamW minimum; the
+# fused step kernel's statistics are reduced in registers); the snapshot copy reads and writes once
+STEP_BYTES = 7
+SNAP_BYTES = 2
+# resident DRIFT programs per SM: 255 registers x 128 threads (kernels/README.md, bench.sass) of 64K
+DRIFT_PER_SM = 2
+SMS = 132
+
+
+def overlap_model(step_first, step_rest, snap, flop, drift_bytes, fma_slowdown=1.0):
+    """Times (ms) at the floors: ``serial`` = snapshot + step of the Gram-law tensors + step of the rest
+    + the pass (alone on the GPU, at the FMA peak); ``overlap`` = snapshot + first step + max(rest step +
+    the pass's DRAM bytes (they share the bandwidth with the memory-bound step), the pass's FMA time
+    ``fma_slowdown`` x longer: the capped grid); ``hidden`` = the fraction of the serial pass's time
+    that the overlap removes.  Bytes in B, FLOP in FLOP."""
+    t_first, t_rest, t_snap = (b / DRAM_TBS / 1e9 for b in (step_first, step_rest, snap))
+    t_f, t_b = flop / FMA_TFLOPS / 1e9, drift_bytes / DRAM_TBS / 1e9
+    t_pass = max(t_f, t_b)
+    serial = t_snap + t_first + t_rest + t_pass
+    over = t_snap + t_first + max(t_rest + t_b, t_f * fma_slowdown)
+    return dict(first=t_first, rest=t_rest, snap=t_snap, fma=t_f * fma_slowdown, dram=t_b, serial=serial,
+                overlap=over, hidden=(serial - over) / t_pass if t_pass else 0.0)
+
+
+def programs(plan, ts):
+    """Programs per DRIFT Gram launch of the 132-SM tables (one per item)."""
+    from conserve.kernels import launch as L
+
+    st = L.build_drift(plan, ts, ts, L.Tiles.gpu(SMS))
+    return [len(l.items) for b in st.gram for l in b.launches]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -71,6 +109,36 @@ def main(argv=None):
                       f"{len(plan.grams)} terms, {flop / 1e9:7.1f} GFLOP (>= {flop / FMA_TFLOPS / 1e9:5.2f} ms FMA), "
                       f"tiles loaded {loaded / 1e9:5.2f} GB (unique old+new {unique / 1e9:5.2f} GB, "
                       f">= {unique / DRAM_TBS / 1e9:5.2f} ms), partials {partial / 1e6:6.1f} MB", flush=True)
+    print(f"\noverlap=True (FusedAdamW, one param group: a != 1 alike, so the decay dots are compiled out), "
+          f"{STEP_BYTES * 4} B/param fp32 step, whole snapshot (snapshot_budget=None), floors as above:")
+    for case, rope in (("norope (QK + VO Grams)", False), ("rope (VO Grams)", True)):
+        full = llama_plan(s, rope)
+        plan = Plan(grams=full.grams, vec_size=0, gram_slots=dict(full.gram_slots))
+        shapes = [(s.nH * s.D, s.H), (s.nKV * s.D, s.H), (s.nKV * s.D, s.H), (s.H, s.nH * s.D),
+                  (s.I, s.H), (s.I, s.H), (s.H, s.I), (s.H,), (s.H,)] * s.layers
+        used = {t.view.tensor for t in plan.grams}
+        n_first = sum(math.prod(sh) for i, sh in enumerate(shapes) if i in used)
+        n_rest = sum(math.prod(sh) for i, sh in enumerate(shapes) if i not in used)
+        ts = [torch.empty(sh, dtype=torch.float32, device="meta") if i in used else None for i, sh in enumerate(shapes)]
+        flop, loaded, partial, unique = counts(plan, ts, False)
+        progs = programs(plan, ts)
+        torch_ms = (n_first + n_rest) * STEP_BYTES * 4 / DRAM_TBS / 1e9
+        print(f"{case}: Gram-law tensors {n_first / 1e6:.0f} M params (step {n_first * STEP_BYTES * 4 / 1e9:.2f} GB, "
+              f"snapshot {n_first * SNAP_BYTES * 4 / 1e9:.2f} GB), rest {n_rest / 1e6:.0f} M (step "
+              f"{n_rest * STEP_BYTES * 4 / 1e9:.2f} GB); pass {flop / 1e9:.1f} GFLOP, DRAM {(unique + partial) / 1e9:.2f}"
+              f"-{(loaded + partial) / 1e9:.2f} GB (tiles from L2 .. none from L2); torch fused AdamW floor {torch_ms:.2f} ms")
+        print(f"  DRIFT grid: {sum(progs)} programs in {len(progs)} launches {progs}; resident at most "
+              f"{DRIFT_PER_SM} per SM = {DRIFT_PER_SM * SMS} (all registers of every SM: the step kernel starved); "
+              f"overlap caps each launch at {SMS} programs (Config.drift_programs: <= 1 per SM on average, half the "
+              f"registers left to the step kernel)")
+        for label, dram, slow in (("tiles from L2", unique + partial, 1.0), ("no L2 reuse", loaded + partial, 1.0),
+                                  ("no L2 reuse, capped pass at half its FMA rate", loaded + partial, 2.0)):
+            m = overlap_model(n_first * STEP_BYTES * 4, n_rest * STEP_BYTES * 4, n_first * SNAP_BYTES * 4, flop,
+                              dram, slow)
+            print(f"  {label:<46}: first {m['snap']:.2f} + {m['first']:.2f} ms, rest {m['rest']:.2f} ms, pass "
+                  f"FMA {m['fma']:.2f} / DRAM {m['dram']:.2f} ms -> serial {m['serial']:.2f} ms "
+                  f"({m['serial'] / torch_ms:.3f}x torch), overlap {m['overlap']:.2f} ms ({m['overlap'] / torch_ms:.3f}x); "
+                  f"hidden {100 * m['hidden']:.0f}% of the pass", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@
 Prints, in one run (median of CUDA-event timings):
   torch fused AdamW (the goal's denominator: 14.2 ms on the H200 reference), torch foreach AdamW,
   conserve FusedAdamW untracked, FusedAdamW + all invariants and drift terms (ratio vs torch fused;
-  goal <= 1.05), the naive alternative (torch AdamW + conserve.track with the torch evaluator), and a
+  goal <= 1.05), the A/B of ``overlap=True`` on drift steps (drift_every=1; serial / overlap / overlap
+  with the uncapped DRIFT grid, each as a ratio to torch fused, and overlap / serial), the naive alternative (torch AdamW + conserve.track with the torch evaluator), and a
   whole training step (forward+backward in bf16 autocast + optimizer) tracked vs untracked (goal: within
   0.2%).  Also a GPU parity check: 20 steps of FusedAdamW vs torch foreach AdamW (fp32 max relative
-  error, bf16 fraction of bitwise-equal elements).  Appends one CSV row per figure to --csv.
+  error, bf16 fraction of bitwise-equal elements) and the overlap parity (``overlap=True`` vs serial: bitwise
+equal weights, state and rows; ``overlap_parity`` lines).  Appends one CSV row per figure to --csv.
 """
 from __future__ import annotations
 
@@ -126,6 +128,67 @@ def parity(device, lines):
     lines.append(("tracked_triton_vs_twin", f"max rel diff of law terms {worst:.2e}, residual/|h| {res:.2e}"))
 
 
+def overlap_parity(device, lines):
+    """``overlap=True`` vs the serial ordering on the GPU: the same bits (weights, optimizer state with
+    the tracker's h / cumulative, every metric row), Triton kernels, fp32 accumulation (the DRIFT pass
+    itself), drift on every step and every 2nd, the whole snapshot and the round-robin budget, and the
+    uncapped DRIFT grid.  A 2-layer model with D = 128 heads large enough that the pass has more items
+    than the device has SMs (the one-program-per-SM cap splits its launches)."""
+    import copy
+
+    from conserve.kernels import Config
+    from conserve.models.lm import DecoderLM, LMConfig
+    from conserve.optim import FusedAdamW
+
+    cfg = LMConfig(vocab_size=256, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                   head_dim=128, intermediate_size=2048)
+    x = torch.randint(0, 256, (2, 64), device=device, generator=torch.Generator(device).manual_seed(0))
+    worst = []
+    for every, budget, uncapped in ((1, None, False), (2, 0.05, False), (1, None, True)):
+        runs = []
+        for overlap in (False, True):
+            with torch.device(device):
+                torch.manual_seed(0)
+                m = DecoderLM(cfg)
+            opt = FusedAdamW(m.parameters(), lr=1e-3, weight_decay=0.1, track=m, every=1000, drift_every=every,
+                             snapshot_budget=budget, overlap=overlap)
+            if uncapped:
+                opt._drift_config = Config()
+            for _ in range(4):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+                opt.step()
+            rows = opt.tracker.flush()
+            runs.append(([p.detach().clone() for p in m.parameters()], copy.deepcopy(opt.state_dict()), rows,
+                         opt._side is not None))
+            opt.close()
+            free(opt, m)
+        (pa, sa, ra, _), (pb, sb, rb, side) = runs
+        bad = [i for i, (a, b) in enumerate(zip(pa, pb)) if not torch.equal(a, b)]
+        flat = lambda sd: [t for t in _tensors(sd)]  # noqa: E731
+        bad_state = sum(1 for a, b in zip(flat(sa), flat(sb)) if not torch.equal(a, b))
+        bad_rows = sum(1 for a, b in zip(ra, rb) for k in a
+                       if not (a[k] == b[k] or (a[k] != a[k] and b[k] != b[k])))
+        ok = not bad and not bad_state and not bad_rows and len(ra) == len(rb) == 4 and side
+        worst.append(ok)
+        lines.append((f"overlap_parity every={every} budget={budget}{' uncapped' if uncapped else ''}",
+                      "bitwise equal weights, state, rows" if ok else
+                      f"FAILED: {len(bad)} weights, {bad_state} state tensors, {bad_rows} row values differ"
+                      f"{'' if side else ' (no side stream was used)'}"))
+    return all(worst)
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k])
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -154,6 +217,10 @@ def main(argv=None):
             parity(device, lines)
         except Exception as e:  # keep the timings even if a check fails
             lines.append(("parity", f"FAILED: {type(e).__name__}: {e}"))
+        try:
+            overlap_parity(device, lines)
+        except Exception as e:  # keep the timings even if a check fails
+            lines.append(("overlap_parity", f"FAILED: {type(e).__name__}: {e}"))
         for k, v in lines:
             print(f"{k}: {v}", flush=True)
     model = build(device, args.small, args.layers)
@@ -171,7 +238,9 @@ def main(argv=None):
         print(f"{name:<46s} {ms:9.3f} ms   (first step {first:.1f} s)", flush=True)
         if breakdown and device.type == "cuda" and not args.no_profile:
             try:
-                kernel_breakdown(opt.step, device, 3, f"{name}: GPU time per kernel over 3 steps")
+                total = kernel_breakdown(opt.step, device, 3, f"{name}: GPU time per kernel over 3 steps")
+                print(f"  sum of kernel times / step time = {total / ms:.3f} (> 1: kernels ran concurrently)",
+                      flush=True)
             except Exception as e:  # the timings above stand without it
                 print(f"  (no kernel breakdown: {type(e).__name__}: {e})", flush=True)
         if hasattr(opt, "close"):
@@ -188,6 +257,33 @@ def main(argv=None):
     tracked = bench_opt("conserve FusedAdamW + all invariants + drift",
                         lambda: FusedAdamW(model.parameters(), lr=lr, weight_decay=wd, track=model, every=50),
                         breakdown=True)
+    # A/B of the overlap ordering on drift steps (drift_every=1: every timed step is one; the figure
+    # above, drift_every=10, times mostly steps without the pass): serial, overlap (side stream, DRIFT
+    # grid capped at one program per SM), overlap with the uncapped grid; the default snapshot budget
+    # (a round-robin group of the Gram laws per drift step) and the whole snapshot
+    from conserve.kernels import Config
+
+    def tracked_drift(overlap, budget, uncapped=False):
+        def make():
+            kw = {} if budget == "default" else dict(snapshot_budget=budget)
+            opt = FusedAdamW(model.parameters(), lr=lr, weight_decay=wd, track=model, every=50, drift_every=1,
+                             overlap=overlap, **kw)
+            if uncapped:
+                opt._drift_config = Config()
+            return opt
+        return make
+
+    ab = {}
+    for budget in ("default", None):
+        for overlap, uncapped in ((False, False), (True, False)) + (((True, True),) if budget is None else ()):
+            tag = f"drift every step, budget {budget}, {'overlap' if overlap else 'serial'}{' uncapped' if uncapped else ''}"
+            ab[(budget, overlap, uncapped)] = bench_opt(f"FusedAdamW {tag}", tracked_drift(overlap, budget, uncapped),
+                                                        breakdown=budget is None and not uncapped)
+    for budget in ("default", None):
+        off, on = ab[(budget, False, False)], ab[(budget, True, False)]
+        extra = f", uncapped grid {ab[(budget, True, True)] / base:.3f}x" if (budget, True, True) in ab else ""
+        print(f"overlap A/B (budget {budget}): serial {off / base:.3f}x, overlap {on / base:.3f}x torch fused{extra}; "
+              f"overlap / serial = {on / off:.3f}", flush=True)
     naive = bench_opt("naive: torch AdamW + conserve.track(backend=torch)",
                       lambda: conserve.track(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, **fused_kw),
                                              model, backend="torch", every=50))

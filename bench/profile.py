@@ -6,7 +6,8 @@ import torch
 
 def kernel_breakdown(fn, device, steps: int, title: str, top: int = 12):
     """Where a step's GPU time goes: ``torch.profiler`` device time per kernel name, summed over
-    ``steps`` calls of ``fn`` (printed as ms per step and share of the total)."""
+    ``steps`` calls of ``fn`` (printed as ms per step and share of the total).  Returns the total (ms
+    per step): above the step's wall time, kernels ran concurrently (side streams)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
@@ -25,3 +26,4 @@ def kernel_breakdown(fn, device, steps: int, title: str, top: int = 12):
     print(f"  {title} (total {total:.2f} ms per step):")
     for k, ms in sorted(per.items(), key=lambda kv: -kv[1])[:top]:
         print(f"    {ms:8.3f} ms  {100 * ms / total:5.1f}%  {k[:90]}")
+    return total

@@ -30,6 +30,12 @@ class Config:
         norm_stages: row tiles in flight per norm program (1-4; > 1 pipelines the loads through
             shared memory with ``cp.async`` on a GPU).
         overlap: on CUDA, run the Gram launches on a side stream concurrently with the norm launches.
+        drift_programs: at most this many programs per DRIFT-pass Gram launch (0, the default: one
+            launch of every item).  A larger grid is issued as consecutive launches of at most this
+            many programs on the same stream, so no more than that many DRIFT programs are resident
+            at once: the cap the fused optimizers' ``overlap=True`` uses (one per SM) to leave room on
+            every SM for the memory-bound step kernel running beside it (``kernels/README.md``, "Overlap
+            with the step").  Same bits whatever the cap (every item writes its own partial tile).
 
     Raises:
         ValueError: a value outside the ranges above (the message names the allowed values).
@@ -39,6 +45,7 @@ class Config:
     gram_bt: int = 128
     norm_stages: int = 3
     overlap: bool = True
+    drift_programs: int = 0
 
     def __post_init__(self):
         if self.input_precision not in PRECISIONS:
@@ -47,6 +54,8 @@ class Config:
             raise ValueError(f"Config(gram_bt={self.gram_bt}): use 16, 32, 64 or 128")
         if not 1 <= int(self.norm_stages) <= 4:
             raise ValueError(f"Config(norm_stages={self.norm_stages}): use 1 to 4")
+        if isinstance(self.drift_programs, bool) or not isinstance(self.drift_programs, int) or self.drift_programs < 0:
+            raise ValueError(f"Config(drift_programs={self.drift_programs!r}): use an int >= 0 (0: no cap)")
 
 
 def interpreting() -> bool:

@@ -72,3 +72,14 @@ def drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]
 
         return drift_triton(plan, olds, news, a, fp64=fp64, decay=decay, config=config)
     return drift_reference(plan, olds, news, a, fp64=fp64, decay=decay, donate=donate, values=values)
+
+
+def prepare_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, *, fp64: bool = False,
+                  backend: str = "auto", config: Config | None = None) -> None:
+    """Make, on the current stream, the host->device copies a following ``drift(plan, olds, news, a, ...)``
+    with the same arguments would make (Triton: ``runner.prepare_drift_triton``; the torch twin: nothing),
+    so that call, e.g. on a side CUDA stream, only allocates and launches."""
+    if choose_backend(backend, news) == "triton":
+        from .runner import prepare_drift_triton
+
+        prepare_drift_triton(plan, olds, news, a, fp64=fp64, config=config)

@@ -57,8 +57,8 @@ class Tiles:
     column tile of ``BF`` columns (doubled for 2-byte dtypes, so a row segment is always ``4*BF``
     bytes) times ``slow_rows`` rows if > 0, else enough rows to stream ``item_bytes`` if > 0, else
     the whole region.  ``BS``: rows per loaded tile; ``norm_warps``: warps of a norm program for
-    4-byte inputs (doubled with ``BF``).  ``precision``, ``overlap``: ``config.Config``'s
-    ``input_precision`` and ``overlap``."""
+    4-byte inputs (doubled with ``BF``).  ``precision``, ``overlap``, ``drift_programs``: ``config.Config``'s
+    ``input_precision``, ``overlap`` and ``drift_programs``."""
 
     target_items: int = 1
     slow_rows: int = 0
@@ -72,6 +72,7 @@ class Tiles:
     BT_MAX: int = 128
     precision: str = "ieee"  # tl.dot input_precision of fp32 Gram dots
     overlap: bool = True
+    drift_programs: int = 0  # cap of programs per DRIFT Gram launch (0: none; runner.Prepared.run_drift)
 
     @staticmethod
     def for_device(device: torch.device, config: Config | None = None) -> "Tiles":
@@ -80,7 +81,7 @@ class Tiles:
         if device.type == "cuda":
             return Tiles.gpu(torch.cuda.get_device_properties(device).multi_processor_count, config)
         return Tiles(BT_MAX=config.gram_bt, BK_SMALL=16 if config.gram_bt < 128 else Tiles.BK_SMALL,
-                     precision=config.input_precision, overlap=config.overlap)
+                     precision=config.input_precision, overlap=config.overlap, drift_programs=config.drift_programs)
 
     @staticmethod
     def gpu(sms: int = 132, config: Config | None = None) -> "Tiles":
@@ -94,7 +95,7 @@ class Tiles:
         bt = config.gram_bt
         return Tiles(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
                      BK_SMALL=16 if bt < 128 else Tiles.BK_SMALL, norm_stages=config.norm_stages,
-                     precision=config.input_precision, overlap=config.overlap)
+                     precision=config.input_precision, overlap=config.overlap, drift_programs=config.drift_programs)
 
     def norm_tile(self, group) -> tuple[int, int]:
         """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""
@@ -243,6 +244,10 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | Non
         for e in by_d[D]:
             per_group[_group(xs, ys, e[0].view.tensor)].append(e)
         n_out_tiles = len({(e[0].slot,) for e in by_d[D]}) * len(tiles)
+        # one program per item: at least target_items (GPU: 4 per SM) items.  In DRIFT mode that is
+        # more programs than can be resident (2 per SM at 255 registers): run beside the step kernel
+        # (fused optimizers, overlap=True) the launch is sliced by Config.drift_programs instead
+        # (runner.Prepared.run_drift; kernels/README.md "Overlap with the step", grid sizing)
         nchunk = max(1, -(-cfg.target_items // max(1, n_out_tiles)))
         launches, item_base = [], 0
         tile_items = defaultdict(list)  # (slot, ti, tj) -> item ids

@@ -34,7 +34,8 @@ from .tables import GRAM_TERM as GT
 from .tables import REGION as RG
 from .reference import check_drift_inputs, drift_compose, drift_factors
 
-__all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare", "Prepared", "clear_cache"]
+__all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare_drift_triton", "prepare", "Prepared",
+           "clear_cache"]
 
 DRIFT_WARPS = 4  # DRIFT mode (64 x 64 tiles, 4 accumulators): see README "DRIFT mode" for the sm_90 compile
 
@@ -89,7 +90,11 @@ class Prepared:
 
     # ---- device tables -------------------------------------------------------------------------
     def _dev(self, a, dtype=torch.int64):
-        return torch.as_tensor(np.asarray(a), dtype=dtype).to(self.device)
+        t = torch.as_tensor(np.asarray(a), dtype=dtype)
+        if self.device.type == "cuda" and t.numel():  # staged through pinned memory: no host wait (a pageable copy
+            # synchronises its stream, and a side stream still waiting on its fork event with it)
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def _static_tables(self):
         st, acc = self.st, self.acc
@@ -245,11 +250,16 @@ class Prepared:
                 xb, yb = self.bases[l.group]
                 if bucket_decay and not dec:  # these items store no decay partial: zeros
                     part[plane + l.item_base * b.BT * b.BT: plane + (l.item_base + len(l.items)) * b.BT * b.BT].zero_()
-                _gram_kernel[(len(l.items),)](
-                    xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], f, plane,
-                    D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=True, FP64=False,
-                    UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, DRIFT=True, DECAY=dec,
-                    num_warps=DRIFT_WARPS)
+                # Config.drift_programs: consecutive launches of at most that many programs (a program
+                # reads its item row and writes its partial tile by program id: slices of both)
+                n = len(l.items)
+                cap = self.cfg.drift_programs or n
+                for s0 in range(0, n, cap):
+                    _gram_kernel[(min(cap, n - s0),)](
+                        xb, yb, terms, ls["signs"], ls["items"][s0:], part[(l.item_base + s0) * b.BT * b.BT:], f,
+                        plane, D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=True, FP64=False,
+                        UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, DRIFT=True, DECAY=dec,
+                        num_warps=DRIFT_WARPS)
             i += len(b.launches)
             if len(b.groups):  # planes h_new, [decay], bil, h_delta
                 _gram_finish[(len(b.groups), 4 if bucket_decay else 3)](
@@ -376,3 +386,22 @@ def drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.
         vecs = [torch.zeros(plan.vec_size, device=pr.device, dtype=acc) if decay or k != 1 else None
                 for k in range(4)]
     return [None if g is None else (v, g) for v, g in zip(vecs, grams)]
+
+
+def prepare_drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a,
+                         fp64: bool = False, config: Config | None = None) -> None:
+    """Do now, on the current stream, every host->device copy that ``drift_triton`` with these arguments
+    would make: build (first call) the cached DRIFT tables, bind them to these addresses, upload the
+    per-term factors of ``a``.  The call that follows (same plan, tensors, ``a`` and ``config``) then
+    only allocates its outputs and launches (the copies go through pinned memory, ``Prepared._dev``,
+    so they do not wait for the stream either; made here they are also the caller's stream's own
+    persistent tables, not side-stream allocations).  Vector terms and
+    ``fp64=True`` (``drift_compose`` over fresh ``a old`` / ``Delta`` tensors, re-bound at every call)
+    are not covered: their bindings are made in the call.  Raises like ``drift_triton``."""
+    olds, news = list(olds), list(news)
+    if fp64 or not plan.grams:
+        return
+    check_drift_inputs(plan, olds, news)
+    pr = prepare(plan, olds, news, drift=True, config=config)
+    pr._bind(olds, news)
+    pr._factors(drift_factors(a, len(news)))

@@ -9,7 +9,8 @@ ways between these classes and their torch twins.
 
 Tracking: pass the model (``track=model``), or explicit ``laws=`` with ``named_params=``, plus any
 ``Tracker`` keyword (``every``, ``sinks``, ``fp64``, ``backend``, ``monitors``, ``drift``, ``drift_every``
-(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``, ``on_nonfinite``, ``keep_last``)::
+(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``, ``on_nonfinite``, ``keep_last``) and
+``overlap`` (bool, default False: see "Overlap" below)::
 
     opt = conserve.optim.FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, track=model,
                                     sinks=[conserve.JSONLSink("laws.jsonl")], every=50)
@@ -39,6 +40,19 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
+Overlap (``overlap=True``; default False): on a drift step the tensors the DRIFT pass reads (the
+snapshot's Gram-law views: ``q/k/v/o_proj``) are stepped first, then the pass runs, then the other
+tensors are stepped.  On CUDA the pass goes to a side stream (``conserve.kernels.streams``: high
+priority, waiting on an event recorded after those tensors' step; its host->device copies are made
+first, on the caller's stream, ``kernels.prepare_drift``) while the caller's stream steps the rest
+(memory-bound: the MLP and embedding weights), and the caller's stream waits on the side stream
+before ``_record`` assembles the terms; the snapshot copies stay referenced until then and the pass's
+outputs are ``record_stream``-ed on the caller's stream.  Everywhere the weights, optimizer state and
+every tracker row and cumulative are the very bits of the serial ordering (same kernels, same inputs;
+``tests/test_fused_overlap.py`` on CPU, ``bench/fused_optim.py``'s overlap parity on a GPU).  Off by
+default until a GPU run has measured it (``bash bench/gpu_check.sh``: parity and the A/B of (d)).  If
+the pass raises, the rest of the weights are still stepped, then the error propagates (no row).
+
 The three drift terms are computed directly (not as residuals), so the tracker's ``residual`` checks
 the identity at run time.  GradScaler: these optimizers do not set ``_step_supports_amp_scaling``,
 so ``GradScaler.step`` unscales the gradients and skips ``step()`` on an inf/NaN step (no law update
@@ -58,6 +72,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from .. import kernels
 from ..kernels import optim_step as K
+from ..kernels import streams
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
 from ..tracker import Tracker, Values
@@ -186,18 +201,32 @@ class _FusedOptimizer(torch.optim.Optimizer):
     _refused: tuple = ()
 
     def _setup_tracking(self, track, laws, named_params, tracker_kwargs):
+        tracker_kwargs = dict(tracker_kwargs)
+        overlap = tracker_kwargs.pop("overlap", False)
         bad = sorted(set(tracker_kwargs) - set(_TRACKER_KEYS))
         if bad:
             raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {bad}; tracking options "
-                            f"are {list(_TRACKER_KEYS)}")
+                            f"are {list(_TRACKER_KEYS) + ['overlap']}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap={overlap!r}: pass True or False")
         self.backend = tracker_kwargs.get("backend", "auto")
         self.tracker: Tracker | None = None
         self._fp = None
+        # overlap ordering of drift steps (module docstring, "Overlap"); the side stream is made on the
+        # first overlapped drift step on CUDA (_side_stream); _stream_api: a test's recording fake
+        self.overlap = overlap
+        self._side = None
+        self._stream_api = None
+        self._early = None
+        self._drift_config = "auto"  # the side stream's kernels.Config (bench/fused_optim.py A/Bs it)
         self._layouts: dict = {}
         self._chunk = K.CHUNK_MAX
         if track is None and laws is None:
             if named_params is not None:
                 raise ValueError("named_params is only used with laws=...; pass track=model or laws=[...]")
+            if overlap:
+                raise ValueError("overlap=True orders the drift pass of a tracked step; pass track=model "
+                                 "(or laws=...) with it, or drop it")
             return
         if track is None and named_params is None:
             raise ValueError("laws=... needs named_params= (a mapping name -> parameter, e.g. "
@@ -311,7 +340,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             snap = self._sampler.snapshot(tr.step_count // tr.drift_every, tr.tensors)
         a_of: dict[int, float] = {}
         done: set = set()
-        work = []  # (hyper, bucket lists, triton) per (group, device, dtype, path)
+        work = []  # (hyper, triton, tracked ids, bucket lists) per (group, device, dtype, path)
         for group in self.param_groups:
             h = self._hyper(group)
             params, grads, b1, b2, steps, fresh = self._collect(group, done)
@@ -323,16 +352,48 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 buckets[(p.device, p.dtype, tri)].append(j)
             for (dev, dt, tri), js in buckets.items():
                 sub = lambda xs: [xs[j] for j in js] if xs else xs  # noqa: E731
-                work.append((h, tri, sub(params), sub(grads), sub(b1), sub(b2), sub(steps), sub(fresh)))
+                ids = [self._tracked.get(id(params[j]), -1) if tr is not None else -1 for j in js]
+                for i in ids:
+                    if i >= 0:
+                        a_of[i] = h.a_exact  # the statistics use h.a (fp32); _record corrects to a_exact
+                work.append((h, tri, ids, sub(params), sub(grads), sub(b1), sub(b2), sub(steps), sub(fresh)))
         # the step statistics live for this step only: quantity 0 (h(new)) between drift steps, all four
         # on drift steps and wherever the Triton kernel writes them
         stats = None
         if tr is not None:
             rows = K.NQ if drift_step or any(w[1] for w in work) else 1
             stats = torch.zeros(rows, max(1, fp.n_slots), device=tr.device, dtype=self._acc)
-        scratch = None
-        for h, tri, ps, gs, m1, m2, st, fr in work:
-            ids = [self._tracked.get(id(p), -1) if tr is not None else -1 for p in ps]
+        self._early = None
+        if snap is not None and self.overlap:
+            # the overlap ordering: the tensors the DRIFT pass reads are stepped first; their pass runs
+            # (on CUDA: on a side stream, after an event of this stream) while the rest is stepped; the
+            # join comes before the terms are assembled in _record (see _drift_early)
+            head, tail = _split_work(work, self._snap_tensors(snap))
+            scratch = self._step_work(head, stats, drift_step, None)
+            job = self._drift_early(snap, a_of)
+            try:
+                scratch = self._step_work(tail, stats, drift_step, scratch)
+            except BaseException:
+                self._join_early(job)  # the side stream is joined, nothing of the step is kept
+                self._early = None
+                raise
+            self._join_early(job)
+            if job.error is not None:  # the pass failed: every weight is stepped, no row is recorded
+                self._early = None
+                raise job.error
+        else:
+            scratch = self._step_work(work, stats, drift_step, None)
+        if tr is not None:
+            del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
+            vals = self._finish(a_of, stats)
+            del stats  # the statistics: dropped once summed into the plan's entries
+            self._record(a_of, vals, snap)
+        return loss
+
+    def _step_work(self, work, stats, drift_step: bool, scratch):
+        """Step the buckets ``work`` (see ``step``) in order; returns the torch twin's scratch buffers."""
+        fp = self._fp
+        for h, tri, ids, ps, gs, m1, m2, st, fr in work:
             reqs = [fp.reqs[i] if i >= 0 else K.StatsRequest() for i in ids]
             if tri:
                 K.step_triton(h, ps, gs, m1, m2, st, reqs, stats, fresh=fr, cache=self._layouts,
@@ -346,15 +407,79 @@ class _FusedOptimizer(torch.optim.Optimizer):
                         scratch = self._scratch(scratch, p)
                     K.step_stats_reference(h, p, gs[k], m1[k], m2[k], st[k], bool(fr[k]) if fr else False, req,
                                            stats, drift=drift_step, bound=self._chunk, scratch=scratch)
-            for i in ids:
-                if i >= 0:
-                    a_of[i] = h.a_exact  # the statistics use h.a (fp32); _record corrects to a_exact
-        if tr is not None:
-            del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
-            vals = self._finish(a_of, stats)
-            del stats  # the statistics: dropped once summed into the plan's entries
-            self._record(a_of, vals, snap)
-        return loss
+        return scratch
+
+    # ---- the overlap ordering (overlap=True) ------------------------------------------------------
+    @staticmethod
+    def _snap_tensors(snap) -> set:
+        """Tracked tensors the snapshot's plan reads (the DRIFT pass's inputs)."""
+        p = snap.plan
+        return {snap.sources[t.view.tensor] for t in (*p.grams, *p.norms, *p.sums)}
+
+    def _drift_early(self, snap, a_of: dict) -> "_EarlyDrift":
+        """The DRIFT pass of ``snap``, started once its tensors are stepped: the arguments ``_record``
+        would pass (same ``a``, same decay flag), so the pieces are the same bits.  CUDA (or a stream
+        api set for a test): the host-to-device copies of the pass (table binding, factors) are done
+        here on the main stream, then the launches go to the side stream after a fork; elsewhere it
+        runs here, before the rest of the step.  An exception is kept (raised after the rest is stepped)."""
+        tr = self.tracker
+        a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
+        decay = tr.assembly.needs_kernel_decay(a, self._mask_host(snap))
+        fa = self._sampler.factors(snap, a)
+        news = self._sampler.news(snap, tr.tensors)
+        job = _EarlyDrift(snap, (tuple(a), decay))
+        side = self._side_stream()
+        try:
+            if side is None:
+                job.pieces = _pass(snap, news, fa, tr, decay)
+            else:
+                cfg = self._drift_config
+                kernels.prepare_drift(snap.plan, snap.olds, news, fa, fp64=tr.fp64, backend=tr.backend, config=cfg)
+                job.main = side.fork()
+                with side.on_side():
+                    job.pieces = _pass(snap, news, fa, tr, decay, cfg)
+        except Exception as e:  # noqa: BLE001 - re-raised by step once every weight is stepped
+            job.error = e
+        return job
+
+    def _join_early(self, job: "_EarlyDrift") -> None:
+        """Main stream waits on the side stream; the pieces (allocated there) are recorded on the main
+        stream; ``_record`` takes them (``_drift_pass``)."""
+        if job.main is not None:
+            self._side.join(job.main, job.pieces)
+            job.main = None
+        self._early = job
+
+    def _side_stream(self):
+        """The side stream of the tracker's device (CUDA, or ``_stream_api`` set: a test's recording
+        fake); None: no streams, the pass runs in place."""
+        if self._side is None:
+            api = self._stream_api
+            if api is None and torch.device(self.tracker.device).type == "cuda":
+                api = streams.CUDA
+            if api is None:
+                return None
+            self._side = streams.SideStream(self.tracker.device, api)
+            if self._drift_config == "auto":
+                # grid of the pass beside the step kernel: at most one DRIFT program per SM at a time
+                # (kernels/README.md, "Overlap with the step"); the step kernel keeps the rest of each SM
+                dev = torch.device(self.tracker.device)
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
+                self._drift_config = kernels.Config(drift_programs=sms)
+        return self._side
+
+    def _drift_pass(self, snap, news, a, mask):
+        """The DRIFT pieces of ``snap`` for ``_record``: those ``_drift_early`` computed for this very
+        snapshot and these arguments, else computed now (the serial ordering)."""
+        tr = self.tracker
+        job, self._early = self._early, None
+        decay = tr.assembly.needs_kernel_decay(a, mask)
+        if job is not None and job.snap is snap:  # the pass ran in step(): its snapshot is donated (Delta)
+            if job.key != (tuple(a), decay) or job.pieces is None:
+                raise RuntimeError("conserve internal error: the overlapped DRIFT pass ran with other arguments "
+                                   "than the step's terms need; pass overlap=False and report it")
+            return job.pieces
+        return _pass(snap, news, self._sampler.factors(snap, a), tr, decay)
 
     def _scratch(self, scratch, p: torch.Tensor):
         """Two flat buffers (old weights, Delta) of one block (``self._chunk`` elements at most)."""
@@ -366,13 +491,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _mask(self, snap) -> Mask:
         """Entries a drift step decomposes: every entry the step statistics cover, except those that
         also read a Gram/unmapped term outside the snapshot's group; the group's Gram slots."""
+        vm, gm = self._mask_arrays(snap)
+        return make_mask(vm, gm, self.tracker.device, ("fused", None if snap is None else snap.mask.key))
+
+    def _mask_arrays(self, snap):
+        """The host bool arrays of ``_mask``: ``(vec entries, {D: Gram slots})``."""
         fp = self._fp
         if snap is None:
             vm = np.ones(len(fp.rest_vec), dtype=bool)
             gm = {d: np.ones(n, dtype=bool) for d, n in self.tracker.compiled.plan.gram_slots.items()}
         else:
             vm, gm = snap.mask.vec_np | ~fp.rest_vec, snap.mask.gram_np
-        return make_mask(vm, gm, self.tracker.device, ("fused", None if snap is None else snap.mask.key))
+        return vm, gm
+
+    def _mask_host(self, snap) -> Mask:
+        """``_mask`` without its device copies (what ``Assembly.needs_kernel_decay`` reads: no host->device
+        copy before the side stream's launches)."""
+        vm, gm = self._mask_arrays(snap)
+        return Mask(vm, dict(gm), None, None, bool(vm.all() and all(m.all() for m in gm.values())))
 
     def _finish(self, a_of: dict[int, float], stats: torch.Tensor) -> torch.Tensor:
         """The plan entries ``(rows of stats, vec_size)`` of this step's statistics (tracked tensors that
@@ -407,9 +543,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         pieces = None  # no DRIFT pass: every term this step comes from the step statistics
         if snap is not None:
             news = self._sampler.news(snap, tr.tensors)
-            pieces = list(drift_pieces(snap.plan, snap.olds, news, self._sampler.factors(snap, a), fp64=tr.fp64,
-                                       backend=tr.backend, decay=tr.assembly.needs_kernel_decay(a, mask), donate=True,
-                                       values=False))  # the snapshot is ours (Delta is formed in it)
+            pieces = list(self._drift_pass(snap, news, a, mask))  # computed in step() under overlap=True
             snap.olds.clear()
             del snap, news
         # the one assembly (Tracker.assemble -> Assembly.terms): the statistics' terms (rows 1, 2; their
@@ -418,6 +552,39 @@ class _FusedOptimizer(torch.optim.Optimizer):
         h1 = h_new()
         del pieces, vals
         tr.record_step(h1, terms, mask)
+
+
+def _pass(snap, news, a, tr: Tracker, decay: bool, config=None):
+    """The DRIFT pass of a snapshot (one call for both orderings): the snapshot copies are the step's
+    own, so the pass may form Delta in them (``donate``); ``h(new)`` comes from the every-step evaluation."""
+    return drift_pieces(snap.plan, snap.olds, news, a, fp64=tr.fp64, backend=tr.backend, decay=decay, donate=True,
+                        values=False, config=config)
+
+
+class _EarlyDrift:
+    """One DRIFT pass started inside ``step`` (overlap ordering): its snapshot, the key of its arguments
+    (``(a, decay)``), the pieces, the main stream to join (None once joined / without streams), and
+    the exception it raised, if any."""
+
+    __slots__ = ("snap", "key", "pieces", "main", "error")
+
+    def __init__(self, snap, key):
+        self.snap, self.key, self.pieces, self.main, self.error = snap, key, None, None, None
+
+
+def _split_work(work, first: set):
+    """``work`` split into the buckets of the tracked tensors in ``first`` and the others (bucket order
+    and the order inside a bucket kept; empty buckets dropped)."""
+    head, tail = [], []
+    for item in work:
+        h, tri, ids = item[:3]
+        lists = item[3:]
+        for out, keep in ((head, True), (tail, False)):
+            js = [j for j, i in enumerate(ids) if (i in first) == keep]
+            if js:
+                sub = lambda xs: [xs[j] for j in js] if xs else xs  # noqa: E731
+                out.append((h, tri, [ids[j] for j in js], *[sub(x) for x in lists]))
+    return head, tail
 
 
 def _params_with_grad(group, done: set):

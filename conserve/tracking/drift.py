@@ -41,13 +41,15 @@ except ImportError:  # pragma: no cover - depends on the kernels version
 __all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Snapshot", "Mask", "make_mask"]
 
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
-                 fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True):
+                 fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True, config=None):
     """``conserve.kernels.drift`` asking for the per-term decay only when ``decay`` is True.
 
     Returns ``(h_new, decay, bil, h_delta)``, each a ``(vec, {D: grams})`` pair, ``decay`` None when not
     asked for.  ``donate``: ``olds`` are copies made for this step, which the torch twin may overwrite
-    with ``Delta`` (no second view-sized buffer); ``values=False``: ``h_new`` may be None."""
-    return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay, donate=donate, values=values)
+    with ``Delta`` (no second view-sized buffer); ``values=False``: ``h_new`` may be None.  ``config``:
+    the Triton path's ``kernels.Config`` (None: the default)."""
+    return kernels.drift(plan, olds, news, a, fp64=fp64, backend=backend, decay=decay, donate=donate, values=values,
+                         config=config)
 
 
 def _entries_of(plan: Plan):
