@@ -70,16 +70,20 @@ class _Runs:
     """Per-entry set ids in run-length form, per part of the layout (``"vec"``, then each D's slots):
     the entries of one law share a set and lie side by side, so a layout has a few runs per law
     family, not one id per entry.  ``sets[p]``/``lengths[p]``: the set and length of each run of part
-    ``p`` (host int32); ``*_dev``: the same on the device (views of them on the CPU)."""
+    ``p`` (host int32); ``dev``: ``{p: (sets, lengths)}`` copies on a GPU device (None on the CPU,
+    where ``on_device`` views the host arrays: no tensor object held per run array)."""
 
     sets: dict
     lengths: dict
-    sets_dev: dict
-    lengths_dev: dict
+    dev: dict | None
 
     def expand(self, f: np.ndarray, p) -> np.ndarray:
         """``f[set of each entry of part p]`` (a per-set host array at the entries)."""
         return np.repeat(f[self.sets[p]], self.lengths[p])
+
+    def on_device(self, p) -> tuple:
+        """``(sets, lengths)`` of part ``p`` as tensors on the device."""
+        return self.dev[p] if self.dev is not None else (torch.from_numpy(self.sets[p]), torch.from_numpy(self.lengths[p]))
 
 
 def _runs(ids: np.ndarray, vec_size: int, gram_slots: Mapping[int, int], device) -> _Runs:
@@ -90,8 +94,9 @@ def _runs(ids: np.ndarray, vec_size: int, gram_slots: Mapping[int, int], device)
         starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]]) if n else np.zeros(0, dtype=np.int64)
         ps[p], pl[p] = x[starts].astype(np.int32), np.diff(np.r_[starts, n]).astype(np.int32)
         at += n
-    dev = lambda xs: {p: torch.from_numpy(x).to(device) for p, x in xs.items()}  # noqa: E731
-    return _Runs(ps, pl, dev(ps), dev(pl))
+    host = torch.device(device).type == "cpu"
+    return _Runs(ps, pl, None if host else {p: (torch.from_numpy(ps[p]).to(device), torch.from_numpy(pl[p]).to(device))
+                                            for p in ps})
 
 
 class Assembly:
@@ -259,8 +264,8 @@ class Assembly:
                 return first, second
             shape = (-1,) + (1,) * (h.dim() - 1)
             # (4, entries): d, a / a_f, a, a_f per entry (1 where an entry's tensors have different a)
-            e = torch.repeat_interleave(table[:, runs.sets_dev[part]], runs.lengths_dev[part], dim=1,
-                                        output_size=h.shape[0])
+            sets, lengths = runs.on_device(part)
+            e = torch.repeat_interleave(table[:, sets], lengths, dim=1, output_size=h.shape[0])
             dd, ratio, tt, rr = (x.view(shape) for x in e.unbind(0))
             f_quad = ratio * (first - 2 * dd * rr * h)
             s_quad = second - (dd / tt) * f_quad - dd * dd * h
