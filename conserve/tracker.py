@@ -38,7 +38,7 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
-from .tracking.breakers import check_optimizer, decay_factor  # noqa: F401  (decay_factor: re-exported)
+from .tracking.breakers import check_optimizer, decay_factor, per_param_decay  # noqa: F401  (decay_factor: re-exported)
 from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
 
 GUARD = 1e-4
@@ -47,6 +47,19 @@ CUMULATIVE = TERMS[:4]  # the terms ``cumulative`` sums
 NONFINITE_POLICIES = ("raise", "warn", "skip")
 DRIFT_EVERY = 4  # default drift cadence (see Tracker)
 SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
+
+
+EAGER_REASON = ("conserve's tracking and fused optimizer steps run eagerly, outside torch.compile graphs: compile the "
+                "training step without fullgraph=True (torch.optim's own step breaks the graph too)")
+
+
+def eager(fn):
+    """``torch.compiler.disable(fn)``, with the reason dynamo prints when ``fullgraph=True`` refuses it
+    (its default hint, "remove the torch.compiler.disable call", is not the user's fix)."""
+    try:
+        return torch.compiler.disable(fn, reason=EAGER_REASON)
+    except TypeError:  # torch without the reason argument
+        return torch.compiler.disable(fn)
 
 
 def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
@@ -354,29 +367,44 @@ class Tracker:
         return self._assembly
 
     def is_drift_step(self) -> bool:
-        """Whether the next step (``step_count + 1``) decomposes the drift."""
-        return self.drift and self.step_count % self.drift_every == 0
+        """Whether the next step (``step_count + 1``) decomposes the drift (never once closed)."""
+        return self.drift and not self._closed and self.step_count % self.drift_every == 0
 
-    @torch.compiler.disable
+    def _books_after_close(self) -> bool:
+        """False once ``close()`` ran: later steps are not booked (one warning names how to track them);
+        before, a step after ``close()`` was booked and its flush failed in the closed sinks."""
+        if not self._closed:
+            return True
+        if not self.__dict__.get("_warned_closed"):
+            self._warned_closed = True
+            warnings.warn("conserve: the tracker is closed (close() or the end of its `with` block): steps after it "
+                          "are not tracked; build a new tracker (conserve.track, or a fused optimizer's track=) to "
+                          "track them", RuntimeWarning, stacklevel=3)
+        return False
+
+    @eager
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Right before the optimizer step: on a drift step, copy what it reads of ``theta_k`` and take
-        each parameter's decay factor ``a``; on the other steps nothing."""
+        each parameter's decay factor ``a``; on the other steps nothing (nor after ``close()``)."""
         self._snap = None
         if not self.is_drift_step():
             return
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
         self._a = decay_factors(optimizer, self.tensors)
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def after_step(self) -> None:
-        """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``)."""
+        """Evaluate the laws at ``theta_{k+1}`` (and the drift terms if ``before_step`` copied ``theta_k``);
+        nothing after ``close()`` (one warning)."""
+        if not self._books_after_close():
+            return
         snap, self._snap = self._snap, None
         if snap is None:
             self.record_step(self._eval(self.tensors))
             return
-        a = [float(a) for a in self._a]
+        a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
         # the DRIFT pass first: it frees the copies of theta_k before h(theta_{k+1}) is evaluated (the
         # pass's pieces, smaller, are held instead); then the terms
         pieces = self._drift_pass(snap, a)
@@ -487,7 +515,9 @@ class Tracker:
         the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it).
         The tracker's own budgeted drift steps (``drift_terms`` over a compact sub-plan) form them over
         the group's entries only (the scratch is the group's size, not five law-sized rows); terms
-        given here are in the full layout."""
+        given here are in the full layout.  Nothing is booked after ``close()`` (one warning)."""
+        if not self._books_after_close():
+            return
         deferred = _Deferred()
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             deferred.call(self.flush)  # a NonFiniteError is raised once this step is booked
@@ -593,14 +623,18 @@ class Tracker:
         else:
             self.sampled_steps += 1
 
-    @torch.compiler.disable
+    @eager
     def record(self, **scalars) -> None:
-        """Attach scalars (tensors stay on the device; floats are fine) to the current step's row."""
+        """Attach scalars (tensors stay on the device; floats are fine) to the current step's row. Tensors
+        are kept detached: ``record(loss=loss)`` does not hold the step's autograd graph until the flush."""
+        if self._closed:  # steps after close() are not booked (after_step / record_step warned)
+            return
         if not self._rows:
             raise RuntimeError("record() needs a step first: call it after optimizer.step()")
         while len(self._extras) < len(self._rows):
             self._extras.append({})
-        self._extras[len(self._rows) - 1].update(scalars)
+        self._extras[len(self._rows) - 1].update({k: v.detach() if torch.is_tensor(v) else v
+                                                  for k, v in scalars.items()})
 
     def latest(self) -> dict | None:
         """The most recent step's row (``eps/...``, ``drift/...`` and the ``step``) as host floats, without
@@ -830,6 +864,16 @@ class Tracker:
         _LIVE.add(new)
         return new
 
+    def __getstate__(self) -> dict:
+        """Pickling keeps the series (values, pending rows, cumulative terms) without the sinks, as
+        ``copy.deepcopy`` does: an unpickled tracker is a snapshot, not a second writer (set ``sinks``)."""
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False}
+        return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _LIVE.add(self)
+
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Everything needed to continue the same series: ``h0``, ``h_k``, the guards, the cumulative
@@ -978,12 +1022,20 @@ def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:
     computed once per group."""
     if optimizer is None:
         return [1.0] * len(tensors)
-    of = {}
+    of, per_param = {}, per_param_decay(optimizer)
     for g in optimizer.param_groups:
         a = decay_factor(optimizer, g)
         for p in g["params"]:
-            of[id(p)] = a  # a tensor in two groups: the last one (torch refuses that anyway)
+            of[id(p)] = decay_factor(optimizer, g, p) if per_param else a  # (a tensor is in one group only)
     return [of.get(id(t), 1.0) for t in tensors]
+
+
+def stepped_factors(a: Sequence, params: Sequence[torch.Tensor]) -> list[float]:
+    """``a`` as floats, 1.0 for a parameter whose ``.grad`` is None after the step: torch optimizers (and
+    conserve's fused ones) skip such a parameter, so it is not decayed either (read after the step, so
+    the gradients a ``step(closure)`` computes count)."""
+    return [1.0 if p.is_leaf and p.grad is None else float(x) for p, x in zip(params, a)]  # (no .grad warning
+    # for a non-leaf tensor given as ``params=``: no optimizer holds it, its factor is 1 already)
 
 
 _LIVE: "weakref.WeakSet[Tracker]" = weakref.WeakSet()  # trackers not closed yet

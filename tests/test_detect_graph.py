@@ -515,3 +515,82 @@ def test_gains_read_only_by_linear_maps(name):
 
         lm = logits_model(m)
         assert all(check(lm, gains[0][n]) < 1e-9 for n in laws)
+
+
+class _SharedBlock(nn.Module):
+    """QA: one residual ReLU MLP applied three times (weights shared across depth, as ALBERT's layer group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = x + self.down(F.relu(self.up(x)))
+        return x
+
+
+def test_block_called_several_times_gives_one_law():
+    """QA: each call of a shared block gave its own copy of the law (same name, same rows: ALBERT got every
+    law three times, each tracked and counted again); now one law per block, and it holds for all the uses."""
+    m = randomize(_SharedBlock())
+    found = detect(m)
+    assert [l.name for l in found.laws] == ["up/unit"] and found.undetected == []
+    assert len(found.declined) == len(set(found.declined))
+    hold(m, found, floats(4, 8))
+
+
+class _TwoScaleBlock(nn.Module):
+    """QA: EVA-style block holding its two LayerScale vectors itself (``gamma_1``, ``gamma_2``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.gamma_1, self.gamma_2 = nn.Parameter(torch.ones(8)), nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        x = x + self.gamma_1 * self.fc1(x)
+        return x + self.gamma_2 * self.fc2(x)
+
+
+def test_two_layer_scales_of_one_block_get_two_names():
+    """QA: both LayerScale laws were named after the block ('blk/layer_scale' twice): the first-order verdicts
+    are kept by name (one law could be claimed on the other's verdict) and timm's EVA-style ViTs
+    (vit_small_patch16_rope_224) then failed to compile their laws; each law is named after its parameter."""
+    m = randomize(nn.Sequential(_TwoScaleBlock()))
+    found = detect(m, structural=True)
+    assert sorted(l.name for l in found.laws if l.family == "layer_scale") == ["0.gamma_1/layer_scale",
+                                                                               "0.gamma_2/layer_scale"]
+    hold(m, found, floats(4, 8))
+
+
+def test_collector_keeps_two_laws_of_one_name_apart():
+    """Safety net: two different laws a detector gave one name are kept as 'name' and 'name#2' (values are
+    reported by name; compile_laws refuses duplicates)."""
+    from conserve.detection import Collector
+
+    m = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    c = Collector(m)
+    c.add(ReLUUnit.build("u", 0, up=rows("0.weight", (6, 4), 0, 3), down=cols("2.weight", (3, 6), 0, 3)),
+          ReLUUnit.build("u", 0, up=rows("0.weight", (6, 4), 3, 3), down=cols("2.weight", (3, 6), 3, 3)))
+    assert [l.name for l in c.finish().laws] == ["u", "u#2"]
+
+
+class _QuickGeluMLP(nn.Module):
+    """QA: CLIP's MLP, ``fc2(quick_gelu(fc1 x))`` with quick_gelu(z) = z * sigmoid(1.702 z)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(1.702 * h))
+
+
+def test_candidate_declined_by_the_check_is_not_also_undetected():
+    """QA: a candidate that failed the check (quick_gelu read as a gated unit) was declined, and its Linears were
+    listed as undetected as well (CLIP's fc1/fc2); they are accounted for by the decline."""
+    found = detect(randomize(_QuickGeluMLP()))
+    assert found.laws == [] and found.undetected == []
+    assert "fails the first-order check" in reasons(found)["fc1/unit"]

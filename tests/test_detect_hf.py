@@ -572,3 +572,184 @@ def test_base_model_inside_a_container_with_its_own_sequential_head():
     ids = torch.randint(0, 17, (2, 5), generator=torch.Generator().manual_seed(1))
     with exact64(m):
         assert max(first_order(m, l, ids, trials=1) for l in d.laws) <= TOL
+
+
+def test_rotary_width_is_the_models_own_when_its_code_ignores_partial_rotary_factor():
+    """QA: Llama's default RoPE ignores ``partial_rotary_factor`` and rotates the whole head; detection raised
+    'rotary width mismatch' (with the wrong numbers). The model's ``inv_freq`` gives the width: RoPE pairs over
+    the whole head, no pass-through Gram law, and every law holds."""
+    rp = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    m = logits_model(build("llama", head_dim=8, rope_parameters=rp))
+    d = detect(m)
+    assert d.families() == CAUSAL and d.undetected == []
+    assert max(check(m, l) for l in d.laws) <= TOL
+
+
+def test_gate_bias_is_accounted_for():
+    """QA: with ``mlp_bias=True`` the gate's bias (in no law: the SwiGLU symmetry scales up rows only) was listed
+    as undetected."""
+    m = logits_model(build("llama", mlp_bias=True, attention_bias=True))
+    d = detect(m)
+    assert d.undetected == [] and d.families() == CAUSAL
+    assert max(check(m, l) for l in d.laws) <= TOL
+
+
+def test_family_variant_without_a_handler_goes_to_structural_detection():
+    """QA: a BERT config with ``position_embedding_type='relative_key'`` made ``detect`` raise UsageError (the
+    whole model untrackable); it now goes to structural detection (every law checked) with the reason first."""
+    m = build("bert", position_embedding_type="relative_key")
+    d = detect(m)
+    assert d.detector == "hf->graph" and "relative_key" in d.declined[0].reason and d.laws
+
+
+def test_forward_whose_outputs_do_not_depend_on_the_parameters_is_declined_not_raised():
+    """QA: structural detection of a model whose ``forward`` is bound to another instance (the probe's own
+    parameters then reach no output) raised TypeError inside the first-order check; now nothing is claimed and
+    the reason is given."""
+    o = T.AutoModelForCausalLM.from_config(T.OlmoConfig(**TINY, num_key_value_heads=2),
+                                           attn_implementation="eager").double()
+    fwd = type(o).forward
+    o.forward = lambda input_ids: fwd(o, input_ids=input_ids, use_cache=False).logits
+    d = detect(o)
+    assert d.laws == [] and any("no floating output" in x.reason for x in d.declined)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gptj", "gpt_neox", "falcon"])
+def test_bare_base_models_of_the_fused_families(name):
+    """QA: ``AutoModel`` of GPT-2 / GPT-J / GPT-NeoX / Falcon (no ``.transformer`` / ``.gpt_neox`` attribute:
+    the model is the base) raised AttributeError; the block laws are those of the LM without its prefix, the
+    final norm is declined (no output layer after it), and every law holds on ``last_hidden_state``."""
+    torch.manual_seed(0)
+    lm = detect(build(name))
+    m = randomize(T.AutoModel.from_config(config(name), attn_implementation="eager").eval())
+    d = detect(m)
+    pre = {"gpt_neox": "gpt_neox."}.get(name, "transformer.")
+    assert {l.name for l in d.laws} == {l.name[len(pre):] for l in lm.laws if ".h." in l.name or ".layers." in l.name}
+    assert d.undetected == []
+    m = m.to(torch.float64)
+    fwd = type(m).forward
+    m.forward = lambda input_ids: fwd(m, input_ids=input_ids).last_hidden_state
+    assert max(check(m, l) for l in d.laws) <= TOL
+
+
+class _SoftCappedLlama(T.LlamaForCausalLM):
+    """A user subclass that soft-caps the logits in its own forward (model_type is still 'llama')."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 5 * torch.tanh(out.logits / 5)
+        return out
+
+
+def test_user_forward_override_is_checked_and_its_broken_law_declined():
+    """QA: the family handler reads transformers' modeling code; a subclass whose own forward soft-caps the
+    logits got the translation law (violation 4e-4: silently wrong). The handler's laws are now checked to
+    first order on the model's own (traced, float64) forward: the translation law is declined with the reason,
+    the others are kept and hold."""
+    torch.manual_seed(0)
+    m = randomize(_SoftCappedLlama(config("llama")).eval())
+    d = detect(m)
+    assert d.families() == {k: v for k, v in CAUSAL.items() if k != "translation"}
+    dec = next(x for x in d.declined if x.module == "lm_head/translation")
+    assert "is not transformers' code" in dec.reason and "_SoftCappedLlama" in dec.reason
+    m = logits_model(m)
+    assert check(m, Translation.build("t", None, weight=rows("lm_head.weight", (17, 16), 0, 17))) > 1e-6
+    assert max(check(m, l) for l in d.laws) <= TOL
+
+
+def test_gpt2_with_cross_attention_declines_its_norm():
+    """QA: GPT-2 with ``add_cross_attention`` listed ``ln_cross_attn`` as undetected (its reader, the declined
+    cross-attention, is not analysed); it is declined with that reason and the other laws hold."""
+    m = logits_model(build("gpt2", add_cross_attention=True))
+    d = detect(m)
+    assert d.undetected == [] and "not analysed" in next(x.reason for x in d.declined
+                                                         if x.module == "transformer.h.0.ln_cross_attn")
+
+
+def test_structural_reasons_name_what_the_graph_does():
+    """QA: RoBERTa's LM head (parameters used only through export placeholders) was declined as 'used by '?''."""
+    m = randomize(T.AutoModelForMaskedLM.from_config(T.RobertaConfig(**TINY, max_position_embeddings=32, pad_token_id=1),
+                                                     attn_implementation="eager").eval())
+    d = detect(m)
+    assert d.detector == "hf->graph" and d.undetected == [] and d.families()["vo"] == 4
+    assert not any("'?'" in x.reason for x in d.declined), [x.reason for x in d.declined if "'?'" in x.reason]
+
+
+def test_structural_detection_with_tensor_forward_kwargs():
+    """QA: ``forward_kwargs={'decoder_input_ids': ids}`` (an encoder-decoder's second input) never reached the
+    traced probe (fx baked it in as a constant, the recorded graph bound only positional inputs): Whisper was
+    declined whole ('got None for indices'). Tensor kwargs now go to torch.export and are bound by name; the
+    laws equal those found with the same inputs given positionally, and hold on the model's own forward."""
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    m = randomize(T.WhisperForConditionalGeneration(T.WhisperConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=12, decoder_ffn_dim=12, vocab_size=17, num_mel_bins=4, max_source_positions=4,
+        max_target_positions=8, pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)).eval())
+    feat, ids = torch.randn(2, 4, 8, generator=g), torch.randint(0, 17, (2, 3), generator=g)
+    d = detect(m, example_inputs=(feat,), forward_kwargs={"decoder_input_ids": ids})
+    assert d.families()["vo"] == 12 and d.laws == detect(m, example_inputs=(feat, None, ids)).laws
+    m = m.to(torch.float64)
+    fwd = type(m).forward
+    m.forward = lambda x: fwd(m, input_features=x, decoder_input_ids=ids, use_cache=False).logits
+    with exact64(m):
+        assert max(first_order(m, l, feat.double(), trials=1) for l in d.laws if l.family in ("vo", "qk")) <= TOL
+
+
+class _QKNormedAttention(nn.Module):
+    """A user attention in place of LlamaAttention: the same projections, but q and k L2-normalised per head."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        self.head_dim = a.head_dim
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        q, k, v = (p(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        rep = q.shape[1] // k.shape[1]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                             is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1)), None
+
+
+def test_user_module_in_place_of_an_hf_block_is_checked():
+    """QA: a user attention with Llama's q/k/v/o_proj but a QK-norm, detected with ``rope_layout='half'``, got
+    RoPE-pair laws (its own forward breaks them). Laws of a model holding user-defined forwards are checked on
+    the model's forward: the RoPE laws are declined naming the class, the VO and gain laws are kept and hold."""
+    m = build("llama")
+    m.model.layers[0].self_attn = _QKNormedAttention(m.model.layers[0].self_attn)
+    d = detect(m, rope_layout="half")
+    assert "rope_pair" not in d.families() and d.families()["vo"] == 2
+    assert "_QKNormedAttention is not transformers' code" in next(x.reason for x in d.declined
+                                                                 if x.module == f"{A}/rope/group0")
+    m = logits_model(m)
+    assert max(check(m, l) for l in d.laws) <= TOL
+
+
+def test_untraceable_user_subclass_keeps_its_laws():
+    """QA: a bare subclass of Mixtral (eager experts: not traceable, data-dependent routing) is checked on the
+    module as is, where its own float32 router upcast bounds the measure near 1e-9: the router law was declined
+    ('violation 5e-10'). Untraced, the check's bound is 1e-6: every law is kept."""
+    class MyMixtral(T.MixtralForCausalLM):
+        pass
+
+    torch.manual_seed(0)
+    m = randomize(MyMixtral._from_config(config("mixtral"), attn_implementation="eager",
+                                         experts_implementation="eager").eval())
+    assert detect(m).families() == {**CAUSAL, "swiglu": 3, "router_sum": 1}
+
+
+def test_use_cache_off_when_forward_takes_it_through_kwargs():
+    """QA: Llava's forward takes ``use_cache`` only through ``**kwargs`` (its config has none, its text config
+    does): the probe returned a DynamicCache, torch.export refused it, and the whole model was declined. The
+    cache is turned off for such HF forwards too: the language model's laws are found."""
+    cfg = T.LlavaConfig(text_config=T.LlamaConfig(**TINY, num_key_value_heads=2).to_dict(),
+                        vision_config=T.CLIPVisionConfig(hidden_size=16, num_attention_heads=2, intermediate_size=12,
+                                                         num_hidden_layers=1, image_size=28, patch_size=14).to_dict())
+    torch.manual_seed(0)
+    d = detect(T.LlavaForConditionalGeneration(cfg).eval())
+    assert d.detector == "hf->graph" and d.undetected == []
+    assert d.families() == {"rope_pair": 2, "vo": 2, "swiglu": 1, "gain": 3, "translation": 1}

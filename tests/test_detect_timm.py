@@ -132,3 +132,37 @@ def test_deit_distilled_final_norm_is_read_by_both_heads():
     assert max(worst(m, d.laws).values()) <= TOL
     alone = dataclasses.replace(gain, terms=[t for t in gain.terms if t.ref.param != "head_dist.weight"])
     assert first_order(m, alone, images(), trials=2) > 1e-6
+
+
+def test_models_that_run_only_at_their_declared_image_size_are_probed_at_it():
+    """QA: Swin (window partition) runs only at its ``img_size``; structural detection probed every conv model at
+    8x8 and raised UnsupportedModelError ('cannot synthesise an input'). The declared size is tried first: its
+    QK/VO laws are found and hold on the model's own forward."""
+    import timm
+
+    torch.manual_seed(0)
+    m = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=16, patch_size=4, window_size=2,
+                          depths=(1,), num_heads=(2,), embed_dim=8, num_classes=3).double().eval()
+    d = detect(m)
+    assert d.families()["qk"] == 2 and d.families()["vo"] == 2 and d.undetected == []
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert max(first_order(m, l, x, trials=1) for l in d.laws) <= TOL
+
+
+class _CappedViT(timm_vit.VisionTransformer):
+    """A user subclass soft-capping the logits in its own forward_head."""
+
+    def forward_head(self, x, pre_logits: bool = False):
+        return 2 * torch.tanh(super().forward_head(x, pre_logits) / 2)
+
+
+def test_user_subclass_of_a_timm_vit_is_checked():
+    """QA: the timm detector reads timm's code; a subclass whose forward_head soft-caps the logits got the
+    translation law (broken by the cap). Its laws are now checked on the model's forward: the translation law is
+    declined naming the class, the block laws are kept and hold."""
+    torch.manual_seed(0)
+    m = _CappedViT(img_size=8, patch_size=4, embed_dim=8, depth=1, num_heads=2, mlp_ratio=2, num_classes=3).double()
+    d = detect(m)
+    assert d.detector == "timm" and "translation" not in d.families() and d.families()["qk"] == 2
+    assert "is not timm's code" in next(x.reason for x in d.declined if x.module == "head/translation")
+    assert max(worst(m, d.laws).values()) <= TOL

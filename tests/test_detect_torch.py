@@ -423,3 +423,84 @@ def test_sequential_inside_a_layer_stack_takes_the_block_index():
 
     laws = [l for l in detect(M()).laws if l.family == "relu"]
     assert sorted((l.name.split(".")[1], l.layer) for l in laws) == [("0", 0), ("1", 1)]
+
+
+class _SequentialBypassed(nn.Module):
+    """QA: the Sequential's layers called one by one with tanh in place of its ReLU (``skip``), or its hidden
+    layer also read by another Linear (``aux``): the module type's unit law is wrong for this model."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.mlp = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8))
+        self.aux = nn.Linear(6, 2)
+
+    def forward(self, x):
+        if self.how == "skip":
+            return self.mlp[2](torch.tanh(self.mlp[0](x))) + self.aux.weight.sum()
+        h = self.mlp[1](self.mlp[0](x))
+        return torch.cat([self.mlp[2](h), self.aux(h)], -1)
+
+
+@pytest.mark.parametrize("how", ["skip", "aux"])
+def test_module_type_law_the_forward_breaks_is_declined_not_claimed(how):
+    m = randomize(_SequentialBypassed(how))
+    wrong = ReLUUnit.build("w", 0, up=rows("mlp.0.weight", (6, 8), 0, 6), up_bias=vector("mlp.0.bias", 0, 6),
+                           down=cols("mlp.2.weight", (8, 6), 0, 6))
+    assert first_order(m, wrong, x_seq()) > WRONG  # the law the Sequential's type alone would give
+    found = detect(m)
+    assert "relu" not in found.families()
+    assert "fails the first-order check on the model's forward" in reasons(found)["mlp.0-2/unit"]
+
+
+class _Decoder(nn.Module):
+    def __init__(self, norm_first):
+        super().__init__()
+        self.dec = nn.TransformerDecoderLayer(8, 2, 12, dropout=0.0, activation="relu", norm_first=norm_first,
+                                              batch_first=True)
+
+    def forward(self, x):
+        return self.dec(x, x[:, :3])
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_transformer_decoder_layer_is_traced_through(norm_first):
+    """QA: fx keeps every torch.nn module a leaf, so structural detection saw nn.TransformerDecoderLayer as one
+    call and declined its FFN and norms as 'not used by the traced forward'; its ReLU FFN law (and, pre-LN, the
+    gain law of the norm before the FFN) are found and hold."""
+    m = randomize(_Decoder(norm_first))
+    found = detect(m)
+    assert found.undetected == [] and not any("not used by the traced forward" in d.reason for d in found.declined)
+    fam = found.families()
+    assert fam["qk"] == fam["vo"] == 4 and fam["relu"] == 1 and fam.get("gain", 0) == (1 if norm_first else 0)
+    assert_all_hold(m, found, x_seq())
+
+
+def test_parametrized_weights_are_declined_not_raised():
+    """QA: ``weight_norm`` / ``spectral_norm`` make ``weight`` a computed tensor (the parameters are
+    ``parametrizations.weight.original*``): detection raised ValueError ('reads 0.weight, which is not a
+    parameter'); the law is declined naming the parametrization, the other laws stay."""
+    from torch.nn.utils import parametrizations
+
+    m = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 5))
+    parametrizations.weight_norm(m[0])
+    assert "parametrize" in reasons(detect(m))["0-2/unit"]
+    enc = encoder(norm_first=True, layers=1)
+    parametrizations.spectral_norm(enc.layers[0].linear1)
+    found = detect(enc)
+    assert found.families() == {"qk": 2, "vo": 2, "gain": 1}
+    assert "weight_norm" in reasons(found)["layers.0/ffn/unit"]
+
+
+def test_lazy_parameters_get_a_one_line_error():
+    """QA: an ``nn.LazyLinear`` not yet run made detection (and ``conserve.track``) fail with torch's
+    'Can't access the shape of an uninitialized parameter'; now a UsageError naming the fix; after one forward
+    the model is detected."""
+    import conserve
+    from conserve.errors import UsageError
+
+    m = nn.Sequential(nn.LazyLinear(6), nn.ReLU(), nn.Linear(6, 3))
+    with pytest.raises(UsageError, match="run one forward pass"):
+        conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    m(torch.randn(2, 4))
+    assert detect(m).families() == {"relu": 1}

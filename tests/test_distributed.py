@@ -269,6 +269,8 @@ class _Reference:
         # (a Tracker on fp32 weights rounds a*theta_k to fp32 before its fp64 evaluation)
         self.model = _model(cfg, seed=123).to(dtype)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, weight_decay=WD)  # decay factors only
+        for p in self.model.parameters():  # stepped (a parameter without grad is not: no decay), never stepped here
+            p.grad = torch.zeros_like(p)
         self.sink = MemorySink()
         self.named = dict(self.model.named_parameters())
         self.kw, self.laws = kw, laws
@@ -661,12 +663,34 @@ def _scenario_nan(rank, world, cfg, tmpdir=None):
     t.close()
 
 
+def _scenario_inexact_decay(rank, world, cfg):
+    """QA: a decay factor a = 1 - lr*wd that is no fp32 number (here 1 - 1e-3): the drift assembly corrects
+    first/second with h_k, which was the full (reduced) h on every rank at the first step (split entries
+    corrected once per rank) and zero for the straddling heads' terms; rows equal the single-process ones. The last
+    step is still pending at close(): its recorded loss is written too."""
+    model, laws = _fsdp(cfg, world)
+    lr, wd = 0.05, 0.02
+    opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd)
+    sink = MemorySink()
+    t = DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sink], **FULL)
+    assert t._comm and t._straddles
+    ref = _Reference(cfg, laws, torch.float64, every=EVERY, fp64=True)
+    ref.opt = torch.optim.SGD(ref.model.parameters(), lr=lr, weight_decay=wd)
+    ref.start(_full(model))
+    _train(model, opt, [t], [ref], 3, rank, cfg["vocab_size"])
+    t.close()
+    ref.tracker.close()
+    if rank == 0:
+        _check_rows(sink.records, ref.sink.records, "inexact decay factor")
+
+
 def _world2(rank, world):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, None)
     info["aligned"] = _scenario_collectives(rank, world, CFG)
     info["straddle"] = _scenario_fsdp(rank, world, STRADDLE2, None)
     info["placed"] = _scenario_fsdp(rank, world, STRADDLE2, None, dim1=("v_proj", "k_proj", "down_proj"))
     info["straddle_comm"] = _scenario_collectives(rank, world, STRADDLE2)
+    _scenario_inexact_decay(rank, world, STRADDLE2)
     _scenario_nan(rank, world, CFG)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
     _scenario_ddp(rank, world, SMALL)

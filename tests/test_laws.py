@@ -185,3 +185,39 @@ def test_package_level_detect_and_count_stay_callable():
     m = DecoderLM(LMConfig(**TINY))
     assert conserve.detect(m).laws and conserve.detect(m).laws
     assert callable(conserve.count) and callable(conserve.detect)
+
+
+def test_verify_runs_on_hf_and_timm_models():
+    """QA: ``conserve.verify`` raised on an HF model (its output is a ``ModelOutput``, not a tensor) and on a
+    timm ViT (the input was built from the first Linear's width: a 2-D batch for an image model). Now every
+    detected law is verified on the model's own float64 forward (HF's float32 upcasts traced away: the check
+    resolves 1e-10) and a wrong law still fails."""
+    import conserve
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=12, num_hidden_layers=1,
+        vocab_size=17, tie_word_embeddings=False)).eval()
+    checks = conserve.verify(lm, trials=1)
+    assert checks and all(c.ok for c in checks), [(c.law, c.first_order, c.symmetry) for c in checks if not c.ok]
+    a = "model.layers.0.self_attn"
+    wrong = QKGram.build("no-rope", 0, plus=[rows(f"{a}.q_proj.weight", (16, 16), 0, 4)],
+                         minus=[rows(f"{a}.k_proj.weight", (8, 16), 0, 4)])  # a full QK Gram under RoPE
+    assert not conserve.verify(lm, [wrong], trials=1)[0].ok
+    timm = pytest.importorskip("timm")
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, depth=1,
+                            embed_dim=8, num_heads=2, num_classes=3)
+    checks = conserve.verify(vit, trials=1)
+    assert checks and all(c.ok for c in checks)
+
+
+def test_duplicate_law_names_are_refused():
+    """QA: ``conserve.track(..., laws=laws + laws)`` was accepted: both copies tracked, ``values()`` kept one
+    (the other's entry hidden under the same name). Compiling two laws of one name is now a one-line error."""
+    import conserve
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    laws = conserve.detect(m).laws
+    with pytest.raises(ValueError, match="law names must be unique"):
+        conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, laws=laws + laws)

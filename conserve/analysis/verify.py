@@ -42,7 +42,10 @@ class Check:
 
 
 def example_inputs(model: nn.Module, batch: int = 2, generator: torch.Generator | None = None):
-    """Random inputs for the reference models (``model.example_inputs`` wins when defined)."""
+    """Random inputs for the reference models (``model.example_inputs`` wins when defined), HF models (token ids
+    from ``config.vocab_size``, images from ``config.image_size``), else the first of structural detection's
+    candidates (``conserve.detection.graph.synth_inputs``: token ids, sequences or batches of the first
+    Linear's / norm's width, images at the model's declared size) that ``model`` runs on."""
     if hasattr(model, "example_inputs"):
         return model.example_inputs(batch, generator)
     c = getattr(model, "config", None)
@@ -51,7 +54,43 @@ def example_inputs(model: nn.Module, batch: int = 2, generator: torch.Generator 
     if c is not None and hasattr(c, "image_size"):
         return torch.randn(batch, c.num_channels, c.image_size, c.image_size, generator=generator, dtype=torch.float64)
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
-    return torch.randn(batch, first.in_features, generator=generator, dtype=torch.float64)
+    x = torch.randn(batch, first.in_features, generator=generator, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model).to(torch.float64)(x)
+        return x
+    except Exception:  # noqa: BLE001 - e.g. a ViT (its first Linear reads tokens, not the input)
+        from ..detection.graph import synth_inputs
+
+        probe = copy.deepcopy(model).to(torch.float64).eval()
+        inputs = synth_inputs(probe)
+        return inputs[0] if len(inputs) == 1 else inputs
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The floating tensors of a model's output: a tensor, a tuple / list / dict of them, an HF ``ModelOutput``
+    (its logits or hidden states; caches and None fields are skipped)."""
+    from ..detection.graph import _flat
+
+    return [t for t in _flat(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def exact64(model: nn.Module, inputs) -> tuple[nn.Module, dict]:
+    """``(module, kwargs)`` computing ``model`` in float64 end to end: its graph traced (torch.fx, else
+    torch.export) with the code's casts to float32/16 made float64 (HF modeling code upcasts norms and
+    softmax to float32, which would bound the first-order check near 1e-7), same parameter names; the float64
+    model itself (and no kwargs) when it cannot be traced. ``model`` must already be float64."""
+    from ..detection.graph import trace
+
+    from ..detection.graph import no_cache
+
+    kwargs = no_cache(model, {})
+    x = inputs if isinstance(inputs, tuple) else (inputs,)
+    try:
+        gm, how = trace(model, x, kwargs)
+    except Exception:  # noqa: BLE001 - run the module as is
+        return model, {}
+    return gm, (kwargs if how == "torch.export" else {})
 
 
 def _law_value(law_or_fn, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -68,17 +107,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def first_order(model: nn.Module, law: Law | Callable, inputs, *, trials: int = 3, seed: int = 0,
-                loss: str | None = None) -> float:
+                loss: str | None = None, kwargs: dict | None = None) -> float:
     """Worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` over ``trials`` random ``s, r`` (float64).
 
     ``law``: a ``Law`` or a function ``h(params: dict[str, Tensor]) -> Tensor`` (any shape).
     ``loss='ce'`` tests the cross-entropy loss gradient instead of the raw outputs (default for
-    ``Translation`` laws). Raises ``ValueError`` when the law reads no parameter that requires grad."""
+    ``Translation`` laws; on the first floating output, the logits). The outputs are every floating tensor
+    ``model`` returns (an HF ``ModelOutput`` included); ``kwargs``: keyword arguments of ``forward``.
+    Raises ``ValueError`` when the law reads no parameter that requires grad."""
     g = torch.Generator().manual_seed(seed)
     params = {k: v.detach().to(torch.float64).requires_grad_(True) for k, v in model.named_parameters()}
     buffers = {k: (v.to(torch.float64) if v.is_floating_point() else v) for k, v in model.named_buffers()}
     model64 = model
-    x = inputs.to(torch.float64) if inputs.is_floating_point() else inputs
+    x = _to64(inputs)
     if loss is None and isinstance(law, Translation):
         loss = "ce"
     h = _law_value(law, params)
@@ -86,12 +127,14 @@ def first_order(model: nn.Module, law: Law | Callable, inputs, *, trials: int = 
     for _ in range(trials):
         s = torch.randn(h.shape, generator=g, dtype=torch.float64)
         gh = torch.autograd.grad((s * h).sum(), list(params.values()), retain_graph=True, allow_unused=True)
-        out = functional_call(model64, {**params, **buffers}, (x,))
+        outs = _tensors(functional_call(model64, {**params, **buffers}, x if isinstance(x, tuple) else (x,),
+                                        kwargs or {}))
         if loss == "ce":
+            out = outs[0]
             tgt = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
             obj = F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
         else:
-            obj = (torch.randn(out.shape, generator=g, dtype=torch.float64) * out).sum()
+            obj = sum((torch.randn(o.shape, generator=g, dtype=torch.float64) * o).sum() for o in outs)
         gf = torch.autograd.grad(obj, list(params.values()), allow_unused=True)
         a = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(gh, params.values())])
         b = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(gf, params.values())])
@@ -128,17 +171,30 @@ def apply_symmetry(model: nn.Module, law: Law, *, strength: float = 0.3, seed: i
             v.copy_(((v.to(torch.float64) + t.shift) * f - t.shift).to(v.dtype))
 
 
-def symmetry(model: nn.Module, law: Law, inputs, *, seed: int = 0) -> float:
-    """Relative change of the model output (float64) under a random group element of ``law``."""
+def symmetry(model: nn.Module, law: Law, inputs, *, seed: int = 0, kwargs: dict | None = None) -> float:
+    """Relative change of the model output (float64; every floating output tensor, an HF ``ModelOutput``
+    included) under a random group element of ``law``."""
     m = copy.deepcopy(model).to(torch.float64)
-    x = inputs.to(torch.float64) if inputs.is_floating_point() else inputs
+    x = _to64(inputs)
+    x = x if isinstance(x, tuple) else (x,)
+
+    def out():
+        ys = _tensors(m(*x, **(kwargs or {})))
+        if isinstance(law, Translation):  # class translation: logits move by a constant per sample
+            ys = [y - y.mean(-1, keepdim=True) for y in ys]
+        return torch.cat([y.reshape(-1) for y in ys])
+
     with torch.no_grad():
-        y0 = m(x)
+        y0 = out()
         apply_symmetry(m, law, seed=seed)
-        y1 = m(x)
-    if isinstance(law, Translation):  # class translation: logits move by a constant per sample
-        y0, y1 = y0 - y0.mean(-1, keepdim=True), y1 - y1.mean(-1, keepdim=True)
+        y1 = out()
     return float((y1 - y0).norm() / y0.norm())
+
+
+def _to64(x):
+    if isinstance(x, tuple):
+        return tuple(_to64(v) for v in x)
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def verify(model: nn.Module, laws: Sequence[Law | Callable] | None = None, inputs=None, *, seed: int = 0,
@@ -153,12 +209,13 @@ def verify(model: nn.Module, laws: Sequence[Law | Callable] | None = None, input
 
             laws = detect(model).laws
     g = torch.Generator().manual_seed(seed)
-    if inputs is None:
-        inputs = example_inputs(model, generator=g)
     model64 = copy.deepcopy(model).to(torch.float64)
+    if inputs is None:
+        inputs = example_inputs(model64, generator=g)
+    run, kw = exact64(model64, _to64(inputs))
     out = []
     for i, law in enumerate(laws):
-        fo = first_order(model64, law, inputs, trials=trials, seed=seed + i)
-        sy = symmetry(model64, law, inputs, seed=seed + i) if isinstance(law, Law) else None
+        fo = first_order(run, law, inputs, trials=trials, seed=seed + i, kwargs=kw)
+        sy = symmetry(run, law, inputs, seed=seed + i, kwargs=kw) if isinstance(law, Law) else None
         out.append(Check(getattr(law, "name", getattr(law, "__name__", "h")), getattr(law, "family", "user"), fo, sy))
     return out

@@ -80,7 +80,10 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
     The name/type-based detectors (reference models, HF transformers, timm, torch.nn modules) are the fast
     path; any model (or part of one) they do not explain goes to structural detection
     (``conserve.detection.graph.detect_graph``: the laws found from what the traced graph computes, each
-    passing the spec's first-order check in float64, every other block declined with the reason).
+    passing the spec's first-order check in float64, every other block declined with the reason). The laws the
+    torch.nn detector reads from module types, and those of an HF / timm model holding user classes
+    (``user_classes``: a subclass, a module put in place of a library block), pass the same check on the model's
+    own forward (``_checked``; kept unchecked only when no probe can run: meta device, FSDP, no input).
 
     Args:
         model: an ``nn.Module`` (HF transformers, timm, torch.nn, plain torch code, conserve reference
@@ -94,11 +97,19 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
 
     Raises:
         conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
+        conserve.errors.UsageError: the model still has uninitialised lazy parameters (run a forward first).
     """
     _load()
     model = unwrap(model)
     config = config if config is not None else getattr(model, "config", None)
-    from ..errors import UnsupportedModelError
+    from ..errors import UnsupportedModelError, UsageError
+
+    from torch.nn.parameter import UninitializedParameter
+
+    lazy = [n for n, p in model.named_parameters() if isinstance(p, UninitializedParameter)]
+    if lazy:
+        raise UsageError(f"{lazy[0]} (and {len(lazy) - 1} more) not initialised yet (a lazy module, e.g. nn.LazyLinear):"
+                         " run one forward pass before detecting or tracking the model's laws")
 
     if structural:
         from .graph import detect_graph
@@ -112,8 +123,11 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
         found = fn(model, config, **options)
         if found is not None:
             found.detector = found.detector or name
-            if name == "torch.nn" and found.undetected:
-                found = _with_structural(model, found, options)
+            if name == "torch.nn":
+                found.laws, more = _checked(model, found.laws, options)
+                found.declined += more
+                if found.undetected:
+                    found = _with_structural(model, found, options)
             return found
     last = getattr(dict(_DETECTORS).get("graph"), "last", None)
     why = "; ".join(f"{d.module}: {d.reason}" for d in (last.declined if last else [])[:3])
@@ -168,7 +182,10 @@ def _nested(model: nn.Module, options: dict) -> tuple[Detection, tuple[str, ...]
         c.declined += [replace(x, module=f"{path}.{x.module}" if x.module else path) for x in d.declined]
         inner_undetected += [f"{path}.{u}" for u in d.undetected]
     c.mark(*inside)
+    n_inner = len(c.laws)
     walk(c, model, options.get("loss"), skip=inside)  # the container's own torch.nn blocks (a Sequential head)
+    c.laws[n_inner:], more = _checked(model, c.laws[n_inner:], options)
+    c.declined += more
     detector = "+".join(dict.fromkeys(d.detector for _, d in found))
     # finish on the container: frozen / tied checks see every use of a parameter, the container's own
     # parameterised modules are listed in ``undetected`` (``detect`` gives them to structural detection)
@@ -188,6 +205,54 @@ def _nested_rest(model: nn.Module, found: Detection, inside: tuple[str, ...], op
     merged.declined = [x for x in merged.declined
                        if id(x) in mine or not any(x.module == p or x.module.startswith(p + ".") for p in inside)]
     return merged
+
+
+def user_classes(model: nn.Module, trusted: tuple[str, ...]) -> list[str]:
+    """Module classes in ``model`` defined outside the packages ``trusted`` (module prefixes such as
+    ``('transformers.', 'torch.')``): a user subclass of a library class (overriding ``forward`` or a helper such as
+    timm's ``forward_head``, e.g. to soft-cap the logits), a user module put in place of one (an attention of one's
+    own with the same projections), remote code. A library detector reads the library's code, which may not hold
+    for them: their laws go through ``_checked``."""
+    out = []
+    for m in model.modules():
+        cls = type(m)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if not cls.__module__.startswith(trusted) and name not in out:
+            out.append(name)
+    return out
+
+
+def _checked(model: nn.Module, laws: list[Law], options: dict) -> tuple[list[Law], list[Declined]]:
+    """The torch.nn detector's laws that pass the spec's first-order check on the model's own forward
+    (``graph.check_on_probe``), and a decline with the violation for each that fails: a module type says what
+    its ``forward`` computes, not that the model calls it (an ``nn.Sequential``'s layers called one by one with
+    another map between them, a hidden layer also read elsewhere). When the probe cannot run (meta device, an
+    input that cannot be synthesised) the laws are kept as the module types give them."""
+    from ..analysis.verify import TOL
+    from .graph import check_on_probe
+
+    options = dict(options)
+    why = options.pop("why", "the model does not use the block as its module's own forward does (e.g. an "
+                             "nn.Sequential's layers called one by one with another map between them)")
+    viol, _, traced = check_on_probe(model, laws, **options)
+    if viol is None:
+        return laws, []
+    # untraced, the model's own float32 casts (HF's upcasts of norms, softmax, routers) bound the measure near
+    # 1e-8; a law the forward breaks violates it by far more (1e-4 and above on every case seen)
+    tol = TOL if traced else 1e-6
+    kept, declined = [], []
+    for law in laws:
+        v = viol.get(law.name, 0.0)
+        if v > tol:
+            declined.append(Declined(law.name, f"{law.family} law (module type)",
+                                     f"fails the first-order check on the model's forward in float64 (relative "
+                                     f"violation {v:.2e} > {tol:g}): {why}: not claimed"))
+        elif v < 0:
+            declined.append(Declined(law.name, f"{law.family} law (module type)", "identically constant on this model "
+                                     "(zero gradient): nothing to track"))
+        else:
+            kept.append(law)
+    return kept, declined
 
 
 def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:
@@ -263,7 +328,22 @@ class Collector:
         """
         from ..laws import compile_laws
 
+        # law names must be unique (values are reported by name): a second law of a name gets '#2', ...
+        count: dict[str, int] = {}
+        for i, law in enumerate(self.laws):
+            count[law.name] = count.get(law.name, 0) + 1
+            if count[law.name] > 1:
+                self.laws[i] = replace(law, name=f"{law.name}#{count[law.name]}")
         every = dict(self.model.named_parameters(remove_duplicate=False))  # tied parameters under every name
+        computed = [law for law in self.laws if any(p not in every for p in law.params)]
+        for law in computed:  # e.g. weight_norm / parametrize: `weight` is computed from other parameters
+            missing = [p for p in law.params if p not in every]
+            self.declined.append(Declined(law.name, f"{law.family} law", f"reads {missing}, computed from other "
+                                          "parameters (torch.nn.utils.parametrize, weight_norm, spectral_norm), not a "
+                                          "parameter: the tracker reads parameters; remove the parametrization or track "
+                                          "explicit laws of its parameters"))
+        gone = {id(law) for law in computed}
+        self.laws = [law for law in self.laws if id(law) not in gone]
         compile_laws(self.laws, {k: tuple(v.shape) for k, v in every.items()})
         params = every
         aliases: dict[int, list[str]] = {}

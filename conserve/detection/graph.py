@@ -61,6 +61,7 @@ Options: ``example_inputs`` (a tensor or tuple for ``forward``), ``loss`` ('ce' 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Iterable
@@ -101,12 +102,21 @@ SHAPE_ONLY = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
 NO_LAW_ACT = "no law beyond constants: the activation has no continuous rescaling symmetry (spec: GELU / SiLU FFN row)"
 
 
+# torch.nn modules made of other modules: fx's default keeps every torch.nn module a leaf, which would hide their
+# Linears and norms from the graph (their blocks then looked "not used by the traced forward")
+_TORCH_CONTAINERS = (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer,
+                     nn.TransformerDecoderLayer)
+
+
 class _Tracer(fx.Tracer):
-    """fx tracer that keeps norms, embeddings and GPT-2 ``Conv1D`` as leaves (plus torch.nn's own leaves)."""
+    """fx tracer that keeps norms, embeddings and GPT-2 ``Conv1D`` as leaves (plus torch.nn's own leaves, except
+    the transformer containers ``_TORCH_CONTAINERS``, traced through)."""
 
     def is_leaf_module(self, m, qualname):
         if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers"):
             return True
+        if isinstance(m, _TORCH_CONTAINERS):
+            return False
         return super().is_leaf_module(m, qualname)
 
 
@@ -177,8 +187,12 @@ class Graph:
     @torch.no_grad()
     def _record(self):
         it = iter(self.inputs)
+        kw = {k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}  # export: by placeholder name
         for n in self.nodes:
             if n.op == "placeholder":
+                if n.target in kw or n.name in kw:
+                    self.env[n] = kw[n.target if n.target in kw else n.name]
+                    continue
                 try:
                     self.env[n] = next(it)
                 except StopIteration:
@@ -483,8 +497,9 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
         elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and m.normalized_shape and len(m.normalized_shape) == 1:
             width = m.normalized_shape[0]
         elif isinstance(m, (nn.Conv1d, nn.Conv2d)):
-            shape = (2, m.in_channels) + (8,) * (1 if isinstance(m, nn.Conv1d) else 2)
-            cands.append((torch.randn(shape, generator=g, dtype=torch.float64),))
+            nd = 1 if isinstance(m, nn.Conv1d) else 2
+            for size in dict.fromkeys(_declared_sizes(model, nd) + [(8,) * nd, (32,) * nd, (64,) * nd]):
+                cands.append((torch.randn((2, m.in_channels) + size, generator=g, dtype=torch.float64),))
         if width is not None:
             cands += [(torch.randn(2, 6, width, generator=g, dtype=torch.float64),),
                       (torch.randn(4, width, generator=g, dtype=torch.float64),)]
@@ -498,6 +513,36 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
         except Exception:  # noqa: BLE001 - try the next shape
             continue
     raise ValueError("cannot synthesise an input for this model: pass example_inputs=(...) (what forward takes)")
+
+
+def no_cache(model: nn.Module, kwargs: dict) -> dict:
+    """``use_cache=False`` in ``kwargs`` when ``model.forward`` takes it, by name or through ``**kwargs`` of an HF
+    model (Llava, Gemma3 multimodal: a KV cache in the output stops torch.export); it is inference state, not part
+    of the function. Returns ``kwargs``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "use_cache" in params or (var_kw and (hasattr(config, "use_cache") or hasattr(text, "use_cache"))):
+        kwargs.setdefault("use_cache", False)
+    return kwargs
+
+
+def _declared_sizes(model: nn.Module, nd: int) -> list[tuple]:
+    """Input sizes the model declares (timm ``pretrained_cfg['input_size']`` / ``patch_embed.img_size``, HF
+    ``config.image_size``, an ``img_size`` attribute): Swin, EVA or a strided ConvNeXt run on no other size."""
+    out = []
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
+    for v in ((cfg or {}).get("input_size"), getattr(getattr(model, "patch_embed", None), "img_size", None),
+              getattr(getattr(model, "config", None), "image_size", None), getattr(model, "img_size", None)):
+        if isinstance(v, int):
+            v = (v,) * nd
+        if isinstance(v, (tuple, list)) and len(v) >= nd and all(isinstance(a, int) and a > 0 for a in v[-nd:]):
+            out.append(tuple(v[-nd:]))
+    return out
 
 
 def _flat(out) -> list:
@@ -579,6 +624,8 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
     gm = None
     kwargs = dict(kwargs or {})
     try:
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):  # fx bakes kwargs in as constants
+            raise ValueError("tensor keyword arguments are inputs, not constants")
         graph = _Tracer().trace(probe, concrete_args=kwargs or None)
         gm = fx.GraphModule(probe, graph)
         how = "torch.fx"
@@ -1286,7 +1333,10 @@ def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
     if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
         return False
     path = w.rsplit(".", 1)[0] if "." in w else w
-    f.add(builders.layer_scale_law(f"{path}/layer_scale", _layer(path), w, h, [(lin.w, lin.shape, lin.b, lin.t)],
+    # a LayerScale module's one parameter (ls1.gamma): the module names the law; a block's own parameters
+    # (EVA's gamma_1, gamma_2 on the block): the parameter does, so that the two laws keep two names
+    label = path if w.rsplit(".", 1)[-1] in ("gamma", "weight", "scale") else w
+    f.add(builders.layer_scale_law(f"{label}/layer_scale", _layer(path), w, h, [(lin.w, lin.shape, lin.b, lin.t)],
                                    note=f"structural: {path} scales the output features of {lin.module} (diagonal "
                                         "rescaling, as the spec's deep-linear row)"), "LayerScale")
     return True
@@ -1350,6 +1400,9 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
     for _ in range(trials):
         outs = [t for t in _flat(functional_call(g.gm, {**params, **buffers}, g.inputs, g.kwargs))
                 if t.is_floating_point() and t.requires_grad]
+        if not outs:
+            raise ValueError("no floating output of the forward depends on the model's parameters (e.g. a forward "
+                             "bound to another instance, or outputs detached)")
         obj = sum((torch.randn(t.shape, generator=gen, dtype=t.dtype) * t).sum() for t in outs)
         raw.append(flat(torch.autograd.grad(obj, plist, retain_graph=True, allow_unused=True)))
         if heads:
@@ -1386,6 +1439,42 @@ def check_laws(g: Graph, laws: list, heads: dict, *, trials: int = 2, seed: int 
     return out
 
 
+def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward_kwargs: dict | None = None,
+                   max_probe_params: float = 3e8, **_options) -> tuple[dict[str, float] | None, str, bool]:
+    """Spec check 1 (``check_laws``' measure) of ``laws`` found by a type-based detector, on ``model``'s own
+    forward: a float64 copy with random parameters, run as is (not traced), on ``example_inputs`` or synthesised
+    ones. A module type says what its own ``forward`` computes, not how the model calls it (an
+    ``nn.Sequential``'s layers may be called one by one, with other maps between them). Returns
+    ``({law name: worst violation}, "", traced)`` (-1: identically constant; nan: reads a parameter the model does
+    not hold under that name, e.g. tied; ``traced``: False when the module ran as is, its own float32 casts then
+    bound the measure near 1e-8) or ``(None, reason, False)`` when the probe cannot run (meta device, no input)."""
+    if not laws:
+        return {}, "", True
+    try:
+        probe = make_probe(model, max_probe_params)
+        kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in (forward_kwargs or {}).items()}
+        no_cache(model, kwargs)
+        inputs = synth_inputs(probe, example_inputs, kwargs)
+    except Exception as e:  # noqa: BLE001 - the caller keeps the laws and says why they were not checked
+        return None, str(e), False
+    try:  # traced: the code's float32 casts made float64 (HF modeling code), so the check resolves 1e-10
+        gm, how = trace(probe, inputs, kwargs)
+        run_kwargs, traced = (kwargs if how == "torch.export" else {}), True
+    except Exception:  # noqa: BLE001 - the module as is (plain torch.nn code computes in the probe's float64)
+        gm, run_kwargs, traced = probe, kwargs, False
+
+    class _Probe:  # what check_laws reads of a Graph: the module run, its parameters, inputs and kwargs
+        params = dict(probe.named_parameters(remove_duplicate=False))
+
+    _Probe.gm, _Probe.inputs, _Probe.kwargs = gm, inputs, run_kwargs
+    heads = {law.name: None for law in laws if isinstance(law, Translation)}
+    try:
+        return check_laws(_Probe, laws, heads), "", traced
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}", False
+
+
 # ------------------------------------------------------------------------------------------- entry point
 def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict | None = None, loss: str | None = None, max_probe_params: float = 3e8,
                  skip_params: Iterable[str] = (), **options) -> Detection:
@@ -1409,12 +1498,9 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     skip = set(skip_params)
     try:
         probe = make_probe(model, max_probe_params)
-        kwargs = dict(forward_kwargs or {})
-        try:
-            if "use_cache" in inspect.signature(model.forward).parameters:
-                kwargs.setdefault("use_cache", False)  # a KV cache is inference state, not part of the function
-        except (TypeError, ValueError):
-            pass
+        kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in (forward_kwargs or {}).items()}  # tensors: inputs of the float64 probe, as example_inputs
+        no_cache(model, kwargs)
         inputs = synth_inputs(probe, example_inputs, kwargs)
         gm, how = trace(probe, inputs, kwargs)
         g = Graph(gm, inputs, dict(probe.named_parameters(remove_duplicate=False)),
@@ -1431,8 +1517,23 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         except Exception as e:  # noqa: BLE001 - one block kind failing never fails the whole model
             c.decline(f"<{step.__name__.strip('_')}>", "structural analysis error",
                       f"{type(e).__name__}: {e}; the blocks of this kind are not claimed (report this model)")
-    cands = [(law, what) for law, what in f.cands if not set(law.params) <= skip]  # something new to say
-    viol = check_laws(g, [law for law, _ in cands], f.heads)
+    cands, seen, named = [], set(), {}
+    for law, what in f.cands:
+        key = (law.name, law.family, repr(law.terms))  # a block called more than once (ALBERT's shared layer): one law
+        if set(law.params) <= skip or key in seen:  # (nothing new to say about skipped parameters)
+            continue
+        seen.add(key)
+        named[law.name] = named.get(law.name, 0) + 1
+        if named[law.name] > 1:  # two different laws under one name: the check's verdicts are kept by name
+            law = dataclasses.replace(law, name=f"{law.name}#{named[law.name]}")
+        cands.append((law, what))
+    try:
+        viol = check_laws(g, [law for law, _ in cands], f.heads)
+    except Exception as e:  # noqa: BLE001 - nothing unchecked is claimed; each candidate is declined with the reason
+        c.decline("<check>", "first-order check", f"could not run on the traced probe: {e}; no law is claimed")
+        for law, what in cands:
+            c.decline(law.name, f"{law.family} law ({what})", f"the first-order check could not run: {e}: not claimed")
+        cands, viol = [], {}
     aliases: dict = {}
     for k, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(k)
@@ -1440,6 +1541,8 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     for law, what in cands:
         v = viol[law.name]
         f.explained.update(law.params)
+        if not (v <= TOL or (v != v and set(law.params) & tied)):
+            c.know(*law.params)  # declined below, with the reason: accounted for, not 'undetected'
         if v < 0:
             c.decline(law.name, f"{law.family} law ({what})", "identically constant on this model (zero gradient, e.g. "
                       "q and k from the same rows): nothing to track")
@@ -1453,6 +1556,7 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
                       f"found in the graph but fails the first-order check in float64 (relative violation {v:.2e} > "
                       f"{TOL:g}): not claimed")
     _decline_rest(f, model, skip, how)
+    c.declined = list(dict.fromkeys(c.declined))  # a shared block's uses give the same decline once
     return c.finish("graph")
 
 
@@ -1494,8 +1598,10 @@ def _decline_rest(f: _Found, model: nn.Module, skip, how: str):
                       f"not used by the traced forward ({how}): no law")
         else:
             kind = type(m).__name__ if m is not None else "parameter"
-            c.decline(mod, kind, f"no catalogue block reads it this way (used by {used.get(mod, '?')!r} in the "
-                      f"{how} graph): no law detected")
+            op = used.get(mod)
+            c.decline(mod, kind, f"no catalogue block reads it this way (used by {op!r} in the {how} graph): no law "
+                      "detected" if op is not None else f"no catalogue block reads it this way (its uses in the {how} "
+                      "graph match none): no law detected")
 
 
 def _is_module(model, path):

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..laws import Declined, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram
 from . import builders
-from .core import register
+from .core import _checked, user_classes, register
 from .torchnn import NO_LAW_ACT, POST_LN, Collector, gain_law, linear_cols, norm_parts, walk
 
 
@@ -324,5 +324,11 @@ def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options)
     if not isinstance(getattr(model, "norm_pre", nn.Identity()), nn.Identity):
         c.decline("norm_pre", "pre-norm after the embedding", POST_LN.replace("post-LN", "norm_pre"))
     walk(c, model, loss=None, skip=[f"blocks.{i}" for i in range(len(model.blocks))] + heads)
-    return c.finish("timm")
+    d = c.finish("timm")
+    mine = user_classes(model, ("timm.", "torch."))
+    if mine:  # user code inside (a subclass, a module put in place of one): keep only the laws the model's forward keeps
+        why = f"{mine[0]} is not timm's code (which this detector read)"
+        d.laws, more = _checked(model, d.laws, {**options, "why": why})
+        d.declined += more
+    return d
 

@@ -126,8 +126,15 @@ class Compiled:
 def compile_laws(laws: Iterable[Law], shapes: Mapping[str, Sequence[int]]) -> Compiled:
     """Compile laws into one ``Plan``; ``shapes`` maps parameter names to shapes (checked here).
 
-    Raises ``ValueError`` naming the law whose reference does not fit its parameter."""
+    Raises ``ValueError`` naming the law whose reference does not fit its parameter, or a name given to two
+    laws (values are reported by name: one would hide the other)."""
     laws = list(laws)
+    seen_names: set[str] = set()
+    for law in laws:
+        if law.name in seen_names:
+            raise ValueError(f"two laws are named {law.name!r}: law names must be unique (drop the duplicate, or "
+                             "rename one with dataclasses.replace(law, name=...))")
+        seen_names.add(law.name)
     names: list[str] = []
     index: dict[str, int] = {}
     plan = Plan()

@@ -75,13 +75,15 @@ from ..kernels import optim_step as K
 from ..kernels import streams
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
-from ..tracker import Tracker, Values
+from ..tracker import Tracker, Values, eager
 from ..tracking.drift import Mask, Sampler, StepStats, drift_pieces, make_mask
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
                  "on_nonfinite", "keep_last")
+# param_group keys of torch's optimizers that choose an implementation of the same update (not the math)
+_IMPLEMENTATION = ("fused", "capturable", "foreach")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
 # block by block) besides the sampled Gram-law views; between drift steps the statistics cost one read
 # of the new weights (in cache: block by block).  Every 10th step keeps a tracked CPU step within
@@ -263,8 +265,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name} does not support {key}=True; use torch.optim with "
                                  f"conserve.track(optimizer, model) for that option")
 
+    def __getstate__(self) -> dict:
+        # the whole optimizer (Optimizer.__getstate__ keeps defaults, state and param_groups only: a copy
+        # or an unpickled one had no tracker, no plan and no backend, and its step() failed); the side
+        # stream (overlap=True on CUDA) is made again on first use
+        return {**self.__dict__, "_side": None, "_early": None}
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        tr = self.__dict__.get("tracker")
+        if tr is not None and "tensors" in tr.__dict__:  # a copy's tensors are new objects: ids again
+            self._tracked = {id(t): i for i, t in enumerate(tr.tensors)}
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -280,18 +291,30 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this class or of its torch twin. The twin's ``fused`` / ``capturable`` /
+        ``foreach`` say how torch ran the same update: they take this optimizer's values. An option
+        that changes the math and is not supported (``amsgrad``...) raises ``ValueError`` before
+        anything is loaded (the optimizer is left as it was)."""
         state_dict = dict(state_dict)
         tracked = state_dict.pop("conserve", None)
-        super().load_state_dict(state_dict)
-        for g in self.param_groups:
+        groups = [{**g, **{k: self.defaults[k] for k in _IMPLEMENTATION if k in g and k in self.defaults}}
+                  for g in state_dict.get("param_groups", [])]
+        for g in groups:
             self._check_group(g)
+        state_dict["param_groups"] = groups
+        super().load_state_dict(state_dict)
         if tracked is not None and self.tracker is not None:
             self.tracker.load_state_dict(tracked)
 
     # ---- tracker conveniences -------------------------------------------------------------------
     def record(self, **scalars) -> None:
-        """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row."""
-        self._need_tracker().record(**scalars)
+        """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row. A key recorded
+        again before the next step (that step was skipped, e.g. by ``GradScaler``) keeps the value of the
+        step it belongs to (one warning), as ``TrackedOptimizer.record``."""
+        from .wrapper import record_once
+
+        tr = self._need_tracker()
+        record_once(self, tr, tr.step_count, scalars)
 
     def flush(self):
         return self._need_tracker().flush()
@@ -321,7 +344,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Params with a gradient (each once), their state buffers, steps and fresh-buffer flags."""
         raise NotImplementedError
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step (and, when tracking, one row of law values; drift terms on drift steps).

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from ..tracker import Tracker
+from ..tracker import Tracker, eager
 from ..tracking.breakers import unwrap_optimizer as _unwrap
 
 
@@ -52,17 +52,57 @@ def _in_dcp_state_init(depth: int = 8) -> bool:
     return False
 
 
+@eager
+def _found_inf(found) -> bool:
+    return bool(found.item())
+
+
+def _scaler_skips(optimizer) -> bool:
+    """True when ``GradScaler`` steps an optimizer that unscales inside its own step
+    (``_step_supports_amp_scaling``, e.g. ``Adam(fused=True)``) and found inf/NaN gradients: that step
+    leaves the weights and the state alone, so it is no training step (one host read of ``found_inf``,
+    as GradScaler's own skip test of any other optimizer; none when GradScaler set no ``found_inf``)."""
+    found = optimizer.__dict__.get("found_inf")
+    return found is not None and torch.is_tensor(found) and _found_inf(found)
+
+
 def _books_training_steps(step):
-    """Step the inner optimizer only (nothing booked) for DCP's zero-lr state initialisation; count
-    the steps that reach the tracker (``record`` uses the count to detect skipped steps)."""
+    """Step the inner optimizer only (nothing booked) for DCP's zero-lr state initialisation and for a
+    step GradScaler's ``found_inf`` skips inside the inner optimizer; count the steps that reach the
+    tracker (``record`` uses the count to detect skipped steps)."""
     @functools.wraps(step)
     def wrapper(self, closure=None):
-        # (not while torch.compile traces: DCP never compiles its state init, and dynamo cannot trace frames)
-        if not torch.compiler.is_compiling() and _in_dcp_state_init():
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
-        return step(self, closure)
+        self.__dict__["_stepping"] = True  # the inner optimizer steps inside the tracked one (_OutsideStep)
+        try:
+            # (not while torch.compile traces: DCP never compiles its state init, and dynamo cannot trace frames)
+            if (not torch.compiler.is_compiling() and _in_dcp_state_init()) or _scaler_skips(self.optimizer):
+                return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
+            return step(self, closure)
+        finally:
+            self.__dict__["_stepping"] = False
     return wrapper
+
+
+class _OutsideStep:
+    """Step post-hook on the inner optimizer: one warning when it steps outside its ``TrackedOptimizer``
+    (``opt.step()`` on the optimizer given to ``conserve.track``, ``GradScaler.step(inner)``): that step
+    is not booked (no row; its change shows in the next tracked step's ``residual``). A class, not a
+    closure, so the optimizer pickles."""
+
+    def __init__(self, tracked: "TrackedOptimizer"):
+        self.tracked = tracked
+
+    def __call__(self, opt, args, kwargs) -> None:
+        d = self.tracked.__dict__
+        if d.get("_stepping") or d.get("_warned_outside") or getattr(d.get("tracker"), "_closed", False) \
+                or torch.compiler.is_compiling() or _in_dcp_state_init():
+            return  # (a closed tracker: training goes on untracked, as asked)
+        d["_warned_outside"] = True
+        warnings.warn(f"conserve: {type(opt).__name__}.step() ran outside the optimizer conserve.track returned: "
+                      "that step is not tracked (no row; its change shows in the next tracked step's residual); "
+                      "step the tracked optimizer (opt = conserve.track(opt, model), also in GradScaler.step(opt))",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _check_trackable(optimizer) -> None:
@@ -79,6 +119,27 @@ def _check_trackable(optimizer) -> None:
                          f"({accumulating} micro-batches per step): its step() also runs on the micro-batches that do "
                          "not step the weights; track the torch optimizer before accelerator.prepare(...), or use "
                          "conserve.integrations.hf.ConserveCallback")
+
+
+def record_once(owner, tracker, steps: int, scalars: dict) -> None:
+    """``tracker.record(**scalars)``, except keys already recorded since step ``steps`` (the count of steps
+    ``owner`` booked): the step in between was skipped (GradScaler), so the later values are not booked
+    (one ``RuntimeWarning`` per ``owner``) and the row keeps the values of the step it belongs to."""
+    seen = owner.__dict__.get("_recorded")
+    if seen is None or seen[0] != steps:
+        seen = owner.__dict__["_recorded"] = (steps, set())
+    again = [k for k in scalars if k in seen[1]]
+    if again:
+        if not owner.__dict__.get("_warned_skip"):
+            owner.__dict__["_warned_skip"] = True
+            warnings.warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
+                          "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
+                          "the later ones are not booked", RuntimeWarning, stacklevel=3)
+        scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
+        if not scalars:
+            return
+    tracker.record(**scalars)
+    seen[1].update(scalars)
 
 
 class TrackedOptimizer(torch.optim.Optimizer):
@@ -98,6 +159,12 @@ class TrackedOptimizer(torch.optim.Optimizer):
         finally:
             self.__dict__["_building"] = False
         tracker.check_optimizer(optimizer)  # laws whose parameters the param_groups treat differently
+        self._watch_outside_steps()
+
+    def _watch_outside_steps(self) -> None:
+        inner = unwrap_optimizer(self.optimizer)  # the torch optimizer under accelerate / Lightning wrappers
+        if isinstance(getattr(inner, "_optimizer_step_post_hooks", None), dict):
+            self.__dict__["_outside_hook"] = inner.register_step_post_hook(_OutsideStep(self))
 
     # shared with the inner optimizer, so schedulers and GradScaler act on it
     @property
@@ -158,6 +225,11 @@ class TrackedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._patch_step_function()
+        # the inner optimizer's copy has no hooks (Optimizer.__getstate__ keeps none): watch its groups again
+        self.tracker.check_optimizer(self.optimizer)
+        hooks = getattr(unwrap_optimizer(self.optimizer), "_optimizer_step_post_hooks", None) or {}
+        if not any(isinstance(h, _OutsideStep) and h.tracked is self for h in hooks.values()):
+            self._watch_outside_steps()
 
     def __enter__(self) -> "TrackedOptimizer":
         return self
@@ -218,22 +290,7 @@ class TrackedOptimizer(torch.optim.Optimizer):
         A key recorded again before the next step (the step was skipped, e.g. by ``GradScaler`` on
         inf/NaN gradients) keeps the value of the step it belongs to; the later value is not booked
         (one warning)."""
-        steps = self.__dict__.get("_steps", 0)
-        seen = self.__dict__.get("_recorded")
-        if seen is None or seen[0] != steps:
-            seen = self.__dict__["_recorded"] = (steps, set())
-        again = [k for k in scalars if k in seen[1]]
-        if again:
-            if not self.__dict__.get("_warned_skip"):
-                self.__dict__["_warned_skip"] = True
-                warnings.warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
-                              "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
-                              "the later ones are not booked", RuntimeWarning, stacklevel=2)
-            scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
-            if not scalars:
-                return
-        self.tracker.record(**scalars)
-        seen[1].update(scalars)
+        record_once(self, self.tracker, self.__dict__.get("_steps", 0), scalars)
 
     def flush(self):
         return self.tracker.flush()
@@ -286,7 +343,7 @@ class OptimizerState:
 
 class _Attached:
     """The step hooks ``attach`` registered (``steps``: how many steps they booked); ``remove()``
-    takes them off."""
+    takes them off (and the tracker's watch of this optimizer's groups, ``check_optimizer``)."""
 
     def __init__(self, optimizer, tracker):
         self.optimizer, self.tracker, self.steps, self._handles = optimizer, tracker, 0, []
@@ -295,12 +352,16 @@ class _Attached:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.tracker.__dict__.get("_broken_watch") is _unwrap(self.optimizer):
+            self.tracker.__dict__.pop("_broken_hook").remove()
+            del self.tracker.__dict__["_broken_watch"]
 
 
 def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     """Drive ``tracker`` from ``optimizer``'s own step hooks, without wrapping it (the optimizer
     object a framework holds stays the same). Each ``optimizer.step()`` that runs is booked; a step
-    GradScaler skips never runs, so it is not booked; DCP's zero-lr state initialisation is not.
+    GradScaler skips never runs, so it is not booked (nor is one it skips inside an optimizer that unscales
+    in its own step, ``Adam(fused=True)``); DCP's zero-lr state initialisation is not booked either.
 
     Returns a handle with ``remove()``. Raises ``ValueError`` for an optimizer that tracks already
     (``TrackedOptimizer``, fused conserve optimizer with ``track=``): use its ``tracker``."""
@@ -312,12 +373,15 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     tracker.check_optimizer(optimizer)  # laws the param_groups break (as TrackedOptimizer does)
     handle = _Attached(optimizer, tracker)
 
+    skipped = [False]  # this step is DCP's state init or skipped by GradScaler inside the optimizer
+
     def pre(opt, args, kwargs):
-        if not _in_dcp_state_init():
+        skipped[0] = _in_dcp_state_init() or _scaler_skips(opt)
+        if not skipped[0]:
             tracker.before_step(opt)
 
     def post(opt, args, kwargs):
-        if not _in_dcp_state_init():
+        if not skipped[0]:
             tracker.after_step()
             handle.steps += 1
 

@@ -10,7 +10,9 @@ optimizer's ``param_groups`` and marks the law ``broken_by`` (it is still tracke
   term of the drift identity is then not a common rescaling of the law;
 * some of its parameters are not held by the optimizer ("not held by the optimizer: ..."): they do
   not move, the others do;
-* ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``) or ``maximize`` differ.
+* ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``), ``dampening`` under
+  momentum (it scales the step by ``1 - dampening``), ``maximize`` or ASGD's ``lambd`` (its decay) or
+  ``alpha`` (its step-size schedule) differ.
 
 ``decay_factor(optimizer, group)`` is ``a`` in ``theta_{k+1} = a theta_k + Delta`` (spec "Discrete
 steps"), read from the group's hyper-parameters and the update rule of the optimizer's class found by
@@ -24,7 +26,9 @@ import sys
 import warnings
 from typing import Mapping
 
+import numpy as np
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 # (module, class, attribute holding the wrapped optimizer); checked only when the module is imported
 _WRAPPERS = (("conserve.optim.wrapper", "TrackedOptimizer", "optimizer"),
@@ -54,10 +58,21 @@ def unwrap_optimizer(optimizer, *, frameworks_only: bool = False):
     return optimizer
 
 
+# timm optimizers that multiply the weights by ``1 - s * weight_decay`` before their step, ``s`` = lr (or
+# lr^2 / max_lr_snapshot with ``corrected_weight_decay``); checked only when their module is imported
+_TIMM_DECOUPLED = (("timm.optim.adamw", "AdamWLegacy"), ("timm.optim.nadamw", "NAdamW"), ("timm.optim.sgdw", "SGDW"),
+                   ("timm.optim.lion", "Lion"))
+
+
+def _timm_decoupled(opt) -> bool:
+    return any(isinstance(opt, c) for c in (getattr(sys.modules.get(m), n, None) for m, n in _TIMM_DECOUPLED)
+               if isinstance(c, type))
+
+
 def _decoupled(opt, group: Mapping) -> bool:
     """True when the update rule multiplies the weights by ``1 - lr * weight_decay`` before the step."""
     O = torch.optim
-    if isinstance(opt, O.AdamW):
+    if isinstance(opt, (O.AdamW, *(getattr(O, n) for n in ("Adafactor", "Muon") if hasattr(O, n)))):
         return True
     if isinstance(opt, (O.Adam, O.NAdam, O.RAdam)):
         return bool(group.get("decoupled_weight_decay", False))
@@ -66,25 +81,51 @@ def _decoupled(opt, group: Mapping) -> bool:
     return isinstance(opt, FusedAdam) and bool(group.get("decoupled_weight_decay", False))
 
 
-def decay_factor(optimizer, group: Mapping) -> float | torch.Tensor:
-    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for the parameters of ``group``.
+def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -> float | torch.Tensor:
+    """``a`` in ``theta_{k+1} = a theta_k + Delta`` for the parameters of ``group`` (``param``: for the
+    optimizers whose factor is per parameter, ``per_param_decay``; read before the step).
 
     * decoupled weight decay (``AdamW`` and subclasses; ``Adam``/``NAdam``/``RAdam`` and conserve's
       ``FusedAdam`` with ``decoupled_weight_decay=True``): ``1 - lr * weight_decay``;
     * ``SGD`` (and conserve's ``FusedSGD``) without momentum: the L2 term gives exactly
       ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``;
+    * ``ASGD``: its step is ``(1 - eta lambd) theta - eta (g + wd theta)`` with ``eta`` the parameter's
+      state (``lr`` before its first step), so ``1 - eta * (lambd + weight_decay)``;
+    * torch's ``Adafactor`` and ``Muon``: ``1 - lr * weight_decay`` (Muon: the group lr, not its adjusted
+      one); timm's ``AdamWLegacy``, ``NAdamW``, ``SGDW`` (with or without momentum) and ``Lion``:
+      ``1 - s * weight_decay``, ``s = lr`` (``lr^2 / max_lr`` with ``corrected_weight_decay``);
     * anything else (momentum, coupled L2 in Adam, unknown rules): 1, the decay is inside ``Delta``.
 
     ``optimizer`` may be wrapped (see ``unwrap_optimizer``); ``lr`` may be a tensor (then so is ``a``)."""
     opt = unwrap_optimizer(optimizer)
     wd = group.get("weight_decay", 0.0) or 0.0
     lr = group.get("lr", 0.0)
-    from ..optim.fused import FusedSGD
+    if isinstance(opt, torch.optim.ASGD):
+        eta = opt.state.get(param, {}).get("eta") if param is not None else None
+        rate = (group.get("lambd", 0.0) or 0.0) + wd
+        if eta is None:  # before its first step: the state ASGD will make from lr (a float32 scalar by default)
+            eta = torch.tensor(_num(lr), dtype=_get_scalar_dtype())
+        eta = eta.double() if torch.is_tensor(eta) else eta  # torch reads the float32 state as a double
+        return 1.0 - eta * rate if rate else 1.0
+    from ..optim.fused import FusedAdam, FusedSGD
 
+    if wd and _timm_decoupled(opt):
+        return 1.0 - (lr ** 2 / group["max_lr_snapshot"] if group.get("corrected_weight_decay") else lr) * wd
     sgd = isinstance(opt, (torch.optim.SGD, FusedSGD)) and not group.get("momentum", 0.0)
-    if wd and (_decoupled(opt, group) or sgd):
-        return 1.0 - lr * wd
-    return 1.0
+    if not wd or not (sgd or _decoupled(opt, group)):
+        return 1.0
+    if torch.is_tensor(lr) and (sgd or isinstance(opt, FusedAdam) or (
+            group.get("fused") and all(p.dtype == torch.float64 for p in group["params"]))):
+        # these step with the lr as a double (SGD: ``add_(grad, alpha=-lr)``; conserve's: ``float(lr)``; torch's
+        # fused kernels on float64 weights), while torch's other decoupled rules multiply by ``1 - lr * wd``
+        # formed in the tensor's dtype, as here
+        lr = lr.double()
+    return 1.0 - lr * wd
+
+
+def per_param_decay(optimizer) -> bool:
+    """True when ``decay_factor`` depends on the parameter (``ASGD``: its ``eta`` is per-parameter state)."""
+    return isinstance(unwrap_optimizer(optimizer), torch.optim.ASGD)
 
 
 def _num(x) -> float:
@@ -108,7 +149,13 @@ def _describe(names: list[str], vals: list[float]) -> str:
 # group keys that must agree inside a law: the step size, the decay, the momentum (heavy ball scales the
 # effective step by 1 / (1 - momentum)) and the sign of the step (``maximize``)
 _COMPARED = (("lr", "different lr in one law"), ("weight_decay", "weight decay on only part of one law"),
-             ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"))
+             ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"),
+             ("dampening", "different dampening in one law"), ("lambd", "different ASGD decay (lambd) in one law"),
+             ("alpha", "different ASGD step-size power (alpha) in one law"))
+# keys that matter only with another one: dampening scales the step under momentum only; ASGD's eta =
+# lr / (1 + lambd lr t)^alpha depends on alpha only when lambd != 0 (other optimizers' alpha, RMSprop's
+# smoothing constant, has no lambd beside it: not compared)
+_ONLY_WITH = {"dampening": "momentum", "alpha": "lambd"}
 
 
 def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str, str]:
@@ -133,8 +180,9 @@ def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str
         for key, what in _COMPARED:
             if not any(key in g for g in groups):
                 continue
-            vals = [_num(g.get(key, 0.0) or 0.0) for g in groups]
-            if len(set(vals)) > 1:
+            need = _ONLY_WITH.get(key)
+            vals = [_num(g.get(key, 0.0) or 0.0) if need is None or g.get(need) else 0.0 for g in groups]
+            if len({float(np.float32(v)) for v in vals}) > 1:  # at fp32 resolution: lr=tensor(0.01) is lr=0.01
                 reasons.append(f"{what}: {_describe(ps, vals)}")
         if reasons:
             out[law.name] = "; ".join(reasons)
@@ -159,35 +207,57 @@ class BrokenMonitor:
 
 
 def _signature(opt) -> tuple:
-    """Which groups agree on each compared key, and their sizes: a law's breakers can only change when this
-    does (a scheduler scaling every group alike leaves it unchanged). Tensor values (capturable lr) count by
-    identity, so reading them never syncs the device."""
-    out = []
+    """Which groups agree on each compared key (at fp32 resolution, as ``law_breakers`` compares), and their
+    sizes: a law's breakers can only change when this does (a scheduler scaling every group alike leaves it
+    unchanged). Tensor values on the CPU are read; off the CPU (capturable lr) and while torch.compile traces
+    they count by identity, so reading them never syncs the device nor breaks a graph, and beside plain
+    numbers the numbers' values count (a change of one of them re-checks)."""
+    out, tracing = [], torch.compiler.is_compiling()  # (traced: by identity too, no graph break on a read)
     for key, _ in _COMPARED:
         vals = [g.get(key, 0.0) for g in opt.param_groups]
-        vals = [id(v) if torch.is_tensor(v) else float(v or 0.0) for v in vals]
+        if tracing:
+            vals = [id(v) if torch.is_tensor(v) else float(v or 0.0) for v in vals]
+        else:
+            vals = [("tensor", id(v)) if torch.is_tensor(v) and v.device.type != "cpu"
+                    else float(np.float32(_num(v or 0.0))) for v in vals]
+        if len({type(v) for v in vals}) > 1:
+            out.append(tuple(vals))
+            continue
         first = {}
         out.append(tuple(first.setdefault(v, len(first)) for v in vals))
     out.append(tuple(len(g["params"]) for g in opt.param_groups))
     return tuple(out)
 
 
+class _Watch:
+    """The step pre-hook of ``_watch`` (a class, not a closure: ``copy.deepcopy`` of an optimizer that holds
+    it gives the copy's tracker, and the optimizer pickles)."""
+
+    def __init__(self, tracker, sig: tuple):
+        self.tracker, self.sig = tracker, sig
+
+    def __call__(self, o, args, kwargs) -> None:
+        if getattr(self.tracker, "_closed", False):  # a closed tracker books nothing more: nothing to re-check
+            return
+        sig = _signature(o)
+        if sig != self.sig:
+            self.sig = sig
+            check_optimizer(self.tracker, o, _watching=True)
+
+
 def _watch(tracker, optimizer) -> None:
     """Re-check before every step of the innermost optimizer when its groups stop agreeing the way they
-    did (e.g. a LambdaLR with one lambda per group), via ``register_step_pre_hook``: O(groups) per step."""
+    did (e.g. a LambdaLR with one lambda per group), via ``register_step_pre_hook``: O(groups) per step.
+    Registered once per (tracker, optimizer); again on a copy whose hooks were not copied (torch
+    optimizers' ``__getstate__`` keeps no hook)."""
     opt = unwrap_optimizer(optimizer)
-    if tracker.__dict__.get("_broken_watch") is opt or not hasattr(opt, "register_step_pre_hook"):
+    if not hasattr(opt, "register_step_pre_hook"):
         return
-    state = {"sig": _signature(opt)}
-
-    def hook(o, args, kwargs):
-        sig = _signature(o)
-        if sig != state["sig"]:
-            state["sig"] = sig
-            check_optimizer(tracker, o, _watching=True)
-
+    hooks = getattr(opt, "_optimizer_step_pre_hooks", None) or {}
+    if any(isinstance(h, _Watch) and h.tracker is tracker for h in hooks.values()):
+        return
     tracker._broken_watch = opt
-    tracker._broken_hook = opt.register_step_pre_hook(hook)
+    tracker._broken_hook = opt.register_step_pre_hook(_Watch(tracker, _signature(opt)))
 
 
 def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str, str]:

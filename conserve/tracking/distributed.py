@@ -51,7 +51,7 @@ from torch import nn
 from .. import kernels
 from ..errors import UsageError
 from ..laws import Law
-from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, _Deferred, decay_factors
+from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, _Deferred, decay_factors, eager, stepped_factors
 from .shard_plan import _Entries, _Layout, comm_schedule
 from .drift import drift_pieces
 
@@ -211,8 +211,12 @@ class DistributedTracker(Tracker):
 
     def _adopt(self) -> None:
         """Per-rank state from the full ``h``/``cumulative`` (after construction or a load): this rank's
-        partial ``h`` (its complete entries are exact) and the full values of the split entries."""
+        partial ``h`` (its complete entries are exact) and the full values of the split entries. ``_hp`` holds the
+        full ``h`` until the next step (``_hp_full``): that step's drift terms take this rank's share of ``h_k`` from
+        its shards of ``theta_k`` instead (the assembly corrects first/second for a decay factor that is not an fp32
+        number with ``h_k``, linearly: a split entry's full value would be counted once per rank)."""
         self._hp = self.h.clone()
+        self._hp_full = True
         self._h_split, self._h0_split = self._split.take(self.h), self._split.take(self.h0)
         self._cum_p = {k: v.clone() for k, v in self.cumulative.items()}
         self._cum_split = {k: self._split.take(v) for k, v in self.cumulative.items()}
@@ -406,8 +410,11 @@ class DistributedTracker(Tracker):
                 continue
             news = [f[0] for f in full]
             olds = [f[1] for f in full] if p.drift else None
+            # h_k of the straddling terms (the assembly's correction for a non-fp32 decay factor reads it; their
+            # decay is formed at the flush from the reduced h_k)
+            h_old = self._values(self._mini, olds) if olds is not None else self._zeros()
             h1, terms, kdec = self._pieces(self._mini, news, olds, [p.a[s.term.view.tensor] for _, s in self._mine],
-                                           p.a, self._zeros())
+                                           p.a, h_old)
             add = torch.cat(self._split_blocks(h1, terms, kdec if p.kdecay else None))
             p.pack[r: r + add.numel()] += add
 
@@ -416,7 +423,7 @@ class DistributedTracker(Tracker):
         """Whether the next step decomposes the drift (steps 1, 1 + N, ...; pending steps count)."""
         return self.drift and (self.step_count + len(self._pend)) % self.drift_every == 0
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """On a drift step, copy this rank's shards of ``theta_k`` (dropped after the step: no copy is
@@ -452,7 +459,7 @@ class DistributedTracker(Tracker):
                     parts.append(self._sq_bins(self._masked(v), self._vec_fam, self._gram_fam, nf))
         return torch.cat(parts)
 
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def after_step(self) -> None:
         """Evaluate this rank's terms at ``theta_{k+1}`` (and the drift terms when ``before_step`` ran)
@@ -471,14 +478,15 @@ class DistributedTracker(Tracker):
             deferred.call(self._reduce_and_flush)
         cur = [_local(p) for p in self.params]
         self.tensors = cur
-        a = [float(x) for x in self._a]
-        h1, terms, kdec = self._pieces(self._local_plan, cur, prev, a, a, self._hp)
+        a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
+        h_old = self._values(self._local_plan, prev) if self._hp_full and prev is not None else self._hp
+        h1, terms, kdec = self._pieces(self._local_plan, cur, prev, a, a, h_old)
         # a step without drift terms packs h(new) only (every rank agrees on which steps have them)
         parts = [self._own_row(h1, terms).to(self._pack_dtype)] + self._split_blocks(h1, terms, kdec)
         held = self._held(cur, prev) if self._straddles else None
         self._pend.append(_Pending(torch.cat(parts), terms is not None, held, a, kdec is not None))
         del prev
-        self._hp = h1
+        self._hp, self._hp_full = h1, False
         if terms is not None:
             for k in _CUM:
                 self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
@@ -547,8 +555,10 @@ class DistributedTracker(Tracker):
             deferred.call(Tracker.flush, self)
         self.step_count += 1
         self._rows.append(torch.cat(parts).float())
-        if p.extras:
-            Tracker.record(self, **p.extras)
+        if p.extras:  # (not Tracker.record: it ignores scalars once closed, and close() books the pending steps)
+            while len(self._extras) < len(self._rows):
+                self._extras.append({})
+            self._extras[len(self._rows) - 1].update(p.extras)
         deferred.raise_booked(self, None)  # _sync marks the booked steps once it has booked them all
 
     def _materialize(self) -> None:
@@ -570,11 +580,11 @@ class DistributedTracker(Tracker):
                              "use a torch optimizer with conserve.distributed.track (or Tracker.after_step)")
         super().record_step(h1, terms, sampled)
 
-    @torch.compiler.disable
+    @eager
     def record(self, **scalars) -> None:
         """Attach scalars to the current step's row (rank 0's values are the ones written)."""
         if self._pend:
-            self._pend[-1].extras.update(scalars)
+            self._pend[-1].extras.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
         else:
             super().record(**scalars)
 

@@ -44,9 +44,9 @@ import sys
 import torch
 
 from ...errors import UsageError
-from ..core import Detection, register
+from ..core import Detection, user_classes, register
 from .families import FAMILIES
-from .parts import _Ctx
+from .parts import Unhandled, _Ctx
 from .rope import LAYOUTS, probe_rope
 
 __all__ = ["FAMILIES", "LAYOUTS", "detect_from_config", "detect_hf", "meta_model", "probe_rope"]
@@ -69,11 +69,24 @@ def detect_hf(model, config, **options):
     fam = _FAMILIES.get(model_type)
     if fam is None:
         return _structural(model, model_type, options)
-    fam(ctx)
-    return ctx.finish("hf")
+    try:
+        fam(ctx)
+    except Unhandled as e:
+        return _structural(model, model_type, options, str(e))
+    d = ctx.finish("hf")
+    mine = user_classes(model, ("transformers.", "torch."))
+    if mine:  # the family handler read transformers' code, not this: keep only the laws the model's forward keeps
+        from ..core import _checked
+
+        why = f"{mine[0]} is not transformers' code (which the family handler read)"
+        d.laws, more = _checked(model, d.laws, {**options, "why": why})
+        d.declined += more
+    return d
 
 
-def _structural(model, model_type, options) -> Detection:
+
+
+def _structural(model, model_type, options, why: str | None = None) -> Detection:
     """An HF model whose ``model_type`` has no family handler: structural detection (``graph.detect_graph``,
     every law checked to first order in float64), with the reason recorded first in ``declined``. The loss
     defaults to 'ce' as for the family handlers."""
@@ -81,8 +94,8 @@ def _structural(model, model_type, options) -> Detection:
     from ..graph import detect_graph
 
     d = detect_graph(model, **{"loss": "ce", **options})
-    d.declined.insert(0, Declined("", f"model_type={model_type!r}",
-                                  f"no HF family handler (known: {sorted(_FAMILIES)}): structural detection used"))
+    why = why or f"no HF family handler (known: {sorted(_FAMILIES)})"
+    d.declined.insert(0, Declined("", f"model_type={model_type!r}", f"{why}: structural detection used"))
     d.detector = "hf->graph"
     return d
 
@@ -124,4 +137,3 @@ def meta_model(config):
     cls = _model_class(config)
     with torch.device("meta"):
         return cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
-

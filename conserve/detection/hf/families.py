@@ -7,7 +7,7 @@ from torch import nn
 
 from ...errors import UsageError
 from ...laws import ReLUUnit
-from .parts import (_Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
+from .parts import (Unhandled, _Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
                     _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _unit,
                     _w, NO_EMBED)
 from .rope import _probe_gptj, _rope_layout, _rotary_dim
@@ -91,11 +91,11 @@ def _gptj(ctx: _Ctx):
     other dims pass through (their own Gram law); parallel block: ``ln_1`` feeds the attention and the
     MLP ``fc_in -> gelu -> fc_out`` (no law of its own), so its gain law is read by q, k, v and fc_in."""
     model, config = ctx.model, ctx.config
-    tr = model.transformer
+    tr, pre = _base(model, "transformer")
     nh, h, d = _heads(config)
     r = config.rotary_dim or d
     for i, blk in enumerate(tr.h):
-        lp = f"transformer.h.{i}"
+        lp = f"{pre}h.{i}"
         at = blk.attn
         q, k, v = (_w(f"{lp}.attn.{n}", getattr(at, n)) for n in ("q_proj", "k_proj", "v_proj"))
         o = _w(f"{lp}.attn.out_proj", at.out_proj)
@@ -106,19 +106,22 @@ def _gptj(ctx: _Ctx):
         m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "fc_in", "fc_out", blk.mlp.act)
         ctx.laws.extend(m.laws)
         _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, _attn_readers(a) + m.readers, "q, k, v and fc_in (parallel block)")
-    _embed_and_head(ctx, ["transformer.wte"], "transformer.ln_f")
+    _embed_and_head(ctx, [f"{pre}wte"], f"{pre}ln_f")
 
 
 def _gpt2(ctx: _Ctx):
     """GPT-2: Conv1D weights (in, out); c_attn output columns [Q | K | V]; learned absolute positions
     (QK Gram laws hold, with biases); pre-LN blocks ln_1 -> attn, ln_2 -> mlp."""
     model, config = ctx.model, ctx.config
-    tr = model.transformer
+    tr, pre = _base(model, "transformer")
     nh, h, d = _heads(config)
     for i, blk in enumerate(tr.h):
-        lp = f"transformer.h.{i}"
+        lp = f"{pre}h.{i}"
         if getattr(blk, "crossattention", None) is not None:
             ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
+            if getattr(blk, "ln_cross_attn", None) is not None:
+                ctx.decline(f"{lp}.ln_cross_attn", "norm before the cross-attention",
+                            "no gain law: its reader (the cross-attention's queries) is not analysed")
         at = blk.attn
         c = _w(f"{lp}.attn.c_attn", at.c_attn)
         o = _w(f"{lp}.attn.c_proj", at.c_proj)
@@ -129,7 +132,7 @@ def _gpt2(ctx: _Ctx):
         m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "c_fc", "c_proj", blk.mlp.act)
         ctx.laws.extend(m.laws)
         _gain(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, "c_fc")  # holds whatever the activation
-    _embed_and_head(ctx, ["transformer.wte", "transformer.wpe"], "transformer.ln_f")
+    _embed_and_head(ctx, [f"{pre}wte", f"{pre}wpe"], f"{pre}ln_f")
 
 
 def _neox(ctx: _Ctx):
@@ -137,10 +140,10 @@ def _neox(ctx: _Ctx):
     rotary; parallel residual: attention reads input_layernorm, the MLP post_attention_layernorm (both
     from the same residual input), so each norm has its own gain law."""
     model, config = ctx.model, ctx.config
-    base = model.gpt_neox
+    base, pre = _base(model, "gpt_neox")
     nh, h, d = _heads(config)
     for i, layer in enumerate(base.layers):
-        lp = f"gpt_neox.layers.{i}"
+        lp = f"{pre}layers.{i}"
         at = layer.attention
         qkv = _w(f"{lp}.attention.query_key_value", at.query_key_value)
         o = _w(f"{lp}.attention.dense", at.dense)
@@ -155,7 +158,7 @@ def _neox(ctx: _Ctx):
         m = _plain_mlp(ctx, f"{lp}.mlp", layer.mlp, i, "dense_h_to_4h", "dense_4h_to_h", layer.mlp.act)
         ctx.laws.extend(m.laws)
         _gain(ctx, f"{lp}.post_attention_layernorm", layer.post_attention_layernorm, i, m.readers, m.what)
-    _embed_and_head(ctx, ["gpt_neox.embed_in"], "gpt_neox.final_layer_norm")
+    _embed_and_head(ctx, [f"{pre}embed_in"], f"{pre}final_layer_norm")
 
 
 def _falcon(ctx: _Ctx):
@@ -163,10 +166,10 @@ def _falcon(ctx: _Ctx):
     [q_h k_h v_h]; new decoder architecture per kv group [q (rep heads) | k_j | v_j]. RoPE (rotate_half)
     or ALiBi (no RoPE: QK Gram laws). Parallel attention: one norm read by attention and MLP."""
     model, config = ctx.model, ctx.config
-    tr = model.transformer
+    tr, pre = _base(model, "transformer")
     nh, h, d = _heads(config)
     for i, blk in enumerate(tr.h):
-        lp = f"transformer.h.{i}"
+        lp = f"{pre}h.{i}"
         at = blk.self_attention
         qkv = _w(f"{lp}.self_attention.query_key_value", at.query_key_value)
         o = _w(f"{lp}.self_attention.dense", at.dense)
@@ -201,7 +204,7 @@ def _falcon(ctx: _Ctx):
         else:  # parallel attention, one norm read by both
             _gain(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()] + m.readers,
                   f"query_key_value and {m.what} (parallel attention)")
-    _embed_and_head(ctx, ["transformer.word_embeddings"], "transformer.ln_f")
+    _embed_and_head(ctx, [f"{pre}word_embeddings"], f"{pre}ln_f")
 
 
 def _bert(ctx: _Ctx):
@@ -212,7 +215,8 @@ def _bert(ctx: _Ctx):
     pre = "bert." if bert is not model else ""
     nh, h, d = _heads(config)
     if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
-        raise UsageError(f"BERT with position_embedding_type={config.position_embedding_type!r} is not analysed")
+        raise Unhandled(f"BERT with position_embedding_type={config.position_embedding_type!r} (relative position "
+                        "scores q.E_rel are not invariant under the QK symmetry) has no family handler")
     for i, layer in enumerate(bert.encoder.layer):
         lp = f"{pre}encoder.layer.{i}"
         sa = layer.attention.self
@@ -276,6 +280,13 @@ def _bert_last_norm(ctx: _Ctx, model, path: str, norm, layer: int):
         return
     _gain(ctx, path, norm, layer, [_w(n, mods[n]).in_cols() for n in names],
           ", ".join(names) + " (the last layer's output: no residual add after it)")
+
+
+def _base(model, name: str):
+    """``(base model, its path prefix)``: ``model.<name>`` and ``'<name>.'`` for a model with a head
+    (``GPT2LMHeadModel.transformer``), the model itself and ``''`` for the bare base model (``GPT2Model``)."""
+    sub = getattr(model, name, None)
+    return (sub, f"{name}.") if isinstance(sub, nn.Module) else (model, "")
 
 
 def _heads(config) -> tuple[int, int, int]:

@@ -42,6 +42,11 @@ def _is_conv1d(mod) -> bool:
     return isinstance(mod, Conv1D)
 
 
+class Unhandled(Exception):
+    """Raised by a family handler for a variant of its family whose modeling code it has not read (the message
+    says which): ``detect_hf`` then gives the model to structural detection with that reason."""
+
+
 @dataclass(frozen=True)
 class W:
     """A weight read in nn.Linear convention ``(out, in)``; ``t``: stored transposed ``(in, out)``
@@ -323,6 +328,7 @@ def _gated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
             gw, uw, dw = (_w(f"{path}.{n}", getattr(mlp, n)) for n in (g, u, dn))
             n, start = uw.n_out, 0
             readers = [gw.in_cols(), uw.in_cols()]
+            ctx.know(gw.bias)  # the gate (weight and bias) is in no law: scaling an up row leaves it alone
             break
     else:
         if (_linear_like(getattr(mlp, "gate_up_proj", None)) and _linear_like(getattr(mlp, "down_proj", None))

@@ -74,11 +74,15 @@ def _rotary_dim(config, head_dim: int, rotary_emb) -> int:
         factor = getattr(config, "rotary_pct", 1.0)
     r = int(head_dim * factor)
     inv = getattr(rotary_emb, "inv_freq", None) if rotary_emb is not None else None
-    if inv is not None and 2 * inv.shape[-1] != r:
-        raise UsageError(f"rotary width mismatch: config says {r} rotary dims of head_dim={head_dim}, the model's "
-                         f"inv_freq has {inv.shape[-1]} frequencies; report this model (config.model_type="
-                         f"{config.model_type!r})")
-    return r
+    if inv is None:
+        return r
+    # the model's own buffer wins: Llama-style code ignores partial_rotary_factor in its default RoPE and rotates
+    # the whole head (the pairing probe then checks the rotated dims are exactly [0, R))
+    if 2 * inv.shape[-1] > head_dim:
+        raise UsageError(f"rotary width mismatch: the model's inv_freq has {inv.shape[-1]} frequencies "
+                         f"({2 * inv.shape[-1]} rotary dims) for head_dim={head_dim} (config: {r} rotary dims); "
+                         f"report this model (config.model_type={config.model_type!r})")
+    return 2 * inv.shape[-1]
 
 
 def _rope_layout(ctx: "_Ctx", attn: nn.Module, head_dim: int, r: int, probe=None) -> str:
