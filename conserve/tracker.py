@@ -39,7 +39,7 @@ from . import kernels
 from .errors import NonFiniteError
 from .laws import Compiled, Declined, Law, compile_laws
 from .tracking.breakers import check_optimizer, decay_factor, per_param_decay  # noqa: F401  (decay_factor: re-exported)
-from .tracking.drift import Assembly, Mask, Sampler, drift_pieces
+from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
 
 GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
@@ -254,6 +254,7 @@ class Tracker:
         self.keep_last = bool(keep_last)
         self.last: dict[str, Values] = {} if self.keep_last else NotKept()
         self._hits: dict = {}  # Mask.key -> (families,) bool: the families a sampler group decomposes
+        self._entries_of: dict = {}  # Mask.key -> _Entries: a sampler group's compact layout
         self.last_record: dict | None = None
         self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
         self._setup()
@@ -342,7 +343,6 @@ class Tracker:
         self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
         self._inst_fam = self._group_fam.index_select(0, self._inst_group)
         self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
-        self._lin = c.linear_mask.to(dev)
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
@@ -426,42 +426,74 @@ class Tracker:
         if not self._books_after_close():
             return
         snap, self._snap = self._snap, None
-        terms = mask = None
-        if snap is not None:  # the DRIFT pass first: the snapshot is freed before h1 is evaluated
-            terms = self.drift_terms(snap, stepped_factors(self._a, self.params))
-            mask = snap.mask
-            del snap
+        if snap is None:
+            self.record_step(self._eval(self.tensors))
+            return
+        a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
+        # the DRIFT pass first: it frees the copies of theta_k before h(theta_{k+1}) is evaluated (the
+        # pass's pieces, smaller, are held instead); then the terms
+        pieces = self._drift_pass(snap, a)
         h1 = self._eval(self.tensors)
-        self.record_step(h1, terms, mask)
+        terms = self.assemble(pieces, a, snap.mask, compact=snap.compact)
+        del pieces
+        self.record_step(h1, terms, snap.mask)
 
-    def drift_terms(self, snap, a: list[float]) -> dict[str, "Values"]:
+    def _drift_pass(self, snap, a: list[float]) -> list:
+        """The DRIFT pass's ``[None, decay, bil, h_delta]`` over ``snap`` (its copies of theta_k are
+        overwritten with Delta and freed) and the live weights, for ``assemble``."""
+        news = self.sampler.news(snap, self.tensors)
+        pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
+                              backend=self.backend, decay=self.assembly.needs_kernel_decay(a, snap.mask), donate=True,
+                              values=False)  # the snapshot is ours (Delta is formed in it); h1 is the eps evaluation
+        snap.olds.clear()  # the copies of theta_k (now Delta) are read: free them before the terms are formed
+        # h(new) of the pass: not used (h1 is the eps evaluation); a list, which the assembly empties once read
+        return [None, *pieces[1:]]
+
+    def drift_terms(self, snap, a: list[float]) -> "DriftTerms":
         """The identity's ``decay``/``first``/``second`` from one DRIFT pass over ``snap`` (old copies)
         and the live weights; ``a``: decay factor per tracked tensor.  The terms are written into the
         step scratch of ``record_step``, which consumes it (squares it in place): pass them to the next
         ``record_step`` once, clone them to keep them."""
+        return self.assemble(self._drift_pass(snap, a), a, snap.mask, compact=snap.compact)
+
+    def assemble(self, pieces, a: Sequence[float], mask: Mask, *, compact: bool = False,
+                 stats: StepStats | None = None) -> "DriftTerms":
+        """One drift step's ``decay``/``first``/``second`` from the DRIFT pass's ``pieces`` and, for a fused
+        optimizer, its step statistics ``stats``: ``Assembly.terms`` (the one assembly), written into the
+        step scratch that ``record_step`` consumes (squares in place: pass the result to one
+        ``record_step``, clone it to keep it).
+
+        ``pieces``: ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` over the entries of ``mask`` (a
+        list is emptied once read), or None (no DRIFT pass this step); ``a``: decay factor per tracked
+        tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``; no
+        ``stats`` then, they are in the full layout)."""
+        if compact and stats is not None:
+            raise ValueError("assemble: step statistics are in the full law layout; compact=True takes none")
         asm = self.assembly
-        news = self.sampler.news(snap, self.tensors)
-        pieces = drift_pieces(snap.plan, snap.olds, news, self.sampler.factors(snap, a), fp64=self.fp64,
-                              backend=self.backend, decay=asm.needs_kernel_decay(a, snap.mask), donate=True,
-                              values=False)  # the snapshot is ours (Delta is formed in it); h1 is the eps evaluation
-        snap.olds.clear()  # the copies of theta_k (now Delta) are read: free them before the terms are formed
-        del news
-        pieces = (None,) + tuple(pieces[1:])  # h(new) of the pass: not used (h1 is the eps evaluation)
         # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
-        at = _Entries(self, snap.mask) if snap.compact else None
+        at = self._entries(mask) if compact else None
         if at is None:
             buf, wv, wg = self._scratch((len(TERMS),), self.h.vec.dtype)
-            h_old, sampled = (self.h.vec, self.h.grams), snap.mask
+            h_old, sampled = (self.h.vec, self.h.grams), mask
         else:  # a compact sub-plan: the pieces, terms and scratch hold the group's entries only
             buf, wv, wg = self._views(torch.empty(len(TERMS), at.layout[0], dtype=self.h.vec.dtype, device=self.device),
                                       at.layout)
             h_old, sampled = at.take(self.h), None
-            asm = asm.restrict(at.vi_np, at.si_np)
+            asm = at.assembly
         out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
-        terms = _Terms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out).items()})
-        terms.at = at
-        self._terms_buf = buf  # taken by the next record_step
+        terms = DriftTerms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out, stats=stats).items()})
+        terms.at, terms.buf, terms.h_old = at, buf, (h_old if at is not None else None)
         return terms
+
+    def _entries(self, mask: Mask) -> "_Entries":
+        """The compact layout of ``mask``'s entries (``_Entries``), cached per ``mask.key``: a sampler group
+        decomposes the same entries every time it comes round (held: see ``_Entries``)."""
+        got = self._entries_of.get(mask.key) if mask.key is not None else None
+        if got is None:
+            got = _Entries(self, mask)
+            if mask.key is not None:
+                self._entries_of[mask.key] = got
+        return got
 
     def _family_hit(self, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
         """(families,) bool: the family has a decomposed entry under ``mask``, and its negation (cached per ``mask.key``:
@@ -490,8 +522,8 @@ class Tracker:
                  at: "_Entries | None" = None) -> torch.Tensor:
         """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
         returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
-        (``at``: of ``at.fam``)."""
-        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.fam.numel())
+        (``at``: of its ``families``)."""
+        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.size)
         vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
             g, o = grams[d], flat_at[d]
@@ -511,12 +543,9 @@ class Tracker:
         given here are in the full layout.  Nothing is booked after ``close()`` (one warning)."""
         if not self._books_after_close():
             return
-        err = None
+        deferred = _Deferred()
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
-            try:
-                self.flush()
-            except NonFiniteError as e:  # raised after this step is booked: the optimizer has applied it
-                err = e
+            deferred.call(self.flush)  # a NonFiniteError is raised once this step is booked
         self.step_count += 1
         nf, ng, dev = len(self.families), len(self.groups), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
@@ -543,9 +572,7 @@ class Tracker:
         self.h = h1
         for m in self.monitors:
             m.update()
-        if err is not None:
-            self._nonfinite_reported = self.step_count  # this step was booked before the caller saw the error
-            raise err
+        deferred.raise_booked(self, self.step_count)  # this step was booked before the caller saw the error
 
     def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
         """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four, and per
@@ -558,13 +585,16 @@ class Tracker:
         partial = sampled is not None and not sampled.full
         at = getattr(terms, "at", None)  # compact terms (drift_terms over a compact sub-plan): the group's entries
         layout = self._layout if at is None else at.layout
-        buf = self.__dict__.pop("_terms_buf", None)  # drift_terms wrote the terms into rows 1-3 of it
+        buf = getattr(terms, "buf", None)  # assemble wrote the terms into rows 1-3 of it: taken (consumed) here
+        if buf is not None:
+            terms.buf = None
         if buf is None or buf.dtype != dt or buf.shape[-1] != layout[0] \
                 or self._views(buf, layout)[1][1].data_ptr() != dec.vec.data_ptr():
             buf = torch.empty(len(TERMS), layout[0], dtype=dt, device=dev)
         buf, wv, wg = self._views(buf, layout)
-        if at is not None:  # the group's entries of h_{k+1} and h_k; the terms need no mask
-            h1, h_k, partial_masks = at.take(h1), at.take(self.h), False
+        if at is not None:  # the group's entries of h_{k+1} and h_k (taken by assemble); the terms need no mask
+            h_k = terms.h_old if terms.h_old is not None else at.take(self.h)
+            h1, partial_masks = at.take(h1), False
         else:
             h_k, partial_masks = (self.h.vec, self.h.grams), partial
 
@@ -591,20 +621,20 @@ class Tracker:
                 for d, g in c.grams.items():
                     g.add_(wg[d][i])
             else:  # at the group's entries only (the others would add zeros)
-                c.vec.index_add_(0, at.vi, wv[i])
+                _add_at(c.vec, at.vec, wv[i])
                 for d, g in c.grams.items():
-                    g.index_add_(0, at.si[d], wg[d][i])
+                    _add_at(g, at.slots[d], wg[d][i])
         if self.keep_last:  # a copy: ``buf`` is squared below (compact: scattered into the full layout)
             if at is None:
                 _, kv, kg = self._views(buf.clone())
             else:
                 _, kv, kg = self._scratch((len(TERMS),), dt)
-                kv.zero_().index_copy_(1, at.vi, wv)
+                kv.zero_()[:, at.vec] = wv
                 for d, g in kg.items():
-                    g.zero_().index_copy_(1, at.si[d], wg[d])
+                    g.zero_()[:, at.slots[d]] = wg[d]
             self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
         sq = self._squares(buf, wv, wg, at)
-        fam = self._fam_all if at is None else at.fam
+        fam = self._fam_all if at is None else at.families(self)
         out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
         for i in range(len(TERMS)):
             out[i].index_add_(0, fam, sq[i])
@@ -915,45 +945,105 @@ class Tracker:
                 s.resume(written)
 
 
-class _Terms(dict):
-    """``Tracker.drift_terms``'s result: ``{"decay", "first", "second"}`` -> ``Values``; ``at``: the
-    ``_Entries`` they hold when compact (None: the full law layout)."""
+class DriftTerms(dict):
+    """``Tracker.assemble``'s result: ``{"decay", "first", "second"}`` -> ``Values``, views of rows 1-3
+    of ``buf``, the step scratch ``record_step`` forms the five terms in (it takes ``buf`` and squares
+    it in place: pass them to one ``record_step``).  ``at``: the ``_Entries`` they hold when compact
+    (None: the full law layout), ``h_old``: then ``h_k`` at those entries (taken once per step)."""
 
-    at = None
+    __slots__ = ("at", "buf", "h_old")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at = self.buf = self.h_old = None
+
+
+class _Deferred:
+    """A ``NonFiniteError`` raised by a flush due while a step is being booked (inside
+    ``optimizer.step()``: the optimizer has applied the step): held by ``call`` until the step is
+    booked, then raised by ``raise_booked``, which first marks the steps booked so far as covered
+    by it (``Tracker._nonfinite_reported``), so a caller who catches it loses no step and gets one
+    error per divergence.  ``call`` keeps the first error of several."""
+
+    __slots__ = ("err",)
+
+    def __init__(self):
+        self.err: NonFiniteError | None = None
+
+    def call(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except NonFiniteError as e:
+            self.err = self.err or e
+
+    def raise_booked(self, tracker: "Tracker", booked: int | None) -> None:
+        """Raise the held error, if any, after setting ``tracker._nonfinite_reported = booked`` (None:
+        leave it to the caller that books the remaining steps)."""
+        if self.err is not None:
+            if booked is not None:
+                tracker._nonfinite_reported = booked
+            raise self.err
+
+
+def _selector(ids: np.ndarray, device):
+    """Sorted distinct indices ``ids`` as a ``slice`` when they are one run of consecutive integers (every
+    sampler group's are: a unit is a run of the layout, a group consecutive units), so selecting them
+    is a view and nothing is held; else an int32 index tensor on ``device`` (4 bytes per index)."""
+    if len(ids) == 0 or int(ids[-1]) - int(ids[0]) + 1 == len(ids):
+        return slice(int(ids[0]) if len(ids) else 0, int(ids[-1]) + 1 if len(ids) else 0)
+    return torch.from_numpy(ids).to(device, torch.int32)
+
+
+def _add_at(x: torch.Tensor, sel, y: torch.Tensor) -> None:
+    """``x[sel] += y`` in place (``sel``: a ``_selector``; each selected entry gets one addition)."""
+    if isinstance(sel, slice):
+        x[sel].add_(y)
+    else:
+        x.index_add_(0, sel, y)
 
 
 class _Entries:
-    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``vi`` / ``si[D]``
-    (int64, on the device; ``*_np`` on the host), their flat ``_fam_all`` ids ``fam`` (int32), and the
-    compact scratch layout ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``.  Built per
-    drift step from the mask's host arrays (a few bytes per decomposed entry; nothing is held)."""
+    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``vec`` / ``slots[D]``
+    / ``flat`` select them in the vec layout, each D's Gram slots and the flat layout of ``_fam_all``
+    (``_selector``: slices, or int32 index tensors when not one run); ``size`` of them; the compact
+    scratch layout ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``; ``assembly``, the
+    drift assembly in this layout (``Assembly.restrict``).  Built once per sampler group from the
+    mask's host arrays and cached per ``Mask.key`` (``Tracker._entries``).  Held per group: a few
+    Python objects, the assembly's set-id runs (a few, 8 bytes each) and, for selections that are
+    not one run, 4 bytes per entry (index) + 1 (linear flag); none for the samplers' groups (every
+    group is one run of the layout: slices and views)."""
 
-    __slots__ = ("vi_np", "si_np", "vi", "si", "fam", "flat_at", "layout")
+    __slots__ = ("vec", "slots", "flat", "size", "flat_at", "layout", "assembly")
 
     def __init__(self, tr: "Tracker", mask: Mask):
         dev = tr.device
-        self.vi_np = np.flatnonzero(mask.vec_np)
-        self.si_np = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
-        self.vi = torch.from_numpy(self.vi_np).to(dev)
-        self.si = {d: torch.from_numpy(x).to(dev) for d, x in self.si_np.items()}
-        flat = np.concatenate([self.vi_np] + [tr._flat_at[d] + self.si_np[d] for d in tr._gram_ds])
-        held = tr.__dict__.get("_fam_all_held")
-        flat = torch.from_numpy(flat).to(dev)
-        self.fam = held[flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[flat])
-        nv, at, self.flat_at = len(self.vi_np), len(self.vi_np), {}
+        vi = np.flatnonzero(mask.vec_np)
+        si = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
+        self.vec, self.slots = _selector(vi, dev), {d: _selector(x, dev) for d, x in si.items()}
+        self.flat = _selector(np.concatenate([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds]), dev)
+        self.size = len(vi) + sum(len(x) for x in si.values())
+        nv, at, self.flat_at = len(vi), len(vi), {}
         for d in tr._gram_ds:
             self.flat_at[d] = at
-            at += len(self.si_np[d])
+            at += len(si[d])
         spans = []
         for d in tr._gram_ds:
-            n = len(self.si_np[d])
+            n = len(si[d])
             spans.append((d, at, at + n * d * d, (n, d, d)))
             at += n * d * d
         self.layout = (at, nv, spans)
+        # the assembly in this layout (slices: its per-entry flags are views of the parent's)
+        host = lambda sel, ids: sel if isinstance(sel, slice) else ids  # noqa: E731
+        self.assembly = tr.assembly.restrict(host(self.vec, vi), {d: host(self.slots[d], si[d]) for d in si})
+
+    def families(self, tr: "Tracker") -> torch.Tensor:
+        """(size,) int32: the family of each of these entries (gathered per call: not held)."""
+        held = tr.__dict__.get("_fam_all_held")
+        return held[self.flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[self.flat])
 
     def take(self, v: "Values") -> tuple:
-        """``(vec, {D: grams})`` of ``v`` at these entries (gathered copies)."""
-        return v.vec[self.vi], {d: g[self.si[d]] for d, g in v.grams.items()}
+        """``(vec, {D: grams})`` of ``v`` at these entries (views for slices, else gathered copies): read only."""
+        return v.vec[self.vec], {d: g[self.slots[d]] for d, g in v.grams.items()}
 
 
 def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:

@@ -785,11 +785,12 @@ def used_tensors(plan: Plan) -> list[int]:
     return sorted({t.view.tensor for t in list(plan.grams) + list(plan.norms) + list(plan.sums)})
 
 
-def check_drift_inputs(plan: Plan, olds, news):
-    """``ValueError`` naming the fix for mismatched old/new lists or shapes."""
+def check_drift_inputs(plan: Plan, olds, news, used: Sequence[int] | None = None):
+    """``ValueError`` naming the fix for mismatched old/new lists or shapes (``used``: ``used_tensors(plan)``
+    if the caller has it)."""
     if len(olds) != len(news):
         raise ValueError(f"drift: got {len(olds)} old tensors but {len(news)} new ones; pass one old per new")
-    for i in used_tensors(plan):
+    for i in used_tensors(plan) if used is None else used:
         if not 0 <= i < len(news):
             raise ValueError(f"the plan names tensor {i} but {len(news)} tensors were given")
         if tuple(olds[i].shape) != tuple(news[i].shape):
@@ -809,12 +810,12 @@ def drift_operands(plan: Plan, olds, news, a: Sequence[float], fp64: bool):
     return ao, dl
 
 
-def _donatable(plan: Plan, olds, news, fp64: bool) -> bool:
+def _donatable(plan: Plan, olds, news, fp64: bool, used: Sequence[int]) -> bool:
     """Whether ``Delta`` can be formed in the storage of ``olds`` (``drift(..., donate=True)``): every
-    read old tensor is in the accumulation dtype and shares no memory with a new one, and no vec
-    entry mixes a linear (Sum) term with a quadratic one."""
+    read old tensor (``used``: ``used_tensors(plan)``) is in the accumulation dtype and shares no memory
+    with a new one, and no vec entry mixes a linear (Sum) term with a quadratic one."""
     dt = acc_dtype(fp64)
-    for i in used_tensors(plan):
+    for i in used:
         o, n = olds[i], news[i]
         if o.numel() == 0:
             continue
@@ -865,7 +866,7 @@ def _shift_first_order(vec: torch.Tensor, shifted, dl) -> None:
 
 
 def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evaluate: Callable, bilinear: Callable,
-                  decay: bool = True, donate: bool = False, values: bool = True):
+                  decay: bool = True, donate: bool = False, values: bool = True, used: Sequence[int] | None = None):
     """The drift pieces from separate evaluations (``evaluate(plan, xs)`` / ``bilinear(plan, xs, ys)``
     return ``(vec, grams)``): ``h(news)`` (None if not ``values``), the closed-form decay
     (``decay_reference``, on the tensors' device; None if not ``decay``), ``B(a olds, Delta)``,
@@ -875,13 +876,14 @@ def drift_compose(plan: Plan, olds, news, a: Sequence[float], fp64: bool, evalua
     formed in their storage (no second weight-sized buffer) and ``B(a olds, Delta)`` is taken as
     ``B(news, Delta) - h(Delta)`` on the quadratic entries (exact: ``a olds = news - Delta`` with the
     same rounded ``Delta``; its rounding error is of the same order as the direct form's).  Ignored
-    where it cannot apply (``_donatable``)."""
+    where it cannot apply (``_donatable``).  ``used``: ``used_tensors(plan)`` if the caller has it."""
     dec = decay_reference(plan, olds, a, fp64=fp64) if decay else None  # reads olds before they change
     h_new = evaluate(plan, news) if values else None
     plan, shifted = _unshifted(plan)  # Gemma gains (1 + w)^2: B and h(Delta) of the unshifted form + shift part
-    if donate and _donatable(plan, olds, news, fp64):
+    used = used_tensors(plan) if used is None else used  # (the unshifted plan reads the same tensors)
+    if donate and _donatable(plan, olds, news, fp64, used):
         dl = list(olds)
-        used = [i for i in used_tensors(plan) if olds[i].numel()]
+        used = [i for i in used if olds[i].numel()]
         if used:  # Delta = news - a olds, in place: two foreach calls for all tensors (fl32(a*o) as drift_operands)
             torch._foreach_mul_([olds[i] for i in used], [-a[i] for i in used])
             torch._foreach_add_([olds[i] for i in used], [news[i] for i in used])
@@ -935,8 +937,9 @@ def drift_reference(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[tor
     ``bil`` is ``sum (a x + s) Delta`` and its ``h_delta`` is ``sum Delta^2`` (no shift).
     """
     olds, news = list(olds), list(news)
-    check_drift_inputs(plan, olds, news)
+    used = used_tensors(plan)  # once per pass (the checks and the donated Delta read it)
+    check_drift_inputs(plan, olds, news, used)
     a = drift_factors(a, len(news))
     return drift_compose(plan, olds, news, a, fp64, lambda p, xs: evaluate_reference(p, xs, fp64=fp64),
                          lambda p, xs, ys: bilinear_reference(p, xs, ys, fp64=fp64), decay=decay, donate=donate,
-                         values=values)
+                         values=values, used=used)

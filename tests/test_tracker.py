@@ -311,3 +311,32 @@ def test_track_needs_a_model_and_rejects_double_wrapping():
     opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m)
     with pytest.raises(ValueError, match="already tracked"):
         conserve.track(opt, m)
+
+
+def test_deferred_nonfinite_error_is_held_until_the_step_is_booked():
+    """``_Deferred`` (the one NonFiniteError deferral of record_step and the distributed tracker): holds
+    the first NonFiniteError of its calls, lets any other error through, and ``raise_booked`` raises it
+    after marking the booked steps (``_nonfinite_reported``); nothing held: no raise, no mark."""
+    from conserve.errors import NonFiniteError
+    from conserve.tracker import _Deferred
+
+    class T:
+        _nonfinite_reported = 0
+
+    def bad(msg):
+        raise NonFiniteError(msg)
+
+    d, t = _Deferred(), T()
+    d.raise_booked(t, 5)
+    assert t._nonfinite_reported == 0
+    d.call(bad, "first")
+    d.call(bad, "second")
+    d.call(lambda: None)
+    with pytest.raises(ValueError):
+        d.call(int, "x")
+    with pytest.raises(NonFiniteError, match="first"):
+        d.raise_booked(t, 7)
+    assert t._nonfinite_reported == 7
+    with pytest.raises(NonFiniteError, match="first"):
+        d.raise_booked(t, None)
+    assert t._nonfinite_reported == 7

@@ -277,3 +277,166 @@ def test_assembly_factors_per_tensor_set_equal_the_per_term_form(pattern):
             mixed |= bool(np.isnan(want_g).any())
     assert np.isnan(want_v[plan.norms[0].index])  # the shifted term's tensor has a != 1
     assert asm.needs_kernel_decay(a) == mixed
+
+
+# ------------------------------------------------------------------ the one drift assembly (issue 12 review)
+
+
+def test_compact_layouts_cached_per_group_bit_equal_to_rebuilt(monkeypatch):
+    """A sampler group's compact layout (``_Entries``, with its restricted assembly) is built once and
+    reused each time the group comes round: one per group, the same object, and the rows, cumulative
+    terms and state bit for bit those of a tracker that rebuilds it every drift step."""
+    res = {}
+    for cached in (True, False):
+        m = _model()
+        opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1), m, every=100,
+                             drift_every=1, snapshot_budget=0.05, keep_last=True)
+        tr = opt.tracker
+        n = len(tr.sampler.groups)
+        assert n > 3
+        if not cached:  # a fresh layout every drift step (the cache emptied before each use)
+            orig = Tracker._entries
+            monkeypatch.setattr(Tracker, "_entries", lambda self, mask: (self._entries_of.clear(), orig(self, mask))[1])
+        seen = []
+        for k in range(2 * n + 1):
+            _steps(opt, m, 1, seed=k)
+            seen.append(id(tr._entries_of.get(("sampler", k % n))))
+        if cached:
+            assert len(tr._entries_of) == n and seen[:n] == seen[n: 2 * n]
+        res[cached] = (torch.stack(tr._rows), {k: v.state() for k, v in tr.cumulative.items()},
+                       {t: v.clone() for t, v in tr.last.items()}, tr.sampled_steps.clone())
+        monkeypatch.undo()
+    (r0, c0, l0, s0), (r1, c1, l1, s1) = res[True], res[False]
+    assert torch.equal(r0.nan_to_num(7.0), r1.nan_to_num(7.0)) and torch.equal(r0.isnan(), r1.isnan())
+    assert all(torch.equal(c0[k][x], c1[k][x]) for k in c0 for x in c0[k]) and torch.equal(s0, s1)
+    assert all(_bits((l0[t].vec, l0[t].grams), (l1[t].vec, l1[t].grams)) for t in l0)
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+def test_assembly_correct_from_the_held_table_bit_equal_to_per_entry_factors(fp64):
+    """``Assembly.correct`` expands a per-set table held per ``a`` (nothing law-sized uploaded per step);
+    it equals, bit for bit, the per-entry form: the factors of each entry (``_factors``) turned into
+    ``d, a / a_f, a, a_f`` in float64 on the host and rounded once to the values' dtype.  Mixed decay
+    (two parameter groups inside some laws) and linear laws included; a restricted layout too."""
+    import numpy as np
+    from conserve.tracking.drift import Assembly
+
+    m = _model()
+    tr = Tracker(m, drift=False, fp64=fp64)
+    plan, n, dt = tr.compiled.plan, len(tr.tensors), tr.h.vec.dtype
+    a = [0.999 if t.dim() >= 2 else (1.0 - 1e-3 * 0.3) for t in tr.tensors]  # not fp32 numbers; mixed
+    asm = Assembly(plan, tr.compiled.linear_mask, "cpu")
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda v: (torch.randn(v[0].shape, generator=g, dtype=dt),  # noqa: E731
+                     {d: torch.randn(x.shape, generator=g, dtype=dt) for d, x in v[1].items()})
+    h = rnd((tr.h.vec, tr.h.grams))
+
+    def per_entry(asm, h, first, second):
+        (tv, tg), (rv, rg) = asm._factors(a)
+
+        def fix(f, s, h, t, r, lin):
+            uni = ~np.isnan(t) & ~np.isnan(r)
+            d = np.where(uni, t - r, 0.0)
+            if not d.any():
+                return f, s
+            shape = (-1,) + (1,) * (h.dim() - 1)
+            up = lambda x: torch.from_numpy(x).to(dt).view(shape)  # noqa: E731
+            dd, ratio = up(d), up(np.where(uni, t / np.where(uni, r, 1.0), 1.0))
+            tt, rr = up(np.where(uni, t, 1.0)), up(np.where(uni, r, 1.0))
+            fq = ratio * (f - 2 * dd * rr * h)
+            sq = s - (dd / tt) * fq - dd * dd * h
+            if lin is None:
+                return fq, sq
+            return torch.where(lin.view(shape), f - dd * h, fq), torch.where(lin.view(shape), s, sq)
+        fv, sv = fix(first[0], second[0], h[0], tv, rv, asm._lin)
+        out = {d: fix(first[1][d], second[1][d], h[1][d], tg[d], rg[d], None) for d in first[1]}
+        return (fv, {d: x[0] for d, x in out.items()}), (sv, {d: x[1] for d, x in out.items()})
+
+    vi = np.arange(3, plan.vec_size, 7)
+    si = {d: np.arange(0, k, 2) for d, k in plan.gram_slots.items()}
+    sub = asm.restrict(vi, si)
+    hs = (h[0][vi], {d: x[si[d]] for d, x in h[1].items()})
+    mixed = False
+    for layout, hh in ((asm, h), (sub, hs)):
+        for _ in range(2):  # the second call reads the held table
+            first, second = rnd(hh), rnd(hh)
+            got, want = layout.correct(hh, first, second, a), per_entry(layout, hh, first, second)
+            assert _bits(got[0], want[0]) and _bits(got[1], want[1])
+            assert not _bits(got[0], first)  # the factors are not fp32 numbers: a correction was made
+        mixed |= bool(np.isnan(layout._factors(a)[0][0]).any())
+    assert mixed and asm._ccache is not None and asm._ccache[1][0].shape == (4, asm._n_sets)
+
+
+def test_assembly_terms_with_step_statistics_bit_equal_to_their_composition():
+    """``Assembly.terms(..., stats=StepStats)`` (the fused optimizers' path): ``first = 2 B + lin h(Delta) +
+    s_first``, ``second = (1 - lin) h(Delta) + s_second`` corrected to the exact ``a``, masked, and the
+    decay with the statistics' per-term decay added to the pass's, bit for bit; without a DRIFT pass
+    (``pieces=None``) the terms are the statistics' alone (Gram terms 0).  A list of pieces is emptied."""
+    from conserve.tracking.drift import Assembly, StepStats, make_mask
+    import numpy as np
+
+    m = _model()
+    tr = Tracker(m, drift=False)
+    plan, dt = tr.compiled.plan, tr.h.vec.dtype
+    a = [0.999 if t.dim() >= 2 else 0.9995 for t in tr.tensors]
+    asm = Assembly(plan, tr.compiled.linear_mask, "cpu")
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda: (torch.randn(plan.vec_size, generator=g, dtype=dt),  # noqa: E731
+                   {d: torch.randn(k, d, d, generator=g, dtype=dt) for d, k in plan.gram_slots.items()})
+    h, b, hd, dec = rnd(), rnd(), rnd(), rnd()
+    st = StepStats(*(torch.randn(plan.vec_size, generator=g, dtype=dt) for _ in range(3)))
+    vm = np.arange(plan.vec_size) % 3 != 0
+    mask = make_mask(vm, {d: np.arange(k) % 2 == 0 for d, k in plan.gram_slots.items()}, "cpu")
+    lin = tr.compiled.linear_mask
+    for with_pass in (True, False):
+        pieces = [None, dec, b, hd] if with_pass else None
+        got = asm.terms(h, pieces, a, mask, stats=st)
+        if with_pass:
+            assert pieces == []
+            f = (2 * b[0] + hd[0] * lin + st.first, {d: 2 * x for d, x in b[1].items()})
+            s = (hd[0] * ~lin + st.second, dict(hd[1]))
+            kernel = (st.decay + dec[0], dec[1])
+        else:
+            f = (st.first.clone(), {d: torch.zeros_like(x) for d, x in h[1].items()})
+            s = (st.second.clone(), {d: torch.zeros_like(x) for d, x in h[1].items()})
+            kernel = (st.decay, {})
+        f, s = asm.correct(h, f, s, a)
+        mask.restrict_(f, s)
+        want = {"first": f, "second": s, "decay": asm.decay(h, a, kernel, mask)}
+        for k in want:
+            assert _bits(got[k], want[k]), (with_pass, k)
+
+
+def test_compact_layout_selects_by_slice_or_index_alike():
+    """``_Entries`` selects a sampler group's entries by slices (one run of the layout: views, nothing
+    held) and any other mask by int32 indices: both give the gathered values, families, linear flags
+    and in-place additions of plain fancy indexing."""
+    import numpy as np
+    from conserve.tracker import _Entries, _add_at
+    from conserve.tracking.drift import make_mask
+
+    m = _model()
+    tr = Tracker(m, drift=False)
+    plan = tr.compiled.plan
+    fam_all, lin = tr._fam_all, tr.compiled.linear_mask
+    for kind in ("run", "strided"):
+        vm = np.zeros(plan.vec_size, dtype=bool)
+        gm = {d: np.zeros(k, dtype=bool) for d, k in plan.gram_slots.items()}
+        if kind == "run":
+            vm[5: 40] = True
+        else:
+            vm[3::4] = True
+            for d in gm:
+                gm[d][::2] = True
+        at = _Entries(tr, make_mask(vm, gm, "cpu"))
+        assert isinstance(at.vec, slice) == (kind == "run")
+        vi, si = torch.from_numpy(np.flatnonzero(vm)), {d: torch.from_numpy(np.flatnonzero(x)) for d, x in gm.items()}
+        got = at.take(tr.h)
+        assert torch.equal(got[0], tr.h.vec[vi]) and all(torch.equal(got[1][d], tr.h.grams[d][si[d]]) for d in si)
+        flat = torch.cat([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds])
+        assert torch.equal(at.families(tr), fam_all[flat]) and at.size == flat.numel()
+        assert torch.equal(at.assembly._lin, lin[vi]) and np.array_equal(at.assembly._lin_np, lin[vi].numpy())
+        x, y = torch.randn(plan.vec_size), torch.randn(len(vi))
+        want = x.clone().index_add_(0, vi, y)
+        _add_at(x, at.vec, y)
+        assert torch.equal(x, want)

@@ -35,8 +35,8 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
   across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
   block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps);
-  between steps the optimizer holds one sign and one slot index per (entry, statistic) pair and a
-  pair count per entry.
+  between steps the optimizer holds, per (entry, statistic) pair, its entry (int32) and slot (int16)
+  index and one sign.
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
@@ -76,7 +76,7 @@ from ..kernels import streams
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
 from ..tracker import Tracker, Values, eager
-from ..tracking.drift import Mask, Sampler, drift_pieces, make_mask
+from ..tracking.drift import Mask, Sampler, StepStats, drift_pieces, make_mask
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
@@ -173,19 +173,18 @@ class _FusedPlan:
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
         o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
-        # held between steps: the pairs per entry (the pairs are in entry order: ``_finish`` expands the
-        # counts back into each pair's entry), one sign per pair (K.finish_signed rebuilds the four
-        # coefficients from it and the slot's kind), int8 when the signs are small integers (exact in
-        # the product with the float statistics), and the slot indices, in int16 when they fit
+        # held between steps (CPU finish, ``K.finish_signed``): per pair its entry, int32 (the index type
+        # index_add_ takes: not widened per step), its slot, int16 when it fits (the finish widens it
+        # once per step: held narrow, the in-step peak is lower), and one sign, int8 when the signs
+        # are small integers (exact in the product with the float statistics; the finish rebuilds the
+        # four coefficients from it and the slot's kind)
         sign = cf[0]
         small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
-        counts = torch.bincount(o, minlength=plan.vec_size)
-        top = int(counts.max()) if counts.numel() else 0
-        narrow = lambda x, n: x.to(dev, torch.int16 if n < 2 ** 15 else torch.int32)  # noqa: E731
-        self.compact = (counts.to(dev, torch.uint8) if top < 256 else narrow(counts, top),
-                        narrow(sl, self.n_slots), sign.to(dev, torch.int8 if small else acc))
-        # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         cuda = torch.device(dev).type == "cuda"
+        entry = o.to(dev, torch.int32 if plan.vec_size < 2 ** 31 else torch.int64)
+        slot = sl.to(dev, torch.int16 if self.n_slots < 2 ** 15 else torch.int32)
+        self.compact = None if cuda else (entry, slot, sign.to(dev, torch.int8 if small else acc))
+        # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
@@ -543,8 +542,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 K.stats_reference(None, t, 1.0, fp.reqs[i], stats)
         if fp.idx is not None:  # deterministic (CUDA)
             return K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]])
-        counts, slot, sign = fp.compact
-        return K.finish_signed(stats, torch.repeat_interleave(counts.int()), slot, sign, fp.n_quad, fp.n_entries)
+        entry, slot, sign = fp.compact
+        return K.finish_signed(stats, entry, slot, sign, fp.n_quad, fp.n_entries)
 
     def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None) -> None:
         tr, fp = self.tracker, self._fp
@@ -564,49 +563,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
             return
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         mask = self._mask(snap)
-        # the terms go straight into rows 1-3 of the tracker's step scratch (see Tracker.drift_terms)
-        buf, wv, wg = tr._scratch((5,), tr.h.vec.dtype)
-        (fv, fg), (sv, sg) = (wv[2], {d: g[2] for d, g in wg.items()}), (wv[3], {d: g[3] for d, g in wg.items()})
-        kv, kg = vals[3], None  # per-term decay of the step statistics (+ the pass's)
+        pieces = None  # no DRIFT pass: every term this step comes from the step statistics
         if snap is not None:
-            asm = tr.assembly
             news = self._sampler.news(snap, tr.tensors)
-            pieces = self._drift_pass(snap, news, a, mask)  # computed in step() under overlap=True
+            pieces = list(self._drift_pass(snap, news, a, mask))  # computed in step() under overlap=True
             snap.olds.clear()
             del snap, news
-            _, dec, b, hd = (None if x is None else Values(*x) for x in pieces)
-            del pieces
-            if dec is not None:
-                kv, kg = vals[3] + dec.vec, dec.grams
-            torch.mul(b.vec, 2, out=fv)  # first = stats + 2 B + lin h(Delta); second = stats + (1 - lin) h(Delta)
-            fv.add_(torch.mul(hd.vec, tr._lin, out=sv)).add_(vals[1])
-            torch.mul(hd.vec, asm._nlin, out=sv).add_(vals[2])
-            for d in fg:
-                torch.mul(b.grams[d], 2, out=fg[d])
-                sg[d].copy_(hd.grams[d])
-            del b, hd, dec
-        else:
-            fv.copy_(vals[1])
-            sv.copy_(vals[2])
-            for d in fg:
-                fg[d].zero_()
-                sg[d].zero_()
-        if kg is None:
-            kg = {d: torch.zeros_like(g) for d, g in fg.items()}
-        h_old = (tr.h.vec, tr.h.grams)
-        # the statistics and the DRIFT pass form Delta with a rounded to fp32: the terms of the exact a
-        # (Assembly.terms does the same on the conserve.track path; Noether: SGD's first term is 0)
-        (cfv, cfg), (csv, csg) = tr.assembly.correct(h_old, (fv, fg), (sv, sg), a)
-        for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in fg] + [(sg[d], csg[d]) for d in sg]:
-            if r is not o:
-                o.copy_(r)
-        del cfv, cfg, csv, csg
-        decay = tr.assembly.decay(h_old, a, (kv, kg), mask, out=(wv[1], {d: g[1] for d, g in wg.items()}))
+        # the one assembly (Tracker.assemble -> Assembly.terms): the statistics' terms (rows 1, 2; their
+        # per-term decay, row 3) join the pass's, at the exact a (the statistics use a rounded to fp32)
+        terms = tr.assemble(pieces, a, mask, stats=StepStats(vals[1], vals[2], vals[3]))
         h1 = h_new()
-        del vals, kv, kg
-        mask.restrict_((fv, fg), (sv, sg))
-        tr._terms_buf = buf  # taken by record_step
-        tr.record_step(h1, {"decay": Values(*decay), "first": Values(fv, fg), "second": Values(sv, sg)}, mask)
+        del pieces, vals
+        tr.record_step(h1, terms, mask)
 
 
 def _pass(snap, news, a, tr: Tracker, decay: bool, config=None):

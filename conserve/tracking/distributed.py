@@ -49,9 +49,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import kernels
-from ..errors import NonFiniteError, UsageError
+from ..errors import UsageError
 from ..laws import Law
-from ..tracker import TERMS, NotKept, Tracker, Values, _abs_plan, decay_factors, eager, record_value, stepped_factors
+from ..tracker import (TERMS, NotKept, Tracker, Values, _abs_plan, _Deferred, decay_factors, eager, record_value,
+                       stepped_factors)
 from .shard_plan import _Entries, _Layout, comm_schedule
 from .drift import drift_pieces
 
@@ -473,14 +474,9 @@ class DistributedTracker(Tracker):
         # sizes are the same on every rank, so every rank decides the same)
         nxt = self._schedule.step_scalars(prev is not None, self.drift) * self._pack_dtype.itemsize
         pending = sum(p.pack.numel() for p in self._pend) * self._pack_dtype.itemsize
-        err = None
+        deferred = _Deferred()  # a NonFiniteError is raised once this step is pending (the optimizer applied it)
         if self._pend and (len(self._pend) >= self.every or pending + nxt > self._max_pending_bytes):
-            try:
-                self._sync()
-                if len(self._rows) >= self.every:
-                    Tracker.flush(self)
-            except NonFiniteError as e:  # raised once this step is pending: the optimizer has applied it
-                err = e
+            deferred.call(self._reduce_and_flush)
         cur = [_local(p) for p in self.params]
         self.tensors = cur
         a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
@@ -497,9 +493,13 @@ class DistributedTracker(Tracker):
                 self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
             m.update()
-        if err is not None:
-            self._nonfinite_reported = self.step_count + len(self._pend)  # this step too (pending)
-            raise err
+        deferred.raise_booked(self, self.step_count + len(self._pend))  # this step too (pending)
+
+    def _reduce_and_flush(self) -> None:
+        """Reduce the pending steps, then write the rows if ``every`` are due (``after_step``)."""
+        self._sync()
+        if len(self._rows) >= self.every:
+            Tracker.flush(self)
 
     def _sync(self) -> None:
         """Reduce the pending steps (the owner-only row exchange if heads straddle ranks, then ONE
@@ -511,15 +511,10 @@ class DistributedTracker(Tracker):
             self._exchange_pending()
         pend, self._pend = self._pend, []
         x = self._all_reduce(torch.cat([p.pack for p in pend]))
-        err = None
+        deferred = _Deferred()
         for row, p in zip(x.split([p.pack.numel() for p in pend]), pend):
-            try:
-                self._book(row, p)
-            except NonFiniteError as e:  # the step is booked (see _book): book the rest first
-                err = err or e
-        if err is not None:
-            self._nonfinite_reported = self.step_count  # these steps were booked before the caller saw it
-            raise err
+            deferred.call(self._book, row, p)  # the step is booked (see _book): book the rest first
+        deferred.raise_booked(self, self.step_count)  # these steps were booked before the caller saw it
 
     def _book(self, x: torch.Tensor, p: _Pending) -> None:
         """Finish one step's metric row from its reduced pack: add the split instances' ``eps`` and
@@ -556,20 +551,16 @@ class DistributedTracker(Tracker):
             else:
                 parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
         self._h_split = hs
-        err = None
+        deferred = _Deferred()
         if len(self._rows) >= self.every:  # as Tracker.record_step: flush lazily, raise once this step is booked
-            try:
-                Tracker.flush(self)
-            except NonFiniteError as e:
-                err = e
+            deferred.call(Tracker.flush, self)
         self.step_count += 1
         self._rows.append(torch.cat(parts).float())
         if p.extras:  # (not Tracker.record: it ignores scalars once closed, and close() books the pending steps)
             while len(self._extras) < len(self._rows):
                 self._extras.append({})
             self._extras[len(self._rows) - 1].update(p.extras)
-        if err is not None:
-            raise err
+        deferred.raise_booked(self, None)  # _sync marks the booked steps once it has booked them all
 
     def _materialize(self) -> None:
         """Full ``h`` and ``cumulative`` on every rank (one packed all-reduce after the pending steps)."""

@@ -9,9 +9,10 @@ decoupled decay of each tensor) and a quadratic law ``h``::
 (linear laws: ``(a - 1) h_k + c . Delta``, no second order).  The pieces ``(h_new, decay, bil, h_delta)``
 come from ONE call of the DRIFT pass ``conserve.kernels.drift`` (Triton on CUDA, its torch twin on CPU);
 this module turns them into ``decay / first / second`` (``Assembly``), and chooses which law entries
-a drift step decomposes under a snapshot budget (``Sampler``).  Every path uses it: ``conserve.track``
-(``conserve.tracker.Tracker``), the fused optimizers (``conserve.optim.fused``) and, next, the
-distributed tracker.
+a drift step decomposes under a snapshot budget (``Sampler``).  Every path uses the one
+``Assembly.terms``: ``conserve.track`` (``Tracker.drift_terms`` -> ``Tracker.assemble``), the fused
+optimizers (``Tracker.assemble`` with their step statistics, ``StepStats``) and the distributed
+tracker (``DistributedTracker._pieces``).
 
 Decay without cancellation: when every tensor an entry reads has the same ``a`` (the usual case: one
 parameter group per law), ``decay = (a^2 - 1) h_k`` from the stored ``h_k`` (``a^2 - 1`` is exact in
@@ -37,7 +38,7 @@ try:  # the kernels' reference module (after the vectorised twin); before it, pl
 except ImportError:  # pragma: no cover - depends on the kernels version
     from ..kernels.plan import drift_factors
 
-__all__ = ["drift_pieces", "drift_factors", "Assembly", "Sampler", "Snapshot", "Mask", "make_mask"]
+__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Snapshot", "Mask", "make_mask"]
 
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
                  fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True, config=None):
@@ -64,6 +65,40 @@ def _entries_of(plan: Plan):
     return vec, gram
 
 
+@dataclass
+class _Runs:
+    """Per-entry set ids in run-length form, per part of the layout (``"vec"``, then each D's slots):
+    the entries of one law share a set and lie side by side, so a layout has a few runs per law
+    family, not one id per entry.  ``sets[p]``/``lengths[p]``: the set and length of each run of part
+    ``p`` (host int32); ``dev``: ``{p: (sets, lengths)}`` copies on a GPU device (None on the CPU,
+    where ``on_device`` views the host arrays: no tensor object held per run array)."""
+
+    sets: dict
+    lengths: dict
+    dev: dict | None
+
+    def expand(self, f: np.ndarray, p) -> np.ndarray:
+        """``f[set of each entry of part p]`` (a per-set host array at the entries)."""
+        return np.repeat(f[self.sets[p]], self.lengths[p])
+
+    def on_device(self, p) -> tuple:
+        """``(sets, lengths)`` of part ``p`` as tensors on the device."""
+        return self.dev[p] if self.dev is not None else (torch.from_numpy(self.sets[p]), torch.from_numpy(self.lengths[p]))
+
+
+def _runs(ids: np.ndarray, vec_size: int, gram_slots: Mapping[int, int], device) -> _Runs:
+    """``_Runs`` of the per-entry set ids ``ids`` (flat layout: the vec entries, then each D's slots)."""
+    ps, pl, at = {}, {}, 0
+    for p, n in [("vec", vec_size)] + list(gram_slots.items()):
+        x = ids[at: at + n]
+        starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]]) if n else np.zeros(0, dtype=np.int64)
+        ps[p], pl[p] = x[starts].astype(np.int32), np.diff(np.r_[starts, n]).astype(np.int32)
+        at += n
+    host = torch.device(device).type == "cpu"
+    return _Runs(ps, pl, None if host else {p: (torch.from_numpy(ps[p]).to(device), torch.from_numpy(pl[p]).to(device))
+                                            for p in ps})
+
+
 class Assembly:
     """Turns the DRIFT pieces of one step into the identity's ``decay``, ``first``, ``second`` terms.
 
@@ -84,7 +119,8 @@ class Assembly:
         self.vec_size, self.gram_slots = plan.vec_size, dict(plan.gram_slots)
         self.device = device
         self._lin = linear.to(device)
-        self._lin_np = linear.detach().cpu().numpy().astype(bool)  # host copy, once (no device->host copy per step)
+        # host copy, once (no device->host copy per step); on the CPU it views ``linear`` (bool already)
+        self._lin_np = linear.detach().cpu().numpy().astype(bool, copy=False)
         # per output entry the set of (tensor, shifted) pairs its terms read, as one small set id
         # (entries of one law share it); the sets' members are kept, not one row per term row
         codes = [(e, 2 * t + int(sh)) for e, t, sh in vec] + [(self.vec_size + self._slot_at(d, sl), 2 * t)
@@ -95,14 +131,15 @@ class Assembly:
             per[e].add(c)
         ids: dict = {}
         flat = np.asarray([ids.setdefault(tuple(sorted(x)), len(ids)) for x in per], dtype=np.int64)
-        it = np.int16 if len(ids) < np.iinfo(np.int16).max else np.int32
-        self._set_id = flat.astype(it)  # (vec entries, then each D's slots) -> set
+        # (vec entries, then each D's slots) -> set, held as runs (the entries of a law lie side by side)
+        self._runs = _runs(flat, self.vec_size, self.gram_slots, self.device)
         members = [(k, c) for key, k in ids.items() for c in key]
         self._m_set = np.asarray([k for k, _ in members], dtype=np.int64)
         self._m_tensor = np.asarray([c // 2 for _, c in members], dtype=np.int64)
         self._m_shift = np.asarray([c % 2 == 1 for _, c in members], dtype=bool)
         self._n_sets = len(ids)
         self._cache: tuple | None = None
+        self._ccache: tuple | None = None  # correct's per-set table for the last (a, dtype)
 
     def _slot_at(self, d: int, slot: int) -> int:
         """Flat index of Gram slot ``slot`` of size ``d`` after the vec entries (D in ``gram_slots`` order)."""
@@ -147,21 +184,18 @@ class Assembly:
         """Per entry the common ``a`` of its tensors (nan if they differ, or a shifted term's tensor has
         ``a != 1``, or it reads none): ``(true, rounded)`` pairs of ``(vec, {D: slots})`` arrays
         (``_set_factors`` expanded to the entries per call: nothing entry-sized is kept)."""
-        out, nv = [], self.vec_size
-        for f in self._set_factors(a):
-            e = f[self._set_id]
-            fg, at = {}, nv
-            for d, n in self.gram_slots.items():
-                fg[d] = e[at: at + n]
-                at += n
-            out.append((e[:nv], fg))
+        out, runs = [], self._runs
+        for f in self._set_factors(a):  # f at each entry's set
+            out.append((runs.expand(f, "vec"), {d: runs.expand(f, d) for d in self.gram_slots}))
         return tuple(out)
 
-    def restrict(self, vi: np.ndarray, si: Mapping[int, np.ndarray]) -> "Assembly":
-        """The assembly of the entries ``vi`` (vec indices) and ``si[D]`` (Gram slots), renumbered in
+    def restrict(self, vi, si: Mapping) -> "Assembly":
+        """The assembly of the entries ``vi`` (vec indices) and ``si[D]`` (Gram slots; index arrays, or
+        slices: then its linear flags are views of this assembly's), renumbered in
         order (the layout of a ``Sampler(compact=True)`` sub-plan): its ``terms``/``decay`` take and
         return values of those entries only, equal entry by entry to the full layout's (the
-        operations are per entry).  Built per drift step (a few entry-sized arrays, nothing cached)."""
+        operations are per entry).  Holds its set ids as runs (``_Runs``) and, for index arrays, 1 byte
+        per entry (its linear flag): the tracker caches one per sampler group (``conserve.tracker._Entries``)."""
         return _Restricted(self, vi, si)
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
@@ -169,17 +203,12 @@ class Assembly:
         nan = np.isnan(self._set_factors(a)[0])  # true factors: entries mixed there are decayed by the kernel
         if not nan.any():
             return False
+        runs = self._runs
         if sampled is None or sampled.full:
-            return bool(nan[self._set_id].any())
-        nv = self.vec_size
-        if nan[self._set_id[:nv][sampled.vec_np]].any():
+            return any(bool(nan[x].any()) for x in runs.sets.values())
+        if runs.expand(nan, "vec")[sampled.vec_np].any():
             return True
-        at = nv
-        for d, n in self.gram_slots.items():
-            if nan[self._set_id[at: at + n][sampled.gram_np[d]]].any():
-                return True
-            at += n
-        return False
+        return any(bool(runs.expand(nan, d)[sampled.gram_np[d]].any()) for d in self.gram_slots)
 
     def decay(self, h_old, a: Sequence[float], kernel=None, sampled: "Mask | None" = None, out=None):
         """``(a^2 - 1) h_old`` (quadratic entries) / ``(a - 1) h_old`` (linear), ``(vec, {D: grams})``;
@@ -222,21 +251,22 @@ class Assembly:
 
     def correct(self, h_old, first, second, a: Sequence[float]):
         """``first``/``second`` (``(vec, {D: grams})``) computed with the fp32-rounded ``a`` (the kernels'
-        ``Delta_f``) turned into those of the true ``a`` (see ``terms``); unchanged where they agree."""
+        ``Delta_f``) turned into those of the true ``a`` (see ``terms``); unchanged where they agree.
+        The per-entry factors are the per-set ones (``_correction_table``, held per ``a``) expanded on
+        the device: nothing law-sized is uploaded per step."""
         hv, hg = h_old
         dt = hv.dtype
-        (tv, tg), (rv, rg) = self._factors(a)
+        table, nonzero = self._correction_table(a, dt)
+        runs = self._runs
 
-        def fix(first, second, h, t, r, lin_mask):
-            uni = ~np.isnan(t) & ~np.isnan(r)
-            d = np.where(uni, t - r, 0.0)
-            if not d.any():
+        def fix(first, second, h, part, lin_mask):
+            if not nonzero[runs.sets[part]].any():  # d = 0 at every entry of this part
                 return first, second
             shape = (-1,) + (1,) * (h.dim() - 1)
-            dd = torch.from_numpy(d).to(self.device, dt).view(shape)
-            ratio = torch.from_numpy(np.where(uni, t / np.where(uni, r, 1.0), 1.0)).to(self.device, dt).view(shape)
-            tt = torch.from_numpy(np.where(uni, t, 1.0)).to(self.device, dt).view(shape)
-            rr = torch.from_numpy(np.where(uni, r, 1.0)).to(self.device, dt).view(shape)
+            # (4, entries): d, a / a_f, a, a_f per entry (1 where an entry's tensors have different a)
+            sets, lengths = runs.on_device(part)
+            e = torch.repeat_interleave(table[:, sets], lengths, dim=1, output_size=h.shape[0])
+            dd, ratio, tt, rr = (x.view(shape) for x in e.unbind(0))
             f_quad = ratio * (first - 2 * dd * rr * h)
             s_quad = second - (dd / tt) * f_quad - dd * dd * h
             if lin_mask is None:
@@ -244,13 +274,32 @@ class Assembly:
             lm = lin_mask.view(shape)
             return torch.where(lm, first - dd * h, f_quad), torch.where(lm, second, s_quad)
 
-        fv, sv = fix(first[0], second[0], hv, tv, rv, self._lin)
+        fv, sv = fix(first[0], second[0], hv, "vec", self._lin)
         fg, sg = {}, {}
         for d in first[1]:
-            fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], tg[d], rg[d], None)
+            fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], d, None)
         return (fv, fg), (sv, sg)
 
-    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None, out=None) -> dict:
+    def _correction_table(self, a: Sequence[float], dt):
+        """Per tensor set, for ``correct``: ``(4, sets)`` tensor of ``d = a - a_f``, ``a / a_f``, ``a``,
+        ``a_f`` in ``dt`` on the device (``0, 1, 1, 1`` for a set whose tensors have different ``a``),
+        and the host bool ``d != 0`` per set.  The factors in float64 on the host, one rounding to
+        ``dt`` (as per entry).  Held for the last ``(a, dt)`` (it changes only with the lr): a few
+        floats per set."""
+        key = (tuple(map(float, a)), dt)
+        if self._ccache is not None and self._ccache[0] == key:
+            return self._ccache[1]
+        t, r = self._set_factors(a)
+        uni = ~np.isnan(t) & ~np.isnan(r)
+        d = np.where(uni, t - r, 0.0)
+        ratio = np.where(uni, t / np.where(uni, r, 1.0), 1.0)
+        cols = np.stack([d, ratio, np.where(uni, t, 1.0), np.where(uni, r, 1.0)])
+        got = (torch.from_numpy(cols).to(self.device, dt), d != 0)
+        self._ccache = (key, got)
+        return got
+
+    def terms(self, h_old, pieces, a: Sequence[float], sampled: "Mask | None" = None, out=None,
+              stats: "StepStats | None" = None) -> dict:
         """The identity's terms for the true ``a`` (python floats per tensor).  The kernels form
         ``Delta_f = new - a_f old`` with ``a_f`` = ``a`` rounded to fp32; with ``d = a - a_f`` per entry
         (``old`` = theta_k, ``Delta = new - a old = Delta_f - d old``), exactly::
@@ -261,50 +310,95 @@ class Assembly:
         so a decay factor that is not an fp32 number (``1 - lr*wd`` in double) keeps the first-order
         term at its true value (Noether: it vanishes for SGD with weight decay) in float64.
 
+        ``pieces``: the DRIFT pass's ``(h_new, decay, bil, h_delta)``; a list is consumed (cleared when
+        read, so its law-sized pieces are freed before the corrections are formed); None: no DRIFT pass
+        this step (every term then comes from ``stats``; the Gram terms are 0).  ``stats``: the step
+        statistics' contributions to the vec entries (``StepStats``, the fused optimizers': their
+        terms are added to ``2 B + lin h(Delta)`` / ``(1 - lin) h(Delta)`` before the exact-``a``
+        correction, their per-term decay to the pass's).
         ``out``: ``{"decay", "first", "second"}`` -> ``(vec, {D: grams})`` tensors of ``h_old``'s shapes and
         dtype to write the terms into (e.g. rows of the tracker's step scratch); None: fresh tensors."""
-        _, dec, (bv, bg), (dv, dg) = pieces  # h_new is not used (None is fine)
         hv, hg = h_old
         dt = hv.dtype
         if out is None:
             out = {k: (torch.empty_like(hv), {d: torch.empty_like(g) for d, g in hg.items()})
                    for k in ("decay", "first", "second")}
         (fv, fg), (sv, sg) = out["first"], out["second"]
-        bv, dv = bv.to(dt), dv.to(dt)
-        torch.mul(bv, 2, out=fv)  # first = 2 B + lin * h(Delta), second = (1 - lin) * h(Delta)
-        fv.add_(torch.mul(dv, self._lin, out=sv))
-        torch.mul(dv, self._nlin, out=sv)
-        for d in hg:
-            torch.mul(bg[d].to(dt), 2, out=fg[d])
-            sg[d].copy_(dg[d])
+        dec = None
+        if pieces is None:  # the step statistics alone (no term outside them this step)
+            if stats is None:
+                fv.zero_()
+                sv.zero_()
+            else:
+                fv.copy_(stats.first)
+                sv.copy_(stats.second)
+            for d in hg:
+                fg[d].zero_()
+                sg[d].zero_()
+        else:
+            _, dec, (bv, bg), (dv, dg) = pieces  # h_new is not used (None is fine)
+            if isinstance(pieces, list):
+                pieces.clear()
+            bv, dv = bv.to(dt), dv.to(dt)
+            torch.mul(bv, 2, out=fv)  # first = 2 B + lin * h(Delta) (+ stats), second = (1 - lin) * h(Delta) (+ stats)
+            fv.add_(torch.mul(dv, self._lin, out=sv))
+            if stats is not None:
+                fv.add_(stats.first)
+            torch.mul(dv, self._nlin, out=sv)
+            if stats is not None:
+                sv.add_(stats.second)
+            for d in hg:
+                torch.mul(bg[d].to(dt), 2, out=fg[d])
+                sg[d].copy_(dg[d])
+            del bv, bg, dv, dg
         (cfv, cfg), (csv, csg) = self.correct(h_old, (fv, fg), (sv, sg), a)
         for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in hg] + [(sg[d], csg[d]) for d in hg]:
             if r is not o:
                 o.copy_(r)
+        del cfv, cfg, csv, csg
         if sampled is not None:  # the corrections touch every entry: mask again
             sampled.restrict_((fv, fg), (sv, sg))
+        if stats is not None and stats.decay is not None:  # the statistics' per-term decay (+ the pass's)
+            dec = (stats.decay, {}) if dec is None else (stats.decay + dec[0], dec[1])
         self.decay(h_old, a, dec, sampled, out=out["decay"])
         return out
+
+
+@dataclass
+class StepStats:
+    """The step statistics' part of one drift step's terms (the fused optimizers, spec "Discrete
+    steps"): ``(vec_size,)`` tensors in the law values' dtype, 0 at entries no statistic covers.
+    ``first``/``second``: their first- and second-order terms (fp32-rounded ``a``, as the DRIFT pass);
+    ``decay``: their per-term decay ``sum_t s_t (a_t^2 - 1) h_t(old)`` (read where the tensors of an
+    entry have different ``a``), or None."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+    decay: torch.Tensor | None = None
 
 
 class _Restricted(Assembly):
     """``Assembly.restrict``: the parent's per-entry facts (linear mask, decay factors) at some entries."""
 
-    def __init__(self, parent: Assembly, vi: np.ndarray, si: Mapping[int, np.ndarray]):
-        self._parent, self._vi, self._si = parent, np.asarray(vi, dtype=np.int64), {d: np.asarray(si[d], dtype=np.int64)
-                                                                                      for d in parent.gram_slots}
-        self.vec_size, self.gram_slots = len(self._vi), {d: len(x) for d, x in self._si.items()}
+    def __init__(self, parent: Assembly, vi, si: Mapping):
+        # held: per entry its linear flag (host; a view of the parent's for a slice; the device tensor
+        # views it on the CPU, a slice of the parent's elsewhere); the set ids as runs
+        self._parent = parent
         self.device = parent.device
-        self._lin_np = parent._lin_host()[self._vi]
-        self._lin = torch.from_numpy(self._lin_np).to(parent.device)
-        at, ids = parent.vec_size, [parent._set_id[self._vi]]
-        for d, n in parent.gram_slots.items():
-            ids.append(parent._set_id[at: at + n][self._si[d]])
-            at += n
-        self._set_id = np.concatenate(ids)  # the parent's set of each of these entries (vec, then slots)
+        self._lin_np = parent._lin_host()[vi]
+        self._lin = parent._lin[vi] if isinstance(vi, slice) else torch.from_numpy(self._lin_np).to(parent.device)
+        pr = parent._runs
+        ids = [np.repeat(pr.sets["vec"], pr.lengths["vec"])[vi]] + [np.repeat(pr.sets[d], pr.lengths[d])[si[d]]
+                                                                   for d in parent.gram_slots]
+        self.vec_size, self.gram_slots = len(ids[0]), {d: len(x) for d, x in zip(parent.gram_slots, ids[1:])}
+        # the parent's set of each of these entries (vec, then slots), held as runs (no per-entry id)
+        self._runs = _runs(np.concatenate(ids), self.vec_size, self.gram_slots, self.device)
 
     def _set_factors(self, a: Sequence[float]):
         return self._parent._set_factors(a)
+
+    def _correction_table(self, a: Sequence[float], dt):
+        return self._parent._correction_table(a, dt)
 
 
 @dataclass
