@@ -36,7 +36,7 @@ def read_metrics(path: str | Path) -> list[dict]:
         p = p / "metrics.jsonl"
     if not p.is_file():
         raise UsageError(f"{p} not found; pass a run directory or a metrics.jsonl file written by conserve")
-    out, bad, back = [], [], None
+    out, bad, back, odd, n_odd = [], [], None, None, 0
     lines = p.read_text(errors="replace").splitlines()
     for i, line in enumerate(lines, 1):
         try:
@@ -51,16 +51,31 @@ def read_metrics(path: str | Path) -> list[dict]:
         if isinstance(step, int) and not isinstance(step, bool):
             if back is None and out and step <= out[-1]["step"]:
                 back = (i, out[-1]["step"], step)
+            for k, v in list(rec.items()):  # a law value / loss another tool wrote as a string, list...
+                if (k == "loss" or k.startswith(_NUMERIC)) and v is not None and not _real(v):
+                    del rec[k]  # missing, not null (null is a non-finite value)
+                    odd = odd or (k, v, step)
+                    n_odd += 1
             out.append(rec)
     if bad:
         warnings.warn(f"conserve: {p}: skipped {len(bad)} line(s) that are not JSON (line {bad[0]}"
                       f"{'...' if len(bad) > 1 else ''}); the report covers the other records", RuntimeWarning,
                       stacklevel=2)
+    if odd is not None:
+        warnings.warn(f"conserve: {p}: {n_odd} value(s) are not numbers (e.g. {odd[0]} = {odd[1]!r} at step {odd[2]}); "
+                      "they are left out", RuntimeWarning, stacklevel=2)
     if back is not None:
         warnings.warn(f"conserve: {p}: the steps go back at line {back[0]} (step {back[2]} after {back[1]}): two "
                       "runs in one file? the report mixes them; write each run to its own file", RuntimeWarning,
                       stacklevel=2)
     return out
+
+
+_NUMERIC = ("eps/", "drift/", "control/", "broken/")  # the keys whose values the report computes with
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _json_object(path: Path) -> dict:

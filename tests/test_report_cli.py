@@ -237,3 +237,16 @@ def test_report_of_a_callback_run_names_the_laws_its_param_groups_break(tmp_path
     assert fams["gain"]["verdict_key"] == "broken_by" and "5 law(s) broken by the optimizer's param_groups" in \
         fams["gain"]["verdict"]
     assert fams["vo"]["verdict_key"] != "broken_by"
+
+
+def test_report_leaves_out_law_values_that_are_not_numbers(tmp_path):
+    """A metrics file another tool wrote, with a law value as a string or a list: a TypeError traceback
+    (math.isfinite); they are left out, with a warning, and not read as non-finite (null) values."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "eps/vo": "0.1", "loss": "x"}\n{"step": 2, "eps/vo": 0.2, "eps/qk": [1], "loss": true}\n'
+        '{"step": 3, "eps/vo": 0.3, "eps/qk": 0.5, "drift/vo/measured": "NaN"}\n')
+    with pytest.warns(RuntimeWarning, match=r"5 value\(s\) are not numbers \(e.g. eps/vo = '0.1' at step 1\)"):
+        assert main(["report", str(tmp_path)]) == 0
+    fams = json.loads((tmp_path / "summary.json").read_text())["families"]
+    assert fams["vo"]["verdict_key"] != "nonfinite" and fams["vo"]["eps_final"] == pytest.approx(0.3)
+    assert fams["qk"]["eps_final"] == pytest.approx(0.5)
