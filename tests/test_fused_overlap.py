@@ -20,19 +20,13 @@ import conserve.kernels as CK
 from conserve.kernels import optim_step as K
 from conserve.kernels import streams
 from conserve.kernels.plan import GramTerm, Plan, View
-from conserve.models.lm import DecoderLM, LMConfig
+from test_fused_optim import lm
 from conserve.optim import FusedAdamW, FusedSGD
 from conserve.optim import fused as F
 
 pytestmark = pytest.mark.filterwarnings("ignore::conserve.tracking.breakers.BrokenLawWarning")
 
 
-def _lm(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=24)
-    cfg.update(kw)
-    return DecoderLM(LMConfig(**cfg))
 
 
 def _groups(model, kw):
@@ -65,7 +59,7 @@ def _same(a, b, what=""):
 
 
 def _run(cls, kw, overlap, steps, model_kw=None, spy=None, **tracker_kw):
-    m = _lm(**(model_kw or {}))
+    m = lm(**(model_kw or {}))
     opt = cls(_groups(m, kw), **kw, track=m, every=1000, keep_last=True, overlap=overlap, **tracker_kw)
     opt._model_names = list(m.named_parameters())
     if spy is not None:
@@ -168,7 +162,7 @@ def test_overlap_ordering_is_bit_identical(monkeypatch, cls, kw, every, budget):
 
 
 def test_overlap_option_errors():
-    m = _lm()
+    m = lm()
     with pytest.raises(TypeError, match="overlap"):
         FusedAdamW(m.parameters(), track=m, overlap="yes")
     with pytest.raises(ValueError, match="track=model"):
@@ -329,7 +323,7 @@ def test_failing_pass_still_steps_every_weight(monkeypatch):
 
     monkeypatch.setattr(F, "drift_pieces", boom)
     api = _FakeApi()
-    m = _lm()
+    m = lm()
     opt = FusedAdamW(_groups(m, kw), **kw, track=m, every=1000, keep_last=True, overlap=True, drift_every=1,
                      snapshot_budget=None)
     opt._stream_api = api
