@@ -15,3 +15,7 @@ class NonFiniteError(UsageError):
 
 class DivergenceError(UsageError):
     """Training diverged (exploding loss, or a law's ``eps`` beyond a bound); the message names the step and the fix."""
+
+
+class StaleParameterError(UsageError, RuntimeError):
+    """A tracked parameter is no longer the model's (replaced, re-shaped, parametrized): rebuild the tracker."""

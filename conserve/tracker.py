@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .errors import NonFiniteError
+from .errors import NonFiniteError, StaleParameterError
 from .laws import Compiled, Declined, Law, compile_laws
 from .tracking.breakers import check_optimizer, decay_factor, per_param_decay  # noqa: F401  (decay_factor: re-exported)
 from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
@@ -237,6 +237,10 @@ class Tracker:
         self.compiled: Compiled = compile_laws(kept, {k: tuple(v.shape) for k, v in named.items()})
         self.laws = kept
         self.params = [named[n] for n in self.compiled.names]
+        # where each tracked parameter lives in the model (checked before a flush: ``stale``); None
+        # without a model (``params=``)
+        self._bound = _bindings(_unwrap(model), self.compiled.names) if params is None and model is not None else None
+        self._bound_shapes = [tuple(p.shape) for p in self.params]
         self.tensors = self._local_tensors(self.params)
         self.every, self.drift, self.fp64, self.backend = every, drift, fp64, backend
         self.sinks, self.monitors = list(sinks), list(monitors)
@@ -377,6 +381,50 @@ class Tracker:
     def _eval(self, tensors) -> Values:
         return Values(*kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend))
 
+    # ------------------------------------------------------------------ the model's parameters, still
+    def stale(self) -> list[str]:
+        """The tracked parameters that are no longer the model's, one reason each: the module's
+        parameter under that name is another tensor (``module.weight = nn.Parameter(...)``,
+        ``load_state_dict(..., assign=True)``, ``resize_token_embeddings``, re-tying embeddings), is
+        gone (``torch.nn.utils.parametrize`` / ``prune`` moved it to ``weight_orig`` / ``original``), or
+        has another shape than the tracker was built for (``p.data = ...``).  ``[]`` when all are the
+        model's, and for a tracker built from ``params=`` / a copy without its model (nothing to
+        compare).  One dict look-up per tracked tensor."""
+        bound = self.__dict__.get("_bound")
+        if not bound or getattr(self, "world", 1) > 1:  # (a distributed tracker: every rank would have to agree)
+            return []
+        out = []
+        for name, (ref, key), t, shape in zip(self.compiled.names, bound, self.params, self._bound_shapes):
+            mod = ref()
+            if mod is None:
+                continue
+            now = mod._parameters.get(key)
+            if now is None:
+                out.append(f"{name} is no longer a parameter of the model (parametrize / prune / deleted)")
+            elif now is not t:
+                out.append(f"{name} was replaced by another tensor")
+            elif tuple(t.shape) != shape:
+                out.append(f"{name} has shape {tuple(t.shape)}, the tracker was built for {shape}")
+        return out
+
+    def _stale_message(self, why: list[str]) -> str:
+        more = f" (and {len(why) - 2} more)" if len(why) > 2 else ""
+        return (f"conserve: {'; '.join(why[:2])}{more} since the tracker was built, so it would report tensors "
+                "that are no longer the model's: build a new tracker over the model as it is now "
+                "(conserve.track(optimizer, model), or the fused optimizer's track=model) and give the optimizer the "
+                "new parameters")
+
+    def check_bound(self) -> None:
+        """Before a step whose booking flushes the pending rows (``every`` of them): raise
+        ``StaleParameterError`` (one line naming the parameters and the fix) if ``stale()`` finds a
+        tracked parameter that is no longer the model's, before the optimizer changes anything; the
+        pending rows are kept (``close()`` writes them, with a warning).  Otherwise free (one length
+        test per step)."""
+        if len(self._rows) >= self.every and not self._closed:
+            why = self.stale()
+            if why:
+                raise StaleParameterError(self._stale_message(why))
+
     # ------------------------------------------------------------------------------------- steps
     @property
     def sampler(self) -> Sampler:
@@ -413,6 +461,7 @@ class Tracker:
         """Right before the optimizer step: on a drift step, copy what it reads of ``theta_k`` and take
         each parameter's decay factor ``a``; on the other steps nothing (nor after ``close()``)."""
         self._snap = None
+        self.check_bound()  # (a flush is due in this step: the tracked tensors must still be the model's)
         if not self.is_drift_step():
             return
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
@@ -713,6 +762,11 @@ class Tracker:
             self._write([])  # retries what a failing sink still owes
             return []
         first_step = self.step_count - len(self._rows) + 1
+        why = self.stale()
+        if why and not self.__dict__.get("_warned_stale"):  # an explicit flush / close: write, and say so once
+            self._warned_stale = True
+            warnings.warn(f"{self._stale_message(why)} (steps {first_step}..{self.step_count} are written; those after "
+                          "the change describe the old tensors)", RuntimeWarning, stacklevel=2)
         host = torch.stack(self._rows).cpu()
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
         extras += [{}] * (len(self._rows) - len(extras))
@@ -882,16 +936,22 @@ class Tracker:
         and model in the same call makes them), without sinks: a snapshot, not a second writer."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False}
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False,
+                "_bound": None}
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.copy(skip[k]) if k in skip else copy.deepcopy(v, memo)
+        # the bindings follow a model copied in the same call (else the copy has none: nothing to check)
+        bound = self.__dict__.get("_bound")
+        if bound is not None and all(r() is not None and id(r()) in memo for r, _ in bound):
+            new._bound = [(weakref.ref(memo[id(r())]), key) for r, key in bound]
         _LIVE.add(new)
         return new
 
     def __getstate__(self) -> dict:
         """Pickling keeps the series (values, pending rows, cumulative terms) without the sinks, as
         ``copy.deepcopy`` does: an unpickled tracker is a snapshot, not a second writer (set ``sinks``)."""
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False}
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False,
+                "_bound": None}  # (weak references to the model's modules do not pickle)
         return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
 
     def __setstate__(self, state: dict) -> None:
@@ -1097,6 +1157,15 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def _bindings(model: nn.Module, names: Sequence[str]) -> list:
+    """Per parameter name, ``(weak reference to its module, key in the module's _parameters)``."""
+    out = []
+    for n in names:
+        prefix, _, key = n.rpartition(".")
+        out.append((weakref.ref(model.get_submodule(prefix) if prefix else model), key))
+    return out
 
 
 def _model_laws(model: nn.Module):

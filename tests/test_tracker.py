@@ -340,3 +340,67 @@ def test_deferred_nonfinite_error_is_held_until_the_step_is_booked():
     with pytest.raises(NonFiniteError, match="first"):
         d.raise_booked(t, None)
     assert t._nonfinite_reported == 7
+
+
+@pytest.mark.parametrize("kind", ["track", "fused"])
+@pytest.mark.parametrize("how", ["parameter", "assign", "prune"])
+def test_a_replaced_parameter_is_refused_before_the_flush_not_tracked_stale(kind, how):
+    """A parameter replaced under the tracker (``module.weight = nn.Parameter(...)`` with the new one given
+    to the optimizer, ``load_state_dict(..., assign=True)``, ``prune`` moving it to ``weight_orig``) kept
+    being tracked silently: every row described the old tensor (QA finding).  The step whose booking
+    flushes raises one ``StaleParameterError`` naming the parameter, before the optimizer changes
+    anything; the pending rows are kept and written at close (with one warning)."""
+    m = _model(dtype=torch.float32)
+    if kind == "track":
+        opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=3)
+    else:
+        opt = conserve.optim.FusedSGD(m.parameters(), lr=1e-2, track=m, every=3)
+    batch = _batch()
+    for _ in range(2):
+        _step(m, opt, batch)
+    head = m.lm_head
+    if how == "parameter":
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        opt.add_param_group({"params": [head.weight]})
+    elif how == "assign":
+        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    else:
+        import torch.nn.utils.prune as prune
+
+        prune.l1_unstructured(head, "weight", amount=0.3)
+    _step(m, opt, batch)  # step 3: no flush due
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(conserve.errors.StaleParameterError, match=r"(lm_head|q_proj).weight (was replaced|is no longer a parameter).*build a new tracker"):
+        _step(m, opt, batch)  # step 4 would flush steps 1-3
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # refused before the update
+    assert opt.tracker.step_count == 3 and len(opt.tracker._rows) == 3
+    with pytest.warns(RuntimeWarning, match="steps 1..3 are written"):
+        rows = opt.tracker.flush()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_unchanged_or_in_place_changed_parameters_are_not_stale():
+    """In-place changes keep the tensors (``p.data = ...`` of the same shape, ``load_state_dict`` by copy,
+    ``model.to(float64)``): nothing is refused, and a deepcopy of model and optimizer together checks
+    the copies."""
+    import copy
+
+    m = _model(dtype=torch.float32)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=2)
+    batch = _batch()
+    for s in range(6):
+        if s == 1:
+            p = m.layers[0].mlp.up_proj.weight
+            p.data = p.data.clone()
+        if s == 2:
+            m.load_state_dict(_model(seed=1, dtype=torch.float32).state_dict())
+        if s == 3:
+            m.to(torch.float64)
+            batch = _batch()
+        _step(m, opt, batch)
+    assert opt.tracker.stale() == []
+    m2, opt2 = copy.deepcopy((m, opt))
+    assert opt2.tracker.stale() == []
+    m2.lm_head.weight = torch.nn.Parameter(m2.lm_head.weight.detach().clone())
+    assert opt2.tracker.stale() == ["lm_head.weight was replaced by another tensor"] and opt.tracker.stale() == []
+    opt.tracker.close()

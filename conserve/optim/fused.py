@@ -357,6 +357,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         tr, fp = self.tracker, self._fp
+        if tr is not None:
+            tr.check_bound()  # a flush is due in this step: the tracked tensors must still be the model's
         drift_step = tr is not None and tr.is_drift_step()
         snap = None
         if tr is not None and drift_step and fp.rest is not None:  # the Gram-law views, copied only before a drift step
