@@ -239,7 +239,7 @@ class Tracker:
         self.params = [named[n] for n in self.compiled.names]
         # where each tracked parameter lives in the model (checked before a flush: ``stale``); None
         # without a model (``params=``)
-        self._bound = _bindings(_unwrap(model), self.compiled.names) if params is None and model is not None else None
+        self._bound = weakref.ref(_unwrap(model)) if params is None and model is not None else None
         self._bound_shapes = [tuple(p.shape) for p in self.params]
         self.tensors = self._local_tensors(self.params)
         self.every, self.drift, self.fp64, self.backend = every, drift, fp64, backend
@@ -272,6 +272,7 @@ class Tracker:
         # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
         self.cumulative: dict[str, Values] = {k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
+        self._versions = self._tensor_versions()  # the weights h_0 was evaluated on (``check_outside``)
         _LIVE.add(self)
 
     def check_optimizer(self, optimizer) -> dict[str, str]:
@@ -391,12 +392,16 @@ class Tracker:
         model's, and for a tracker built from ``params=`` / a copy without its model (nothing to
         compare).  One dict look-up per tracked tensor."""
         bound = self.__dict__.get("_bound")
-        if not bound or getattr(self, "world", 1) > 1:  # (a distributed tracker: every rank would have to agree)
+        root = bound() if bound is not None else None
+        if root is None or getattr(self, "world", 1) > 1:  # (a distributed tracker: every rank would have to agree)
             return []
         out = []
-        for name, (ref, key), t, shape in zip(self.compiled.names, bound, self.params, self._bound_shapes):
-            mod = ref()
-            if mod is None:
+        for name, t, shape in zip(self.compiled.names, self.params, self._bound_shapes):
+            prefix, _, key = name.rpartition(".")
+            try:  # resolved from the root each time: a replaced module (model.lm_head = nn.Linear(...)) is seen
+                mod = root.get_submodule(prefix) if prefix else root
+            except AttributeError:
+                out.append(f"{name} is no longer in the model (its module was removed)")
                 continue
             now = mod._parameters.get(key)
             if now is None:
@@ -413,6 +418,40 @@ class Tracker:
                 "that are no longer the model's: build a new tracker over the model as it is now "
                 "(conserve.track(optimizer, model), or the fused optimizer's track=model) and give the optimizer the "
                 "new parameters")
+
+    def _tensor_versions(self) -> list[int] | None:
+        """The in-place version counter of each tracked tensor (``Tensor._version``: every in-place write,
+        ``copy_`` of ``load_state_dict`` included, bumps it; ``p.data = ...`` does not)."""
+        if getattr(self, "world", 1) > 1:
+            return None
+        return [t._version for t in self.params]
+
+    def check_outside(self) -> None:
+        """Right before a step: warn once (one line) if a tracked tensor was written in place since the
+        last booked step (or since the tracker was built): ``model.load_state_dict`` (pretrained weights
+        loaded after the tracker was built), a second optimizer, an EMA or LoRA merge written into the
+        weights.  That change is no step of the tracked optimizer: ``eps`` jumps with it (still measured
+        against the ``theta_0`` the tracker was built on) and, before a drift step, the drift ``residual``
+        holds it.  Reads one counter per tracked tensor (~0.1 us each)."""
+        was = self.__dict__.get("_versions")
+        if was is None or self._closed or self.__dict__.get("_warned_outside"):
+            return
+        moved = [n for n, t, v in zip(self.compiled.names, self.params, was) if t._version != v]
+        if moved:
+            self._warned_outside = True
+            more = f" (and {len(moved) - 2} more)" if len(moved) > 2 else ""
+            when = "the tracker was built" if self.step_count == 0 else f"step {self.step_count}"
+            warnings.warn(f"conserve: {', '.join(moved[:2])}{more} changed in place since {when}, outside the tracked "
+                          "optimizer step (load_state_dict, a second optimizer, an EMA/LoRA merge?): eps jumps with "
+                          "it (still measured against the weights the tracker was built on) and a drift step's residual "
+                          "holds it; build the tracker after loading weights, and change them only through the "
+                          "tracked optimizer", RuntimeWarning, stacklevel=4)
+
+    def _accept_weights(self) -> None:
+        """The weights as they are now are those the next step starts from, without a warning: after an
+        optimizer step that is no training step and leaves the values alone (DCP's zero-lr state
+        initialisation, a step GradScaler skipped inside the optimizer) but may bump the counters."""
+        self._versions = self._tensor_versions()
 
     def check_bound(self) -> None:
         """Before a step whose booking flushes the pending rows (``every`` of them): raise
@@ -462,6 +501,7 @@ class Tracker:
         each parameter's decay factor ``a``; on the other steps nothing (nor after ``close()``)."""
         self._snap = None
         self.check_bound()  # (a flush is due in this step: the tracked tensors must still be the model's)
+        self.check_outside()
         if not self.is_drift_step():
             return
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
@@ -619,6 +659,7 @@ class Tracker:
         row = torch.cat(parts)
         self._rows.append(row.float())
         self.h = h1
+        self._versions = self._tensor_versions()  # the weights as this step left them (``check_outside``)
         for m in self.monitors:
             m.update()
         deferred.raise_booked(self, self.step_count)  # this step was booked before the caller saw the error
@@ -941,9 +982,10 @@ class Tracker:
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.copy(skip[k]) if k in skip else copy.deepcopy(v, memo)
         # the bindings follow a model copied in the same call (else the copy has none: nothing to check)
-        bound = self.__dict__.get("_bound")
-        if bound is not None and all(r() is not None and id(r()) in memo for r, _ in bound):
-            new._bound = [(weakref.ref(memo[id(r())]), key) for r, key in bound]
+        root = self.__dict__["_bound"]() if self.__dict__.get("_bound") is not None else None
+        if root is not None and id(root) in memo:
+            new._bound = weakref.ref(memo[id(root)])
+        new._accept_weights()  # the copies' version counters start afresh
         _LIVE.add(new)
         return new
 
@@ -956,6 +998,8 @@ class Tracker:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if "params" in state:
+            self._accept_weights()  # the unpickled tensors' version counters start afresh
         _LIVE.add(self)
 
     # ----------------------------------------------------------------------------------- state
@@ -999,6 +1043,9 @@ class Tracker:
         for m, s in zip(self.monitors, state.get("monitors", [])):
             if s is not None and hasattr(m, "load_state_dict"):
                 m.load_state_dict(s)
+        # a resume: the weights are loaded around it (before or after, in place: DCP, load_state_dict), so they
+        # are compared from the first step booked after it on (check_outside)
+        self._versions = None
         written = self.step_count - len(self._rows)  # the last step the saved run had written
         for s in self.sinks:  # one series: sinks drop what an earlier run wrote after it
             if hasattr(s, "resume"):
@@ -1157,15 +1204,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
-
-
-def _bindings(model: nn.Module, names: Sequence[str]) -> list:
-    """Per parameter name, ``(weak reference to its module, key in the module's _parameters)``."""
-    out = []
-    for n in names:
-        prefix, _, key = n.rpartition(".")
-        out.append((weakref.ref(model.get_submodule(prefix) if prefix else model), key))
-    return out
 
 
 def _model_laws(model: nn.Module):

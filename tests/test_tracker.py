@@ -404,3 +404,56 @@ def test_unchanged_or_in_place_changed_parameters_are_not_stale():
     m2.lm_head.weight = torch.nn.Parameter(m2.lm_head.weight.detach().clone())
     assert opt2.tracker.stale() == ["lm_head.weight was replaced by another tensor"] and opt.tracker.stale() == []
     opt.tracker.close()
+
+
+@pytest.mark.parametrize("kind", ["track", "fused"])
+def test_a_replaced_module_is_refused_like_a_replaced_parameter(kind):
+    """``model.lm_head = nn.Linear(...)`` (what ``resize_token_embeddings`` does) replaces the module, not
+    only its parameter: the tracker resolves each name from the model's root, so it is seen too."""
+    m = _model(dtype=torch.float32)
+    opt = (conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=2) if kind == "track" else
+           conserve.optim.FusedSGD(m.parameters(), lr=1e-2, track=m, every=2))
+    batch = _batch()
+    _step(m, opt, batch)
+    m.lm_head = torch.nn.Linear(CFG["hidden_size"], CFG["vocab_size"], bias=False)
+    _step(m, opt, batch)
+    with pytest.raises(conserve.errors.StaleParameterError, match="lm_head.weight was replaced"):
+        _step(m, opt, batch)
+    with pytest.warns(RuntimeWarning, match="lm_head.weight was replaced"):
+        opt.tracker.close()
+
+
+@pytest.mark.parametrize("kind", ["track", "fused"])
+@pytest.mark.parametrize("when", [0, 3])
+def test_weights_written_in_place_outside_the_tracked_step_are_told_once(kind, when):
+    """``model.load_state_dict`` (pretrained weights loaded after the tracker was built, ``when=0``, or a
+    mid-run reload / LoRA merge / second optimizer) changes the weights outside the tracked step: eps
+    jumps and a drift step's residual holds it, which was silent (QA finding); one warning names the
+    parameters and the fix.  Ordinary training, and a resume through ``opt.load_state_dict`` with the
+    tracker state, warn nothing."""
+    import warnings
+
+    m = _model(dtype=torch.float32)
+    make = lambda: (conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100) if kind == "track" else  # noqa: E731
+                    conserve.optim.FusedSGD(m.parameters(), lr=1e-2, track=m, every=100))
+    opt, batch = make(), _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(when):
+            _step(m, opt, batch)
+        saved = {k: v.clone() for k, v in m.state_dict().items()}, opt.state_dict()
+        opt2 = make()  # a resume in the order: build, load the model, load the optimizer (and tracker)
+        m.load_state_dict(saved[0])
+        opt2.load_state_dict(saved[1])
+        _step(m, opt2, batch)
+        opt2.tracker.close()
+    m.load_state_dict(_model(seed=3, dtype=torch.float32).state_dict())
+    with pytest.warns(RuntimeWarning, match=r"layers.0.self_attn.q_proj.weight.*changed in place since "
+                      + ("the tracker was built" if when == 0 else f"step {when}")):
+        _step(m, opt, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            m.lm_head.weight.add_(1.0)
+        _step(m, opt, batch)  # once per tracker
+        opt.tracker.close()

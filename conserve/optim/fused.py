@@ -359,6 +359,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tr, fp = self.tracker, self._fp
         if tr is not None:
             tr.check_bound()  # a flush is due in this step: the tracked tensors must still be the model's
+            tr.check_outside()  # the weights were left as the last step wrote them
         drift_step = tr is not None and tr.is_drift_step()
         snap = None
         if tr is not None and drift_step and fp.rest is not None:  # the Gram-law views, copied only before a drift step

@@ -76,7 +76,9 @@ def _books_training_steps(step):
         try:
             # (not while torch.compile traces: DCP never compiles its state init, and dynamo cannot trace frames)
             if (not torch.compiler.is_compiling() and _in_dcp_state_init()) or _scaler_skips(self.optimizer):
-                return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+                out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+                self.tracker._accept_weights()  # (a zero-lr / skipped step: no change outside the tracked steps)
+                return out
             self.__dict__["_steps"] = self.__dict__.get("_steps", 0) + 1
             return step(self, closure)
         finally:
@@ -384,6 +386,8 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
         if not skipped[0]:
             tracker.after_step()
             handle.steps += 1
+        else:
+            tracker._accept_weights()  # (a zero-lr / skipped step: no change outside the tracked steps)
 
     handle._handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
     return handle
