@@ -395,12 +395,15 @@ class Tracker:
         root = bound() if bound is not None else None
         if root is None or getattr(self, "world", 1) > 1:  # (a distributed tracker: every rank would have to agree)
             return []
-        out = []
+        out, mods = [], {"": root}
         for name, t, shape in zip(self.compiled.names, self.params, self._bound_shapes):
             prefix, _, key = name.rpartition(".")
-            try:  # resolved from the root each time: a replaced module (model.lm_head = nn.Linear(...)) is seen
-                mod = root.get_submodule(prefix) if prefix else root
-            except AttributeError:
+            mod = mods.get(prefix)  # resolved from the root each time: a replaced module (model.lm_head = ...) is seen
+            if mod is None:
+                parent, _, child = prefix.rpartition(".")
+                up = mods.get(parent) if parent in mods else _submodule(root, parent)
+                mod = mods[prefix] = (up._modules.get(child) if up is not None else None)
+            if mod is None:
                 out.append(f"{name} is no longer in the model (its module was removed)")
                 continue
             now = mod._parameters.get(key)
@@ -1204,6 +1207,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    """``root.get_submodule(path)``, or None where the path no longer leads to a module."""
+    mod = root
+    for part in path.split(".") if path else ():
+        mod = mod._modules.get(part) if isinstance(mod, nn.Module) else None
+        if mod is None:
+            return None
+    return mod
 
 
 def _model_laws(model: nn.Module):
