@@ -176,6 +176,15 @@ class Tracker:
             as null in JSONL) and warns once; ``"skip"`` writes the finite rows only, counts the others
             in ``nonfinite_skipped`` and warns once. Steps keep their numbers in every case.
 
+    The model changing under the tracker: a tracked parameter replaced (``module.weight = nn.Parameter(...)``,
+    ``load_state_dict(..., assign=True)``, a replaced module, ``parametrize``/``prune``, another shape) makes
+    the next step whose booking flushes raise ``StaleParameterError`` before the optimizer changes anything
+    (``stale()`` lists them; an explicit ``flush()``/``close()`` writes and warns once); weights written in
+    place outside the tracked step (``model.load_state_dict``, a second optimizer, an EMA/LoRA merge) are
+    told by one ``RuntimeWarning`` at the next step (``check_outside``: ``eps`` jumps, a drift step's
+    ``residual`` holds the change).  In-place changes of layout (``p.data = ...``, same shape), dtype
+    (``model.to(torch.float64)``) and ``requires_grad`` keep the tensors: tracked as they are.
+
     Laws that read a frozen parameter are not tracked: they are listed in ``declined`` with the reason.
     ``broken_by`` ({law name: reason}) lists the laws the optimizer's ``param_groups`` break (different lr or
     weight decay inside one law, a parameter the optimizer does not hold); they are tracked, warned once
