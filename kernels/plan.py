@@ -26,7 +26,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan"]
+__all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan", "FLOAT_DTYPES", "check_dtype"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what every backend reads
+
+
+def check_dtype(t: torch.Tensor, i: int) -> None:
+    """``ValueError`` naming the fix when tensor ``i`` of a plan is not a real float of ``FLOAT_DTYPES``
+    (a complex weight would lose its imaginary part, an integer one is not a weight; both backends
+    refuse them alike)."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"tensor {i} has dtype {t.dtype}; the laws read real float weights: pass it as "
+                         f"one of {[str(d) for d in FLOAT_DTYPES]} (e.g. t.float())")
 
 
 @dataclass(frozen=True)
