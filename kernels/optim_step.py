@@ -356,8 +356,11 @@ def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: to
     blocks = bound if drift else CHUNK_MAX  # a drift step: every tensor in small blocks (its peak stays low)
     drift = drift and req.any
     # bf16 / fp16: torch's vectorised and scalar CPU loops may round differently, so blocks must split
-    # where the whole tensor's vector loop does (multiples of 64 elements) to keep its bits
-    lowp = p.element_size() < 4 and p.numel() > blocks and not _starts_aligned(B, R, C, blocks)
+    # where the whole tensor's vector loop does (multiples of 64 elements of memory order, which is the
+    # matrix form's order only when every operand is contiguous: a transposed bf16 weight split into row
+    # blocks came out 1 ulp off torch.optim) to keep its bits
+    lowp = p.element_size() < 4 and p.numel() > blocks and (
+        not _starts_aligned(B, R, C, blocks) or not all(t is None or t.is_contiguous() for t in tensors))
     if lowp or p.numel() == 0 or any(v is None and t is not None for v, t in zip(views, tensors)):
         old = p.detach().clone() if drift else None
         step_reference(h, [p], [grad], [buf1], [buf2], [step], first=[first])

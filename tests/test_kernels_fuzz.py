@@ -301,3 +301,29 @@ def test_step_triton_refuses_tensors_the_kernel_would_misread():
     S = torch.zeros(K.NQ, 7)
     K.step_triton(h, [p], [torch.zeros(3, 4)], [None], [None], [1.0], [req], S, interpret=True)  # fits: runs
     assert torch.allclose(S[0, :3].double(), keep.double().pow(2).sum(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_step_stats_reference_keeps_torch_bits_for_transposed_low_precision_weights(dtype):
+    """The twin's drift step runs in blocks of whole rows; for a bf16 / fp16 weight it must split where
+    torch's whole-tensor vector loop does, which is memory order.  A transposed (70, 40) bf16 weight and
+    grad (rows not contiguous) split into row blocks of CHUNK_MIN elements came out 1 ulp off
+    ``step_reference`` on the very same tensor layout; it is now stepped whole: same bits, and its
+    statistics still equal the float64 ones."""
+    from conserve.kernels import optim_step as K
+
+    g = torch.Generator().manual_seed(1)
+    h = K.Hyper("sgd", lr=0.1, weight_decay=0.3)
+    B, R, C = 1, 70, 40
+    p = torch.randn(R, C, generator=g).to(dtype).t().contiguous().t()
+    grad = torch.randn(R, C, generator=g).to(dtype).t().contiguous().t()
+    want, old = p.clone(), p.clone()
+    assert want.stride() == p.stride()
+    K.step_reference(h, [want], [grad], [None], [None], [1.0])
+    r = K.StatsRequest(0, B * R, 2 * B * R, 2 * B * R + B * C)
+    n = 2 * B * R + 2 * B * C
+    S = torch.zeros(K.NQ, n, dtype=torch.float64)
+    K.step_stats_reference(h, p, grad, None, None, 1.0, False, r, S, drift=True, bound=K.CHUNK_MIN)
+    assert torch.equal(p, want)
+    err = (S - _my_stats(old, p, h.a, r, n)).abs()
+    assert not (err > 1e-12 * _my_stats(old, p, h.a, r, n, True) + 1e-30).any()
