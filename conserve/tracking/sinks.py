@@ -232,6 +232,9 @@ class TensorBoardSink:
             w.flush()
             w.close()
 
+    def __repr__(self) -> str:
+        return f"TensorBoardSink({self.log_dir!r})"
+
 
 class WandbSink:
     """Logs to the active W&B run (``wandb.init`` first). Needs ``wandb`` (pip extra ``wandb``).
@@ -254,6 +257,9 @@ class WandbSink:
         self.step_metric = f"{prefix}step"
         self._run.define_metric(self.step_metric, hidden=True)
         self._run.define_metric(f"{prefix}*", step_metric=self.step_metric)
+
+    def __repr__(self) -> str:
+        return f"WandbSink(run={getattr(self._run, 'id', None)!r})"
 
     def write(self, step: int, metrics: dict) -> None:
         if getattr(self._run, "_is_finished", False):  # W&B would only say "the call to `log` will be ignored"
