@@ -65,9 +65,14 @@ class View:
 
     def resolve(self, t: torch.Tensor) -> tuple[int, int, int]:
         """Memory ``(offset, row_stride, col_stride)`` in elements of ``t``'s storage, relative to
-        ``t.data_ptr()``. Raises ``ValueError`` if the view does not fit inside ``t``."""
+        ``t.data_ptr()``. Raises ``ValueError`` if the view does not fit inside ``t``
+        or has a negative ``row_step`` / ``rows`` / ``cols``."""
         if len(self.start) != t.dim():
             raise ValueError(f"view start {self.start} has {len(self.start)} dims but the tensor has shape {tuple(t.shape)}")
+        if self.row_step < 0 or self.rows < 0 or self.cols < 0:
+            # a negative step walked past the start unchecked (only the last row was bounds-checked)
+            raise ValueError(f"view {self} has a negative row_step, rows or cols; use row_step >= 0 from the "
+                             f"lowest row (and rows, cols >= 0)")
         last = list(self.start)
         if self.rows > 0:
             last[self.row_dim] += (self.rows - 1) * self.row_step

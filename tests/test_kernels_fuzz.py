@@ -327,3 +327,23 @@ def test_step_stats_reference_keeps_torch_bits_for_transposed_low_precision_weig
     assert torch.equal(p, want)
     err = (S - _my_stats(old, p, h.a, r, n)).abs()
     assert not (err > 1e-12 * _my_stats(old, p, h.a, r, n, True) + 1e-30).any()
+
+
+def test_negative_view_steps_are_refused_on_both_backends():
+    """``View.resolve`` bounds-checked only the last row, so a negative ``row_step`` whose start row lies
+    past the tensor (start 7 of 6 rows, step -3: last row 1) passed and the Triton path read outside the
+    tensor, while the torch twin died in ``as_strided``.  Negative steps / sizes now raise one ValueError
+    on both backends; ``row_step=0`` (one row repeated) stays allowed and exact."""
+    x = torch.randn(6, 5)
+    for start, step in (((7, 0), -3), ((5, 0), -1)):
+        p = Plan()
+        p.grams.append(GramTerm(View(0, start, 0, 3, 1, 5, step), 1.0, p.new_gram(3)))
+        for be in BACKENDS:
+            with pytest.raises(ValueError, match="negative row_step"):
+                evaluate(p, [x], backend=be)
+    p = Plan()
+    p.grams.append(GramTerm(View(0, (2, 0), 0, 3, 1, 5, 0), 1.0, p.new_gram(3)))
+    p.norms.append(NormTerm(View(0, (2, 0), 0, 3, 1, 5, 0), 1.0, p.new_vec(3)))
+    for be in BACKENDS:
+        got = evaluate(p, [x], backend=be)
+        close(got, ref(p, [x]), ref(_abs(p), [x.abs()]), 1e-5, be)
