@@ -347,3 +347,25 @@ def test_negative_view_steps_are_refused_on_both_backends():
     for be in BACKENDS:
         got = evaluate(p, [x], backend=be)
         close(got, ref(p, [x]), ref(_abs(p), [x.abs()]), 1e-5, be)
+
+
+def test_views_the_backends_read_differently_are_refused():
+    """``col_dim=None`` (a single column) with ``cols=3``: Triton repeated the column three times, the
+    torch twin read it once (different laws from one plan); a ``row_dim`` the tensor lacks raised a bare
+    IndexError.  Both are now one ValueError on both backends; ``row_dim == col_dim`` (an overlapping
+    Hankel-style view) is read alike by both and stays allowed."""
+    x, b = torch.randn(6, 5), torch.randn(6)
+    for v, t, msg in ((View(0, (1,), 0, 4, None, 3), b, "use cols=1"), (View(0, (0, 0), 2, 3, 1, 5), x, "dimension")):
+        p = Plan()
+        p.norms.append(NormTerm(v, 1.0, p.new_vec(v.rows)))
+        p.sums.append(SumTerm(v, 1.0, p.new_vec(v.cols)))
+        for be in BACKENDS:
+            with pytest.raises(ValueError, match=msg):
+                evaluate(p, [t], backend=be)
+    v = View(0, (0, 0), 0, 3, 0, 3)
+    p = Plan()
+    p.grams.append(GramTerm(v, 1.0, p.new_gram(3)))
+    p.norms.append(NormTerm(v, -1.0, p.new_vec(3)))
+    p.sums.append(SumTerm(v, 1.0, p.new_vec(3)))
+    for be in BACKENDS:
+        close(evaluate(p, [x], backend=be), ref(p, [x]), ref(_abs(p), [x.abs()]), 1e-5, be)
