@@ -193,14 +193,18 @@ def _my_stats(old, new, a, req, n, bound=False):
     S = torch.zeros(K.NQ, n, dtype=torch.float64)
     B, R, C = K.matrix_shape(new.shape)
     o, w = old.double().reshape(B, R, C), new.double().reshape(B, R, C)
-    d = w.abs() + abs(a) * o.abs() if bound else w - a * o
+    if bound:
+        o, w, a = o.abs(), w.abs(), abs(a)
+    d = w + a * o if bound else w - a * o
     q = torch.stack([w * w, a * o * d, d * d, (a * a - 1) * o * o])
     lin = torch.stack([w, d, torch.zeros_like(d), (a - 1) * o])
+    if bound:
+        q, lin = q.abs(), lin.abs()
     for slot, x, axis, m in ((req.row_q, q, -1, B * R), (req.row_l, lin, -1, B * R), (req.col_q, q, -2, B * C),
                              (req.col_l, lin, -2, B * C)):
         if slot >= 0:
             S[:, slot:slot + m] = x.sum(axis).reshape(K.NQ, -1)
-    return S.abs() if bound else S
+    return S
 
 
 def _torch_optim(h, p, g, m, v, step, fresh):
