@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .config import Config
-from .plan import Plan, View
+from .plan import Plan, View, check_dtype
 from .tables import FACTOR, FINISH_BLOCK, FINISH_ROW, GRAM_GROUP, GRAM_ITEM, GRAM_TERM, NORM_ITEM, REGION
 
 MAX_ALIGN = 16
@@ -199,6 +199,9 @@ def _resolve(view: View, xs, ys):
     if not 0 <= view.tensor < len(xs):
         raise ValueError(f"view {view} names tensor {view.tensor} but {len(xs)} tensors were given")
     _check_pair(xs, ys, view.tensor)
+    check_dtype(xs[view.tensor], view.tensor)
+    if ys is not None:
+        check_dtype(ys[view.tensor], view.tensor)
     xo, xrs, xcs = view.resolve(xs[view.tensor])
     if ys is None:
         return (xo, xrs, xcs), (0, 0, 0)

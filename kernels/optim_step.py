@@ -356,8 +356,11 @@ def step_stats_reference(h: Hyper, p: torch.Tensor, grad: torch.Tensor, buf1: to
     blocks = bound if drift else CHUNK_MAX  # a drift step: every tensor in small blocks (its peak stays low)
     drift = drift and req.any
     # bf16 / fp16: torch's vectorised and scalar CPU loops may round differently, so blocks must split
-    # where the whole tensor's vector loop does (multiples of 64 elements) to keep its bits
-    lowp = p.element_size() < 4 and p.numel() > blocks and not _starts_aligned(B, R, C, blocks)
+    # where the whole tensor's vector loop does (multiples of 64 elements of memory order, which is the
+    # matrix form's order only when every operand is contiguous: a transposed bf16 weight split into row
+    # blocks came out 1 ulp off torch.optim) to keep its bits
+    lowp = p.element_size() < 4 and p.numel() > blocks and (
+        not _starts_aligned(B, R, C, blocks) or not all(t is None or t.is_contiguous() for t in tensors))
     if lowp or p.numel() == 0 or any(v is None and t is not None for v, t in zip(views, tensors)):
         old = p.detach().clone() if drift else None
         step_reference(h, [p], [grad], [buf1], [buf2], [step], first=[first])
@@ -728,6 +731,21 @@ def triton_eligible(p: torch.Tensor, others: Sequence[torch.Tensor | None]) -> b
     return all(o is None or (o.dtype == p.dtype and o.is_contiguous() and o.device == p.device) for o in others)
 
 
+def _check_stats(stats: torch.Tensor, shapes, reqs: Sequence[StatsRequest], dev) -> None:
+    """``ValueError`` naming the fix unless ``stats`` is a contiguous ``(NQ, S)`` fp32/fp64 buffer on ``dev``
+    that holds every requested slot (the finishing kernel writes ``stats[k, slot + j]`` unchecked)."""
+    if stats.dtype not in (torch.float32, torch.float64) or stats.dim() != 2 or stats.shape[0] != NQ \
+            or not stats.is_contiguous() or stats.device != dev:
+        raise ValueError(f"step_triton: stats must be a contiguous ({NQ}, S) float32/float64 tensor on {dev}, got "
+                         f"{stats.dtype} {tuple(stats.shape)} on {stats.device}")
+    for i, (shape, r) in enumerate(zip(shapes, reqs)):
+        B, R, C = matrix_shape(shape)
+        for slot, n in ((r.row_q, B * R), (r.row_l, B * R), (r.col_q, B * C), (r.col_l, B * C)):
+            if slot >= 0 and slot + n > stats.shape[1]:
+                raise ValueError(f"step_triton: tensor {i}'s stats slots {slot}..{slot + n} do not fit in stats of "
+                                 f"{stats.shape[1]} columns; allocate ({NQ}, >= {slot + n})")
+
+
 @torch.no_grad()
 def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 bufs1: Sequence[torch.Tensor | None], bufs2: Sequence[torch.Tensor | None],
@@ -738,14 +756,26 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
     All tensors must pass ``triton_eligible`` and share one dtype and device (the caller groups them).
     ``stats``: ``(NQ, S)`` fp32/fp64 buffer (its dtype sets the accumulation), or None (no stats).
     ``cache``: a dict the caller keeps across steps (shape-only tables are reused).
-    Raises ``RuntimeError`` for CPU tensors unless ``TRITON_INTERPRET=1`` (use the torch twin there).
+    Raises ``RuntimeError`` for CPU tensors unless ``TRITON_INTERPRET=1`` (use the torch twin there);
+    ``ValueError`` for a tensor ``triton_eligible`` refuses, a grad / state of another shape or dtype, or a
+    ``stats`` buffer of the wrong dtype / shape or too small for ``reqs`` (the kernel would read or write
+    out of bounds).
     """
     if not params:
         return
     dev, dt = params[0].device, params[0].dtype
+    for i, p in enumerate(params):  # the kernel reads every tensor as contiguous in params[0]'s dtype
+        others = [grads[i], bufs1[i] if bufs1 else None, bufs2[i] if bufs2 else None]
+        if p.dtype != dt or p.device != dev or not triton_eligible(p, others) \
+                or any(o is not None and tuple(o.shape) != tuple(p.shape) for o in others):
+            raise ValueError(f"step_triton: tensor {i} (param {p.dtype} {tuple(p.shape)} on {p.device}) or its grad / "
+                             f"states is not contiguous, of another shape, or not of params[0]'s dtype {dt} "
+                             f"(fp32/bf16/fp16) on {dev}; check triton_eligible first and use step_stats_reference")
+    want = stats is not None and any(r.any for r in reqs)
+    if want:
+        _check_stats(stats, [p.shape for p in params], reqs, dev)
     check_triton_device(dev)  # RuntimeError naming the fix, before triton is asked for a driver
     step_kernel, finish_kernel = _kernels()
-    want = stats is not None and any(r.any for r in reqs)
     reqs = list(reqs) if want else [StatsRequest() for _ in params]
     key = layout_key(params, reqs, fresh)
     lay = cache.get(key) if cache is not None else None

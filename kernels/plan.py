@@ -26,7 +26,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan"]
+__all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan", "FLOAT_DTYPES", "check_dtype"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what every backend reads
+
+
+def check_dtype(t: torch.Tensor, i: int) -> None:
+    """``ValueError`` naming the fix when tensor ``i`` of a plan is not a real float of ``FLOAT_DTYPES``
+    (a complex weight would lose its imaginary part, an integer one is not a weight; both backends
+    refuse them alike)."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"tensor {i} has dtype {t.dtype}; the laws read real float weights: pass it as "
+                         f"one of {[str(d) for d in FLOAT_DTYPES]} (e.g. t.float())")
 
 
 @dataclass(frozen=True)
@@ -54,9 +65,20 @@ class View:
 
     def resolve(self, t: torch.Tensor) -> tuple[int, int, int]:
         """Memory ``(offset, row_stride, col_stride)`` in elements of ``t``'s storage, relative to
-        ``t.data_ptr()``. Raises ``ValueError`` if the view does not fit inside ``t``."""
+        ``t.data_ptr()``. Raises ``ValueError`` if the view does not fit inside ``t``
+        or has a negative ``row_step`` / ``rows`` / ``cols``, a dimension ``t`` lacks, or ``cols > 1`` with
+        ``col_dim=None``."""
         if len(self.start) != t.dim():
             raise ValueError(f"view start {self.start} has {len(self.start)} dims but the tensor has shape {tuple(t.shape)}")
+        if self.row_step < 0 or self.rows < 0 or self.cols < 0:
+            # a negative step walked past the start unchecked (only the last row was bounds-checked)
+            raise ValueError(f"view {self} has a negative row_step, rows or cols; use row_step >= 0 from the "
+                             f"lowest row (and rows, cols >= 0)")
+        if not 0 <= self.row_dim < t.dim() or not (self.col_dim is None or 0 <= self.col_dim < t.dim()):
+            raise ValueError(f"view {self} names a dimension outside a tensor of shape {tuple(t.shape)}")
+        if self.col_dim is None and self.cols > 1:
+            # the backends disagreed: Triton repeated the single column, the twin read it once
+            raise ValueError(f"view {self} has col_dim=None (a single column) but cols={self.cols}; use cols=1")
         last = list(self.start)
         if self.rows > 0:
             last[self.row_dim] += (self.rows - 1) * self.row_step

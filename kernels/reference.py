@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .plan import Plan, View
+from .plan import Plan, View, check_dtype
 
 __all__ = ["evaluate_reference", "bilinear_reference", "decay_reference", "drift_reference", "drift_factors",
            "check_drift_inputs", "used_tensors", "drift_compose"]
@@ -55,6 +55,7 @@ _INDEX = torch.int32  # index tensors of the cached structures (index_add_/index
 def _tensor(ts, i: int) -> torch.Tensor:
     if not 0 <= i < len(ts) or ts[i] is None:
         raise ValueError(f"the plan names tensor {i} but {len(ts)} tensors were given")
+    check_dtype(ts[i], i)
     return ts[i]
 
 
