@@ -468,10 +468,14 @@ def _kernels():
 
         @triton.jit
         def _store_rows(part, NP, off, r, mr, s0, s1, s2, s3):
+            # quantity q's row starts at part + q*NP: added one NP at a time to the pointer (NP is an
+            # int32 argument below 2^31; 3*NP in int32 would wrap above ~715M partial entries)
+            p1 = part + NP
+            p2 = p1 + NP
             tl.store(part + off + r, s0, mask=mr)
-            tl.store(part + NP + off + r, s1, mask=mr)
-            tl.store(part + 2 * NP + off + r, s2, mask=mr)
-            tl.store(part + 3 * NP + off + r, s3, mask=mr)
+            tl.store(p1 + off + r, s1, mask=mr)
+            tl.store(p2 + off + r, s2, mask=mr)
+            tl.store(p2 + NP + off + r, s3, mask=mr)
 
         @triton.jit
         def _step_kernel(base, tensors, scal, progs, part, NP,
@@ -615,11 +619,14 @@ def _kernels():
             f = tl.program_id(1).to(tl.int64) * BF + tl.arange(0, BF)
             mf = f < F
             ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
+            src, dst = part, stats  # quantity q's rows: NP / NS added per q to the pointers (no int32 q * NP)
             for q in tl.static_range(4):
                 acc = tl.zeros([BF], dtype=ACC)
                 for i in range(0, nrows):
-                    acc += tl.load(part + q * NP + off + i * F + f, mask=mf, other=0.0)
-                tl.store(stats + q * NS + out + f, acc, mask=mf)
+                    acc += tl.load(src + off + i * F + f, mask=mf, other=0.0)
+                tl.store(dst + out + f, acc, mask=mf)
+                src += NP
+                dst += NS
 
         _KERNELS = (_step_kernel, _finish_kernel)
     return _KERNELS
