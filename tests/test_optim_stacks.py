@@ -569,3 +569,23 @@ def test_steps_after_close_are_not_booked_and_warn_once(fused, tmp_path):
     assert not [w for w in seen if "sink" in str(w.message)]
     assert opt.tracker.step_count == 3 and opt.tracker._rows == [] and opt.tracker.unwritten == {}
     assert (tmp_path / "m.jsonl").read_text().count("\n") == 3
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_steps_after_close_at_a_drift_aligned_count_train_on(fused):
+    """Closed at a step count that is a multiple of ``drift_every``: the fused step allocated one statistics
+    row (no drift step once closed) but ``_record`` worked the cadence out again without the closed check
+    and read the drift rows (IndexError); now the step's own ``is_drift_step`` is passed down."""
+    m = _mlp()
+    kw = dict(every=1, drift_every=2, backend="torch")
+    opt = (conserve.optim.FusedAdamW(m.parameters(), lr=1e-2, track=m, **kw) if fused else
+           conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2), m, **kw))
+    for k in range(2):
+        _ce_step(m, opt, k)
+    opt.close()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.warns(RuntimeWarning, match="tracker is closed"):
+        for k in range(2, 5):
+            _ce_step(m, opt, k)
+    assert opt.tracker.step_count == 2
+    assert any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))  # training went on

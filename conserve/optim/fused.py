@@ -413,7 +413,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
             del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
             vals = self._finish(a_of, stats)
             del stats  # the statistics: dropped once summed into the plan's entries
-            self._record(a_of, vals, snap)
+            self._record(a_of, vals, snap, drift_step)
         return loss
 
     def _step_work(self, work, stats, drift_step: bool, scratch):
@@ -548,9 +548,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         entry, slot, sign = fp.compact
         return K.finish_signed(stats, entry, slot, sign, fp.n_quad, fp.n_entries)
 
-    def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None) -> None:
+    def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None, drift_step: bool = False) -> None:
+        """Book the step: ``drift_step`` is ``step()``'s ``tracker.is_drift_step()`` (the statistics rows
+        it allocated follow it)."""
         tr, fp = self.tracker, self._fp
-        drift_step = tr.drift and tr.step_count % tr.drift_every == 0
         dev, dt = tr.device, vals.dtype
 
         def h_new() -> Values:  # evaluated after the DRIFT pass: the snapshot is freed by then

@@ -422,7 +422,7 @@ class DistributedTracker(Tracker):
     # ------------------------------------------------------------------------------------- steps
     def is_drift_step(self) -> bool:
         """Whether the next step decomposes the drift (steps 1, 1 + N, ...; pending steps count)."""
-        return self.drift and (self.step_count + len(self._pend)) % self.drift_every == 0
+        return self.drift and not self._closed and (self.step_count + len(self._pend)) % self.drift_every == 0
 
     @eager
     @torch.no_grad()
