@@ -671,7 +671,8 @@ class Tracker:
         row = torch.cat(parts)
         self._rows.append(row.float())
         self.h = h1
-        self._versions = self._tensor_versions()  # the weights as this step left them (``check_outside``)
+        if not self.__dict__.get("_warned_outside"):  # (check_outside warns once: no counters read after that)
+            self._versions = self._tensor_versions()  # the weights as this step left them (``check_outside``)
         for m in self.monitors:
             m.update()
         deferred.raise_booked(self, self.step_count)  # this step was booked before the caller saw the error

@@ -101,6 +101,8 @@ class _OutsideStep:
                 or torch.compiler.is_compiling() or _in_dcp_state_init():
             return  # (a closed tracker: training goes on untracked, as asked)
         d["_warned_outside"] = True
+        if d.get("tracker") is not None:  # the same change: the tracker's in-place check says no more
+            d["tracker"].__dict__["_warned_outside"] = True
         warnings.warn(f"conserve: {type(opt).__name__}.step() ran outside the optimizer conserve.track returned: "
                       "that step is not tracked (no row; its change shows in the next tracked step's residual); "
                       "step the tracked optimizer (opt = conserve.track(opt, model), also in GradScaler.step(opt))",

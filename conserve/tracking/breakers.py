@@ -219,6 +219,9 @@ def _signature(opt) -> tuple:
     numbers the numbers' values count (a change of one of them re-checks)."""
     out, tracing = [], torch.compiler.is_compiling()  # (traced: by identity too, no graph break on a read)
     for key, _ in _COMPARED:
+        if not any(key in g for g in opt.param_groups):  # (law_breakers skips it too)
+            out.append(None)
+            continue
         vals = [g.get(key, 0.0) for g in opt.param_groups]
         if tracing:
             vals = [id(v) if torch.is_tensor(v) else float(v or 0.0) for v in vals]
