@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from ..tracker import Tracker, eager
-from ..tracking.breakers import unwrap_optimizer as _unwrap
+from ..tracking.breakers import unwatch, unwrap_optimizer as _unwrap
 
 
 def unwrap_optimizer(optimizer):
@@ -356,9 +356,7 @@ class _Attached:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self.tracker.__dict__.get("_broken_watch") is _unwrap(self.optimizer):
-            self.tracker.__dict__.pop("_broken_hook").remove()
-            del self.tracker.__dict__["_broken_watch"]
+        unwatch(self.tracker, self.optimizer)
 
 
 def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:

@@ -268,6 +268,14 @@ def _watch(tracker, optimizer) -> None:
     tracker._broken_hook = opt.register_step_pre_hook(_Watch(tracker, _signature(opt)))
 
 
+def unwatch(tracker, optimizer) -> None:
+    """Take off the group watch ``_watch`` registered for ``tracker`` on ``optimizer`` (none: nothing)."""
+    opt = unwrap_optimizer(optimizer)
+    if tracker.__dict__.get("_broken_watch") is opt:
+        tracker.__dict__.pop("_broken_hook").remove()
+        del tracker.__dict__["_broken_watch"]
+
+
 def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str, str]:
     """Set ``tracker.broken_by`` from ``optimizer`` (at construction and after ``add_param_group``, and
     before any step at which the groups' lr / weight_decay / momentum / maximize stop agreeing as they
