@@ -32,6 +32,7 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import signal
 import sys
 import time
@@ -108,6 +109,8 @@ def shrink(cfg):
         sub = getattr(cfg, name, None)
         if isinstance(sub, PretrainedConfig):
             over[name] = shrink(sub).to_dict()
+    if "kv_lora_rank" in d and "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: head_dim is the rotary width
+        over["head_dim"] = over["qk_rope_head_dim"]
     if over.get("head_dim") and over.get("hidden_size") and "num_attention_heads" not in over and \
             "num_attention_heads" in d:
         over["num_attention_heads"] = NH
@@ -261,6 +264,7 @@ def run_one(name, make, inputs_fn, tol, timeout):
 
         resource.setrlimit(resource.RLIMIT_AS, (MAX_RSS, MAX_RSS))
         send.send(_run_one(name, make, inputs_fn, tol, timeout))
+        os._exit(0)  # no interpreter shutdown (atexit hooks, threads) in the child
 
     t0 = time.time()
     p = ctx.Process(target=child)
@@ -379,6 +383,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     import transformers
+
+    import conserve.detection.core as core  # imported once here, inherited by every forked child
+
+    core._load()
 
     transformers.logging.set_verbosity_error()
     only = set(filter(None, a.only.split(",")))

@@ -473,17 +473,34 @@ def make_probe(model: nn.Module, max_params: float) -> nn.Module:
                 if b is not None and b.is_complex():
                     mod._buffers[k] = b.to(torch.complex128)
     _randomize(probe)
+    _traceable_experts(probe)
     return probe.eval()
+
+
+def _traceable_experts(probe: nn.Module) -> None:
+    """HF fused experts (``transformers.integrations.moe.use_experts_implementation``) run as ``batched_mm`` in the
+    probe: the same function (each token's gathered expert weights, one batched matmul), without the eager loop
+    over the experts a batch routes to (``nonzero`` + Python ``for``: data-dependent, neither torch.fx nor
+    torch.export can trace it) or ``grouped_mm`` (no float64 kernel). Only the probe's own config copy changes."""
+    for mod in probe.modules():
+        cfg = getattr(mod, "config", None)
+        if hasattr(mod, "has_gate") and hasattr(mod, "is_transposed") and \
+                getattr(cfg, "_experts_implementation", "batched_mm") not in (None, "batched_mm"):
+            try:
+                cfg._experts_implementation = "batched_mm"
+            except Exception:  # noqa: BLE001 - an older transformers without it: the probe runs as it is
+                pass
 
 
 def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tuple:
     """The probe's positional inputs: ``given`` (floats cast to float64), else synthesised from the first
     parameterised module (see the module docstring). Raises ValueError naming the fix."""
+    g = torch.Generator().manual_seed(1)
+    _decoder_inputs(model, kwargs, g)
     if given is not None:
         given = given if isinstance(given, tuple) else (given,)
         return tuple(x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                      for x in given)
-    g = torch.Generator().manual_seed(1)
     cands = []
     emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     if emb:
@@ -505,14 +522,37 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
                       (torch.randn(4, width, generator=g, dtype=torch.float64),)]
         if len(cands) >= 6:
             break
+    errors = []
     for x in cands:
         try:
             with torch.no_grad():
                 model(*x, **(kwargs or {}))
             return x
-        except Exception:  # noqa: BLE001 - try the next shape
+        except Exception as e:  # noqa: BLE001 - try the next shape
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160])
             continue
-    raise ValueError("cannot synthesise an input for this model: pass example_inputs=(...) (what forward takes)")
+    tried = f" (the first candidate, {tuple(tuple(t.shape) for t in cands[0])}, gave {errors[0]})" if errors else ""
+    raise ValueError("cannot synthesise an input for this model" + tried
+                     + ": pass example_inputs=(...) (what forward takes)")
+
+
+def _decoder_inputs(model: nn.Module, kwargs: dict | None, g: torch.Generator) -> None:
+    """An HF encoder-decoder (``config.is_encoder_decoder``: T5, Whisper, ...) needs decoder inputs besides the
+    encoder's; when neither ``decoder_input_ids`` nor ``decoder_inputs_embeds`` is given (and ``forward`` takes them),
+    random ``decoder_input_ids`` (2, 5) from the decoder's vocabulary go into ``kwargs`` (traced by torch.export
+    as an input, like a user's ``forward_kwargs``)."""
+    cfg = getattr(model, "config", None)
+    if kwargs is None or not getattr(cfg, "is_encoder_decoder", False) or \
+            {"decoder_input_ids", "decoder_inputs_embeds"} & set(kwargs):
+        return
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size", None)
+    if "decoder_input_ids" in params and isinstance(vocab, int) and vocab > 0:
+        kwargs["decoder_input_ids"] = torch.randint(0, vocab, (2, 5), generator=g)
 
 
 def no_cache(model: nn.Module, kwargs: dict) -> dict:
