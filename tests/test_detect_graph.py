@@ -429,18 +429,22 @@ try:
 except Exception as e:  # noqa: BLE001  # pragma: no cover - environment dependent (e.g. a broken torchvision)
     CASES, HF = {}, f"transformers unavailable: {e}"
 
-# HF MoE layers dispatch tokens with ``nonzero()`` over the routing mask: torch.export cannot trace the
-# data-dependent loop and torch.fx cannot trace HF's forward, so structural detection declines them (with that
-# reason) and only the name-based handler applies.
-UNTRACEABLE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "qwen3_moe")
+# HF MoE layers' eager experts dispatch tokens with ``nonzero()`` over the routing mask (a data-dependent loop
+# neither torch.fx nor torch.export can trace); the probe runs the fused experts as transformers' ``batched_mm``
+# (the same function: each token's gathered expert weights), so structural detection now agrees on MoE models too.
+UNTRACEABLE: tuple = ()
 # Families the name-based handlers build and structural detection does not: the ||Q||^2 QK-norm scale laws
 # (eps = 0 only) and the post-norm scale laws (norm_scale).
 NOT_STRUCTURAL = {"qk_scale", "norm_scale"}
 NOT_STRUCTURAL_BY_NAME: dict = {}
-# Laws structural detection finds that the name-based handlers do not: none. (BERT's last-layer output LayerNorm,
-# read only by the MLM head's dense, and Arcee's post-attention norm, read only by up_proj before the relu^2,
-# used to be found here only; both detectors now build their gain laws: test_gains_read_only_by_linear_maps.)
-EXTRA: dict = {}
+# Laws structural detection finds that the name-based handlers do not. DeepSeek-V3's MLA, declined whole by the
+# handler: V is a row block of kv_b_proj read only through attn @ v -> o_proj, so each kv group's VO Gram holds,
+# and the latent norms q_a_layernorm / kv_a_layernorm are read only by q_b_proj / kv_b_proj (gain laws); each
+# passes the first-order check. (BERT's last-layer output LayerNorm and Arcee's post-attention norm used to be
+# found here only; both detectors now build their gain laws: test_gains_read_only_by_linear_maps.)
+_MLA = "model.layers.0.self_attn"
+EXTRA: dict = {"deepseek_v3": {*(f"{_MLA}/vo/group{j}" for j in range(4)), f"{_MLA}.q_a_layernorm/gain",
+                               f"{_MLA}.kv_a_layernorm/gain"}}
 
 def fingerprint(laws, params):
     """{family: sorted law values}: two laws over the same rows / columns have the same value at random

@@ -93,7 +93,7 @@ PASS = {"dropout", "to", "contiguous", "clone", "view", "reshape", "flatten", "u
         "repeat_interleave", "cat", "stack", "permute", "transpose", "split", "chunk", "split_with_sizes",
         "narrow", "slice", "select", "t", "movedim", "type", "lift_fresh_copy", "dropout1d", "dropout2d"}
 SCORE_OPS = {"mul", "div", "add", "sub", "masked_fill", "to", "tanh", "where", "dropout", "float", "permute", "transpose",
-             "contiguous", "view", "reshape"}
+             "contiguous", "view", "reshape", "cat"}  # cat: extra logits beside the scores (GPT-OSS attention sinks)
 ELEMENTWISE = POSITIVE | NO_LAW | {"pow", "square", "abs", "exp", "sin", "cos", "sqrt", "log", "neg", "sign", "clamp",
                                     "clamp_min", "where"}
 TENSOR_METADATA = {"shape", "dtype", "device", "ndim", "layout", "is_cuda", "requires_grad", "is_sparse", "is_meta"}
@@ -130,6 +130,7 @@ class Lin:
     b: str | None
     shape: tuple
     t: bool = False
+    experts: int = 0  # > 0: a 3-D (E, out, in) weight gathered per token (``W[expert_ids]``, batched matmul)
 
     @property
     def n_out(self):
@@ -145,6 +146,12 @@ class Lin:
 
     def reader(self):
         return builders.in_cols(self.w, self.shape, transposed=self.t)
+
+    def readers(self) -> list:
+        """Input-column refs of every expert (one ref for a plain linear)."""
+        if not self.experts:
+            return [self.reader()]
+        return [builders.in_cols(self.w, self.shape, transposed=self.t, lead=(e,)) for e in range(self.experts)]
 
 
 def _like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -290,8 +297,9 @@ class Graph:
         o = self.op(n)
         if o == "linear" and n.op == "call_function":
             args = list(n.args) + [n.kwargs.get("weight"), n.kwargs.get("bias")]
-            w = self.param_of(args[1])
-            b = self.param_of(args[2]) if len(n.args) > 2 else self.param_of(n.kwargs.get("bias"))
+            cast = {"to", "contiguous", "alias", "clone"}  # F.linear(x, self.weight.float()): a precision choice
+            w = self.param_of(self.back_pass(args[1], cast))
+            b = self.param_of(self.back_pass(args[2] if len(n.args) > 2 else n.kwargs.get("bias"), cast))
             if w is not None and self.params[w].dim() == 2:
                 return Lin(n, n.args[0], w, b, tuple(self.params[w].shape))
         if o == "matmul" and len(n.args) == 2 and isinstance(n.args[1], fx.Node) \
@@ -303,6 +311,53 @@ class Graph:
             w, b = self.param_of(n.args[2]), self.param_of(n.args[0])
             if w is not None and self.params[w].dim() == 2:
                 return Lin(n, n.args[1], w, b, tuple(self.params[w].shape), True)
+        return self._experts_lin(n)
+
+    def _gathered(self, n, dim: int) -> str | None:
+        """The parameter when ``n`` is ``W[ids]`` (index / getitem by one integer tensor) of a ``dim``-D parameter."""
+        if not (isinstance(n, fx.Node) and self.op(n) in ("index", "getitem") and len(n.args) == 2):
+            return None
+        w, idx = self.param_of(n.args[0]), n.args[1]
+        idx = idx[0] if isinstance(idx, (list, tuple)) and len(idx) == 1 else idx
+        if w is None or self.params[w].dim() != dim or not isinstance(idx, fx.Node):
+            return None
+        v = self.env.get(idx)
+        return w if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() == 1 else None
+
+    def _experts_lin(self, n: fx.Node) -> Lin | None:
+        """Fused experts run per token (transformers' ``batched_mm``): ``bmm(W[ids], x.unsqueeze(-1)).squeeze(-1)``
+        (W: (E, out, in)) or ``bmm(x.unsqueeze(1), W[ids]).squeeze(1)`` (W: (E, in, out), transposed), plus
+        ``b[ids]`` when the experts have biases: token s goes through expert ``ids[s]``."""
+        bias = None
+        if self.op(n) == "add" and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
+            for a, bb in (n.args, n.args[::-1]):
+                if self.op(a) == "squeeze" and self._gathered(bb, 2) is not None:
+                    bias, n_sq = self._gathered(bb, 2), a
+                    break
+            else:
+                return None
+        elif self.op(n) == "squeeze":
+            n_sq = n
+            if any(self._experts_lin(u) is not None for u in n.users):
+                return None  # its bias add is the linear map
+        else:
+            return None
+        mm = n_sq.args[0] if n_sq.args else None
+        if not (isinstance(mm, fx.Node) and self.op(mm) == "matmul" and len(mm.args) == 2):
+            return None
+        for wn, xn, t in ((mm.args[0], mm.args[1], False), (mm.args[1], mm.args[0], True)):
+            w = self._gathered(wn, 3)
+            if w is None or not (isinstance(xn, fx.Node) and self.op(xn) == "unsqueeze" and xn.args):
+                continue
+            x, shape = xn.args[0], tuple(self.params[w].shape)
+            xv, yv = self.env.get(x), self.env.get(n)
+            if not (isinstance(xv, torch.Tensor) and isinstance(yv, torch.Tensor) and xv.dim() == 2 and yv.dim() == 2):
+                return None
+            lin = Lin(n, x, w, bias, shape, t, experts=shape[0])
+            if xv.shape[-1] != lin.n_in or yv.shape[-1] != lin.n_out or \
+                    (bias is not None and tuple(self.params[bias].shape) != (shape[0], lin.n_out)):
+                return None
+            return lin
         return None
 
     def lin_of_x(self, n: fx.Node) -> list:
@@ -649,6 +704,36 @@ def _einsum_to_matmul(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _baddbmm_to_matmul(gm: fx.GraphModule) -> None:
+    """Rewrite ``baddbmm(input, b1, b2, beta=, alpha=)`` (BLOOM's ALiBi scores ``alibi.baddbmm(q, k^T)``) as
+    ``beta * input + alpha * (b1 @ b2)``, so its ``b1 @ b2`` is found as attention scores like ``q @ k.transpose``
+    (the same function; the trace is then re-checked against the model)."""
+    aten = getattr(torch.ops.aten, "baddbmm", None)
+    for n in list(gm.graph.nodes):
+        fn = n.op == "call_function" and (n.target is torch.baddbmm or (aten is not None and n.target in
+                                                                          (aten, getattr(aten, "default", None))))
+        if not (fn or (n.op == "call_method" and n.target == "baddbmm")):
+            continue
+        names = ("input", "batch1", "batch2")
+        args = list(n.args) + [n.kwargs[k] for k in names[len(n.args):] if k in n.kwargs]
+        if len(args) != 3 or not all(isinstance(a, fx.Node) for a in args):
+            continue
+        beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
+        if not all(isinstance(c, (int, float)) for c in (beta, alpha)):
+            continue
+        with gm.graph.inserting_before(n):
+            res = gm.graph.call_function(torch.matmul, (args[1], args[2]))
+            if alpha != 1:
+                res = gm.graph.call_function(torch.mul, (res, alpha))
+            if beta != 0:
+                base = args[0] if beta == 1 else gm.graph.call_function(torch.mul, (args[0], beta))
+                res = gm.graph.call_function(torch.add, (base, res))
+        n.replace_all_uses_with(res)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _swap(a):
     if isinstance(a, torch.dtype) and a in FLOATS:
         return torch.float64
@@ -674,6 +759,7 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
     if gm is not None:
         try:
             _einsum_to_matmul(gm)
+            _baddbmm_to_matmul(gm)
             _to64(gm)
             _same(probe, gm, inputs, kwargs)
         except Exception as e:  # noqa: BLE001
@@ -684,6 +770,7 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
             gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
             how = "torch.export"
             _einsum_to_matmul(gm)
+            _baddbmm_to_matmul(gm)
             _to64(gm)
             _same(probe, gm, inputs, kwargs, export=True)
         except Exception as e:  # noqa: BLE001
@@ -830,13 +917,16 @@ def _attention(f: _Found):
             s = n.args[0]
             while isinstance(s, fx.Node) and g.op(s) in SCORE_OPS and g.op(s) != "matmul":
                 nxt = [a for a in s.all_input_nodes if g.is_tensor(a) and g.ancestors([a]) & set(g.lins)]
+                if g.op(s) == "sub" and len(nxt) == 2 and _row_max(g, nxt[1], nxt[0]):
+                    nxt = nxt[:1]  # s - max(s): softmax's shift invariance (a stabiliser), same scores
                 if len(nxt) != 1:
                     break
                 s = nxt[0]
             if not (isinstance(s, fx.Node) and g.op(s) == "matmul"):
                 continue
             x, y = s.args[:2]
-            p_ops = {"dropout", "to", "contiguous", "clone", "alias", "identity", "permute", "transpose", "view", "reshape"}
+            p_ops = {"dropout", "to", "contiguous", "clone", "alias", "identity", "permute", "transpose", "view", "reshape",
+                     "getitem", "slice", "narrow"}  # a slice: the probabilities of the real keys (GPT-OSS sinks)
             users = [u for u in g.descendants([n]) if g.op(u) == "matmul" and g.back_pass(u.args[0], p_ops) is n]
             if len(users) != 1:
                 continue
@@ -851,6 +941,12 @@ def _attention(f: _Found):
                         f"{type(e).__name__}: {e}: no law claimed for this block (report this model)")
 
 
+def _row_max(g: Graph, m, of) -> bool:
+    """``m`` is ``max`` / ``amax`` of ``of`` (directly or through ``getitem`` of ``max``'s values, ``detach``, casts)."""
+    m = g.back_pass(m, {"getitem", "detach", "to", "alias"})
+    return isinstance(m, fx.Node) and g.op(m) in ("max", "amax") and bool(m.args) and m.args[0] is of
+
+
 def _one_attention(f: _Found, site, x, y, v, out, y_last):
     g, c = f.g, f.c
     lq, lk, lv = (g.nearest_lins(t) for t in (x, y, v))
@@ -859,12 +955,15 @@ def _one_attention(f: _Found, site, x, y, v, out, y_last):
         c.decline(where, "attention", "q, k and v are not each one linear projection of the input: not analysed")
         return
     lq, lk, lv = (g.lins[next(iter(s))] for s in (lq, lk, lv))
+    if any(l_.experts for l_ in (lq, lk, lv)):
+        c.decline(where, "attention", "q, k or v is a per-token expert map (mixture of attention experts): not analysed")
+        return
     # the output projection: the one linear reading the attention output through index ops
     cur, lo = out, None
     for _ in range(12):
         readers = g.lin_of_x(cur)
         if readers:
-            lo = readers[0] if len(readers) == 1 else None
+            lo = readers[0] if len(readers) == 1 and not readers[0].experts else None
             break
         nxt = [u for u in cur.users if g.op(u) in PASS]
         if len(nxt) != 1 or len(cur.users) != 1:
@@ -1082,7 +1181,8 @@ def _mlps(f: _Found):
     for n, down in f.free_lins():
         u = g.back_pass(down.x)
         o = g.op(u)
-        if u in g.lins and u not in f.used and len(u.users) == 1 and _branch(g, u, n) is None:
+        if u in g.lins and u not in f.used and len(u.users) == 1 and _branch(g, u, n) is None \
+                and not (g.lins[u].experts or down.experts):
             up = g.lins[u]
             fm = g.feature_map(u, down.x)
             if fm and -1 not in fm:
@@ -1109,10 +1209,8 @@ def _mlps(f: _Found):
                 if not fm or -1 in fm:
                     c.decline(up.module, f"Linear-{kinds}-Linear", "the units between the two maps are not an index map")
                     continue
-                f.add(builders.unit_law(ReLUUnit, f"{up.module}/unit", _layer(up.module), up=up.w, up_shape=up.shape,
-                                        units=fm, down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t,
-                                        down_t=down.t, note=f"structural: Linear-{kinds}-Linear (spec: ReLU row)"),
-                      "ReLU unit")
+                _unit_laws(f, ReLUUnit, f"{up.module}/unit", up, down, fm,
+                           f"structural: Linear-{kinds}-Linear (spec: ReLU row)", "ReLU unit")
                 c.know(down.b)
             elif any(o_ in NO_LAW for o_ in chain) and len(chain) == 1:
                 c.decline(up.module, f"Linear-{kinds.upper()}-Linear", NO_LAW_ACT)
@@ -1141,14 +1239,31 @@ def _mlps(f: _Found):
                 other = ops[1 - i]
                 gate = g.op(g.back_pass(other))
                 up = g.lins[src]
-                f.add(builders.unit_law(SwiGLUUnit, f"{up.module}/unit" if up.module != down.module else f"{down.module}/unit",
-                                        _layer(up.module), up=up.w, up_shape=up.shape, units=fm, down=down.w,
-                                        down_shape=down.shape, up_bias=up.b, up_t=up.t, down_t=down.t,
-                                        note=f"structural: down({gate} gate * up x); the gate is not involved (spec: "
-                                             "SwiGLU row)"), "gated unit")
+                if not _unit_laws(f, SwiGLUUnit, f"{up.module}/unit", up, down, fm,
+                                  f"structural: down({gate} gate * up x); the gate is not involved (spec: SwiGLU row)",
+                                  "gated unit"):
+                    continue
                 c.know(down.b)
                 f.used.update({src} | {x for x in g.nearest_lins(other)})
                 break
+
+
+def _unit_laws(f: _Found, cls, name: str, up: Lin, down: Lin, units, note: str, what: str) -> bool:
+    """Unit law(s) of ``up`` rows ``units`` read by ``down`` columns: one law, or one per expert when both are
+    fused experts gathered per token (``Lin.experts``: token s uses expert ids[s] in both maps, as the graph's
+    index shows; named ``<experts module>.<e>/unit`` as the HF handler does). False (nothing added) when only one
+    of them is per-expert or their expert counts differ."""
+    if not up.experts and not down.experts:
+        f.add(builders.unit_law(cls, name, _layer(up.module), up=up.w, up_shape=up.shape, units=units, down=down.w,
+                                down_shape=down.shape, up_bias=up.b, up_t=up.t, down_t=down.t, note=note), what)
+        return True
+    if up.experts != down.experts:
+        return False
+    for e in range(up.experts):
+        f.add(builders.unit_law(cls, f"{up.module}.{e}/unit", _layer(up.module), up=up.w, up_shape=up.shape,
+                                units=units, down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t, down_t=down.t,
+                                lead=(e,), note=f"{note}; expert {e} of fused experts gathered per token"), what)
+    return True
 
 
 def _elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> str | None:
@@ -1191,10 +1306,8 @@ def _generic_act(f: _Found, n: fx.Node, down: Lin) -> bool:
     if kind == "positive":
         if _declined_branch(f, src, n, "Linear-activation-Linear"):
             return True
-        f.add(builders.unit_law(ReLUUnit, f"{up.module}/unit", _layer(up.module), up=up.w, up_shape=up.shape,
-                                units=range(up.n_out), down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t,
-                                down_t=down.t, note="structural: positively homogeneous element-wise activation "
-                                "(spec: ReLU row)"), "ReLU unit")
+        _unit_laws(f, ReLUUnit, f"{up.module}/unit", up, down, range(up.n_out),
+                   "structural: positively homogeneous element-wise activation (spec: ReLU row)", "ReLU unit")
         c.know(down.b)
     else:
         c.decline(up.module, "Linear-activation-Linear", NO_LAW_ACT + " (element-wise, not positively homogeneous)")
@@ -1323,6 +1436,12 @@ def _other(add_node, _):
 
 def _gains(f: _Found):
     g, c = f.g, f.c
+    experts_x = {}  # the unsqueeze node through which a per-token expert map reads its input -> that map
+    for lin in g.lins.values():
+        if lin.experts:
+            for u in lin.x.users:
+                if g.op(u) == "unsqueeze" and u in g.ancestors([lin.node]):
+                    experts_x[u] = lin
     claimed = {p for law, _ in f.cands for p in law.params}
     for n, w, b, shift, what in _scale_points(g):
         if w in claimed:  # e.g. a QK-norm gain, already in a law
@@ -1334,6 +1453,10 @@ def _gains(f: _Found):
         def visit(m, u, h=h, readers=readers, bad=bad):
             if u in g.lins and g.lins[u].x is m:
                 readers.append(g.lins[u])
+            elif u in experts_x and experts_x[u].x is m:  # x.unsqueeze(...) of a per-token expert map
+                readers.append(experts_x[u])
+            elif g.op(u) == "to" and u.args and u.args[0] is not m:
+                pass  # type_as(other, m): m's dtype only
             elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
                     and g.op(u) not in ("transpose", "permute", "movedim", "t"):
                 return True
@@ -1355,7 +1478,7 @@ def _gains(f: _Found):
         if any(m != list(range(h)) for m in maps):
             c.decline(path, what_, "its readers do not read the features one to one: no gain law")
             continue
-        f.add(builders.gain_law(f"{path}/gain", _layer(path), w, h, readers=[r.reader() for r in readers], bias=b,
+        f.add(builders.gain_law(f"{path}/gain", _layer(path), w, h, readers=[x for r in readers for x in r.readers()], bias=b,
                                 shift=shift, note="structural: readers " + ", ".join(dict.fromkeys(r.module for r in readers))
                                 + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
               "gain")
@@ -1367,7 +1490,7 @@ def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
     g = f.g
     arg = next((a for a in n.args[:2] if isinstance(a, fx.Node) and g.param_of(g.back_pass(a)) != w), None)
     src = g.back_pass(arg) if arg is not None else None
-    if src not in g.lins or len(src.users) != 1:
+    if src not in g.lins or len(src.users) != 1 or g.lins[src].experts:
         return False
     lin = g.lins[src]
     if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
@@ -1386,6 +1509,8 @@ def _output_layers(f: _Found):
     g, c = f.g, f.c
     loss = c.options.get("loss")
     for n, lin in g.lins.items():
+        if lin.experts:
+            continue
         ends, other = set(), set()
 
         def visit(m, u, ends=ends, other=other):
