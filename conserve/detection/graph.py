@@ -551,7 +551,7 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
     """The probe's positional inputs: ``given`` (floats cast to float64), else synthesised from the first
     parameterised module (see the module docstring). Raises ValueError naming the fix."""
     g = torch.Generator().manual_seed(1)
-    _decoder_inputs(model, kwargs, g)
+    _decoder_inputs(model, kwargs, g, given)
     if given is not None:
         given = given if isinstance(given, tuple) else (given,)
         return tuple(x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -591,7 +591,7 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
                      + ": pass example_inputs=(...) (what forward takes)")
 
 
-def _decoder_inputs(model: nn.Module, kwargs: dict | None, g: torch.Generator) -> None:
+def _decoder_inputs(model: nn.Module, kwargs: dict | None, g: torch.Generator, given=None) -> None:
     """An HF encoder-decoder (``config.is_encoder_decoder``: T5, Whisper, ...) needs decoder inputs besides the
     encoder's; when neither ``decoder_input_ids`` nor ``decoder_inputs_embeds`` is given (and ``forward`` takes them),
     random ``decoder_input_ids`` (2, 5) from the decoder's vocabulary go into ``kwargs`` (traced by torch.export
@@ -604,6 +604,11 @@ def _decoder_inputs(model: nn.Module, kwargs: dict | None, g: torch.Generator) -
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return
+    names = [k for k, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    given = given if isinstance(given, tuple) else (() if given is None else (given,))
+    if any(k in names and names.index(k) < len(given) and given[names.index(k)] is not None
+           for k in ("decoder_input_ids", "decoder_inputs_embeds")):
+        return  # given positionally
     text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size", None)
     if "decoder_input_ids" in params and isinstance(vocab, int) and vocab > 0:
