@@ -111,6 +111,8 @@ def shrink(cfg):
             over[name] = shrink(sub).to_dict()
     if "kv_lora_rank" in d and "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: head_dim is the rotary width
         over["head_dim"] = over["qk_rope_head_dim"]
+        if "num_key_value_heads" in d:  # MLA keys are built per query head
+            over["num_key_value_heads"] = NH
     if over.get("head_dim") and over.get("hidden_size") and "num_attention_heads" not in over and \
             "num_attention_heads" in d:
         over["num_attention_heads"] = NH
