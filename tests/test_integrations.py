@@ -204,6 +204,52 @@ def test_lightning_logs_checkpoints_and_resumes(tmp_path):
         assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.parametrize("step_every", [1, 3])
+def test_lightning_manual_optimization_logs_each_row_and_drift_once(tmp_path, step_every):
+    """``automatic_optimization = False``: the drift columns (logged once, from the step that decomposed
+    them) and a row logged at a logging step are never handed to the loggers again at a later logging step
+    (Lightning keeps a hook's logged values for the whole epoch); ``step_every`` 3 steps the optimizer every
+    third batch, so most logging steps book no new step."""
+    L = _lightning()
+    import csv
+
+    from conserve.integrations.lightning import ConserveCallback
+
+    class Manual(type(_lit_module(L))):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.manual_backward(loss)
+            if (batch_idx + 1) % step_every == 0:
+                opt = self.optimizers()
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+    cb = ConserveCallback(sinks=[])
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_epochs=2, log_every_n_steps=1 if step_every > 1 else 2,
+                        accelerator="cpu", devices=1, logger=L.loggers.CSVLogger(str(tmp_path), name="csv", version=0),
+                        callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Manual())
+    booked = cb.tracker.step_count
+    assert booked == (10 if step_every == 1 else 2 * (5 // step_every))
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        table = [r for r in csv.DictReader(f) if r.get("conserve/step")]
+    steps = [int(float(r["conserve/step"])) for r in table]
+    assert steps and len(steps) == len(set(steps)), steps  # each row logged once
+    drift = [int(float(r["conserve/drift_step"])) for r in table if r.get("conserve/drift_step")]
+    assert drift and len(drift) == len(set(drift)), drift  # each decomposition logged once
+    assert all(bool(r.get("conserve/drift_step")) == bool(r.get("conserve/drift/relu/second")) for r in table)
+    assert "conserve/eps/relu" in trainer.callback_metrics  # still there for ModelCheckpoint / EarlyStopping
+
+
 def test_lightning_module_holding_an_hf_model_resumes_into_a_new_logger_version(tmp_path):
     """The common pattern ``self.lm = AutoModelForCausalLM.from_config(...)`` inside a LightningModule: the
     HF laws are found under ``lm.``; a logger that opens a new version on resume gets the resumed rows (the

@@ -70,6 +70,7 @@ class ConserveCallback(Callback):
         self.run: TrackedRun | None = None
         self._pending_state: dict | None = None
         self._seen_steps = 0
+        self._logged_keys: set[str] = set()  # keys given to ``log_dict`` whose values Lightning still holds
 
     @property
     def tracker(self):
@@ -106,9 +107,26 @@ class ConserveCallback(Callback):
         h = self.run._handle
         return h.steps if h is not None else self.run.tracker.step_count
 
+    def _forget_logged(self, trainer) -> None:
+        """Take the values this callback logged at an earlier batch out of Lightning's results: Lightning
+        keeps every ``log`` value of a hook for the rest of the epoch and hands it to the loggers again at
+        each logging step where the key is not logged anew, so a row's drift columns (logged once: they come
+        from the step that decomposed them) and a whole row where no step was booked since the last logging
+        step (manual optimization stepping less often than ``log_every_n_steps``) were logged again, under a
+        later step.  The values already logged stay in ``trainer.callback_metrics``."""
+        results = getattr(trainer, "_results", None)
+        if not self._logged_keys or results is None or not hasattr(results, "values"):
+            return
+        for item in list(results.values()):
+            meta = getattr(item, "meta", None)
+            if getattr(meta, "name", None) in self._logged_keys and hasattr(item, "reset"):
+                item.reset()
+        self._logged_keys.clear()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.run is None:
             return
+        self._forget_logged(trainer)
         booked = self._booked()
         stepped, self._seen_steps = booked != self._seen_steps, booked
         if stepped and self.record_loss:
@@ -122,6 +140,7 @@ class ConserveCallback(Callback):
             scalars = self.run.scalars()
             if scalars:
                 pl_module.log_dict(scalars, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
+                self._logged_keys.update(scalars)
 
     def state_dict(self) -> dict:
         if self.run is not None:
