@@ -38,7 +38,8 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError, StaleParameterError
 from .laws import Compiled, Declined, Law, compile_laws
-from .tracking.breakers import check_optimizer, decay_factor, per_param_decay  # noqa: F401  (decay_factor: re-exported)
+from .tracking.breakers import (check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
+                                 per_param_decay)
 from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
 
 GUARD = 1e-4
@@ -189,6 +190,9 @@ class Tracker:
     ``broken_by`` ({law name: reason}) lists the laws the optimizer's ``param_groups`` break (different lr or
     weight decay inside one law, a parameter the optimizer does not hold); they are tracked, warned once
     and counted in the ``broken/<family>`` metric (``check_optimizer``, ``conserve.tracking.breakers``).
+    A parameter frozen after construction (``requires_grad_(False)``) or dropped from the watched
+    optimizer's groups is noticed at the next flush (``check_frozen``): the laws it leaves half frozen are
+    marked ``broken_by`` the same way, with one warning naming it.
     Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
 
     Cost: one evaluation ``h(theta_{k+1})`` per step (``eps``); on a drift step, a copy of the views
@@ -829,6 +833,7 @@ class Tracker:
         host = torch.stack(self._rows).cpu()
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
         extras += [{}] * (len(self._rows) - len(extras))
+        check_frozen(self)  # parameters frozen since the last flush: their laws' broken_by (before the monitors)
         mon = {}
         for m in self.monitors:  # one device->host copy per monitor, not one per key
             got = m.metrics()

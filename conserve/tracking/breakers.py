@@ -287,13 +287,93 @@ def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str,
     found = law_breakers(tracker.laws, named, optimizer)
     warned = tracker.__dict__.setdefault("_broken_warned", set())
     new = [(n, r) for n, r in found.items() if (n, r) not in warned]
-    tracker.broken_by = found
+    tracker._optimizer_broken = found
+    tracker.broken_by = _with_frozen(tracker, found)
+    tracker._held_seen = _not_held(tracker, optimizer)
     if new:
         warned.update(new)
         shown = "; ".join(f"{n}: {r}" for n, r in new[:3]) + (f"; ... ({len(new) - 3} more)" if len(new) > 3 else "")
         warnings.warn(f"conserve: {len(new)} law(s) broken by the optimizer's param_groups (still tracked, marked "
                       f"broken_by; put each law's parameters in one group to conserve it): {shown}",
                       BrokenLawWarning, stacklevel=3)
-        if not any(isinstance(m, BrokenMonitor) for m in tracker.monitors):
-            tracker.monitors.append(BrokenMonitor(tracker))
+        _monitor(tracker)
     return found
+
+
+def _monitor(tracker) -> None:
+    if not any(isinstance(m, BrokenMonitor) for m in tracker.monitors):
+        tracker.monitors.append(BrokenMonitor(tracker))
+
+
+def _with_frozen(tracker, found: dict[str, str]) -> dict[str, str]:
+    """``found`` (the optimizer's breakers) with the laws ``check_frozen`` marked, reasons joined."""
+    frozen = tracker.__dict__.get("_frozen_broken") or {}
+    out = dict(found)
+    for n, r in frozen.items():
+        out[n] = f"{out[n]}; {r}" if n in out else r
+    return out
+
+
+def _not_held(tracker, optimizer) -> tuple[int, ...]:
+    """Indices of the tracked tensors ``optimizer``'s ``param_groups`` do not hold (by identity)."""
+    held = {id(p) for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]}
+    return tuple(i for i, p in enumerate(tracker.params) if id(p) not in held)
+
+
+def check_frozen(tracker) -> None:
+    """At each flush (``Tracker.flush``): notice a tracked parameter frozen after the tracker was built
+    (``p.requires_grad_(False)``: the optimizer no longer moves it) or no longer held by the optimizer
+    the tracker watches (its ``param_groups`` edited).  A law some but not all of whose parameters are
+    frozen is no longer conserved by gradient flow (one side stands still while the other follows the
+    gradient; spec "Breakers": a zero learning rate on part of a law): it is marked ``broken_by`` (still
+    tracked, counted in ``broken/<family>``) and stays marked if the parameter is unfrozen later (its
+    ``eps`` keeps what moved meanwhile).  A law frozen whole is constant, not broken.  One
+    ``BrokenLawWarning`` per newly frozen parameter, naming it.  Cost per flush: one ``requires_grad``
+    read per tracked tensor and, when the tracker watches an optimizer, one pass over its parameters."""
+    params = tracker.params
+    frozen = tuple(i for i, p in enumerate(params) if not p.requires_grad)
+    opt = tracker.__dict__.get("_broken_watch")
+    if opt is not None and tracker.__dict__.get("_held_seen") is not None:
+        if _not_held(tracker, opt) != tracker._held_seen:
+            check_optimizer(tracker, opt, _watching=True)  # (sets _held_seen)
+    seen = tracker.__dict__.get("_frozen_seen", ())
+    if frozen == seen:
+        return
+    tracker._frozen_seen = frozen
+    newly = sorted(set(frozen) - set(seen))
+    if not newly:  # unfrozen only: the marks stay (eps keeps what moved while they were frozen)
+        return
+    names = tracker.compiled.names
+    at = {n: i for i, n in enumerate(names)}
+    now = set(frozen)
+    marks = tracker.__dict__.setdefault("_frozen_broken", {})
+    step = getattr(tracker, "step_count", 0)
+    broken_by_new: dict[int, list[str]] = {i: [] for i in newly}
+    for law in tracker.laws:
+        ps = [at[p] for p in law.params if p in at]
+        fr = [i for i in ps if i in now]
+        if not fr or len(fr) == len(ps) or law.name in marks:
+            continue
+        labels = _labels([names[i] for i in ps])
+        marks[law.name] = (f"frozen after the tracker was built: {', '.join(labels[ps.index(i)] for i in fr)} "
+                           f"(requires_grad=False, seen at step {step}; they do not move while the rest of the law does)")
+        for i in fr:
+            if i in broken_by_new:
+                broken_by_new[i].append(law.name)
+    tracker.broken_by = _with_frozen(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+    if marks:
+        _monitor(tracker)
+    parts = [f"{names[i]} breaks {len(broken_by_new[i])} law(s) whose other parameters still train "
+             f"({', '.join(broken_by_new[i][:3])}{', ...' if len(broken_by_new[i]) > 3 else ''})"
+             for i in newly if broken_by_new[i]]
+    rest = [names[i] for i in newly if not broken_by_new[i]]
+    shown = parts[:3] + ([f"... ({len(parts) - 3} more)"] if len(parts) > 3 else [])
+    if parts:
+        shown[-1] += ": marked broken_by, still tracked"
+    if rest:
+        shown.append(f"{', '.join(rest[:3])}{f' (and {len(rest) - 3} more)' if len(rest) > 3 else ''}: only in laws "
+                     "frozen whole (constant from now on) or marked already")
+    warnings.warn(f"conserve: parameter(s) frozen (requires_grad=False) after the tracker was built, seen at step {step}: "
+                  f"{'; '.join(shown)}; freeze whole laws (every parameter a law reads) to keep the others conserved, "
+                  "or build the tracker after freezing (frozen parameters' laws are then declined)",
+                  BrokenLawWarning, stacklevel=4)
