@@ -99,6 +99,9 @@ def test_hf_trainer_logs_checkpoints_and_resumes(tmp_path):
         assert b["eps/vo"] == pytest.approx(a["eps/vo"], rel=1e-4, abs=1e-7)
     logged2 = [h for h in trainer2.state.log_history if "conserve/eps/vo" in h]
     assert [h["conserve/step"] for h in logged2 if h["step"] > 5] == [6, 8, 10]
+    # the decomposition of step 5, first logged at step 6 (after the checkpoint), is logged there again
+    drift_at = lambda hs: [(h["step"], h.get("conserve/drift_step")) for h in hs if h["step"] > 5]  # noqa: E731
+    assert drift_at(logged2) == drift_at(logged) == [(6, 5.0), (8, None), (10, 9.0)]
 
 
 def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
@@ -202,6 +205,11 @@ def test_lightning_logs_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in again] == list(range(1, 11))
     for a, b in zip(full[5:], again[5:]):
         assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-4, abs=1e-7)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        resumed = [r for r in csv.DictReader(f) if r.get("conserve/step")]
+    # the logs continue too: step 5's decomposition (logged at step 6, after the checkpoint) is logged again
+    assert [(int(float(r["conserve/step"])), r["conserve/drift_step"]) for r in resumed][-3:] == \
+        [(6, "5.0"), (8, ""), (10, "9.0")]
 
 
 @pytest.mark.parametrize("step_every", [1, 3])
