@@ -258,6 +258,52 @@ def test_lightning_manual_optimization_logs_each_row_and_drift_once(tmp_path, st
     assert "conserve/eps/relu" in trainer.callback_metrics  # still there for ModelCheckpoint / EarlyStopping
 
 
+def test_lightning_gradient_accumulation_logs_drift_and_resumes(tmp_path):
+    """``accumulate_grad_batches=2``: one row per optimizer step, and a row is logged at the batch that steps
+    (Lightning logs nothing at an accumulating batch: the drift columns given there were lost); resumed from
+    the step-3 checkpoint (an epoch boundary) the series continues with the same values."""
+    L = _lightning()
+    import csv
+
+    from conserve.integrations.lightning import ConserveCallback
+
+    class Acc(type(_lit_module(L))):
+        def train_dataloader(self):  # 6 batches = 3 optimizer steps an epoch
+            g = torch.Generator().manual_seed(0)
+            ds = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randint(0, 3, (24,), generator=g))
+            return torch.utils.data.DataLoader(ds, batch_size=4)
+
+    def fit(cb, ckpt_path=None):
+        trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=6, log_every_n_steps=2, accelerator="cpu",
+                            devices=1, accumulate_grad_batches=2,
+                            logger=L.loggers.CSVLogger(str(tmp_path), name="csv", version=0),
+                            callbacks=[cb, L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
+                                                                       every_n_train_steps=3, save_top_k=-1)],
+                            enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Acc(), ckpt_path=ckpt_path)
+        with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+            table = [(int(float(r["conserve/step"])), r["conserve/drift_step"]) for r in csv.DictReader(f)
+                     if r.get("conserve/step")]
+        return trainer, table
+
+    cb = ConserveCallback()
+    trainer, table = fit(cb)
+    assert cb.tracker.step_count == trainer.global_step == 6
+    assert table == [(2, "1.0"), (4, ""), (6, "5.0")]
+    jsonl = Path(trainer.log_dir) / "conserve" / "metrics.jsonl"
+    full = _rows(jsonl)
+    assert [r["step"] for r in full] == list(range(1, 7))
+    cb2 = ConserveCallback()
+    _, table2 = fit(cb2, ckpt_path=str(tmp_path / "ck" / "epoch=0-step=3.ckpt"))
+    assert table2 == [(4, ""), (6, "5.0")] and cb2.tracker.step_count == 6
+    again = _rows(jsonl)
+    assert [r["step"] for r in again] == list(range(1, 7))
+    for a, b in zip(full[3:], again[3:]):
+        assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-5, abs=1e-8)
+
+
 def test_lightning_module_holding_an_hf_model_resumes_into_a_new_logger_version(tmp_path):
     """The common pattern ``self.lm = AutoModelForCausalLM.from_config(...)`` inside a LightningModule: the
     HF laws are found under ``lm.``; a logger that opens a new version on resume gets the resumed rows (the

@@ -107,6 +107,18 @@ class ConserveCallback(Callback):
         h = self.run._handle
         return h.steps if h is not None else self.run.tracker.step_count
 
+    @staticmethod
+    def _accumulating(trainer, pl_module, stepped: bool) -> bool:
+        """True at a batch that only accumulates gradients (``accumulate_grad_batches``) under automatic
+        optimization: Lightning hands the loggers nothing at it (``update_train_step_metrics``), so what
+        this callback logged there would be dropped with the values of the next batch."""
+        if not getattr(pl_module, "automatic_optimization", True):
+            return False
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if hasattr(loop, "_should_accumulate"):
+            return bool(loop._should_accumulate())
+        return not stepped
+
     def _forget_logged(self, trainer) -> None:
         """Take the values this callback logged at an earlier batch out of Lightning's results: Lightning
         keeps every ``log`` value of a hook for the rest of the epoch and hands it to the loggers again at
@@ -136,6 +148,8 @@ class ConserveCallback(Callback):
         conn = getattr(trainer, "_logger_connector", None)
         due = conn.should_update_logs if hasattr(conn, "should_update_logs") else \
             trainer.global_step % max(1, trainer.log_every_n_steps) == 0
+        if due and self._accumulating(trainer, pl_module, stepped):
+            due = False  # Lightning logs nothing at this batch: the row waits for the batch that steps
         if due:
             scalars = self.run.scalars()
             if scalars:
