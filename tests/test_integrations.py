@@ -304,6 +304,48 @@ def test_lightning_gradient_accumulation_logs_drift_and_resumes(tmp_path):
         assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-5, abs=1e-8)
 
 
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_lightning_gradient_clipping_by_value_breaks_the_laws(tmp_path, algorithm):
+    """``gradient_clip_algorithm="value"`` clips each gradient entry on its own: a clipped SGD step is not
+    along the gradient, the first-order drift term no longer vanishes, and the laws are marked
+    ``broken_by``; clipping by norm (one factor for the whole gradient) keeps them.  Without a logger the
+    callback logs for ``callback_metrics`` only (no Lightning warning per key)."""
+    L = _lightning()
+    from conserve.integrations.lightning import ConserveCallback
+    from conserve.tracking.breakers import BrokenLawWarning
+
+    class SGDModule(type(_lit_module(L))):  # float64: the identity's first-order term is exact to ~1e-16
+        def __init__(self):
+            super().__init__()
+            self.double()
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step([batch[0].double(), batch[1]], batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = ConserveCallback(sinks=[], drift_every=1, snapshot_budget=None, fp64=True)
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=4, log_every_n_steps=2, accelerator="cpu",
+                        devices=1, logger=False, gradient_clip_val=1e-3, gradient_clip_algorithm=algorithm,
+                        callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer.fit(SGDModule())
+    assert not [x for x in w if "no logger configured" in str(x.message)]
+    broken = [str(x.message) for x in w if issubclass(x.category, BrokenLawWarning)]
+    t = cb.tracker.totals()["relu"]
+    if algorithm == "value":
+        assert set(cb.tracker.broken_by) == {l.name for l in cb.tracker.laws}
+        assert len(broken) == 1 and "clip by 'norm'" in broken[0]
+        assert t["first"] > 10 * t["second"], t  # really broken: the first-order term dominates
+    else:
+        assert cb.tracker.broken_by == {} and broken == []
+        assert t["first"] < 1e-6 * t["second"], t  # plain SGD, one clipping factor: the Noether identity holds
+    assert "conserve/eps/relu" in trainer.callback_metrics
+
+
 def test_lightning_module_holding_an_hf_model_resumes_into_a_new_logger_version(tmp_path):
     """The common pattern ``self.lm = AutoModelForCausalLM.from_config(...)`` inside a LightningModule: the
     HF laws are found under ``lm.``; a logger that opens a new version on resume gets the resumed rows (the

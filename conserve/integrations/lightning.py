@@ -15,7 +15,9 @@ also goes to the callback's sinks: by default ``<trainer.log_dir>/conserve/metri
 ``fit(ckpt_path=...)`` continues the series (the JSONL file drops the rows after the checkpoint; a
 logger that opens a new version on resume, as Lightning's default does, puts the resumed rows in the
 new version's file, from the checkpoint's step on, with a warning naming it).
-``on_train_end`` (and ``on_exception``) flush and close the sinks.
+``on_train_end`` (and ``on_exception``) flush and close the sinks. ``gradient_clip_algorithm="value"``
+marks every law ``broken_by`` (each gradient entry is clipped on its own; clipping by norm keeps the
+laws). Without a logger (``logger=False``) the row still reaches ``trainer.callback_metrics``.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ except ImportError as first:  # the standalone package
             from None
 
 from ..errors import UsageError
+from ..tracking.breakers import mark_broken
 from ..tracking.sinks import JSONLSink
 from ._run import TrackedRun
 
@@ -93,6 +96,12 @@ class ConserveCallback(Callback):
         self.run = TrackedRun(pl_module, opts[0], prefix=self.prefix, layers=self.layers, laws=self.laws,
                               every=every, sinks=list(sinks), **self.tracker_kwargs)
         self._seen_steps = self._booked()
+        clip = getattr(trainer, "gradient_clip_val", None)
+        algo = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower()
+        if clip and algo.endswith("value"):
+            mark_broken(self.run.tracker, f"Lightning's gradient clipping by value (gradient_clip_val={clip}, "
+                        "gradient_clip_algorithm='value': each gradient entry clipped on its own, so a clipped step "
+                        "is not along the gradient); clip by 'norm' to keep the laws")
         if self._pending_state is not None:  # restored before the optimizer existed
             self.run.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -153,7 +162,8 @@ class ConserveCallback(Callback):
         if due:
             scalars = self.run.scalars()
             if scalars:
-                pl_module.log_dict(scalars, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1)
+                pl_module.log_dict(scalars, on_step=True, on_epoch=False, prog_bar=False, batch_size=1,
+                                   logger=bool(getattr(trainer, "loggers", True)))  # (no logger: callback_metrics only)
                 self._logged_keys.update(scalars)
 
     def state_dict(self) -> dict:

@@ -306,12 +306,31 @@ def _monitor(tracker) -> None:
 
 
 def _with_frozen(tracker, found: dict[str, str]) -> dict[str, str]:
-    """``found`` (the optimizer's breakers) with the laws ``check_frozen`` marked, reasons joined."""
-    frozen = tracker.__dict__.get("_frozen_broken") or {}
+    """``found`` (the optimizer's breakers) with the laws ``check_frozen`` and ``mark_broken`` marked,
+    reasons joined."""
     out = dict(found)
-    for n, r in frozen.items():
-        out[n] = f"{out[n]}; {r}" if n in out else r
+    for store in ("_frozen_broken", "_marked_broken"):
+        for n, r in (tracker.__dict__.get(store) or {}).items():
+            out[n] = f"{out[n]}; {r}" if n in out else r
     return out
+
+
+def mark_broken(tracker, reason: str, laws=None) -> None:
+    """Mark ``laws`` (law names; default every tracked law) ``broken_by`` for ``reason``, something
+    outside the optimizer's ``param_groups`` that breaks them (a framework's gradient clipping by value,
+    say): still tracked, counted in ``broken/<family>``, kept through later ``check_optimizer`` calls;
+    one ``BrokenLawWarning`` per new reason."""
+    names = [l.name for l in tracker.laws] if laws is None else list(laws)
+    marks = tracker.__dict__.setdefault("_marked_broken", {})
+    new = [n for n in names if marks.get(n) != reason]
+    if not new:
+        return
+    for n in new:
+        marks[n] = reason
+    tracker.broken_by = _with_frozen(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+    _monitor(tracker)
+    warnings.warn(f"conserve: {len(new)} law(s) broken by {reason} (still tracked, marked broken_by)",
+                  BrokenLawWarning, stacklevel=3)
 
 
 def _not_held(tracker, optimizer) -> tuple[int, ...]:
