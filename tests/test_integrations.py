@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conserve.errors import UsageError
+
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -344,6 +346,102 @@ def test_lightning_gradient_clipping_by_value_breaks_the_laws(tmp_path, algorith
         assert cb.tracker.broken_by == {} and broken == []
         assert t["first"] < 1e-6 * t["second"], t  # plain SGD, one clipping factor: the Noether identity holds
     assert "conserve/eps/relu" in trainer.callback_metrics
+
+
+def _two_optimizer_module(L, split_law=False):
+    class TwoOpt(L.LightningModule):  # manual optimization, one optimizer per sub-network (a GAN's layout)
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+            self.aux = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y) + F.cross_entropy(self.aux(x), y)
+            opts = self.optimizers()
+            for o in opts:
+                o.zero_grad()
+            self.manual_backward(loss)
+            for o in opts:
+                o.step()
+            return loss
+
+        def configure_optimizers(self):
+            if split_law:  # net's law read by both optimizers
+                return [torch.optim.SGD([*self.net[0].parameters(), *self.aux.parameters()], lr=1e-2),
+                        torch.optim.SGD(self.net[2].parameters(), lr=1e-2)]
+            return [torch.optim.SGD(self.net.parameters(), lr=1e-2), torch.optim.AdamW(self.aux.parameters(), lr=1e-2)]
+
+        def train_dataloader(self):  # 2 batches an epoch
+            g = torch.Generator().manual_seed(0)
+            ds = torch.utils.data.TensorDataset(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+            return torch.utils.data.DataLoader(ds, batch_size=4)
+
+    return TwoOpt()
+
+
+def test_lightning_two_optimizers_one_tracker_each_and_resume(tmp_path):
+    """Two optimizers (manual optimization): one tracker per optimizer over the laws it holds, logged under
+    ``conserve/opt<i>/``, one JSONL file each, both in the checkpoint; the resumed series continue."""
+    L = _lightning()
+    import csv
+
+    from conserve.integrations.lightning import ConserveCallback
+
+    def fit(cb, max_steps, ckpt_path=None):  # (Lightning's global_step counts both optimizers' steps)
+        trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=max_steps, log_every_n_steps=1,
+                            accelerator="cpu", devices=1, logger=L.loggers.CSVLogger(str(tmp_path), name="csv",
+                                                                                     version=0),
+                            callbacks=[cb, L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
+                                                                       every_n_train_steps=4, save_top_k=-1)],
+                            enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_two_optimizer_module(L), ckpt_path=ckpt_path)
+        return trainer
+
+    cb = ConserveCallback()
+    trainer = fit(cb, 8)
+    assert [t.step_count for t in cb.trackers] == [4, 4]
+    assert [{l.params[0].split(".")[0] for l in t.laws} for t in cb.trackers] == [{"net"}, {"aux"}]
+    with pytest.raises(UsageError, match="use .trackers"):
+        cb.tracker  # noqa: B018
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        table = [r for r in csv.DictReader(f) if r.get("conserve/opt0/step")]
+    assert [int(float(r["conserve/opt0/step"])) for r in table] == [1, 2, 3, 4]
+    assert all(r["conserve/opt1/eps/relu"] and r["conserve/opt1/step"] == r["conserve/opt0/step"] for r in table)
+    files = [Path(trainer.log_dir) / "conserve" / f"opt{i}" / "metrics.jsonl" for i in (0, 1)]
+    full = [_rows(f) for f in files]
+    assert [[r["step"] for r in rows] for rows in full] == [[1, 2, 3, 4]] * 2
+    cb2 = ConserveCallback()
+    fit(cb2, 8, ckpt_path=str(tmp_path / "ck" / "epoch=0-step=4.ckpt"))  # 2 steps each: an epoch boundary
+    assert [t.step_count for t in cb2.trackers] == [4, 4]
+    for f, rows in zip(files, full):
+        again = _rows(f)
+        assert [r["step"] for r in again] == [1, 2, 3, 4]
+        for a, b in zip(rows[2:], again[2:]):
+            assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-5, abs=1e-8)
+
+
+def test_lightning_law_read_by_two_optimizers_is_not_tracked(tmp_path):
+    L = _lightning()
+    from conserve.integrations.lightning import ConserveCallback
+
+    cb = ConserveCallback(sinks={})
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=2, accelerator="cpu", devices=1, logger=False,
+                        callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer.fit(_two_optimizer_module(L, split_law=True))
+    said = [str(x.message) for x in w if "several optimizers" in str(x.message)]
+    assert len(said) == 1 and "net.0-2/unit (optimizers 0, 1)" in said[0], said
+    assert len(cb.trackers) == 1 and {l.params[0].split(".")[0] for l in cb.trackers[0].laws} == {"aux"}
+    assert cb.trackers[0].step_count == 1
+    with pytest.raises(UsageError, match="sinks=.optimizer index"):
+        ConserveCallback(sinks=[]).on_fit_start(trainer, trainer.lightning_module)
 
 
 def test_lightning_module_holding_an_hf_model_resumes_into_a_new_logger_version(tmp_path):
