@@ -301,6 +301,14 @@ def test_a_law_frozen_whole_is_not_broken():
         t.flush()
     said = [str(x.message) for x in w if issubclass(x.category, BrokenLawWarning)]
     assert t.tracker.broken_by == {} and len(said) == 1 and "frozen whole" in said[0]
+    m[0].weight.requires_grad_(True)  # unfreezing one side leaves the law half frozen: broken
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _step(m, t)
+        t.flush()
+    said = [str(x.message) for x in w if issubclass(x.category, BrokenLawWarning)]
+    assert t.tracker.broken_by[LAW].startswith("frozen after the tracker was built: 0.bias, 2.weight")
+    assert len(said) == 1 and "0.bias breaks 1 law(s)" in said[0], said
 
 
 def test_parameter_the_optimizer_no_longer_holds_is_noticed_at_the_flush():

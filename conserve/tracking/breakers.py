@@ -288,7 +288,7 @@ def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str,
     warned = tracker.__dict__.setdefault("_broken_warned", set())
     new = [(n, r) for n, r in found.items() if (n, r) not in warned]
     tracker._optimizer_broken = found
-    tracker.broken_by = _with_frozen(tracker, found)
+    tracker.broken_by = _with_marks(tracker, found)
     tracker._held_seen = _not_held(tracker, optimizer)
     if new:
         warned.update(new)
@@ -305,7 +305,7 @@ def _monitor(tracker) -> None:
         tracker.monitors.append(BrokenMonitor(tracker))
 
 
-def _with_frozen(tracker, found: dict[str, str]) -> dict[str, str]:
+def _with_marks(tracker, found: dict[str, str]) -> dict[str, str]:
     """``found`` (the optimizer's breakers) with the laws ``check_frozen`` and ``mark_broken`` marked,
     reasons joined."""
     out = dict(found)
@@ -327,7 +327,7 @@ def mark_broken(tracker, reason: str, laws=None) -> None:
         return
     for n in new:
         marks[n] = reason
-    tracker.broken_by = _with_frozen(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+    tracker.broken_by = _with_marks(tracker, tracker.__dict__.get("_optimizer_broken") or {})
     _monitor(tracker)
     warnings.warn(f"conserve: {len(new)} law(s) broken by {reason} (still tracked, marked broken_by)",
                   BrokenLawWarning, stacklevel=3)
@@ -346,8 +346,9 @@ def check_frozen(tracker) -> None:
     frozen is no longer conserved by gradient flow (one side stands still while the other follows the
     gradient; spec "Breakers": a zero learning rate on part of a law): it is marked ``broken_by`` (still
     tracked, counted in ``broken/<family>``) and stays marked if the parameter is unfrozen later (its
-    ``eps`` keeps what moved meanwhile).  A law frozen whole is constant, not broken.  One
-    ``BrokenLawWarning`` per newly frozen parameter, naming it.  Cost per flush: one ``requires_grad``
+    ``eps`` keeps what moved meanwhile).  A law frozen whole is constant, not broken (unfreezing part of
+    it breaks it).  One ``BrokenLawWarning`` per flush that finds a newly frozen parameter or a newly half
+    frozen law, naming the parameters.  Cost per flush: one ``requires_grad``
     read per tracked tensor and, when the tracker watches an optimizer, one pass over its parameters."""
     params = tracker.params
     frozen = tuple(i for i, p in enumerate(params) if not p.requires_grad)
@@ -359,39 +360,39 @@ def check_frozen(tracker) -> None:
     if frozen == seen:
         return
     tracker._frozen_seen = frozen
-    newly = sorted(set(frozen) - set(seen))
-    if not newly:  # unfrozen only: the marks stay (eps keeps what moved while they were frozen)
-        return
+    newly = sorted(set(frozen) - set(seen))  # (an unfreezing can leave a law frozen whole half frozen too)
     names = tracker.compiled.names
     at = {n: i for i, n in enumerate(names)}
     now = set(frozen)
     marks = tracker.__dict__.setdefault("_frozen_broken", {})
     step = getattr(tracker, "step_count", 0)
-    broken_by_new: dict[int, list[str]] = {i: [] for i in newly}
+    culprits: dict[int, list[str]] = {}  # frozen parameter -> the laws marked now because of it
     for law in tracker.laws:
+        if law.name in marks:
+            continue
         ps = [at[p] for p in law.params if p in at]
         fr = [i for i in ps if i in now]
-        if not fr or len(fr) == len(ps) or law.name in marks:
+        if not fr or len(fr) == len(ps):
             continue
         labels = _labels([names[i] for i in ps])
         marks[law.name] = (f"frozen after the tracker was built: {', '.join(labels[ps.index(i)] for i in fr)} "
                            f"(requires_grad=False, seen at step {step}; they do not move while the rest of the law does)")
         for i in fr:
-            if i in broken_by_new:
-                broken_by_new[i].append(law.name)
-    tracker.broken_by = _with_frozen(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+            culprits.setdefault(i, []).append(law.name)
+    rest = [i for i in newly if i not in culprits]
+    if not culprits and not rest:
+        return
+    tracker.broken_by = _with_marks(tracker, tracker.__dict__.get("_optimizer_broken") or {})
     if marks:
         _monitor(tracker)
-    parts = [f"{names[i]} breaks {len(broken_by_new[i])} law(s) whose other parameters still train "
-             f"({', '.join(broken_by_new[i][:3])}{', ...' if len(broken_by_new[i]) > 3 else ''})"
-             for i in newly if broken_by_new[i]]
-    rest = [names[i] for i in newly if not broken_by_new[i]]
+    parts = [f"{names[i]} breaks {len(laws)} law(s) whose other parameters still train "
+             f"({', '.join(laws[:3])}{', ...' if len(laws) > 3 else ''})" for i, laws in sorted(culprits.items())]
     shown = parts[:3] + ([f"... ({len(parts) - 3} more)"] if len(parts) > 3 else [])
     if parts:
         shown[-1] += ": marked broken_by, still tracked"
     if rest:
-        shown.append(f"{', '.join(rest[:3])}{f' (and {len(rest) - 3} more)' if len(rest) > 3 else ''}: only in laws "
-                     "frozen whole (constant from now on) or marked already")
+        shown.append(f"{', '.join(names[i] for i in rest[:3])}{f' (and {len(rest) - 3} more)' if len(rest) > 3 else ''}"
+                     ": only in laws frozen whole (constant from now on) or marked already")
     warnings.warn(f"conserve: parameter(s) frozen (requires_grad=False) after the tracker was built, seen at step {step}: "
                   f"{'; '.join(shown)}; freeze whole laws (every parameter a law reads) to keep the others conserved, "
                   "or build the tracker after freezing (frozen parameters' laws are then declined)",
