@@ -123,15 +123,29 @@ def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
 
 
 def test_hf_gradient_accumulation_books_one_row_per_optimizer_step(tmp_path):
+    """Gradient accumulation with global-norm clipping and a warmup + cosine schedule: one row per optimizer
+    step, no law marked broken (one clipping factor and one lr for every group), and a resume from
+    checkpoint-5 continues the series with the uninterrupted run's values."""
     from conserve.integrations.hf import ConserveCallback
 
-    cb = ConserveCallback(sinks=[], layers=True)
-    trainer = _hf_trainer(tmp_path, [cb], max_steps=4, gradient_accumulation_steps=2)
+    opts = dict(gradient_accumulation_steps=2, max_grad_norm=0.05, lr_scheduler_type="cosine", warmup_steps=2)
+    cb = ConserveCallback(layers=True)
+    trainer = _hf_trainer(tmp_path, [cb], max_steps=6, **opts)
     trainer.train()
-    assert cb.tracker.step_count == 4
+    assert cb.tracker.step_count == 6
+    assert not [n for n in cb.tracker.broken_by if not n.endswith("/gain")]  # (the Trainer decays no norm weight)
     logged = [h for h in trainer.state.log_history if "conserve/step" in h]
-    assert [h["conserve/step"] for h in logged] == [2, 4]
+    assert [h["conserve/step"] for h in logged] == [2, 4, 6]
     assert "conserve/eps/vo/layer1" in logged[0]
+    jsonl = tmp_path / "conserve" / "metrics.jsonl"
+    full = _rows(jsonl)
+    cb2 = ConserveCallback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_trainer(tmp_path, [cb2], max_steps=6, **opts).train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    again = _rows(jsonl)
+    assert [r["step"] for r in again] == list(range(1, 7)) and cb2.tracker.step_count == 6
+    assert again[5]["eps/vo"] == pytest.approx(full[5]["eps/vo"], rel=1e-4, abs=1e-7)
 
 
 # ------------------------------------------------------------------------------------ Lightning
