@@ -67,9 +67,9 @@ class ConserveCallback(Callback):
         **tracker_kwargs: ``drift``, ``fp64``, ``backend``, ``monitors``, ``on_nonfinite``.
 
     Several optimizers (``configure_optimizers`` returning a list, manual optimization: a GAN, a
-    separate optimizer per sub-network): one tracker per optimizer, over the laws all of whose
-    parameters it holds; a law that reads the parameters of two optimizers is not tracked (each step
-    moves one side only; one warning names them). ``self.trackers`` lists the trackers (optimizer
+    separate optimizer per sub-network): one tracker per optimizer, over the laws whose parameters it
+    holds; a law that reads the parameters of two optimizers is not tracked (each step moves one side
+    only; one warning names them), nor one no optimizer holds. ``self.trackers`` lists the trackers (optimizer
     order); ``self.tracker`` is the tracker of a single optimizer. Raises ``UsageError`` at
     ``on_fit_start`` when no optimizer holds a law, or for a ``sinks`` list with several optimizers.
     """
@@ -103,7 +103,8 @@ class ConserveCallback(Callback):
             r.close()
 
     def _split_laws(self, pl_module, opts) -> list[tuple[int, object]]:
-        """``[(optimizer index, laws)]``: each law goes to the optimizer that holds all its parameters."""
+        """``[(optimizer index, laws)]``: each law goes to the one optimizer that holds its parameters (a law
+        no optimizer moves is left out)."""
         from ..tracker import _model_laws, _unwrap
         from ..tracking.breakers import unwrap_optimizer
 
@@ -117,7 +118,7 @@ class ConserveCallback(Callback):
         for law in laws:
             ids = [id(named[p]) for p in law.params if p in named]
             owners = [i for i, h in enumerate(held) if any(x in h for x in ids)]
-            if len(owners) == 1 and all(x in held[owners[0]] for x in ids):
+            if len(owners) == 1:  # (with parameters no optimizer holds: tracked there, marked broken_by)
                 per.setdefault(owners[0], []).append(law)
             elif len(owners) > 1:
                 split.append(f"{law.name} (optimizers {', '.join(map(str, owners))})")
