@@ -208,7 +208,8 @@ class Tracker:
     sinks still get the rows, a one-line warning names the sink, step and error, and its unwritten
     rows are kept (``unwritten``) and retried at the next flush and at ``close()``; the step is booked.
     A sink that keeps failing (a full or read-only disk) is owed at most ``max_unwritten`` rows (default
-    10,000; a row is a dict of ``len(metric_names)`` floats, ~100 bytes per key): beyond that its oldest
+    10,000; a row is a dict of ``len(metric_names)`` floats, ~63 bytes per key measured: 10,000 rows of a
+    24-layer Llama's 128 keys hold ~80 MB): beyond that its oldest
     rows are dropped, told once (one line naming the fix) and counted in ``dropped`` ({sink: rows}), in the
     ``sinks/dropped_rows`` key of each later flush's last row (all sinks, as the flush began) and in
     ``close()``'s warning.
