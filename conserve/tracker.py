@@ -38,7 +38,8 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError, StaleParameterError
 from .laws import Compiled, Declined, Law, compile_laws
-from .tracking.breakers import check_optimizer, decay_factor, per_param_decay  # noqa: F401  (decay_factor: re-exported)
+from .tracking.breakers import (check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
+                                 per_param_decay)
 from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
 
 GUARD = 1e-4
@@ -189,6 +190,9 @@ class Tracker:
     ``broken_by`` ({law name: reason}) lists the laws the optimizer's ``param_groups`` break (different lr or
     weight decay inside one law, a parameter the optimizer does not hold); they are tracked, warned once
     and counted in the ``broken/<family>`` metric (``check_optimizer``, ``conserve.tracking.breakers``).
+    A parameter frozen after construction (``requires_grad_(False)``) or dropped from the watched
+    optimizer's groups is noticed at the next flush (``check_frozen``): the laws it leaves half frozen are
+    marked ``broken_by`` the same way, with one warning naming it.
     Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
 
     Cost: one evaluation ``h(theta_{k+1})`` per step (``eps``); on a drift step, a copy of the views
@@ -203,6 +207,12 @@ class Tracker:
     ``DistributedTracker`` must be closed on every rank). A sink that raises is isolated: the other
     sinks still get the rows, a one-line warning names the sink, step and error, and its unwritten
     rows are kept (``unwritten``) and retried at the next flush and at ``close()``; the step is booked.
+    A sink that keeps failing (a full or read-only disk) is owed at most ``max_unwritten`` rows (default
+    10,000; a row is a dict of ``len(metric_names)`` floats, ~63 bytes per key measured: 10,000 rows of a
+    24-layer Llama's 128 keys hold ~80 MB): beyond that its oldest
+    rows are dropped, told once (one line naming the fix) and counted in ``dropped`` ({sink: rows}), in the
+    ``sinks/dropped_rows`` key of each later flush's last row (all sinks, as the flush began) and in
+    ``close()``'s warning.
     ``copy.deepcopy`` gives an independent tracker without sinks (a snapshot: set ``sinks`` to write).
     """
 
@@ -276,8 +286,9 @@ class Tracker:
         self.h = self.h0.clone()
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
-        self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
         self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
+        # the mean over each family's instances of |h_0| / magnitude (``totals()["balance"]``): per family, held
+        self.h0_balance = self._fam_mean(h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny))
         # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
         self.cumulative: dict[str, Values] = {k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
@@ -355,11 +366,21 @@ class Tracker:
         # the family of each (family, layer) group and of each instance (read every step: held, 4 bytes
         # per instance); an entry's is gathered from it when needed, unless an entry belongs to no law
         self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
-        self._inst_fam = self._group_fam.index_select(0, self._inst_group)
         self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
+
+    @property
+    def _inst_fam(self) -> torch.Tensor:
+        """(instances,) int32: the family of each instance (gathered when read: not held; the per-step
+        family sums add the (family, layer) group sums instead)."""
+        return self._group_fam.index_select(0, self._inst_group)
+
+    def _fam_mean(self, per_inst: torch.Tensor) -> torch.Tensor:
+        """(families,): the mean of a per-instance quantity over each family's instances."""
+        return torch.zeros(len(self.families), dtype=per_inst.dtype, device=per_inst.device).index_add_(
+            0, self._inst_fam, per_inst) / self._fam_count
 
     @property
     def _fam_all(self) -> torch.Tensor:
@@ -658,8 +679,8 @@ class Tracker:
             rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
         rel.sqrt_().div_(self.denom)
         del dv
-        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
         grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
         parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
         if self.drift:
             norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
@@ -797,12 +818,10 @@ class Tracker:
                  "scale": self._fam_norm(self.h0), "sampled_steps": self.sampled_steps,
                  "steps": torch.full_like(self.sampled_steps, self.step_count)}
         rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
-        eps = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
-        parts["eps"] = eps / self._fam_count
+        parts["eps"] = self._fam_mean(rel)
         # fraction of a family's instances whose h_0 is ~0 (the eps guard divides by the magnitude instead)
-        guarded = (self.denom > self._inst_norm(self.h0)).to(rel.dtype)
-        parts["guarded"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, guarded) / self._fam_count
-        parts["balance"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, self.h0_balance) / self._fam_count
+        parts["guarded"] = self._fam_mean((self.denom > self._inst_norm(self.h0)).to(rel.dtype))
+        parts["balance"] = self.h0_balance.to(device=self.device, dtype=rel.dtype)
         host = {k: v.double().cpu().tolist() for k, v in parts.items()}
         return {f: {k: host[k][i] for k in host} for i, f in enumerate(self.families)}
 
@@ -824,6 +843,7 @@ class Tracker:
         host = torch.stack(self._rows).cpu()
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
         extras += [{}] * (len(self._rows) - len(extras))
+        check_frozen(self)  # parameters frozen since the last flush: their laws' broken_by (before the monitors)
         mon = {}
         for m in self.monitors:  # one device->host copy per monitor, not one per key
             got = m.metrics()
@@ -831,6 +851,8 @@ class Tracker:
                 vals = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(self.device)
                                     for v in got.values()]).cpu().tolist()
                 mon.update(zip(got.keys(), vals))
+        if self._dropped_rows:  # rows a failing sink never got (``max_unwritten``), as of this flush
+            mon["sinks/dropped_rows"] = sum(self._dropped_rows.values())
         self._rows, self._extras = [], []
         n_eps = len(self.families) + len(self.groups)
         out, written = [], []
@@ -881,7 +903,8 @@ class Tracker:
 
         A sink first gets the rows it still owes (``unwritten``), in order; at the first row it fails
         on, it keeps that row and the later ones, and one line names the sink, step and error (once per
-        failure spell, again after it recovered)."""
+        failure spell, again after it recovered).  It keeps at most ``max_unwritten`` of them: beyond
+        that the oldest are dropped, counted in ``dropped`` (one warning per sink names the fix)."""
         for s in self.sinks:
             owed = self._unwritten.get(id(s))
             todo = owed + list(recs) if owed else recs
@@ -889,22 +912,47 @@ class Tracker:
                 try:
                     s.write(r["step"], r)
                 except Exception as e:  # noqa: BLE001 - any sink error: keep the rows, keep training
-                    self._unwritten[id(s)] = todo[i:]
+                    self._unwritten[id(s)] = self._bounded(s, todo[i:])
                     if id(s) not in self._failing:
                         self._failing.add(id(s))
                         warnings.warn(f"conserve: sink {s!r} failed at step {r['step']} ({type(e).__name__}: {e}); its "
-                                      f"rows are kept in memory (tracker.unwritten) and retried at the next flush, the "
-                                      f"other sinks are written; fix the sink (disk space, permissions, network)",
+                                      f"rows are kept in memory (tracker.unwritten, up to tracker.max_unwritten="
+                                      f"{self.max_unwritten}) and retried at the next flush, the other sinks are "
+                                      "written; fix the sink (disk space, permissions, network)",
                                       RuntimeWarning, stacklevel=3)
                     break
             else:
                 self._unwritten.pop(id(s), None)
                 self._failing.discard(id(s))
 
+    def _bounded(self, s, left: list[dict]) -> list[dict]:
+        """``left`` (rows sink ``s`` still owes, oldest first) cut to the newest ``max_unwritten``; the rows
+        cut are counted in ``dropped`` and told once per sink (one line naming the fix)."""
+        cap = max(0, int(self.max_unwritten))
+        n = len(left) - cap
+        if n <= 0:
+            return left
+        dropped = self._dropped_rows
+        dropped[id(s)] = dropped.get(id(s), 0) + n
+        if id(s) not in self._warned_dropped:
+            self._warned_dropped.add(id(s))
+            warnings.warn(f"conserve: sink {s!r} still fails and owes more than tracker.max_unwritten={cap} rows: the "
+                          f"oldest are dropped for it, from step {left[0]['step']} on (counted in tracker.dropped and "
+                          "the rows' sinks/dropped_rows; the other sinks keep every row); fix the sink (disk space, "
+                          "permissions, network), or raise tracker.max_unwritten to keep more in memory",
+                          RuntimeWarning, stacklevel=4)
+        return left[n:]
+
     @property
     def unwritten(self) -> dict:
         """Per sink that failed, the rows it has not written yet (oldest first): ``{sink: [row, ...]}``."""
         return {s: list(self._unwritten[id(s)]) for s in self.sinks if self._unwritten.get(id(s))}
+
+    @property
+    def dropped(self) -> dict:
+        """Per sink, how many rows it never got: it kept failing while it owed more than
+        ``max_unwritten`` rows, so the oldest were dropped (``{sink: count}``; the other sinks have them)."""
+        return {s: self._dropped_rows[id(s)] for s in self.sinks if self._dropped_rows.get(id(s))}
 
     def close(self) -> None:
         """Flush what is pending and close the sinks (each isolated: a failing ``close`` is reported,
@@ -918,10 +966,13 @@ class Tracker:
             self.flush()
         finally:
             for s in self.sinks:
-                left = self._unwritten.get(id(s))
-                if left:
-                    warnings.warn(f"conserve: sink {s!r} could not write {len(left)} row(s) (steps {left[0]['step']}.."
-                                  f"{left[-1]['step']}); they are in tracker.unwritten", RuntimeWarning, stacklevel=2)
+                left, lost = self._unwritten.get(id(s)), self._dropped_rows.get(id(s), 0)
+                if left or lost:
+                    kept = (f"could not write {len(left)} row(s) (steps {left[0]['step']}..{left[-1]['step']}); they are "
+                            "in tracker.unwritten") if left else "wrote every row it kept"
+                    more = (f"; {lost} older row(s) were dropped for it (tracker.dropped; max_unwritten="
+                            f"{self.max_unwritten})") if lost else ""
+                    warnings.warn(f"conserve: sink {s!r} {kept}{more}", RuntimeWarning, stacklevel=2)
                 try:
                     s.close()
                 except Exception as e:  # noqa: BLE001
@@ -942,6 +993,7 @@ class Tracker:
     _warned_nonfinite = False
     nonfinite_skipped = 0
     _nonfinite_reported = 0  # steps up to this one were covered by a NonFiniteError already raised
+    max_unwritten = 10_000  # rows a failing sink may owe (``_write``): beyond it the oldest are dropped (``dropped``)
 
     @property
     def _unwritten(self) -> dict:
@@ -950,6 +1002,14 @@ class Tracker:
     @property
     def _failing(self) -> set:
         return self.__dict__.setdefault("_failing_sinks", set())
+
+    @property
+    def _dropped_rows(self) -> dict:
+        return self.__dict__.setdefault("_dropped_by_sink", {})
+
+    @property
+    def _warned_dropped(self) -> set:
+        return self.__dict__.setdefault("_warned_dropped_sinks", set())
 
     def __enter__(self) -> "Tracker":
         return self
@@ -990,7 +1050,8 @@ class Tracker:
         and model in the same call makes them), without sinks: a snapshot, not a second writer."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False,
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
+                "_warned_dropped_sinks": set(), "_closed": False,
                 "_bound": None}
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.copy(skip[k]) if k in skip else copy.deepcopy(v, memo)
@@ -1005,7 +1066,8 @@ class Tracker:
     def __getstate__(self) -> dict:
         """Pickling keeps the series (values, pending rows, cumulative terms) without the sinks, as
         ``copy.deepcopy`` does: an unpickled tracker is a snapshot, not a second writer (set ``sinks``)."""
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False,
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
+                "_warned_dropped_sinks": set(), "_closed": False,
                 "_bound": None}  # (weak references to the model's modules do not pickle)
         return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
 
@@ -1024,7 +1086,7 @@ class Tracker:
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
                 # copies: the tracker sums into its buffers in place
                 "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
-                "sampled_steps": self.sampled_steps.clone(), "h0_balance": self.h0_balance,
+                "sampled_steps": self.sampled_steps.clone(), "balance": self.h0_balance,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
@@ -1049,8 +1111,10 @@ class Tracker:
         self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
         if state.get("sampled_steps") is not None:
             self.sampled_steps = state["sampled_steps"].to(dev).clone()  # summed into in place
-        if state.get("h0_balance") is not None:  # |h_0| / magnitude of the saved run's theta_0
-            self.h0_balance = state["h0_balance"].to(dev)
+        if state.get("balance") is not None:  # |h_0| / magnitude of the saved run's theta_0, per family
+            self.h0_balance = state["balance"].to(dev)
+        elif state.get("h0_balance") is not None:  # (states saved before: per instance)
+            self.h0_balance = self._fam_mean(state["h0_balance"].to(dev))
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []
         self._extras = copy.deepcopy(list(state.get("pending_extras", [])))
         for m, s in zip(self.monitors, state.get("monitors", [])):
