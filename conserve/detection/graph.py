@@ -8,7 +8,8 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
 1. Probe: a float64 copy of the model with random parameters (N(0, 1/fan_in) matrices, gains 1 +- 0.3,
    biases +- 0.3), in eval mode, and an example input (``example_inputs``, else synthesised from the
    first parameterised module: token ids for an ``nn.Embedding``, ``(2, 6, in_features)`` floats for an
-   ``nn.Linear``). The user's model is never modified.
+   ``nn.Linear``; an HF encoder-decoder also gets random ``decoder_input_ids`` from its config unless given).
+   The user's model is never modified.
 2. Trace: ``torch.fx.symbolic_trace`` (``nn.Linear``, norms, ``nn.Embedding``, GPT-2 ``Conv1D`` are
    leaves); when that fails (data-dependent Python control flow, e.g. an ``assert`` on a shape), the
    probe is traced with ``torch.export`` on the example input. Casts to float32/16 in the graph are made
@@ -25,7 +26,10 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
      dims are rotated together: RoPE by rotate_half (pairs ``{p, p + R/2}``) or by complex multiplication
      of adjacent pairs (``view_as_complex``, pairs ``{2p, 2p+1}``), partial rotary (pass-through dims).
      Laws: QK Gram per kv group (no RoPE) or RoPE pairs (+ pass-through Gram), VO Gram per kv group.
-     Attention written with ``einsum`` is rewritten as permute -> matmul -> permute first (re-checked).
+     Attention written with ``einsum`` is rewritten as permute -> matmul -> permute first, ``baddbmm`` (BLOOM's
+     ALiBi scores) as ``beta * input + alpha * b1 @ b2`` (both re-checked). Softmax's stabiliser ``s - max(s)``,
+     extra logits concatenated beside the scores and a slice of the probabilities (GPT-OSS attention sinks) keep
+     the scores recognised.
      A q/k path that is not linear (QK-norm) gets no QK law (declined with the reason); VO is kept, and
      a per-feature gain on each of the q and k paths gets the QK-norm gain law (per dim, or per rotary
      pair; one law for gains shared by all heads, one per kv group for a norm over all heads; ``1 + w``
@@ -43,6 +47,9 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
      output also feeds anything else (the residual stream: post-LN) is declined.
    * LayerScale: a per-feature scale of a linear's output (``gamma * (W x + b)``) whose result feeds
      anything (the residual): ``gamma_c^2 - ||W[c,:]||^2 - b_c^2`` (family ``layer_scale``).
+   * fused experts: transformers' experts run as ``batched_mm`` in the probe (the eager loop over routed experts
+     is data-dependent: untraceable); the per-token gathered weights ``bmm(W[ids], x)`` (W: (E, out, in), or
+     transposed) are one linear map per expert: unit laws per expert (``lead=(e,)``), gain readers for every expert.
    * routers: a linear whose output is only read by ``softmax`` (directly or after ``topk``): router sum
      (spec: MoE router, softmax, any top-k, renormalised or not); a sigmoid router is declined (spec
      open row). Expert MLPs are found as MLPs above.
