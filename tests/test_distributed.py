@@ -376,7 +376,7 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
     _check_values(trackers[1].values(), refs[1].tracker.values(), 1e-6, what + " fp32")
     if CADENCE:
         _check_values(trackers[2].values(), refs[2].tracker.values(), 1e-12, what + " drift_every=2")
-    assert all(t._prev is None for t in trackers if t._comm)  # the shard copies are dropped after each step
+    assert all(t._snap is None and t._old is None for t in trackers if t._comm)  # the copies are dropped after each step
     for k in ("decay", "first", "second"):
         _check_values(dict(enumerate(trackers[0].cumulative[k].grams.values())),
                       dict(enumerate(refs[0].tracker.cumulative[k].grams.values())), 1e-9, f"{what} cumulative {k}")
@@ -571,7 +571,7 @@ def _scenario_collectives(rank, world, cfg):
     the terms it owns that it does not hold (checked against the laws' views, not the tracker's counts)."""
     model, laws = _fsdp(cfg, world)
     opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
-    t = DistributedTracker(model, laws, every=EVERY, drift_every=1)
+    t = DistributedTracker(model, laws, every=EVERY, drift_every=1, snapshot_budget=None)
     log = _CommLog()
     for k in range(1, STEPS + 1):
         opt.zero_grad()

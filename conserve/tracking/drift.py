@@ -38,7 +38,8 @@ try:  # the kernels' reference module (after the vectorised twin); before it, pl
 except ImportError:  # pragma: no cover - depends on the kernels version
     from ..kernels.plan import drift_factors
 
-__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Shards", "Snapshot", "Mask", "make_mask"]
+__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Shards", "copy_costs", "Snapshot", "Mask",
+           "make_mask"]
 
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
                  fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True, config=None):
@@ -528,8 +529,8 @@ class Shards:
 
     ``local``: this rank's terms (local views of its shards, ``conserve.tracking.shard_plan``: summed
     over the ranks with the straddling Gram terms they give the global plan); the groups' sub-plans
-    are made of these.  ``costs[r]``: the terms whose views rank ``r`` copies before a drift step (its
-    local terms and its rows of the straddling Grams, same entries as the global plan's).
+    are made of these.  ``costs[r]``: the bytes rank ``r`` copies before a drift step per output entry
+    of the global plan (``copy_costs`` of its local terms, plus its rows of the straddling Grams).
     ``held[r]``: the tracked bytes rank ``r`` holds (its budget is ``budget * held[r]``).  ``rank``:
     this rank."""
 
@@ -537,6 +538,25 @@ class Shards:
     costs: tuple
     held: tuple
     rank: int
+
+
+def copy_costs(plan: Plan, esize: Sequence[int], grams: Sequence[tuple[int, int, int]] = ()):
+    """Bytes of the views the terms of ``plan`` read, per output entry: ``(vec, {(D, slot): bytes})``,
+    ``vec`` a ``(vec_size,)`` int64 array (a norm's row to its entry, a sum's column to its entry).
+    ``esize``: bytes per element of each tensor; ``grams``: more ``(D, slot, bytes)`` to add (a rank's
+    rows of a Gram term that straddles ranks)."""
+    vec = np.zeros(plan.vec_size, dtype=np.int64)
+    for t in plan.norms:
+        np.add.at(vec, t.index + t.index_stride * np.arange(t.view.rows), t.view.cols * esize[t.view.tensor])
+    for t in plan.sums:
+        vec[t.index: t.index + t.view.cols] += t.view.rows * esize[t.view.tensor]
+    gram: dict = {}
+    for t in plan.grams:
+        key = (t.view.rows, t.slot)
+        gram[key] = gram.get(key, 0) + t.view.rows * t.view.cols * esize[t.view.tensor]
+    for d, slot, b in grams:
+        gram[(d, slot)] = gram.get((d, slot), 0) + b
+    return vec, gram
 
 
 class Sampler:
@@ -576,7 +596,7 @@ class Sampler:
         self.shards = shards
         self._esize = [t.element_size() for t in tensors]
         if shards is None:
-            self._exec, costs = plan, [plan]
+            self._exec, costs = plan, [copy_costs(plan, self._esize)]
             held = [sum(t.numel() * t.element_size() for t in tensors)]
             rank = 0
         else:
@@ -613,27 +633,23 @@ class Sampler:
         self._full = [bool((gv == g).all() and all((m == g).all() for m in gg.values())) for g in range(n)]
 
     # ------------------------------------------------------------------ units and groups
-    def _units(self, cap: np.ndarray, costs: Sequence[Plan]) -> list[_Unit]:
+    def _units(self, cap: np.ndarray, costs: Sequence[tuple]) -> list[_Unit]:
         """The global plan's entries cut into units (in the plan's order, the same on every rank), each
-        with its copy cost per rank (``(ranks,)`` int64, from ``costs``) and this rank's terms of it
-        (``self._exec`` restricted to the unit's entries).  ``cap``: ``(ranks,)`` bytes per rank."""
-        p, ex, W, es = self.plan, self._exec, len(costs), self._esize
+        with its copy cost per rank (``(ranks,)`` int64, from ``costs``: ``copy_costs`` per rank) and
+        this rank's terms of it (``self._exec`` restricted to the unit's entries).  ``cap``: ``(ranks,)``
+        bytes per rank."""
+        p, ex, W = self.plan, self._exec, len(costs)
         units: dict = {}
         for t in p.grams:  # the slots, in the global plan's order
             key = ("gram", t.view.rows, t.slot)
             units.setdefault(key, _Unit(key, W))
-        for r, cp in enumerate(costs):
-            for t in cp.grams:
-                units[("gram", t.view.rows, t.slot)].cost[r] += t.view.rows * t.view.cols * es[t.view.tensor]
-        for t in ex.grams:
+        for r, (_, gc) in enumerate(costs):
+            for (d, slot), b in gc.items():
+                units[("gram", d, slot)].cost[r] += b
+        for t in ex.grams:  # this rank's terms (whole D rows: a straddling term is in no rank's local plan)
             units[("gram", t.view.rows, t.slot)].grams.append(t)
         # vector entries: cost per entry and rank, then runs of entries of at most `cap` bytes on every rank
-        cost = np.zeros((p.vec_size, W), dtype=np.int64)
-        for r, cp in enumerate(costs):
-            for t in cp.norms:
-                np.add.at(cost[:, r], t.index + t.index_stride * np.arange(t.view.rows), t.view.cols * es[t.view.tensor])
-            for t in cp.sums:
-                cost[t.index: t.index + t.view.cols, r] += t.view.rows * es[t.view.tensor]
+        cost = np.stack([vc for vc, _ in costs], axis=1) if p.vec_size else np.zeros((0, W), dtype=np.int64)
         for (o0, o1) in _runs_under(cost, cap):
             u = _Unit(("vec", o0, o1), W)
             gn, gs = _vec_terms(p, o0, o1)
