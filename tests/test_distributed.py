@@ -43,7 +43,8 @@ from conserve.distributed import (DistributedTracker, _Layout, _localize, comm_s
                                   track, wants_distributed)
 from conserve.models import DecoderLM, LMConfig
 from conserve.sinks import MemorySink
-from conserve.tracker import Tracker
+from conserve.tracker import TERMS, Tracker, Values
+from conserve.tracking.drift import Sampler
 
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
 # the drift cadence (drift_every, snapshot_budget) of conserve.tracking.drift, compared when the Tracker has it
@@ -514,8 +515,136 @@ def _scenario_tp(rank, world, cfg):
     assert t._comm and not t._straddles
 
 
+def _sampled_expected(ref, mask):
+    """Per family and term, the norm over the family's entries in ``mask`` of the reference's per-entry terms
+    (``ref.tracker.last``: every entry decomposed), NaN for a family with none: the row of a sampled step."""
+    tr = ref.tracker
+    out, hit = {}, torch.zeros(len(tr.families), dtype=torch.bool)
+    hit.index_fill_(0, tr._vec_fam[mask.vec].long(), True)
+    for d, m in mask.grams.items():
+        hit.index_fill_(0, tr._gram_fam[d][m].long(), True)
+    for t in TERMS:
+        v = tr.last[t]
+        sq = torch.zeros(len(tr.families), dtype=torch.float64).index_add_(
+            0, tr._vec_fam.long(), torch.where(mask.vec, v.vec.double(), 0.0) ** 2)
+        for d, g in v.grams.items():
+            sq.index_add_(0, tr._gram_fam[d].long(), (torch.where(mask.grams[d][:, None, None], g.double(), 0.0) ** 2).sum((1, 2)))
+        for i, f in enumerate(tr.families):
+            out[f"drift/{f}/{t}"] = sq[i].sqrt().item() if hit[i] else float("nan")
+    return out, hit
+
+
+def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS):
+    """FSDP2 with a snapshot budget: each drift step decomposes one group of the GLOBAL plan (the same on
+    every rank); its drift columns, ``cumulative``, ``sampled_steps`` and ``totals()`` equal those of a
+    single-process Tracker that decomposes every entry (``keep_last``), restricted to the group's
+    entries. The storages ``before_step`` creates (the copies) fit this rank's budget, and a whole step
+    leaves no weight-sized storage alive (the pending pack and h_{k+1} only)."""
+    from bench.track_overhead import LiveBytes
+
+    model, laws = _fsdp(cfg, world)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
+    sink = MemorySink()
+    t = DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sink], drift_every=drift_every,
+                           snapshot_budget=budget)
+    ref = _Reference(cfg, laws, torch.float64, every=EVERY, fp64=True, keep_last=True)
+    ref.start(_full(model))
+    s = t.sampler
+    assert s.shards is not None and len(s.groups) >= 3, len(s.groups)
+    mine = sum(x.numel() * x.element_size() for x in t.tensors)
+    assert s.tracked_bytes == mine  # this rank's bytes (uneven and empty shards included)
+    cap = budget * mine
+    # budget None: every local shard the laws read, whole (the previous behaviour)
+    every_law = Sampler(t.compiled.plan, t.tensors, None, t.device, shards=t._shards)
+    snap = every_law.snapshot(0, t.tensors)
+    assert every_law.groups == [None] and snap.mask.full and snap.plan is t._local_plan
+    lp = t._local_plan
+    read = {v.view.tensor for v in list(lp.grams) + list(lp.norms) + list(lp.sums)}
+    assert sum(o.numel() * o.element_size() for o, x in zip(snap.olds, t.tensors) if o.data_ptr() != x.data_ptr()) \
+        == sum(t.tensors[i].numel() * t.tensors[i].element_size() for i in read)
+    del snap
+    rows, copied, cum, straddled, seen = [], [], {k: None for k in TERMS[:4]}, 0, []
+    sampled = torch.zeros(len(t.families), dtype=torch.long)
+    for k in range(1, steps + 1):
+        opt.zero_grad()
+        _loss(model, _batch(k, rank, cfg["vocab_size"])).backward()
+        ref.tracker.before_step(ref.opt)
+        drift = t.is_drift_step()
+        with LiveBytes() as m:
+            t.before_step(opt)
+        assert (t._snap is not None) == drift
+        if drift:
+            j = (k - 1) // drift_every
+            group = s.groups[j % len(s.groups)]
+            mask = t._snap.mask
+            # the copies made right before the step: this rank's pieces of the group's views only
+            assert m.cur == t._snap.bytes() + sum(x.numel() * x.element_size() for x in t._old[1].values())
+            assert m.cur <= sum(int(u.cost[rank]) for u in group)
+            assert m.cur <= cap or len(group) == 1, (m.cur, cap)
+            copied.append(m.cur)
+            seen.append(j)
+        opt.step()
+        with LiveBytes() as m:
+            t.after_step()
+        assert t._snap is None and t._old is None
+        straddled += bool(t._pend and t._pend[-1].sel)
+        kept = t._pend[-1].pack if t._pend else None
+        law = sum(v.numel() * v.element_size() for v in [t._hp.vec, *t._hp.grams.values()])
+        held = sum(b.numel() * b.element_size() for p in t._pend if p.held for bl in p.held.values() for b in bl)
+        split = t._h_split.numel() * t._h_split.element_size()  # (replaced at a flush)
+        assert m.cur <= law + split + (0 if kept is None else kept.numel() * kept.element_size()) + held + 1024, \
+            (m.cur, sorted(m.live.values()))
+        ref.load(_full(model))
+        ref.tracker.after_step()
+        want = dict(zip(ref.tracker.metric_names, ref.tracker._rows[-1].tolist()))
+        if drift:
+            exp, hit = _sampled_expected(ref, mask)
+            want.update(exp)
+            sampled += hit.long()
+            for c in cum:
+                v = ref.tracker.last[c]
+                part = Values(torch.where(mask.vec, v.vec, 0.0), {d: torch.where(mask.grams[d][:, None, None], g, 0.0)
+                                                                  for d, g in v.grams.items()})
+                cum[c] = part if cum[c] is None else cum[c].map(torch.add, part)
+        else:
+            want.update({n: float("nan") for n in want if n.startswith("drift/")})
+        rows.append({"step": k, **want})
+    tot, ref_tot = t.totals(), ref.tracker.totals()
+    # straddling rows received (owner only): theta_{k+1} at every step and h_0, theta_k only when the group has the term
+    want_rows = 0
+    for x in t._straddles:
+        if x.owner == rank:
+            n = x.sizes()
+            picked = sum(bool(s.mask(j).gram_np[x.term.view.rows][x.term.slot]) for j in seen)
+            want_rows += (sum(n) - n[rank]) * (1 + steps + picked) * t._xdtype.itemsize
+    assert t.comm_bytes["rows_received"] == want_rows, (t.comm_bytes, want_rows)
+    for c in cum:
+        got = t.cumulative[c]
+        _check_values({"v": got.vec, **{f"g{d}": g for d, g in got.grams.items()}},
+                      {"v": cum[c].vec, **{f"g{d}": g for d, g in cum[c].grams.items()}}, 1e-9, f"sampled cumulative {c}")
+    assert torch.equal(t.sampled_steps.cpu(), sampled), (t.sampled_steps, sampled)
+    for i, f in enumerate(t.families):
+        assert tot[f]["sampled_steps"] == sampled[i].item() and tot[f]["steps"] == steps
+        for key in ("measured", "eps", "scale"):
+            assert abs(tot[f][key] - ref_tot[f][key]) <= 1e-9 * abs(ref_tot[f][key]) + 1e-15, (f, key)
+        want_n = {c: (cum[c].vec[ref.tracker._vec_fam == i].double().norm() ** 2
+                      + sum((g[ref.tracker._gram_fam[d] == i].double() ** 2).sum() for d, g in cum[c].grams.items())).sqrt().item()
+                  for c in cum}
+        for c, key in (("measured", "measured_sampled"), ("decay", "decay"), ("first", "first"), ("second", "second")):
+            assert abs(tot[f][key] - want_n[c]) <= 1e-9 * want_n[c] + 1e-15, (f, key, tot[f][key], want_n[c])
+    t.close()
+    ref.tracker.close()
+    if rank == 0:
+        _check_rows(sink.records, rows, "sampled")
+    full_bytes = mine  # budget None copies every local shard the laws read
+    return {"groups": len(s.groups), "copied": copied, "mine": mine, "cap": cap, "full": full_bytes,
+            "straddled": straddled, "straddle_groups": sorted({j for j in range(len(s.groups)) for x in t._straddles
+                                                               if s.mask(j).gram_np[x.term.view.rows][x.term.slot]})}
+
+
 def _world3(rank, world, tmpdir):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, tmpdir)
+    info["sampled"] = _scenario_sampled(rank, world, {**CFG, **MOE}, 1)
     _scenario_ddp(rank, world, SMALL)
     return info
 
@@ -690,6 +819,8 @@ def _world2(rank, world):
     info["straddle"] = _scenario_fsdp(rank, world, STRADDLE2, None)
     info["placed"] = _scenario_fsdp(rank, world, STRADDLE2, None, dim1=("v_proj", "k_proj", "down_proj"))
     info["straddle_comm"] = _scenario_collectives(rank, world, STRADDLE2)
+    info["sampled"] = _scenario_sampled(rank, world, CFG, 1)
+    info["sampled_straddle"] = _scenario_sampled(rank, world, STRADDLE2, 2)
     _scenario_inexact_decay(rank, world, STRADDLE2)
     _scenario_nan(rank, world, CFG)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
@@ -714,6 +845,10 @@ def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):
     assert res[2]["empty"] == ["layers.1.mlp.router.weight"]  # dim 0 = 2 < 3 ranks: rank 2 holds nothing
     assert res[0]["bytes"]["rows_received"] + res[1]["bytes"]["rows_received"] > 0
     assert res[0]["resume"] == 3  # rows 1, 2 were flushed before the checkpoint; state_dict() wrote the pending step 3
+    # a snapshot budget with uneven (3/3/2) and empty shards: each rank copied at most 0.2 of its own bytes
+    for r in range(3):
+        got = res[r]["sampled"]
+        assert got["groups"] >= 3 and max(got["copied"]) <= got["cap"] < got["full"], got
 
 
 def test_two_ranks_fsdp_tensor_parallel_and_ddp():
@@ -734,6 +869,13 @@ def test_two_ranks_fsdp_tensor_parallel_and_ddp():
     assert any(n.endswith("v_proj.weight") for n in straddled["straddling"])
     total = lambda info: sum(res[r][info]["bytes"]["rows_received"] for r in (0, 1))  # noqa: E731
     assert 0 < total("placed") < total("straddle") / 10
+    # a snapshot budget: per drift step each rank copies at most 0.2 of the bytes it holds (5x less than its
+    # whole shards), every rank packs the same groups; with straddling heads, a group with one was decomposed
+    for key in ("sampled", "sampled_straddle"):
+        for r in (0, 1):
+            got = res[r][key]
+            assert got["groups"] == res[0][key]["groups"] >= 3 and max(got["copied"]) <= got["cap"] < got["full"], got
+    assert res[0]["sampled_straddle"]["straddled"] > 0 and res[0]["sampled_straddle"]["straddle_groups"]
 
 
 def test_dist_bytes_bench_prints_the_table(capsys):

@@ -634,7 +634,7 @@ class DistributedTracker(Tracker):
                 self.sampled_steps += 1 if miss is None else ~miss
             else:
                 parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
-        self._h_split = hs
+        self._h_split = hs.clone()  # (a view would keep the reduced buffer of every pending step alive)
         deferred = _Deferred()
         if len(self._rows) >= self.every:  # as Tracker.record_step: flush lazily, raise once this step is booked
             deferred.call(Tracker.flush, self)
