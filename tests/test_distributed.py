@@ -423,7 +423,10 @@ def _scenario_fsdp(rank, world, cfg, tmpdir, dim1=()):
 
 def _resume(rank, world, cfg, tmpdir):
     """Run 6 steps with a DCP checkpoint after step 3 (a pending, unreduced step inside); a fresh model,
-    optimizer and tracker loaded from it continue the same series (rows and values)."""
+    optimizer and tracker loaded from it continue the same series (rows, values and totals). A snapshot
+    budget with the drift at every step: the resumed tracker decomposes the same groups (the sampler's
+    position is the step count), the first of them right after the load (h_k then comes from the group's
+    copies of theta_k)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_model_state_dict,
                                                          set_optimizer_state_dict, set_model_state_dict)
@@ -432,7 +435,7 @@ def _resume(rank, world, cfg, tmpdir):
         model, laws = _fsdp(cfg, world, seed)
         inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
         sink = MemorySink()
-        opt = track(inner, model, every=EVERY, sinks=[sink])  # fp32 with drift terms
+        opt = track(inner, model, every=EVERY, sinks=[sink], drift_every=1, snapshot_budget=0.2)  # fp32
         return model, inner, opt, sink
 
     def run(model, opt, first, n):
@@ -452,7 +455,8 @@ def _resume(rank, world, cfg, tmpdir):
     if rank == 0:
         assert flushed == 3, [r["step"] for r in sink.records]
     run(model, opt, 4, 3)
-    want_values = opt.tracker.values()
+    want_values, want_totals = opt.tracker.values(), opt.tracker.totals()
+    assert len(opt.tracker.sampler.groups) > 3
     opt.close()
 
     model2, inner2, opt2, sink2 = build(7)  # different initial weights: everything must come from the checkpoint
@@ -463,9 +467,12 @@ def _resume(rank, world, cfg, tmpdir):
     set_optimizer_state_dict(model2, inner2, state["optim"])
     opt2.tracker.load_state_dict(state["conserve"])
     run(model2, opt2, 4, 3)
-    got_values = opt2.tracker.values()
+    got_values, got_totals = opt2.tracker.values(), opt2.tracker.totals()
     opt2.close()
     _check_values(got_values, want_values, 1e-7, "resumed values")
+    for f, want in want_totals.items():
+        for k, v in want.items():
+            assert abs(got_totals[f][k] - v) <= 1e-5 * abs(v) + 1e-12, (f, k, got_totals[f][k], v)
     if rank == 0:
         assert sink2.records and sink2.records[0]["step"] == flushed + 1, [r["step"] for r in sink2.records]
         _check_rows(sink2.records, sink.records[flushed:], "resumed series")
@@ -634,6 +641,15 @@ def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS):
             assert abs(tot[f][key] - want_n[c]) <= 1e-9 * want_n[c] + 1e-15, (f, key, tot[f][key], want_n[c])
     t.close()
     ref.tracker.close()
+    # after close(): no drift copy, nothing booked (one warning), nothing pending
+    opt.zero_grad()
+    _loss(model, _batch(0, rank, cfg["vocab_size"])).backward()
+    t.before_step(opt)
+    assert t._snap is None and not t.is_drift_step()
+    opt.step()
+    with pytest.warns(RuntimeWarning, match="closed"):
+        t.after_step()
+    assert t.step_count == steps and not t._pend
     if rank == 0:
         _check_rows(sink.records, rows, "sampled")
     full_bytes = mine  # budget None copies every local shard the laws read
