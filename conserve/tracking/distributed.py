@@ -30,6 +30,10 @@ holds rows of a term the receiver owns). ``max_pending_bytes`` bounds what is ke
 Where each term runs: ``conserve.tracking.shard_plan``. Bytes per flush: ``flush_bytes`` and
 docs/distributed.md (``python -m bench.dist_bytes``).
 
+Drift steps: a budgeted ``Sampler`` over the global plan (``Shards``: a copy cost per rank), so each
+rank copies only its pieces of the views of the step's group, at most ``snapshot_budget`` x its own
+bytes, and every rank decomposes the same entries (the groups follow from the layouts; no collective).
+
 Collectives (same calls, same order on every rank, empty shards included): one ``all_gather_object``
 at construction (shard offsets and a check that every rank tracks the same laws), one all-reduce for
 ``h_0`` and the guards, then per flush the owner-only row exchange (only if some Gram head straddles
@@ -53,8 +57,8 @@ from ..errors import UsageError
 from ..laws import Law
 from ..tracker import (TERMS, NotKept, Tracker, Values, _abs_plan, _Deferred, decay_factors, eager, record_value,
                        stepped_factors)
-from .shard_plan import _Entries, _Layout, comm_schedule
-from .drift import Mask, Sampler, Shards, copy_costs, drift_pieces
+from .shard_plan import _Entries, _Layout, comm_schedule, sampler_shards
+from .drift import Mask, Sampler, drift_pieces
 
 __all__ = ["DistributedTracker", "wants_distributed", "flush_bytes"]
 
@@ -89,7 +93,8 @@ def flush_bytes(tracker: "DistributedTracker", steps: int | None = None) -> dict
     """Bytes this rank moves per flush of ``steps`` steps (default ``tracker.every``): ``all_reduce``
     = the packed pending partials it contributes (one call), ``rows_received`` / ``rows_sent`` = the
     straddling Gram rows it receives as owner / sends to owners (0 when every head lies on one rank).
-    Counts at drift on every step (the most). See docs/distributed.md."""
+    Counts at drift on every step with every straddling term decomposed (the most: with a snapshot
+    budget only the terms of the step's group send their ``theta_k`` rows). See docs/distributed.md."""
     k = tracker.every if steps is None else steps
     if not tracker._comm:
         return {"all_reduce": 0, "rows_received": 0, "rows_sent": 0}
@@ -126,11 +131,22 @@ class DistributedTracker(Tracker):
             ``max_pending_bytes // step_bytes`` steps instead (one packed all-reduce each time) and the
             rows sent to their owners as often as the cap requires.
 
-    Drift: on a drift step (``drift_every``) each rank copies its own shards right before the step
-    (1/W of the tracked bytes for W ranks) and drops them after it; ``snapshot_budget`` applies to
-    replicated models (DDP: ``Tracker``'s path) only, with sharded parameters every law is decomposed
-    on every drift step. The decay is ``(a^2 - 1) h_k`` from the stored values
-    (``conserve.tracking.drift.Assembly``, the one assembly every path uses).
+    Drift: ``drift_every`` and ``snapshot_budget`` as in ``Tracker``. With sharded parameters the
+    sampler (``sampler``: ``conserve.tracking.drift.Sampler`` over the GLOBAL plan with ``Shards``) cuts
+    the law entries into units and packs them into groups whose copies fit ``snapshot_budget`` x the
+    bytes EACH rank holds (a unit bigger than that on some rank is a group of its own). Every rank
+    builds the same groups from the shard layouts (no collective); on drift step ``j`` each rank copies,
+    right before the step, only its pieces of the views of group ``j mod len(groups)`` (and its rows
+    of the group's straddling Gram terms, which travel to their owners with the flush's rows) and drops
+    them after the step: no weight copy is held between drift steps. The drift columns and
+    ``totals()`` cover the decomposed (entry, step) pairs exactly as ``Tracker``'s (NaN columns for a
+    family without a decomposed entry; ``sampled_steps``), but the groups are packed per rank, so they
+    are not the single-process tracker's groups. ``snapshot_budget=None``: every law on every drift
+    step, each rank copying its whole shards (1/W of the tracked bytes for W ranks) while the step
+    runs. The decay is ``(a^2 - 1) h_k`` from the stored values (``conserve.tracking.drift.Assembly``,
+    the one assembly every path uses). Held between steps besides the law-sized values: the pending
+    steps' packs and, for Gram heads that straddle ranks, their rows until the flush (both bounded by
+    ``max_pending_bytes``; a placement without straddles holds no rows, docs/distributed.md).
 
     Requirements: ``torch.distributed`` initialised; DTensor parameters on a 1-D mesh spanning all
     ranks in rank order, placement ``Shard(d)`` or ``Replicate()``; plain tensors are taken to be
@@ -177,7 +193,8 @@ class DistributedTracker(Tracker):
         sched = self._schedule = comm_schedule(self.compiled, self._layouts, [t.dtype for t in self.tensors])
         self._local_plan, self._straddles = sched.plans[self.rank], sched.straddles
         self._mine = [(j, s) for j, s in enumerate(self._straddles) if s.owner == self.rank]
-        self._shards = self._shard_costs(sched)
+        self._shards = sampler_shards(sched, [tuple(p.shape) for p in self.params],
+                                      [t.element_size() for t in self.tensors], self._layouts, self.rank)
         # the straddling terms this rank owns, each over its assembled (D, N) rows (tensor j of the list)
         self._mini = kernels.Plan([replace(s.term, view=kernels.View(j, (0, 0), 0, s.term.view.rows, 1, s.term.view.cols))
                                    for j, (_, s) in enumerate(self._mine)], [], [], self.compiled.plan.vec_size,
@@ -213,26 +230,6 @@ class DistributedTracker(Tracker):
         # NCCL only moves CUDA tensors: parameters kept on the CPU (FSDP2 offload) reduce through the GPU
         nccl = dist.get_backend() == "nccl"
         self._comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else dev
-
-    def _shard_costs(self, sched) -> Shards:
-        """The drift sampler's view of the shards (``conserve.tracking.drift.Shards``): per rank the terms
-        whose views it copies before a drift step (its local terms, and its rows of each straddling Gram
-        term: it sends them to the owner) and the tracked bytes it holds, from the layouts alone (the
-        same on every rank: every rank packs the same groups)."""
-        esize = [t.element_size() for t in self.tensors]
-        costs, held = [], []
-        for r, local in enumerate(sched.plans):
-            rows = [(s.term.view.rows, s.term.slot, s.pieces[r].rows * s.pieces[r].cols * esize[s.term.view.tensor])
-                    for s in sched.straddles if s.pieces[r] is not None]
-            costs.append(copy_costs(local, esize, rows))
-            b = 0
-            for p, t, lay in zip(self.params, self.tensors, self._layouts):
-                n = p.numel()
-                if lay.dim is not None:
-                    n = 0 if p.shape[lay.dim] == 0 else n // p.shape[lay.dim] * lay.ranges[r][1]
-                b += n * t.element_size()
-            held.append(b)
-        return Shards(sched.plans[self.rank], tuple(costs), tuple(held), self.rank)
 
     @property
     def sampler(self) -> Sampler:

@@ -447,6 +447,11 @@ def make_mask(vm: np.ndarray, gm: Mapping[int, np.ndarray], device, key: tuple |
                 full, key)
 
 
+# with shards, vector runs are cut at 1/_SHARD_CUT of each rank's budget: a run that filled one rank's budget
+# would leave the other ranks' idle in its group (each costs some ranks only), smaller ones pack first fit
+_SHARD_CUT = 4
+
+
 class _Unit:
     """A part of the law entries (one Gram slot, or a run of vector entries) with the terms this rank
     evaluates for it and its copy cost per rank (``(ranks,)`` int64 bytes)."""
@@ -650,7 +655,7 @@ class Sampler:
             units[("gram", t.view.rows, t.slot)].grams.append(t)
         # vector entries: cost per entry and rank, then runs of entries of at most `cap` bytes on every rank
         cost = np.stack([vc for vc, _ in costs], axis=1) if p.vec_size else np.zeros((0, W), dtype=np.int64)
-        for (o0, o1) in _runs_under(cost, cap):
+        for (o0, o1) in _runs_under(cost, cap if W == 1 else np.maximum(cap // _SHARD_CUT, 1)):
             u = _Unit(("vec", o0, o1), W)
             gn, gs = _vec_terms(p, o0, o1)
             if not (gn or gs):  # entries no term writes: no unit
@@ -663,10 +668,12 @@ class Sampler:
     @staticmethod
     def _pack(units: list[_Unit], cap: np.ndarray, first_fit: bool = False) -> list[list[_Unit]]:
         """Groups of units whose costs sum to at most ``cap`` on every rank (a unit bigger than that is a
-        group of its own): in order (a group is consecutive units), or ``first_fit`` (each unit joins
-        the first group it fits in: with costs on several ranks, a group fills every rank's budget
-        instead of closing when one rank's is full)."""
+        group of its own): in order (a group is consecutive units), or ``first_fit`` (first fit
+        decreasing: each unit, largest share of a rank's budget first, joins the first group it fits in;
+        with costs on several ranks a group then fills every rank's budget instead of closing when one
+        rank's is full)."""
         groups: list[list[_Unit]] = []
+        order = {id(u): i for i, u in enumerate(units)}
         if not first_fit:
             cur, acc = [], np.zeros_like(cap)
             for u in units:
@@ -678,8 +685,12 @@ class Sampler:
             if cur:
                 groups.append(cur)
             return groups
+        # first fit decreasing: the units by their largest share of a rank's budget (stable: ties keep the
+        # plan's order), each into the first group it fits in on every rank
+        share = np.asarray([(u.cost / np.maximum(cap, 1)).max() if len(cap) else 0.0 for u in units])
         acc = np.zeros((0, len(cap)), dtype=np.int64)
-        for u in units:
+        for i in np.argsort(-share, kind="stable"):
+            u = units[i]
             fit = np.flatnonzero((acc + u.cost <= cap).all(axis=1)) if len(groups) else ()
             if len(fit):
                 groups[fit[0]].append(u)
@@ -687,6 +698,8 @@ class Sampler:
             else:
                 groups.append([u])
                 acc = np.vstack([acc, u.cost[None]])
+        for g in groups:  # each group's units in the plan's order
+            g.sort(key=lambda u: order[id(u)])
         return groups
 
     # ------------------------------------------------------------------ per drift step
