@@ -463,11 +463,25 @@ class _Unit:
         self.cost = np.zeros(ranks, dtype=np.int64)
 
 
-def _vec_terms(p: Plan, o0: int, o1: int):
+def _vec_spans(p: Plan):
+    """Per norm and per sum term of ``p`` the range ``[lo, hi)`` of vector entries it writes (host int64
+    arrays), for ``_vec_terms``."""
+    def span(t, n, step):
+        a, b = t.index, t.index + step * (n - 1)
+        return min(a, b), max(a, b) + 1
+    ns = np.asarray([span(t, t.view.rows, t.index_stride) for t in p.norms], dtype=np.int64).reshape(-1, 2)
+    ss = np.asarray([(t.index, t.index + t.view.cols) for t in p.sums], dtype=np.int64).reshape(-1, 2)
+    return ns, ss
+
+
+def _vec_terms(p: Plan, o0: int, o1: int, spans=None):
     """The norm and sum terms of ``p`` restricted to the vector entries ``[o0, o1)`` (the rows / columns
-    of their views that write there)."""
+    of their views that write there); ``spans``: ``_vec_spans(p)`` (only the terms that reach the range
+    are looked at)."""
+    ns, ss = _vec_spans(p) if spans is None else spans
     norms, sums = [], []
-    for t in p.norms:
+    for k in np.flatnonzero((ns[:, 0] < o1) & (ns[:, 1] > o0)):
+        t = p.norms[k]
         idx = t.index + t.index_stride * np.arange(t.view.rows)
         r = np.nonzero((idx >= o0) & (idx < o1))[0]
         if len(r) == 0:
@@ -475,7 +489,8 @@ def _vec_terms(p: Plan, o0: int, o1: int):
         r0, r1 = int(r.min()), int(r.max()) + 1
         norms.append(replace(t, view=_sub_view(t.view, t.view.row_dim, r0, r1 - r0, "rows"),
                              index=t.index + t.index_stride * r0))
-    for t in p.sums:
+    for k in np.flatnonzero((ss[:, 0] < o1) & (ss[:, 1] > o0)):
+        t = p.sums[k]
         c0, c1 = max(o0, t.index), min(o1, t.index + t.view.cols)
         if c0 >= c1:
             continue
@@ -655,12 +670,13 @@ class Sampler:
             units[("gram", t.view.rows, t.slot)].grams.append(t)
         # vector entries: cost per entry and rank, then runs of entries of at most `cap` bytes on every rank
         cost = np.stack([vc for vc, _ in costs], axis=1) if p.vec_size else np.zeros((0, W), dtype=np.int64)
+        sp, sx = _vec_spans(p), (None if ex is p else _vec_spans(ex))
         for (o0, o1) in _runs_under(cost, cap if W == 1 else np.maximum(cap // _SHARD_CUT, 1)):
             u = _Unit(("vec", o0, o1), W)
-            gn, gs = _vec_terms(p, o0, o1)
+            gn, gs = _vec_terms(p, o0, o1, sp)
             if not (gn or gs):  # entries no term writes: no unit
                 continue
-            u.norms, u.sums = (gn, gs) if ex is p else _vec_terms(ex, o0, o1)
+            u.norms, u.sums = (gn, gs) if ex is p else _vec_terms(ex, o0, o1, sx)
             u.cost = cost[o0:o1].sum(axis=0)
             units[u.key] = u
         return list(units.values())
