@@ -12,7 +12,11 @@ shards and an empty shard, DDP, a resume from torch.distributed.checkpoint) and 
 (FSDP2 aligned, FSDP2 with a straddling kv head, FSDP2 with a ``shard_placement_fn``, tensor
 parallel, DDP, a NaN stop, and the torch.distributed calls the tracker makes: one all-reduce per
 flush, straddling rows to their owner only, bytes checked against the laws' views). Each comparison
-runs at ``drift_every`` 1 and 2. Every spawn has a timeout, so a hang fails instead of blocking.
+runs at ``drift_every`` 1 and 2. With a snapshot budget (FSDP2 aligned, straddling, 3 ranks uneven
+and empty; tensor parallel) each drift step's terms are compared with the single-process ones at the
+entries of its group, and the storages the tracker creates are measured (``bench.track_overhead.LiveBytes``):
+the copies before a drift step fit the rank's budget, no weight-sized storage outlives a step. Every
+spawn has a timeout, so a hang fails instead of blocking.
 """
 from __future__ import annotations
 

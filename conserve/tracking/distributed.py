@@ -328,6 +328,8 @@ class DistributedTracker(Tracker):
         if plan.grams or plan.norms or plan.sums:
             pieces = drift_pieces(plan, olds, news, a_plan, fp64=self.fp64, backend=self.backend, decay=need,
                                   donate=donate, values=False)
+            if donate:  # the copies (now Delta) are read: freed before the terms are formed
+                olds.clear()
             pieces = [None, *pieces[1:]]  # a list: the assembly empties it once read
         else:
             z = self._zeros()
@@ -554,7 +556,7 @@ class DistributedTracker(Tracker):
             h_old = self._values(snap.plan, snap.olds) if self._hp_full else self._hp
             terms, kdec = self._drift_terms(snap.plan, snap.olds, self.sampler.news(snap, cur),
                                             self.sampler.factors(snap, a), a, h_old, mask, donate=True)
-            del snap, h_old  # the copies of theta_k (now Delta) are freed
+            del snap, h_old  # (the copies of theta_k were freed once the DRIFT pass read them)
             sel = frozenset(j for j, s in enumerate(self._straddles) if mask.gram_np[s.term.view.rows][s.term.slot])
         h1 = self._values(self._local_plan, cur)
         # a step without drift terms packs h(new) only (every rank agrees on which steps have them)
