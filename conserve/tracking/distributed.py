@@ -521,8 +521,23 @@ class DistributedTracker(Tracker):
                 res = meas.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
                 terms["measured"] = meas
                 for v in (meas, terms["decay"], terms["first"], terms["second"], res):
-                    parts.append(self._sq_bins(self._masked(v), self._vec_fam, self._gram_fam, nf))
+                    parts.append(self._own_squares(v, nf))
         return torch.cat(parts)
+
+    def _own_squares(self, v: Values, nf: int) -> torch.Tensor:
+        """Per family the sum of squares of ``v`` over this rank's complete entries (a Gram slot's as one
+        batched dot per slot: no masked copy, no squared temporary of the Grams; NaN elsewhere does
+        not leak)."""
+        vec_own, gram_own = self._own
+        out = torch.zeros(nf, dtype=v.vec.dtype, device=self.device).index_add_(
+            0, self._vec_fam, torch.where(vec_own, v.vec, 0.0).square())
+        fam = self._gram_fam
+        for d, g in v.grams.items():
+            if g.shape[0]:
+                flat = g.reshape(g.shape[0], 1, -1)
+                sq = torch.bmm(flat, flat.transpose(1, 2)).view(-1)
+                out.index_add_(0, fam[d], torch.where(gram_own[d].view(-1), sq, 0.0))
+        return out
 
     @eager
     @torch.no_grad()
@@ -560,14 +575,19 @@ class DistributedTracker(Tracker):
             sel = frozenset(j for j, s in enumerate(self._straddles) if mask.gram_np[s.term.view.rows][s.term.slot])
         h1 = self._values(self._local_plan, cur)
         # a step without drift terms packs h(new) only (every rank agrees on which steps have them)
-        parts = [self._own_row(h1, terms, mask).to(self._pack_dtype)] + self._split_blocks(h1, terms, kdec)
-        held = self._held(cur, old_rows) if self._straddles else None
-        del old_rows
-        self._pend.append(_Pending(torch.cat(parts), terms is not None, held, a, kdec is not None, group, sel))
-        self._hp, self._hp_full = h1, False
-        if terms is not None:
+        parts = [self._own_row(h1, terms, mask).to(self._pack_dtype)]
+        drifted, kdecay = terms is not None, kdec is not None
+        if drifted:  # each law-sized term freed once it is summed and packed
             for k in _CUM:
                 self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
+            del terms["measured"], terms["decay"]
+        parts += self._split_blocks(h1, terms, kdec)
+        del terms, kdec
+        held = self._held(cur, old_rows) if self._straddles else None
+        del old_rows
+        self._pend.append(_Pending(torch.cat(parts), drifted, held, a, kdecay, group, sel))
+        del parts
+        self._hp, self._hp_full = h1, False
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
             m.update()
         deferred.raise_booked(self, self.step_count + len(self._pend))  # this step too (pending)

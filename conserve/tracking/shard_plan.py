@@ -157,7 +157,7 @@ class _Entries:
         parts = [v.vec[self.vec]]
         for d, s in self.slots.items():
             i, j = self.tri[d]
-            parts.append(v.grams[d][s][:, i, j].reshape(-1))
+            parts.append(v.grams[d][s[:, None], i[None], j[None]].reshape(-1))  # (no copy of the whole slots)
         return torch.cat(parts)
 
     def put(self, v: Values, x: torch.Tensor) -> Values:
