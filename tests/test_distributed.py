@@ -49,6 +49,7 @@ from conserve.models import DecoderLM, LMConfig
 from conserve.sinks import MemorySink
 from conserve.tracker import TERMS, Tracker, Values
 from conserve.tracking.drift import Sampler
+from conserve.tracking.shard_plan import sampler_shards
 
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
 # the drift cadence (drift_every, snapshot_budget) of conserve.tracking.drift, compared when the Tracker has it
@@ -149,6 +150,73 @@ def test_local_plans_sum_to_the_global_plan(seed):
     torch.testing.assert_close(got_vec, want[0], rtol=1e-12, atol=1e-12)
     for d in want[1]:
         torch.testing.assert_close(got_grams[d], want[1][d], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_sharded_sampler_groups_are_the_global_plans(seed):
+    """The drift sampler over sharded tensors (``Sampler`` with ``sampler_shards``), process free: every
+    rank packs the same groups, which cover every law entry once; in each group, the ranks' sub-plans
+    over their copies (plus the group's straddling Gram terms on the gathered rows) sum to the global
+    plan at the group's entries (0 elsewhere); each rank's copies fit its budget, or the group is
+    one unit."""
+    rng = random.Random(100 + seed)
+    world = rng.choice([2, 3, 4])
+    shapes = [(rng.randint(1, 9), rng.randint(1, 7)), (rng.randint(1, 9),), (rng.randint(1, 3), rng.randint(2, 8), 5)]
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    plan = _random_plan(rng, shapes)
+    layouts = [_Layout(None) if rng.random() < 0.2 else _Layout(d, _shard_ranges(s[d], world, rng.random() < 0.5, rng))
+               for s, d in ((s, rng.randrange(len(s))) for s in shapes)]
+    sched = comm_schedule(_compiled_of(plan, shapes), layouts, [t.dtype for t in full])
+    budget = rng.choice([0.1, 0.3, 0.6])
+    locals_ = [[t if lay.dim is None else t.narrow(lay.dim, *lay.ranges[r]) for t, lay in zip(full, layouts)]
+               for r in range(world)]
+    samplers = [Sampler(plan, locals_[r], budget, "cpu",
+                        shards=sampler_shards(sched, shapes, [8] * len(shapes), layouts, r)) for r in range(world)]
+    keys = [[[u.key for u in grp] for grp in s.groups] for s in samplers]
+    assert all(k == keys[0] for k in keys), "ranks pack different groups"
+    assert len(keys[0]) >= 2  # (2 to 20 groups over the seeds)
+    want = kernels.evaluate_reference(plan, full, fp64=True)
+    seen_v = torch.zeros(plan.vec_size, dtype=torch.long)
+    seen_g = {d: torch.zeros(n, dtype=torch.long) for d, n in plan.gram_slots.items()}
+    for j in range(len(samplers[0].groups)):
+        vec, grams = torch.zeros_like(want[0]), {d: torch.zeros_like(x) for d, x in want[1].items()}
+        for r, s in enumerate(samplers):
+            snap = s.snapshot(j, locals_[r])
+            copied = sum(o.numel() * o.element_size() for o in snap.olds)
+            assert copied <= budget * s.tracked_bytes or len(s.groups[j]) == 1, (copied, s.tracked_bytes)
+            if snap.plan.grams or snap.plan.norms or snap.plan.sums:
+                v, gr = kernels.evaluate_reference(snap.plan, snap.olds, fp64=True)
+                vec += v
+                for d in gr:
+                    grams[d] += gr[d]
+        mask = samplers[0].mask(j)
+        seen_v += mask.vec.long()
+        for d in seen_g:
+            seen_g[d] += mask.grams[d].long()
+        for x in sched.straddles:
+            if mask.gram_np[x.term.view.rows][x.term.slot]:
+                rows = x.term.view.of(full[x.term.view.tensor])
+                grams[x.term.view.rows][x.term.slot] += x.term.sign * rows @ rows.T
+        torch.testing.assert_close(vec, torch.where(mask.vec, want[0], 0.0), rtol=1e-12, atol=1e-12)
+        for d in want[1]:
+            torch.testing.assert_close(grams[d], torch.where(mask.grams[d][:, None, None], want[1][d], 0.0),
+                                       rtol=1e-12, atol=1e-12)
+    written = torch.zeros(plan.vec_size, dtype=torch.bool)
+    for t in plan.norms:
+        written[t.index + t.index_stride * torch.arange(t.view.rows)] = True
+    for t in plan.sums:
+        written[t.index: t.index + t.view.cols] = True
+    assert (seen_v == written.long()).all() and all((seen_g[d] == 1).all() for d in seen_g)
+
+
+def _compiled_of(plan, shapes):
+    """A stand-in for ``Compiled`` with one ``per="entry"`` vector law over the whole vector part (what
+    ``comm_schedule`` reads of it: the plan, the laws' families and where they are)."""
+    from types import SimpleNamespace
+
+    law = SimpleNamespace(family="f", layer=None, per="entry", name="f")
+    return SimpleNamespace(plan=plan, laws=[law], where=[("vec", 0, plan.vec_size)], names=[str(i) for i in range(len(shapes))])
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -592,7 +592,7 @@ class Sampler:
             robin), so each law is decomposed once every ``len(groups)`` drift steps.
         shards: ``Shards`` when the tensors are sharded over ranks (``tensors`` are then this rank's
             local shards and ``plan`` the global plan): the units are the global plan's, each with a
-            copy cost per rank, and the packing is first fit over the groups so far, so that every
+            copy cost per rank, and the packing is first fit decreasing over the groups, so that every
             rank's copies of a group sum to at most ``budget`` x the bytes THAT rank holds (a unit
             bigger than that on some rank is a group of its own); the groups' sub-plans are made of
             this rank's terms (``Shards.local``) and read its local tensors.  ``tracked_bytes`` is then
