@@ -36,7 +36,8 @@ groups under ``--budget`` (``conserve.tracking.drift.Sampler`` with ``Shards``: 
 rank; each law is decomposed once every ``groups`` drift steps), ``copy (max)`` the most any rank
 copies for one group (the group's views' pieces on that rank, straddling rows included),
 ``budget (max)`` the largest ``budget x`` a rank's tracked bytes, ``shards (max)`` what a rank copies
-with ``snapshot_budget=None`` (its whole shards: the previous behaviour at every drift step).
+with ``snapshot_budget=None`` (its whole shards: the previous behaviour at every drift step); last,
+the groups a single-process tracker packs for the same plan under the same budget.
 """
 from __future__ import annotations
 
@@ -160,6 +161,10 @@ def main(argv=None):
     print("-|-".join("-" * x for x in width))
     for r in rows:
         print(" | ".join(c.ljust(x) for c, x in zip(r, width)))
+    metas = [torch.empty(s, device="meta") for s in shapes]  # one process: the same plan, every weight on it
+    one = Sampler(plan, metas, args.budget, "cpu")
+    print(f"\none process, snapshot_budget={args.budget}: {len(one.groups)} groups over "
+          f"{_fmt(one.tracked_bytes)} of tracked weights")
     print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
 
 
