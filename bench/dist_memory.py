@@ -100,8 +100,8 @@ def main(argv=None):
     print("budget | groups | tracked bytes (rank 0) | copy before the step | peak during it | alive after it")
     for b in args.budgets:
         w = {k: max(res[r][b][k] for r in res) for k in ("copy", "peak", "after")}
-        print(f"{str(b):6} | {res[0][b]['groups']:6} | {res[0][b]['mine']:22} | {w['copy']:20.3f} | {w['peak']:14.3f} | "
-              f"{w['after']:.3f}")
+        print(f"{str(b):6} | {res[0][b]['groups']:6} | {res[0][b]['mine']:22} | {w['copy']:20.3f} | "
+              f"{w['peak']:14.3f} | {w['after']:.3f}")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ try:  # the kernels' reference module (after the vectorised twin); before it, pl
 except ImportError:  # pragma: no cover - depends on the kernels version
     from ..kernels.plan import drift_factors
 
-__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Shards", "copy_costs", "Snapshot", "Mask",
-           "make_mask"]
+__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Shards", "copy_costs", "Snapshot",
+           "Mask", "make_mask"]
 
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
                  fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True, config=None):
