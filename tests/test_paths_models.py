@@ -1,0 +1,259 @@
+"""Cross-path consistency on models we did not write: the same gradients fed to ``conserve.track`` over a
+torch optimizer and to the fused optimizer with ``track=`` must give the same law values, ``eps`` and
+drift terms, entry by entry, at ``drift_every=1`` (every law) and at ``drift_every=N`` under the
+default snapshot budget (on the entries both paths decomposed that step).
+
+Models: tiny random HF transformers (Llama with GQA, Mixtral with eager experts, GPT-2, Qwen2, Gemma's
+``(1 + w)`` gains), a shrunk timm ViT and a plain-torch gated MLP; laws from ``conserve.detect``.  Pairs:
+``torch.optim.AdamW`` vs ``FusedAdamW`` and ``torch.optim.SGD`` vs ``FusedSGD``, weight decay on (so the
+decay factor ``a = 1 - lr wd`` is in every term).  fp32 weights and fp32 accumulation (the default):
+tolerances are fp32 rounding of the quantities compared (the law values ``h`` for the measured change
+and the residual, the step's largest term for decay / first / second), see ``_scale``.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import conserve
+from conserve.optim import FusedAdamW, FusedSGD
+from conserve.tracking.breakers import BrokenLawWarning
+
+TERMS = ("measured", "decay", "first", "second", "residual")
+RTOL = 1e-6  # fp32: the paths round differently (foreach vs the fused twin), not more
+
+
+# --------------------------------------------------------------------------------------- models
+def _hf(kind: str) -> nn.Module:
+    T = pytest.importorskip("transformers")
+    common = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=32)
+    kw = dict(attn_implementation="eager")
+    if kind == "llama":  # GQA, untied head (translation law)
+        cfg = T.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common)
+    elif kind == "llama_tied":  # lm_head tied to embed_tokens
+        cfg = T.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, **common)
+    elif kind == "mixtral":  # 3-D expert tensors, softmax router
+        cfg = T.MixtralConfig(num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2, **common)
+        kw["experts_implementation"] = "eager"
+    elif kind == "gpt2":  # Conv1D (transposed) q/k/v in one c_attn, no RoPE (qk Gram laws)
+        cfg = T.GPT2Config(vocab_size=40, n_embd=16, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+                           eos_token_id=0)
+    elif kind == "qwen2":  # q/k/v biases
+        cfg = T.Qwen2Config(num_key_value_heads=2, **common)
+    else:  # gemma: (1 + w) gains (shifted norm terms), tied head
+        cfg = T.GemmaConfig(num_key_value_heads=2, head_dim=4, **common)
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(cfg, **kw)
+
+
+def _vit() -> nn.Module:
+    try:
+        import timm
+    except Exception as e:  # noqa: BLE001 - timm missing, or its torchvision import broken
+        pytest.skip(f"timm not importable: {e}")
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=48,
+                             num_heads=3, num_classes=5)
+
+
+class GatedMLP(nn.Module):
+    """Plain torch: pre-norm SwiGLU block with a residual and a classifier head (structural detection)."""
+
+    def __init__(self, d=12, hidden=20, classes=5):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.gate, self.up = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.head(x + self.down(nn.functional.silu(self.gate(h)) * self.up(h)))
+
+
+def _plain() -> nn.Module:
+    torch.manual_seed(0)
+    return GatedMLP()
+
+
+BUILD = {"llama": functools.partial(_hf, "llama"), "llama_tied": functools.partial(_hf, "llama_tied"),
+         "mixtral": functools.partial(_hf, "mixtral"), "gpt2": functools.partial(_hf, "gpt2"),
+         "qwen2": functools.partial(_hf, "qwen2"), "gemma": functools.partial(_hf, "gemma"), "vit": _vit,
+         "plain": _plain}
+
+
+def _loss(name: str, m: nn.Module, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dt = next(m.parameters()).dtype
+    if name == "vit":
+        x = torch.randn(2, 3, 32, 32, generator=g).to(dt)
+        return nn.functional.cross_entropy(m(x).float(), torch.randint(0, 5, (2,), generator=g))
+    if name == "plain":
+        x = torch.randn(6, 12, generator=g).to(dt)
+        return nn.functional.cross_entropy(m(x).float(), torch.randint(0, 5, (6,), generator=g))
+    ids = torch.randint(0, 40, (2, 8), generator=g)
+    return m(input_ids=ids, labels=ids).loss
+
+
+# ----------------------------------------------------------------------------------- the harness
+OPT = {"adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                 lambda ps, **kw: FusedAdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
+       "sgd": (lambda ps: torch.optim.SGD(ps, lr=5e-2, weight_decay=0.1),
+               lambda ps, **kw: FusedSGD(ps, lr=5e-2, weight_decay=0.1, **kw))}
+
+
+def _decomposed(opt, step: int):
+    """Host bool arrays ``(vec, {D: slots})``: the entries drift step ``step`` (1-based) of ``opt`` decomposed."""
+    tr = opt.tracker
+    j = (step - 1) // tr.drift_every
+    fp = getattr(opt, "_fp", None)
+    if fp is not None:  # fused: every entry of the step statistics, plus the sampler's group of the rest
+        if fp.rest is None:
+            return (np.ones(tr.compiled.plan.vec_size, bool),
+                    {d: np.ones(n, bool) for d, n in tr.compiled.plan.gram_slots.items()})
+        m = opt._sampler.mask(j)
+        return m.vec_np | ~fp.rest_vec, m.gram_np
+    m = tr.sampler.mask(j)
+    return m.vec_np, m.gram_np
+
+
+def _per_family(tr, values, vm, gm):
+    """``{family: 1-D float64 tensor}`` of ``values`` (a ``Values``) at the entries ``vm``/``gm``."""
+    fam = tr._fam_all.cpu().numpy()
+    out = {}
+    for fi, f in enumerate(tr.families):
+        sel = vm & (fam[: len(vm)] == fi)
+        parts = [values.vec[torch.from_numpy(sel)].double()]
+        for d, g in values.grams.items():
+            o = tr._flat_at[d]
+            s = gm[d] & (fam[o: o + len(gm[d])] == fi)
+            parts.append(g[torch.from_numpy(s)].double().reshape(-1))
+        x = torch.cat(parts)
+        if x.numel():
+            out[f] = x
+    return out
+
+
+def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None, dtype=None):
+    """Both paths over the same gradients (computed on the ``conserve.track`` model, copied to the fused
+    one). Returns ``(track opt, fused opt, steps)`` where ``steps`` lists, per drift step, ``{family:
+    {term: (track entries, fused entries), "h": h_k}}`` at the entries both decomposed, and the rows."""
+    m_a = BUILD[name]()
+    if dtype is not None:
+        m_a = m_a.to(dtype)
+    m_b = copy.deepcopy(m_a)
+    kw = dict(every=10_000, drift_every=every, keep_last=True)
+    if budget != "default":
+        kw["snapshot_budget"] = budget
+    make_torch, make_fused = OPT[algo]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BrokenLawWarning)
+        a = conserve.track(make_torch(m_a.parameters()), m_a, laws=conserve.detect(m_a), **kw)
+        b = make_fused(m_b.parameters(), track=m_b, laws=conserve.detect(m_b), **kw)
+    assert [l.name for l in a.tracker.laws] == [l.name for l in b.tracker.laws]
+    if steps is None:  # every sampler group of both paths comes round once
+        steps = 1 if budget is None else every * max(len(a.tracker.sampler.groups), len(b._sampler.groups))
+        steps = max(steps, 3)
+    grads_b = dict(m_b.named_parameters())
+    out = []
+    for k in range(1, steps + 1):
+        h_k = a.tracker.h.clone()
+        a.zero_grad()
+        b.zero_grad()
+        _loss(name, m_a, k).backward()
+        for n, p in m_a.named_parameters():
+            if p.grad is not None:
+                grads_b[n].grad = p.grad.clone()
+        a.step()
+        b.step()
+        if (k - 1) % every:
+            continue
+        va, ga = _decomposed(a, k)
+        vb, gb = _decomposed(b, k)
+        vm, gm = va & vb, {d: ga[d] & gb[d] for d in ga}
+        step = {}
+        h = _per_family(a.tracker, h_k, vm, gm)
+        for t in TERMS:
+            ta = _per_family(a.tracker, a.tracker.last[t], vm, gm)
+            tb = _per_family(b.tracker, b.tracker.last[t], vm, gm)
+            for f in ta:
+                step.setdefault(f, {"h": h[f]})[t] = (ta[f], tb[f])
+        out.append(step)
+    return a, b, out
+
+
+def _scale(fam: dict) -> tuple[float, float]:
+    """(largest |h_k|, largest |term|) of one family at one drift step: fp32 rounding of the law values is
+    ~1e-7 of the first; the terms (computed directly) differ by ~1e-7 of the step's largest term, plus
+    ~1e-9 of |h| where a sampled step compares only a few small entries."""
+    big = lambda x: x.abs().max().item() if x.numel() else 0.0  # noqa: E731
+    return big(fam["h"]), max(big(fam[t][0]) for t in ("measured", "decay", "first", "second"))
+
+
+def check_agree(steps, what: str) -> int:
+    """The two paths' terms agree entry by entry at every compared drift step; returns how many entries
+    were compared (a test that compares nothing cannot fail)."""
+    n = 0
+    for k, step in enumerate(steps):
+        ts = max([_scale(fam)[1] for fam in step.values()] + [0.0])  # the step's largest term (SGD's first-order
+        for f, fam in step.items():                                   # term is rounding noise of that size)
+            hs = _scale(fam)[0]
+            for t in TERMS:
+                x, y = fam[t]
+                n += x.numel() if t == "measured" else 0
+                tol = 2e-5 * hs if t in ("measured", "residual") else RTOL * ts + 1e-8 * hs
+                err = (x - y).abs().max().item()
+                assert err <= tol, f"{what} drift step {k}: {f}/{t} differs by {err:.3e} (tolerance {tol:.1e})"
+    return n
+
+
+def check_closes(steps, what: str, path: int) -> None:
+    """The identity closes on each path: residual at the fp32 rounding of h."""
+    for k, step in enumerate(steps):
+        for f, fam in step.items():
+            hs, _ = _scale(fam)
+            r = fam["residual"][path].abs().max().item()
+            assert r <= 2e-5 * hs, f"{what} drift step {k}: {f} residual {r:.3e} vs |h| {hs:.3e}"
+
+
+HF_NAMES = ["llama", "mixtral", "gpt2", "qwen2", "gemma"]
+
+
+@pytest.mark.parametrize("algo", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", HF_NAMES + ["llama_tied", "vit", "plain"])
+def test_track_and_fused_agree_every_step(name, algo):
+    """drift_every=1, every law each step: the same drift terms, eps rows and totals on both paths."""
+    a, b, steps = run_pair(name, algo, every=1, budget=None, steps=3)
+    assert check_agree(steps, f"{name}/{algo}") > 0
+    check_closes(steps, f"{name}/{algo} track", 0)
+    check_closes(steps, f"{name}/{algo} fused", 1)
+    ra, rb = a.tracker.flush(), b.tracker.flush()
+    for x, y in zip(ra, rb):
+        for key in x:
+            if key.startswith("eps/"):
+                assert abs(x[key] - y[key]) <= 1e-5 * abs(y[key]) + 1e-6, (key, x[key], y[key])
+    ta, tb = a.tracker.totals(), b.tracker.totals()
+    for f in ta:
+        for key in ("decay", "first", "second", "predicted", "measured_sampled", "scale"):
+            tol = 1e-5 * max(ta[f][key], ta[f]["predicted"], ta[f]["decay"]) + 1e-6 * ta[f]["scale"]
+            assert abs(ta[f][key] - tb[f][key]) <= tol, (f, key, ta[f][key], tb[f][key])
+        assert ta[f]["sampled_steps"] == tb[f]["sampled_steps"] == 3
+
+
+@pytest.mark.parametrize("algo", ["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "gemma", "vit"])
+def test_track_and_fused_agree_on_sampled_steps(name, algo):
+    """drift_every=2 and the default snapshot budget: until every sampler group of both paths came round,
+    the entries both decomposed on a drift step have the same terms; eps rows agree every step."""
+    a, b, steps = run_pair(name, algo, every=2, budget="default")
+    assert len(a.tracker.sampler.groups) > 1  # the budget really samples
+    assert check_agree(steps, f"{name}/{algo} sampled") > 0
+    check_closes(steps, f"{name}/{algo} track", 0)
+    check_closes(steps, f"{name}/{algo} fused", 1)
