@@ -486,6 +486,21 @@ def test_refused_options_and_tensor_lr():
     _close(q1[0], q2[0], 1e-6, "param")
 
 
+@pytest.mark.parametrize("cls,kw", [(FusedAdamW, {"amsgrad": True}), (FusedSGD, {"differentiable": True})])
+def test_a_refused_param_group_is_not_added(cls, kw):
+    """add_param_group with a refused option raises before the group is added: the optimizer (and its
+    tracker) keeps stepping its groups (the group was appended first, so every later step raised)."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    extra = nn.Parameter(torch.randn(2))
+    opt = cls(m.parameters(), lr=1e-2, track=m, every=1)
+    with pytest.raises(ValueError, match=list(kw)[0]):
+        opt.add_param_group({"params": [extra], **kw})
+    assert len(opt.param_groups) == 1 and all(p is not extra for p in opt.param_groups[0]["params"])
+    m(torch.randn(5, 3)).square().sum().backward()
+    opt.step()
+    assert opt.tracker.step_count == 1
+
+
 def test_bf16_parameters_torch_twin():
     """bf16 parameters on the CPU path: identical to torch foreach (same ops, same rounding)."""
     m1 = lm().to(torch.bfloat16)

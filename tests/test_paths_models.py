@@ -141,9 +141,9 @@ def _per_family(tr, values, vm, gm):
     return out
 
 
-def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None, dtype=None):
+def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None, dtype=None, drop=()):
     """Both paths over the same gradients (computed on the ``conserve.track`` model, copied to the fused
-    one). Returns ``(track opt, fused opt, steps)`` where ``steps`` lists, per drift step, ``{family:
+    one; the parameters named in ``drop`` get no gradient on even steps). Returns ``(track opt, fused opt, steps)`` where ``steps`` lists, per drift step, ``{family:
     {term: (track entries, fused entries), "h": h_k}}`` at the entries both decomposed, and the rows."""
     m_a = BUILD[name]()
     if dtype is not None:
@@ -169,6 +169,8 @@ def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None,
         b.zero_grad()
         _loss(name, m_a, k).backward()
         for n, p in m_a.named_parameters():
+            if k % 2 == 0 and n in drop:
+                p.grad = None
             if p.grad is not None:
                 grads_b[n].grad = p.grad.clone()
         a.step()
@@ -257,3 +259,12 @@ def test_track_and_fused_agree_on_sampled_steps(name, algo):
     assert check_agree(steps, f"{name}/{algo} sampled") > 0
     check_closes(steps, f"{name}/{algo} track", 0)
     check_closes(steps, f"{name}/{algo} fused", 1)
+    ta, tb = a.tracker.totals(), b.tracker.totals()
+    for f in ta:
+        for key in ("measured", "eps", "scale"):  # whole-law quantities: the same on both paths
+            assert abs(ta[f][key] - tb[f][key]) <= 1e-5 * abs(ta[f][key]) + 1e-6 * (ta[f]["scale"] if key != "eps" else 1), \
+                (f, key, ta[f][key], tb[f][key])
+        for t in (ta, tb):  # each path's totals close the identity over what it decomposed
+            assert abs(t[f]["predicted"] - t[f]["measured_sampled"]) <= 1e-5 * t[f]["scale"] + 1e-3 * t[f]["predicted"], \
+                (f, t[f])
+            assert 0 < t[f]["sampled_steps"] <= t[f]["steps"] // 2 + 1

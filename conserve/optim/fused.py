@@ -247,6 +247,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # ---- param groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``; a refused option (``amsgrad=True``...) raises
+        ``ValueError`` before the group is added (the optimizer is left as it was and keeps stepping)."""
+        if isinstance(param_group, Mapping):
+            self._check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
         self._check_group(self.param_groups[-1])
         if getattr(self, "_tracking_ready", False):  # not during __init__ (later groups still to come)
