@@ -23,7 +23,7 @@ from torch import nn
 
 import conserve
 from conserve.kernels import bilinear_reference, evaluate_reference
-from conserve.optim import FusedAdamW, FusedSGD
+from conserve.optim import FusedAdam, FusedAdamW, FusedSGD
 from conserve.tracker import Values
 from conserve.tracking.breakers import BrokenLawWarning
 
@@ -112,7 +112,13 @@ def _loss(name: str, m: nn.Module, seed: int) -> torch.Tensor:
 OPT = {"adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                  lambda ps, **kw: FusedAdamW(ps, lr=1e-2, weight_decay=0.1, **kw)),
        "sgd": (lambda ps: torch.optim.SGD(ps, lr=5e-2, weight_decay=0.1),
-               lambda ps, **kw: FusedSGD(ps, lr=5e-2, weight_decay=0.1, **kw))}
+               lambda ps, **kw: FusedSGD(ps, lr=5e-2, weight_decay=0.1, **kw)),
+       # the decay factor is 1 for these (coupled L2 / momentum: the decay is inside Delta)
+       "adam_l2": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+                   lambda ps, **kw: FusedAdam(ps, lr=1e-2, weight_decay=0.1, **kw)),
+       "nesterov": (lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
+                    lambda ps, **kw: FusedSGD(ps, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.1, **kw))}
+DECOUPLED = {"adamw": True, "sgd": True, "adam_l2": False, "nesterov": False}  # a = 1 - lr wd, else 1
 
 
 def _decomposed(opt, step: int):
@@ -201,8 +207,9 @@ def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None,
         b.step()
         if (k - 1) % every:
             continue
-        # a = 1 - lr wd for every parameter that was stepped (one param group; 1 without a gradient)
-        ref = (reference_terms(a.tracker, old, [1.0 if p.grad is None else 1 - lr * wd for p in a.tracker.params])
+        # a = 1 - lr wd (decoupled rules) for every parameter that was stepped (one param group; 1 without a gradient)
+        dec = 1 - lr * wd if DECOUPLED[algo] else 1.0
+        ref = (reference_terms(a.tracker, old, [1.0 if p.grad is None else dec for p in a.tracker.params])
                if fp64 else {})  # (fp32 accumulation: the paths are compared with each other only)
         va, ga = _decomposed(a, k)
         vb, gb = _decomposed(b, k)
@@ -302,12 +309,13 @@ def test_track_and_fused_agree_on_sampled_steps(name, algo):
             assert 0 < t[f]["sampled_steps"] <= t[f]["steps"] // 2 + 1
 
 
-@pytest.mark.parametrize("algo", ["adamw", "sgd"])
+@pytest.mark.parametrize("algo", ["adamw", "sgd", "adam_l2", "nesterov"])
 @pytest.mark.parametrize("name", ["llama", "mixtral", "gpt2", "qwen2", "vit", "plain"])
 def test_both_paths_match_the_float64_decomposition(name, algo):
     """float64 accumulation: each path's decay / first / second equal the float64 decomposition of the
     step (``reference_terms``: ``decay = h(a theta) - h(theta) = (a^2 - 1) h`` with ``a = 1 - lr wd``);
-    AdamW on fp32 weights; SGD on float64 weights, where the first-order term is resolved at its true
+    Adam with coupled L2 and Nesterov SGD (``a = 1``: the decay is in Delta) too. AdamW on fp32 weights;
+    SGD on float64 weights, where the first-order term is resolved at its true
     size, ~0 (Noether: 1e-9 of the decay and second-order terms; fp32 gradients leave ~1e-5 of rounding
     in it). (Gemma's shifted ``(1 + w)`` gain has no bilinear reference: it is in the fp32 cross-path tests.)"""
     a, b, steps = run_pair(name, algo, every=1, budget=None, steps=2, fp64=True,
