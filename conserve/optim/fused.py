@@ -297,14 +297,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of its torch twin. The twin's ``fused`` / ``capturable`` /
         ``foreach`` say how torch ran the same update: they take this optimizer's values. An option
-        that changes the math and is not supported (``amsgrad``...) raises ``ValueError`` before
-        anything is loaded (the optimizer is left as it was)."""
+        that changes the math and is not supported (``amsgrad``...), or a ``"conserve"`` tracker state saved
+        for other laws, raises ``ValueError`` before anything is loaded (the optimizer is left as it was)."""
         state_dict = dict(state_dict)
         tracked = state_dict.pop("conserve", None)
         groups = [{**g, **{k: self.defaults[k] for k in _IMPLEMENTATION if k in g and k in self.defaults}}
                   for g in state_dict.get("param_groups", [])]
         for g in groups:
             self._check_group(g)
+        if tracked is not None and self.tracker is not None:  # (other laws: raised before anything is loaded)
+            self.tracker.check_state(tracked)
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         if tracked is not None and self.tracker is not None:
