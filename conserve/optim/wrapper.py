@@ -344,6 +344,7 @@ class OptimizerState:
     def load_state_dict(self, state_dict: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        self.optimizer.tracker.check_state(state_dict["conserve"])  # other laws: raised before anything is loaded
         set_optimizer_state_dict(self.model, self.optimizer, state_dict["optim"], options=self.options)
         self.optimizer.tracker.load_state_dict(state_dict["conserve"])
 
