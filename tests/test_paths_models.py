@@ -3,8 +3,8 @@ torch optimizer and to the fused optimizer with ``track=`` must give the same la
 drift terms, entry by entry, at ``drift_every=1`` (every law) and at ``drift_every=N`` under the
 default snapshot budget (on the entries both paths decomposed that step).
 
-Models: tiny random HF transformers (Llama with GQA, Mixtral with eager experts, GPT-2, Qwen2, Gemma's
-``(1 + w)`` gains), a shrunk timm ViT and a plain-torch gated MLP; laws from ``conserve.detect``.  Pairs:
+Models: tiny random HF transformers (Llama with GQA, tied or not, Mixtral with eager experts, GPT-2,
+Qwen2, Qwen3's q/k norms, GPT-NeoX's partial rotary, Gemma's ``(1 + w)`` gains), a shrunk timm ViT and a plain-torch gated MLP; laws from ``conserve.detect``.  Pairs:
 ``torch.optim.AdamW`` vs ``FusedAdamW`` and ``torch.optim.SGD`` vs ``FusedSGD``, weight decay on (so the
 decay factor ``a = 1 - lr wd`` is in every term).  fp32 weights and fp32 accumulation (the default):
 tolerances are fp32 rounding of the quantities compared (the law values ``h`` for the measured change
@@ -24,7 +24,7 @@ from torch import nn
 import conserve
 from conserve.kernels import bilinear_reference, evaluate_reference
 from conserve.optim import FusedAdam, FusedAdamW, FusedSGD
-from conserve.tracker import Values
+from conserve.tracker import Values, _abs_plan
 from conserve.tracking.breakers import BrokenLawWarning
 
 TERMS = ("measured", "decay", "first", "second", "residual")
@@ -49,6 +49,11 @@ def _hf(kind: str) -> nn.Module:
                            eos_token_id=0)
     elif kind == "qwen2":  # q/k/v biases
         cfg = T.Qwen2Config(num_key_value_heads=2, **common)
+    elif kind == "qwen3":  # per-head q/k norms (qk_norm_gain laws, balanced at init: h_0 = 0)
+        cfg = T.Qwen3Config(num_key_value_heads=2, head_dim=4, **common)
+    elif kind == "neox":  # fused query_key_value, partial rotary
+        cfg = T.GPTNeoXConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                              num_attention_heads=4, rotary_pct=0.5, max_position_embeddings=32)
     else:  # gemma: (1 + w) gains (shifted norm terms), tied head
         cfg = T.GemmaConfig(num_key_value_heads=2, head_dim=4, **common)
     torch.manual_seed(0)
@@ -87,7 +92,8 @@ def _plain() -> nn.Module:
 
 BUILD = {"llama": functools.partial(_hf, "llama"), "llama_tied": functools.partial(_hf, "llama_tied"),
          "mixtral": functools.partial(_hf, "mixtral"), "gpt2": functools.partial(_hf, "gpt2"),
-         "qwen2": functools.partial(_hf, "qwen2"), "gemma": functools.partial(_hf, "gemma"), "vit": _vit,
+         "qwen2": functools.partial(_hf, "qwen2"), "qwen3": functools.partial(_hf, "qwen3"),
+         "neox": functools.partial(_hf, "neox"), "gemma": functools.partial(_hf, "gemma"), "vit": _vit,
          "plain": _plain}
 
 
@@ -172,7 +178,8 @@ def reference_terms(tr, old, a) -> dict:
 def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None, dtype=None, drop=(), fp64=False):
     """Both paths over the same gradients (computed on the ``conserve.track`` model, copied to the fused
     one; the parameters named in ``drop`` get no gradient on even steps). Returns ``(track opt, fused opt, steps)`` where ``steps`` lists, per drift step, ``{family:
-    {term: (track entries, fused entries), "h": h_k}}`` at the entries both decomposed, and the rows."""
+    {term: (track entries, fused entries[, float64 reference]), "h": magnitude of h_k}}`` at the entries both
+    decomposed."""
     m_a = BUILD[name]()
     if dtype is not None:
         m_a = m_a.to(dtype)
@@ -193,7 +200,6 @@ def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None,
     out = []
     lr, wd = a.param_groups[0]["lr"], a.param_groups[0]["weight_decay"]
     for k in range(1, steps + 1):
-        h_k = a.tracker.h.clone()
         old = [t.detach().clone() for t in a.tracker.tensors]
         a.zero_grad()
         b.zero_grad()
@@ -215,7 +221,9 @@ def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None,
         vb, gb = _decomposed(b, k)
         vm, gm = va & vb, {d: ga[d] & gb[d] for d in ga}
         step = {}
-        h = _per_family(a.tracker, h_k, vm, gm)
+        # the magnitude of each entry (every sign +): the scale of its fp32 rounding, also where h_k ~ 0
+        mag = Values(*evaluate_reference(_abs_plan(a.tracker.compiled.plan), old, fp64=True))
+        h = _per_family(a.tracker, mag, vm, gm)
         for t in TERMS:
             ta = _per_family(a.tracker, a.tracker.last[t], vm, gm)
             tb = _per_family(b.tracker, b.tracker.last[t], vm, gm)
@@ -227,11 +235,19 @@ def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None,
 
 
 def _scale(fam: dict) -> tuple[float, float]:
-    """(largest |h_k|, largest |term|) of one family at one drift step: fp32 rounding of the law values is
-    ~1e-7 of the first; the terms (computed directly) differ by ~1e-7 of the step's largest term, plus
-    ~1e-8 of |h| where a sampled step compares only a few small entries."""
+    """(largest magnitude of h_k -- the law with every sign + --, largest |term|) of one family at one drift
+    step: fp32 rounding of the law values is ~1e-7 of the first (also for a balanced law, h_k ~ 0: Qwen3's
+    q/k norm gains start equal); the terms (computed directly) differ by ~1e-7 of the step's largest term,
+    plus ~1e-8 of the magnitude where a sampled step compares only a few small entries."""
     big = lambda x: x.abs().max().item() if x.numel() else 0.0  # noqa: E731
     return big(fam["h"]), max(big(fam[t][0]) for t in ("measured", "decay", "first", "second"))
+
+
+def magnitudes(tr) -> dict:
+    """Per family the norm of the law magnitudes (every sign +) now: the scale of ``totals()``' rounding
+    (``totals()['scale']`` = ||h_0|| is 0 for a law that starts balanced)."""
+    mag = Values(*evaluate_reference(_abs_plan(tr.compiled.plan), [t.detach() for t in tr.tensors], fp64=True))
+    return dict(zip(tr.families, tr._fam_norm(mag).tolist()))
 
 
 def check_agree(steps, what: str, rtol: float = RTOL) -> int:
@@ -261,10 +277,10 @@ def check_closes(steps, what: str, path: int) -> None:
         for f, fam in step.items():
             hs, _ = _scale(fam)
             r = fam["residual"][path].abs().max().item()
-            assert r <= 2e-5 * hs, f"{what} drift step {k}: {f} residual {r:.3e} vs |h| {hs:.3e}"
+            assert r <= 2e-5 * hs, f"{what} drift step {k}: {f} residual {r:.3e} vs magnitude {hs:.3e}"
 
 
-HF_NAMES = ["llama", "mixtral", "gpt2", "qwen2", "gemma"]
+HF_NAMES = ["llama", "mixtral", "gpt2", "qwen2", "qwen3", "neox", "gemma"]
 
 
 @pytest.mark.parametrize("algo", ["adamw", "sgd"])
@@ -280,19 +296,19 @@ def test_track_and_fused_agree_every_step(name, algo):
         for key in x:
             if key.startswith("eps/"):
                 assert abs(x[key] - y[key]) <= 1e-5 * abs(y[key]) + 3e-6, (key, x[key], y[key])
-    ta, tb = a.tracker.totals(), b.tracker.totals()
+    ta, tb, mag = a.tracker.totals(), b.tracker.totals(), magnitudes(a.tracker)
     for f in ta:
         for key in ("decay", "first", "second", "predicted", "measured_sampled", "scale"):
-            tol = 1e-5 * max(ta[f][key], ta[f]["predicted"], ta[f]["decay"]) + 1e-6 * ta[f]["scale"]
+            tol = 1e-5 * max(ta[f][key], ta[f]["predicted"], ta[f]["decay"]) + 1e-6 * mag[f]
             assert abs(ta[f][key] - tb[f][key]) <= tol, (f, key, ta[f][key], tb[f][key])
         assert ta[f]["sampled_steps"] == tb[f]["sampled_steps"] == 3
         for t in (ta, tb):  # every step decomposed: the sums telescope to h_k - h_0, and the identity closes
-            assert abs(t[f]["measured_sampled"] - t[f]["measured"]) <= 1e-5 * t[f]["scale"], (f, t[f])
-            assert abs(t[f]["predicted"] - t[f]["measured"]) <= 2e-5 * t[f]["scale"], (f, t[f])
+            assert abs(t[f]["measured_sampled"] - t[f]["measured"]) <= 1e-5 * mag[f], (f, t[f])
+            assert abs(t[f]["predicted"] - t[f]["measured"]) <= 2e-5 * mag[f], (f, t[f])
 
 
 @pytest.mark.parametrize("algo", ["adamw", "sgd"])
-@pytest.mark.parametrize("name", ["llama", "mixtral", "gemma", "vit"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3", "gemma", "vit"])
 def test_track_and_fused_agree_on_sampled_steps(name, algo):
     """drift_every=2 and the default snapshot budget: until every sampler group of both paths came round,
     the entries both decomposed on a drift step have the same terms; eps rows agree every step."""
@@ -301,13 +317,13 @@ def test_track_and_fused_agree_on_sampled_steps(name, algo):
     assert check_agree(steps, f"{name}/{algo} sampled") > 0
     check_closes(steps, f"{name}/{algo} track", 0)
     check_closes(steps, f"{name}/{algo} fused", 1)
-    ta, tb = a.tracker.totals(), b.tracker.totals()
+    ta, tb, mag = a.tracker.totals(), b.tracker.totals(), magnitudes(a.tracker)
     for f in ta:
         for key in ("measured", "eps", "scale"):  # whole-law quantities: the same on both paths
-            assert abs(ta[f][key] - tb[f][key]) <= 1e-5 * abs(ta[f][key]) + 1e-6 * (ta[f]["scale"] if key != "eps" else 1), \
+            assert abs(ta[f][key] - tb[f][key]) <= 1e-5 * abs(ta[f][key]) + 1e-6 * (mag[f] if key != "eps" else 1), \
                 (f, key, ta[f][key], tb[f][key])
         for t in (ta, tb):  # each path's totals close the identity over what it decomposed
-            assert abs(t[f]["predicted"] - t[f]["measured_sampled"]) <= 1e-5 * t[f]["scale"] + 1e-3 * t[f]["predicted"], \
+            assert abs(t[f]["predicted"] - t[f]["measured_sampled"]) <= 1e-5 * mag[f] + 1e-3 * t[f]["predicted"], \
                 (f, t[f])
             assert 0 < t[f]["sampled_steps"] <= t[f]["steps"] // 2 + 1
 
