@@ -276,8 +276,9 @@ class Tracker:
         self.h = self.h0.clone()
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
-        self.h0_balance = h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny)  # |h_0| / magnitude, per instance
         self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
+        # the mean over each family's instances of |h_0| / magnitude (``totals()["balance"]``): per family, held
+        self.h0_balance = self._fam_mean(h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny))
         # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
         self.cumulative: dict[str, Values] = {k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
@@ -355,11 +356,21 @@ class Tracker:
         # the family of each (family, layer) group and of each instance (read every step: held, 4 bytes
         # per instance); an entry's is gathered from it when needed, unless an entry belongs to no law
         self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
-        self._inst_fam = self._group_fam.index_select(0, self._inst_group)
         self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
+
+    @property
+    def _inst_fam(self) -> torch.Tensor:
+        """(instances,) int32: the family of each instance (gathered when read: not held; the per-step
+        family sums add the (family, layer) group sums instead)."""
+        return self._group_fam.index_select(0, self._inst_group)
+
+    def _fam_mean(self, per_inst: torch.Tensor) -> torch.Tensor:
+        """(families,): the mean of a per-instance quantity over each family's instances."""
+        return torch.zeros(len(self.families), dtype=per_inst.dtype, device=per_inst.device).index_add_(
+            0, self._inst_fam, per_inst) / self._fam_count
 
     @property
     def _fam_all(self) -> torch.Tensor:
@@ -658,8 +669,8 @@ class Tracker:
             rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
         rel.sqrt_().div_(self.denom)
         del dv
-        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
         grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
         parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
         if self.drift:
             norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
@@ -797,12 +808,10 @@ class Tracker:
                  "scale": self._fam_norm(self.h0), "sampled_steps": self.sampled_steps,
                  "steps": torch.full_like(self.sampled_steps, self.step_count)}
         rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
-        eps = torch.zeros(len(self.families), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel)
-        parts["eps"] = eps / self._fam_count
+        parts["eps"] = self._fam_mean(rel)
         # fraction of a family's instances whose h_0 is ~0 (the eps guard divides by the magnitude instead)
-        guarded = (self.denom > self._inst_norm(self.h0)).to(rel.dtype)
-        parts["guarded"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, guarded) / self._fam_count
-        parts["balance"] = torch.zeros_like(parts["eps"]).index_add_(0, self._inst_fam, self.h0_balance) / self._fam_count
+        parts["guarded"] = self._fam_mean((self.denom > self._inst_norm(self.h0)).to(rel.dtype))
+        parts["balance"] = self.h0_balance.to(device=self.device, dtype=rel.dtype)
         host = {k: v.double().cpu().tolist() for k, v in parts.items()}
         return {f: {k: host[k][i] for k in host} for i, f in enumerate(self.families)}
 
@@ -1024,7 +1033,7 @@ class Tracker:
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
                 # copies: the tracker sums into its buffers in place
                 "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
-                "sampled_steps": self.sampled_steps.clone(), "h0_balance": self.h0_balance,
+                "sampled_steps": self.sampled_steps.clone(), "balance": self.h0_balance,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
@@ -1057,8 +1066,10 @@ class Tracker:
         self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
         if state.get("sampled_steps") is not None:
             self.sampled_steps = state["sampled_steps"].to(dev).clone()  # summed into in place
-        if state.get("h0_balance") is not None:  # |h_0| / magnitude of the saved run's theta_0
-            self.h0_balance = state["h0_balance"].to(dev)
+        if state.get("balance") is not None:  # |h_0| / magnitude of the saved run's theta_0, per family
+            self.h0_balance = state["balance"].to(dev)
+        elif state.get("h0_balance") is not None:  # (states saved before: per instance)
+            self.h0_balance = self._fam_mean(state["h0_balance"].to(dev))
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []
         self._extras = copy.deepcopy(list(state.get("pending_extras", [])))
         for m, s in zip(self.monitors, state.get("monitors", [])):

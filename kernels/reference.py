@@ -459,7 +459,7 @@ def _temp_cap(plan: Plan, xs, acc) -> int:
     return int(min(_CHUNK, max(_TEMP_MIN, nbytes // (_TEMP_SHARE * acc.itemsize))))
 
 
-def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torch.Tensor:
+def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc, out: torch.Tensor | None = None) -> torch.Tensor:
     """The values of one ``_Reduction`` over tensor ``x`` (``y``: the partner of "dot"), in ``acc``,
     flattened in C order of ``x.shape`` without ``r.dim``; Euclidean norms (to be squared) when
     ``r.norm``.  A reduction along a contiguous dimension of an ``acc`` tensor is one ``vector_norm`` /
@@ -467,10 +467,13 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torc
     small CPU tensors, ~50x on large ones) it is summed in chunks of at most ``r.temp`` elements
     (``_temp_cap``: one chunk, the whole tensor, in the usual case), except a "sq" above ``r.temp``
     and of at most ``_SMALL`` elements: one ``vector_norm`` squared, no temporary (a 256 x 32
-    embedding's ``x * x`` would be 0.15x the default model's weights)."""
+    embedding's ``x * x`` would be 0.15x the default model's weights).  ``out``: a contiguous ``acc``
+    vector of the values' length that receives them (returned; the same values bit for bit, no copy)."""
     d, kind, how = r.dim, r.kind, r.how
     if how is None:  # chosen once per structure (its layouts are part of the cache key)
         how = r.how = _choose(r, x, y, acc)
+    if out is not None:
+        return _reduce_into(out, how, x, y, d, kind, acc)
     if how == "elem":  # 1-D, element by element (small: gains and biases)
         v = x if x.dtype == acc else x.to(acc)
         return v * v if kind != "dot" else v * (y if y.dtype == acc else y.to(acc))
@@ -487,6 +490,26 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc) -> torc
     else:
         return _chunked(x, y, d, kind, how, acc)
     return v.reshape(-1) if flat else v
+
+
+def _reduce_into(out: torch.Tensor, how, x: torch.Tensor, y, d, kind: str, acc) -> torch.Tensor:
+    """``_reduce`` writing into ``out`` (the path ``how`` already chosen): the same operations, with
+    ``out=`` (or in place on ``out``) instead of a fresh result."""
+    if how == "elem":
+        out.copy_(x)
+        return out.mul_(out if kind != "dot" else y)  # in acc: y (any float dtype) is promoted exactly
+    o = out.view([n for i, n in enumerate(x.shape) if i != d])  # the values, C order of x without dim d
+    if how == "norm":
+        torch.linalg.vector_norm(x, dim=d, out=o)
+    elif how == "sum":
+        torch.sum(x, d, out=o)
+    elif how == "vn":
+        torch.linalg.vector_norm(x, dim=d, dtype=acc, out=o).square_()
+    elif how == "temp":
+        torch.sum(x * (x if kind == "sq" else y), d, out=o)
+    else:
+        _chunked(x, y, d, kind, how, acc, out=o)
+    return out
 
 
 def _choose(r: _Reduction, x: torch.Tensor, y, acc):
@@ -507,20 +530,20 @@ def _choose(r: _Reduction, x: torch.Tensor, y, acc):
     return k
 
 
-def _chunked(x, y, d: int, kind: str, k: int, acc) -> torch.Tensor:
-    """``_reduce`` over chunks of ``k`` positions of dim ``d`` (temporaries of at most ``k`` lines)."""
+def _chunked(x, y, d: int, kind: str, k: int, acc, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``_reduce`` over chunks of ``k`` positions of dim ``d`` (temporaries of at most ``k`` lines);
+    ``out``: the result's shape (x's without ``d``), summed into in place."""
     xm = x.movedim(d, -1)
     ym = y.movedim(d, -1) if kind == "dot" else None
     total = None
     for s0 in range(0, xm.shape[-1], k):
         c = xm[..., s0:s0 + k].to(acc)
-        if kind == "sq":
-            part = (c * c).sum(-1)
-        elif kind == "dot":
-            part = (c * ym[..., s0:s0 + k].to(acc)).sum(-1)
+        prod = c * c if kind == "sq" else (c * ym[..., s0:s0 + k].to(acc) if kind == "dot" else c)
+        if total is None:
+            total = prod.sum(-1) if out is None else torch.sum(prod, -1, out=out)
         else:
-            part = c.sum(-1)
-        total = part if total is None else total.add_(part)
+            total.add_(prod.sum(-1))
+        del prod
     return total.reshape(-1)
 
 
@@ -530,9 +553,9 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
     if lines.batches is not None and not (torch.is_grad_enabled() and any(
             xs[r.tensor].requires_grad or (ys is not None and ys[r.tensor].requires_grad) for r in reds)):
         for i0, i1, n, sq, progs, segs in lines.batches:  # fresh values: squared in place
-            parts = [_reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc) for r in reds[i0:i1]]
-            v = _cat(parts)
-            del parts
+            v, v0 = torch.empty(n, dtype=acc, device=vec.device), reds[i0].start
+            for r in reds[i0:i1]:  # each reduction's values straight into their place (no parts, no cat)
+                _reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc, out=v[r.start - v0: r.start - v0 + r.size])
             if sq > 0:
                 (v if sq == n else v[:sq]).square_()
             for r0, r1, first, step, sign in progs:

@@ -532,3 +532,25 @@ def test_cadence_arguments_accept_numpy_numbers_and_refuse_the_rest():
                 dict(snapshot_budget=float("nan")), dict(snapshot_budget=0), dict(keep_last="no")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             conserve.Tracker(m, **bad)
+
+
+def test_state_saved_with_per_instance_balance_loads():
+    """States saved before ``balance`` was held per family carry ``h0_balance`` per instance: loading one
+    reports the mean over each family's instances (summed here independently, instance by instance)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4), torch.nn.ReLU(),
+                            torch.nn.Linear(4, 3))
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.2), m, drift_every=1)
+    sd = dict(opt.tracker.state_dict())
+    tr = opt.tracker
+    per_inst = torch.rand(tr._n_inst, dtype=tr.h0.vec.dtype)
+    del sd["balance"]
+    sd["h0_balance"] = per_inst
+    tr.load_state_dict(sd)
+    fams = tr._inst_fam.tolist()
+    got = tr.totals()
+    assert len(tr.families) >= 1 and tr._n_inst > len(tr.families)
+    for i, f in enumerate(tr.families):
+        vals = [float(per_inst[k]) for k in range(tr._n_inst) if fams[k] == i]
+        assert got[f]["balance"] == pytest.approx(sum(vals) / len(vals), rel=1e-6)
+    tr.close()
