@@ -440,13 +440,13 @@ def test_state_dict_round_trip_mid_run_continues_the_series_on_either_path(algo)
     same path: the sampler's round robin continues; the eps columns within fp32 rounding across the paths,
     whose drift columns cover other entries under the budget)."""
     name = "llama"
-    full = {}
+    full, totals = {}, {}
     for path in ("track", "fused"):
         sink, m = _Rows(), BUILD[name]()
         opt = _make(path, algo, m, sink)
         _train(name, m, opt, range(1, 7))
         opt.close()
-        full[path] = sink.rows
+        full[path], totals[path] = sink.rows, opt.tracker.totals()
     for src, dst in (("track", "track"), ("fused", "fused"), ("track", "fused"), ("fused", "track")):
         first, m = _Rows(), BUILD[name]()
         opt = _make(src, algo, m, first)
@@ -461,6 +461,9 @@ def test_state_dict_round_trip_mid_run_continues_the_series_on_either_path(algo)
         opt2.close()
         if src == dst:
             _rows_close(first.rows + second.rows, full[src], 0.0, f"{src}->{dst}")
+            got = opt2.tracker.totals()
+            assert all(got[f][k] == v or (v != v and got[f][k] != got[f][k]) for f, t in totals[src].items()
+                       for k, v in t.items()), (src, got, totals[src])
         else:
             _rows_close(first.rows + second.rows, full[src], 1e-4, f"{src}->{dst}", keys=("eps/",))
 
