@@ -350,6 +350,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Params with a gradient (each once), their state buffers, steps and fresh-buffer flags."""
         raise NotImplementedError
 
+    def _check_grads(self) -> None:
+        """Raise (one line naming the fix) for gradients this update does not take, before anything is
+        changed (no state made, no step counted, no weight stepped)."""
+
     @eager
     @torch.no_grad()
     def step(self, closure=None):
@@ -357,11 +361,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
         Runs eagerly under ``torch.compile`` (``torch.compiler.disable``: a compiled training step
         breaks the graph here, so the update is exactly the eager one).  Raises ``RuntimeError`` for
-        sparse or complex gradients."""
+        sparse or complex gradients, and (Adam) for a gradient of another dtype than its parameter."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_grads()
         tr, fp = self.tracker, self._fp
         if tr is not None:
             tr.check_bound()  # a flush is due in this step: the tracked tensors must still be the model's
@@ -681,6 +686,15 @@ class FusedAdam(_FusedOptimizer):
         return K.Hyper("adam", lr=_scalar(group["lr"]), weight_decay=float(group["weight_decay"]),
                        maximize=bool(group["maximize"]), beta1=_scalar(b1), beta2=_scalar(b2), eps=float(group["eps"]),
                        decoupled=bool(group.get("decoupled_weight_decay", False)))
+
+    def _check_grads(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.dtype != p.dtype:  # (torch's grad_dtype: fp32 grads of bf16 weights)
+                    raise RuntimeError(f"{type(self).__name__}: a {str(p.dtype)[6:]} parameter {tuple(p.shape)} has a "
+                                       f"{str(p.grad.dtype)[6:]} gradient; Adam keeps exp_avg / exp_avg_sq in the "
+                                       "parameter's dtype (as torch.optim.AdamW): give the gradient the parameter's "
+                                       "dtype (p.grad_dtype = None) or keep the parameter in float32")
 
     def _collect(self, group, done):
         params = _params_with_grad(group, done)
