@@ -352,7 +352,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _check_grads(self) -> None:
         """Raise (one line naming the fix) for gradients this update does not take, before anything is
-        changed (no state made, no step counted, no weight stepped)."""
+        changed (no state made, no step counted, no weight stepped): sparse ones, complex parameters."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    _refuse(p)
 
     @eager
     @torch.no_grad()
@@ -625,15 +629,19 @@ def _split_work(work, first: set):
     return head, tail
 
 
+def _refuse(p: torch.Tensor) -> None:
+    if p.grad.is_sparse:
+        raise RuntimeError("fused optimizers do not support sparse gradients; use torch.optim.SparseAdam")
+    if torch.is_complex(p):
+        raise RuntimeError("fused optimizers do not support complex parameters; use torch.optim.AdamW")
+
+
 def _params_with_grad(group, done: set):
     out = []
     for p in group["params"]:
         if p.grad is None or id(p) in done:
             continue
-        if p.grad.is_sparse:
-            raise RuntimeError("fused optimizers do not support sparse gradients; use torch.optim.SparseAdam")
-        if torch.is_complex(p):
-            raise RuntimeError("fused optimizers do not support complex parameters; use torch.optim.AdamW")
+        _refuse(p)
         done.add(id(p))
         out.append(p)
     return out
@@ -688,6 +696,7 @@ class FusedAdam(_FusedOptimizer):
                        decoupled=bool(group.get("decoupled_weight_decay", False)))
 
     def _check_grads(self) -> None:
+        super()._check_grads()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.dtype != p.dtype:  # (torch's grad_dtype: fp32 grads of bf16 weights)
