@@ -501,6 +501,18 @@ def test_a_refused_param_group_is_not_added(cls, kw):
     assert opt.tracker.step_count == 1
 
 
+def test_a_refused_gradient_in_a_later_group_changes_nothing():
+    """A complex parameter in the second group is refused before the first group's state is made or its
+    step counted (it was refused while collecting that group, after the first group's)."""
+    a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    a.grad, b.grad = torch.randn(3), torch.randn(3, dtype=torch.complex64)
+    opt = FusedAdamW([{"params": [a]}, {"params": [b]}])
+    a0 = a.detach().clone()
+    with pytest.raises(RuntimeError, match="complex"):
+        opt.step()
+    assert not opt.state and torch.equal(a.detach(), a0)
+
+
 @pytest.mark.parametrize("tracked", [False, True])
 def test_adam_refuses_a_gradient_of_another_dtype_sgd_steps_it(tracked):
     """A bfloat16 weight with a float32 gradient (torch's ``grad_dtype``): FusedAdamW raises one line
