@@ -516,3 +516,23 @@ def test_add_param_group_after_tracking_started_agrees_across_paths():
             assert (la[t].vec - lb[t].vec).abs().max().item() <= RTOL * scale, (k, t)
             for d in la[t].grams:
                 assert (la[t].grams[d] - lb[t].grams[d]).abs().max().item() <= RTOL * scale, (k, t, d)
+
+
+@pytest.mark.parametrize("algo", ["adamw", "sgd"])
+def test_a_law_split_over_lr_groups_is_warned_and_broken_on_both_paths(algo):
+    """Attention at half the lr of the rest: the gain laws that read q/k/v beside their norm weight are
+    warned once (BrokenLawWarning naming the lrs) and marked broken_by, the same laws on both paths."""
+    broken = {}
+    for path in ("track", "fused"):
+        m = BUILD["llama"]()
+        att = [p for n, p in m.named_parameters() if "self_attn" in n]
+        rest = [p for n, p in m.named_parameters() if "self_attn" not in n]
+        groups = [{"params": rest}, {"params": att, "lr": 1e-3}]
+        make_torch, make_fused = OPT[algo]
+        with pytest.warns(BrokenLawWarning, match="different lr in one law") as w:
+            opt = conserve.track(make_torch(groups), m) if path == "track" else make_fused(groups, track=m)
+        assert len([x for x in w if issubclass(x.category, BrokenLawWarning)]) == 1
+        broken[path] = opt.tracker.broken_by
+        assert broken[path]
+        assert {l.family for l in opt.tracker.laws if l.name in broken[path]} == {"gain"}
+    assert broken["track"] == broken["fused"]
