@@ -413,7 +413,7 @@ class _Rows:
 
 def _make(path: str, algo: str, m: nn.Module, sink=None, **kw):
     make_torch, make_fused = OPT[algo]
-    kw = dict(every=10_000, drift_every=2, sinks=[sink] if sink is not None else [], **kw)
+    kw = {"every": 10_000, "drift_every": 2, "sinks": [sink] if sink is not None else [], **kw}
     return conserve.track(make_torch(m.parameters()), m, **kw) if path == "track" else make_fused(m.parameters(), track=m, **kw)
 
 
