@@ -38,7 +38,8 @@ from torch import nn
 from . import kernels
 from .errors import NonFiniteError, StaleParameterError
 from .laws import Compiled, Declined, Law, compile_laws
-from .tracking.breakers import check_optimizer, decay_factor, per_param_decay  # noqa: F401  (decay_factor: re-exported)
+from .tracking.breakers import (check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
+                                 per_param_decay)
 from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
 
 GUARD = 1e-4
@@ -189,6 +190,9 @@ class Tracker:
     ``broken_by`` ({law name: reason}) lists the laws the optimizer's ``param_groups`` break (different lr or
     weight decay inside one law, a parameter the optimizer does not hold); they are tracked, warned once
     and counted in the ``broken/<family>`` metric (``check_optimizer``, ``conserve.tracking.breakers``).
+    A parameter frozen after construction (``requires_grad_(False)``) or dropped from the watched
+    optimizer's groups is noticed at the next flush (``check_frozen``): the laws it leaves half frozen are
+    marked ``broken_by`` the same way, with one warning naming it.
     Raises ``NonFiniteError`` at a flush when a law value is NaN/Inf (rows before it are written first).
 
     Cost: one evaluation ``h(theta_{k+1})`` per step (``eps``); on a drift step, a copy of the views
@@ -203,6 +207,12 @@ class Tracker:
     ``DistributedTracker`` must be closed on every rank). A sink that raises is isolated: the other
     sinks still get the rows, a one-line warning names the sink, step and error, and its unwritten
     rows are kept (``unwritten``) and retried at the next flush and at ``close()``; the step is booked.
+    A sink that keeps failing (a full or read-only disk) is owed at most ``max_unwritten`` rows (default
+    10,000; a row is a dict of ``len(metric_names)`` floats, ~63 bytes per key measured: 10,000 rows of a
+    24-layer Llama's 128 keys hold ~80 MB): beyond that its oldest
+    rows are dropped, told once (one line naming the fix) and counted in ``dropped`` ({sink: rows}), in the
+    ``sinks/dropped_rows`` key of each later flush's last row (all sinks, as the flush began) and in
+    ``close()``'s warning.
     ``copy.deepcopy`` gives an independent tracker without sinks (a snapshot: set ``sinks`` to write).
     """
 
@@ -833,6 +843,7 @@ class Tracker:
         host = torch.stack(self._rows).cpu()
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
         extras += [{}] * (len(self._rows) - len(extras))
+        check_frozen(self)  # parameters frozen since the last flush: their laws' broken_by (before the monitors)
         mon = {}
         for m in self.monitors:  # one device->host copy per monitor, not one per key
             got = m.metrics()
@@ -840,6 +851,8 @@ class Tracker:
                 vals = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(self.device)
                                     for v in got.values()]).cpu().tolist()
                 mon.update(zip(got.keys(), vals))
+        if self._dropped_rows:  # rows a failing sink never got (``max_unwritten``), as of this flush
+            mon["sinks/dropped_rows"] = sum(self._dropped_rows.values())
         self._rows, self._extras = [], []
         n_eps = len(self.families) + len(self.groups)
         out, written = [], []
@@ -890,7 +903,8 @@ class Tracker:
 
         A sink first gets the rows it still owes (``unwritten``), in order; at the first row it fails
         on, it keeps that row and the later ones, and one line names the sink, step and error (once per
-        failure spell, again after it recovered)."""
+        failure spell, again after it recovered).  It keeps at most ``max_unwritten`` of them: beyond
+        that the oldest are dropped, counted in ``dropped`` (one warning per sink names the fix)."""
         for s in self.sinks:
             owed = self._unwritten.get(id(s))
             todo = owed + list(recs) if owed else recs
@@ -898,22 +912,47 @@ class Tracker:
                 try:
                     s.write(r["step"], r)
                 except Exception as e:  # noqa: BLE001 - any sink error: keep the rows, keep training
-                    self._unwritten[id(s)] = todo[i:]
+                    self._unwritten[id(s)] = self._bounded(s, todo[i:])
                     if id(s) not in self._failing:
                         self._failing.add(id(s))
                         warnings.warn(f"conserve: sink {s!r} failed at step {r['step']} ({type(e).__name__}: {e}); its "
-                                      f"rows are kept in memory (tracker.unwritten) and retried at the next flush, the "
-                                      f"other sinks are written; fix the sink (disk space, permissions, network)",
+                                      f"rows are kept in memory (tracker.unwritten, up to tracker.max_unwritten="
+                                      f"{self.max_unwritten}) and retried at the next flush, the other sinks are "
+                                      "written; fix the sink (disk space, permissions, network)",
                                       RuntimeWarning, stacklevel=3)
                     break
             else:
                 self._unwritten.pop(id(s), None)
                 self._failing.discard(id(s))
 
+    def _bounded(self, s, left: list[dict]) -> list[dict]:
+        """``left`` (rows sink ``s`` still owes, oldest first) cut to the newest ``max_unwritten``; the rows
+        cut are counted in ``dropped`` and told once per sink (one line naming the fix)."""
+        cap = max(0, int(self.max_unwritten))
+        n = len(left) - cap
+        if n <= 0:
+            return left
+        dropped = self._dropped_rows
+        dropped[id(s)] = dropped.get(id(s), 0) + n
+        if id(s) not in self._warned_dropped:
+            self._warned_dropped.add(id(s))
+            warnings.warn(f"conserve: sink {s!r} still fails and owes more than tracker.max_unwritten={cap} rows: the "
+                          f"oldest are dropped for it, from step {left[0]['step']} on (counted in tracker.dropped and "
+                          "the rows' sinks/dropped_rows; the other sinks keep every row); fix the sink (disk space, "
+                          "permissions, network), or raise tracker.max_unwritten to keep more in memory",
+                          RuntimeWarning, stacklevel=4)
+        return left[n:]
+
     @property
     def unwritten(self) -> dict:
         """Per sink that failed, the rows it has not written yet (oldest first): ``{sink: [row, ...]}``."""
         return {s: list(self._unwritten[id(s)]) for s in self.sinks if self._unwritten.get(id(s))}
+
+    @property
+    def dropped(self) -> dict:
+        """Per sink, how many rows it never got: it kept failing while it owed more than
+        ``max_unwritten`` rows, so the oldest were dropped (``{sink: count}``; the other sinks have them)."""
+        return {s: self._dropped_rows[id(s)] for s in self.sinks if self._dropped_rows.get(id(s))}
 
     def close(self) -> None:
         """Flush what is pending and close the sinks (each isolated: a failing ``close`` is reported,
@@ -927,10 +966,13 @@ class Tracker:
             self.flush()
         finally:
             for s in self.sinks:
-                left = self._unwritten.get(id(s))
-                if left:
-                    warnings.warn(f"conserve: sink {s!r} could not write {len(left)} row(s) (steps {left[0]['step']}.."
-                                  f"{left[-1]['step']}); they are in tracker.unwritten", RuntimeWarning, stacklevel=2)
+                left, lost = self._unwritten.get(id(s)), self._dropped_rows.get(id(s), 0)
+                if left or lost:
+                    kept = (f"could not write {len(left)} row(s) (steps {left[0]['step']}..{left[-1]['step']}); they are "
+                            "in tracker.unwritten") if left else "wrote every row it kept"
+                    more = (f"; {lost} older row(s) were dropped for it (tracker.dropped; max_unwritten="
+                            f"{self.max_unwritten})") if lost else ""
+                    warnings.warn(f"conserve: sink {s!r} {kept}{more}", RuntimeWarning, stacklevel=2)
                 try:
                     s.close()
                 except Exception as e:  # noqa: BLE001
@@ -951,6 +993,7 @@ class Tracker:
     _warned_nonfinite = False
     nonfinite_skipped = 0
     _nonfinite_reported = 0  # steps up to this one were covered by a NonFiniteError already raised
+    max_unwritten = 10_000  # rows a failing sink may owe (``_write``): beyond it the oldest are dropped (``dropped``)
 
     @property
     def _unwritten(self) -> dict:
@@ -959,6 +1002,14 @@ class Tracker:
     @property
     def _failing(self) -> set:
         return self.__dict__.setdefault("_failing_sinks", set())
+
+    @property
+    def _dropped_rows(self) -> dict:
+        return self.__dict__.setdefault("_dropped_by_sink", {})
+
+    @property
+    def _warned_dropped(self) -> set:
+        return self.__dict__.setdefault("_warned_dropped_sinks", set())
 
     def __enter__(self) -> "Tracker":
         return self
@@ -999,7 +1050,8 @@ class Tracker:
         and model in the same call makes them), without sinks: a snapshot, not a second writer."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False,
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
+                "_warned_dropped_sinks": set(), "_closed": False,
                 "_bound": None}
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.copy(skip[k]) if k in skip else copy.deepcopy(v, memo)
@@ -1014,7 +1066,8 @@ class Tracker:
     def __getstate__(self) -> dict:
         """Pickling keeps the series (values, pending rows, cumulative terms) without the sinks, as
         ``copy.deepcopy`` does: an unpickled tracker is a snapshot, not a second writer (set ``sinks``)."""
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_closed": False,
+        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
+                "_warned_dropped_sinks": set(), "_closed": False,
                 "_bound": None}  # (weak references to the model's modules do not pickle)
         return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
 

@@ -247,3 +247,81 @@ def test_uniform_scheduler_never_rechecks(monkeypatch):
         _step(m, t)
         sched.step()
     assert calls == []  # every group scaled alike: the agreement pattern did not change
+
+
+def _steps(m, t, n, at=None, do=None):
+    for i in range(n):
+        if i == at:
+            do()
+        _step(m, t)
+
+
+def test_parameter_frozen_mid_run_breaks_its_half_frozen_laws():
+    """``requires_grad_(False)`` on one side of a law after the tracker was built: noticed at the next
+    flush, one warning naming the parameter, the law marked ``broken_by`` (and counted); it really is
+    broken (plain SGD's first-order drift term no longer vanishes); unfreezing keeps the mark; a later
+    re-check of the optimizer's groups keeps it too."""
+    m = _model()
+    t, _ = _track(torch.optim.SGD(m.parameters(), lr=0.1), m, drift_every=1, snapshot_budget=None)
+    _steps(m, t, 3)
+    t.flush()
+    first_before = t.tracker.totals()["relu"]["first"]
+    assert t.tracker.broken_by == {} and first_before < 1e-12
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _steps(m, t, 3, at=1, do=lambda: m[2].weight.requires_grad_(False))
+        rec = t.flush()[-1]
+        _steps(m, t, 2)
+        t.flush()  # no second warning
+    said = [str(x.message) for x in w if issubclass(x.category, BrokenLawWarning)]
+    assert len(said) == 1 and "2.weight" in said[0] and LAW in said[0] and "freeze whole laws" in said[0], said
+    assert t.tracker.broken_by[LAW].startswith("frozen after the tracker was built: 2.weight")
+    assert rec["broken/relu"] == 1.0
+    assert t.tracker.totals()["relu"]["first"] > 1e-6  # the first-order term of plain SGD no longer vanishes
+    m[2].weight.requires_grad_(True)
+    _steps(m, t, 1)
+    t.flush()
+    assert LAW in t.tracker.broken_by  # eps keeps what moved while it was frozen
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.param_groups[0]["lr"] = 0.1  # (same lr) and a group of another lr for a tensor outside the law
+        t.add_param_group({"params": [nn.Parameter(torch.zeros(2, dtype=torch.float64))], "lr": 0.3})
+    assert t.tracker.broken_by[LAW].startswith("frozen after the tracker was built")
+
+
+def test_a_law_frozen_whole_is_not_broken():
+    m = _model()
+    t, _ = _track(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    _step(m, t)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for p in (m[0].weight, m[0].bias, m[2].weight):  # the law's parameters (2.bias still trains)
+            p.requires_grad_(False)
+        _step(m, t)
+        t.flush()
+    said = [str(x.message) for x in w if issubclass(x.category, BrokenLawWarning)]
+    assert t.tracker.broken_by == {} and len(said) == 1 and "frozen whole" in said[0]
+    m[0].weight.requires_grad_(True)  # unfreezing one side leaves the law half frozen: broken
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _step(m, t)
+        t.flush()
+    said = [str(x.message) for x in w if issubclass(x.category, BrokenLawWarning)]
+    assert t.tracker.broken_by[LAW].startswith("frozen after the tracker was built: 0.bias, 2.weight")
+    assert len(said) == 1 and "0.bias breaks 1 law(s)" in said[0], said
+
+
+def test_parameter_the_optimizer_no_longer_holds_is_noticed_at_the_flush():
+    """A tracked tensor swapped out of the optimizer's group (same group size: the per-step group watch
+    does not see it) is marked at the next flush."""
+    m = _model()
+    t, _ = _track(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    _step(m, t)
+    group = t.param_groups[0]["params"]
+    group[next(i for i, p in enumerate(group) if p is m[2].weight)] = nn.Parameter(torch.zeros(3, 8, dtype=torch.float64))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _step(m, t)
+        t.flush()
+    assert t.tracker.broken_by[LAW].startswith("not held by the optimizer: 2.weight")
+    assert len([x for x in w if issubclass(x.category, BrokenLawWarning)]) == 1

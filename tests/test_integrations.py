@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conserve.errors import UsageError
+
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -99,6 +101,9 @@ def test_hf_trainer_logs_checkpoints_and_resumes(tmp_path):
         assert b["eps/vo"] == pytest.approx(a["eps/vo"], rel=1e-4, abs=1e-7)
     logged2 = [h for h in trainer2.state.log_history if "conserve/eps/vo" in h]
     assert [h["conserve/step"] for h in logged2 if h["step"] > 5] == [6, 8, 10]
+    # the decomposition of step 5, first logged at step 6 (after the checkpoint), is logged there again
+    drift_at = lambda hs: [(h["step"], h.get("conserve/drift_step")) for h in hs if h["step"] > 5]  # noqa: E731
+    assert drift_at(logged2) == drift_at(logged) == [(6, 5.0), (8, None), (10, 9.0)]
 
 
 def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
@@ -118,15 +123,29 @@ def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
 
 
 def test_hf_gradient_accumulation_books_one_row_per_optimizer_step(tmp_path):
+    """Gradient accumulation with global-norm clipping and a warmup + cosine schedule: one row per optimizer
+    step, no law marked broken (one clipping factor and one lr for every group), and a resume from
+    checkpoint-5 continues the series with the uninterrupted run's values."""
     from conserve.integrations.hf import ConserveCallback
 
-    cb = ConserveCallback(sinks=[], layers=True)
-    trainer = _hf_trainer(tmp_path, [cb], max_steps=4, gradient_accumulation_steps=2)
+    opts = dict(gradient_accumulation_steps=2, max_grad_norm=0.05, lr_scheduler_type="cosine", warmup_steps=2)
+    cb = ConserveCallback(layers=True)
+    trainer = _hf_trainer(tmp_path, [cb], max_steps=6, **opts)
     trainer.train()
-    assert cb.tracker.step_count == 4
+    assert cb.tracker.step_count == 6
+    assert not [n for n in cb.tracker.broken_by if not n.endswith("/gain")]  # (the Trainer decays no norm weight)
     logged = [h for h in trainer.state.log_history if "conserve/step" in h]
-    assert [h["conserve/step"] for h in logged] == [2, 4]
+    assert [h["conserve/step"] for h in logged] == [2, 4, 6]
     assert "conserve/eps/vo/layer1" in logged[0]
+    jsonl = tmp_path / "conserve" / "metrics.jsonl"
+    full = _rows(jsonl)
+    cb2 = ConserveCallback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_trainer(tmp_path, [cb2], max_steps=6, **opts).train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    again = _rows(jsonl)
+    assert [r["step"] for r in again] == list(range(1, 7)) and cb2.tracker.step_count == 6
+    assert again[5]["eps/vo"] == pytest.approx(full[5]["eps/vo"], rel=1e-4, abs=1e-7)
 
 
 # ------------------------------------------------------------------------------------ Lightning
@@ -202,6 +221,241 @@ def test_lightning_logs_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in again] == list(range(1, 11))
     for a, b in zip(full[5:], again[5:]):
         assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-4, abs=1e-7)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        resumed = [r for r in csv.DictReader(f) if r.get("conserve/step")]
+    # the logs continue too: step 5's decomposition (logged at step 6, after the checkpoint) is logged again
+    assert [(int(float(r["conserve/step"])), r["conserve/drift_step"]) for r in resumed][-3:] == \
+        [(6, "5.0"), (8, ""), (10, "9.0")]
+
+
+@pytest.mark.parametrize("step_every", [1, 3])
+def test_lightning_manual_optimization_logs_each_row_and_drift_once(tmp_path, step_every):
+    """``automatic_optimization = False``: the drift columns (logged once, from the step that decomposed
+    them) and a row logged at a logging step are never handed to the loggers again at a later logging step
+    (Lightning keeps a hook's logged values for the whole epoch); ``step_every`` 3 steps the optimizer every
+    third batch, so most logging steps book no new step."""
+    L = _lightning()
+    import csv
+
+    from conserve.integrations.lightning import ConserveCallback
+
+    class Manual(type(_lit_module(L))):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.manual_backward(loss)
+            if (batch_idx + 1) % step_every == 0:
+                opt = self.optimizers()
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+    cb = ConserveCallback(sinks=[])
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_epochs=2, log_every_n_steps=1 if step_every > 1 else 2,
+                        accelerator="cpu", devices=1, logger=L.loggers.CSVLogger(str(tmp_path), name="csv", version=0),
+                        callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Manual())
+    booked = cb.tracker.step_count
+    assert booked == (10 if step_every == 1 else 2 * (5 // step_every))
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        table = [r for r in csv.DictReader(f) if r.get("conserve/step")]
+    steps = [int(float(r["conserve/step"])) for r in table]
+    assert steps and len(steps) == len(set(steps)), steps  # each row logged once
+    drift = [int(float(r["conserve/drift_step"])) for r in table if r.get("conserve/drift_step")]
+    assert drift and len(drift) == len(set(drift)), drift  # each decomposition logged once
+    assert all(bool(r.get("conserve/drift_step")) == bool(r.get("conserve/drift/relu/second")) for r in table)
+    assert "conserve/eps/relu" in trainer.callback_metrics  # still there for ModelCheckpoint / EarlyStopping
+
+
+def test_lightning_gradient_accumulation_logs_drift_and_resumes(tmp_path):
+    """``accumulate_grad_batches=2``: one row per optimizer step, and a row is logged at the batch that steps
+    (Lightning logs nothing at an accumulating batch: the drift columns given there were lost); resumed from
+    the step-3 checkpoint (an epoch boundary) the series continues with the same values."""
+    L = _lightning()
+    import csv
+
+    from conserve.integrations.lightning import ConserveCallback
+
+    class Acc(type(_lit_module(L))):
+        def train_dataloader(self):  # 6 batches = 3 optimizer steps an epoch
+            g = torch.Generator().manual_seed(0)
+            ds = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randint(0, 3, (24,), generator=g))
+            return torch.utils.data.DataLoader(ds, batch_size=4)
+
+    def fit(cb, ckpt_path=None):
+        trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=6, log_every_n_steps=2, accelerator="cpu",
+                            devices=1, accumulate_grad_batches=2,
+                            logger=L.loggers.CSVLogger(str(tmp_path), name="csv", version=0),
+                            callbacks=[cb, L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
+                                                                       every_n_train_steps=3, save_top_k=-1)],
+                            enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Acc(), ckpt_path=ckpt_path)
+        with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+            table = [(int(float(r["conserve/step"])), r["conserve/drift_step"]) for r in csv.DictReader(f)
+                     if r.get("conserve/step")]
+        return trainer, table
+
+    cb = ConserveCallback()
+    trainer, table = fit(cb)
+    assert cb.tracker.step_count == trainer.global_step == 6
+    assert table == [(2, "1.0"), (4, ""), (6, "5.0")]
+    jsonl = Path(trainer.log_dir) / "conserve" / "metrics.jsonl"
+    full = _rows(jsonl)
+    assert [r["step"] for r in full] == list(range(1, 7))
+    cb2 = ConserveCallback()
+    _, table2 = fit(cb2, ckpt_path=str(tmp_path / "ck" / "epoch=0-step=3.ckpt"))
+    assert table2 == [(4, ""), (6, "5.0")] and cb2.tracker.step_count == 6
+    again = _rows(jsonl)
+    assert [r["step"] for r in again] == list(range(1, 7))
+    for a, b in zip(full[3:], again[3:]):
+        assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-5, abs=1e-8)
+
+
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_lightning_gradient_clipping_by_value_breaks_the_laws(tmp_path, algorithm):
+    """``gradient_clip_algorithm="value"`` clips each gradient entry on its own: a clipped SGD step is not
+    along the gradient, the first-order drift term no longer vanishes, and the laws are marked
+    ``broken_by``; clipping by norm (one factor for the whole gradient) keeps them.  Without a logger the
+    callback logs for ``callback_metrics`` only (no Lightning warning per key)."""
+    L = _lightning()
+    from conserve.integrations.lightning import ConserveCallback
+    from conserve.tracking.breakers import BrokenLawWarning
+
+    class SGDModule(type(_lit_module(L))):  # float64: the identity's first-order term is exact to ~1e-16
+        def __init__(self):
+            super().__init__()
+            self.double()
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step([batch[0].double(), batch[1]], batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = ConserveCallback(sinks=[], drift_every=1, snapshot_budget=None, fp64=True)
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=4, log_every_n_steps=2, accelerator="cpu",
+                        devices=1, logger=False, gradient_clip_val=1e-3, gradient_clip_algorithm=algorithm,
+                        callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer.fit(SGDModule())
+    assert not [x for x in w if "no logger configured" in str(x.message)]
+    broken = [str(x.message) for x in w if issubclass(x.category, BrokenLawWarning)]
+    t = cb.tracker.totals()["relu"]
+    if algorithm == "value":
+        assert set(cb.tracker.broken_by) == {l.name for l in cb.tracker.laws}
+        assert len(broken) == 1 and "clip by 'norm'" in broken[0]
+        assert t["first"] > 10 * t["second"], t  # really broken: the first-order term dominates
+    else:
+        assert cb.tracker.broken_by == {} and broken == []
+        assert t["first"] < 1e-6 * t["second"], t  # plain SGD, one clipping factor: the Noether identity holds
+    assert "conserve/eps/relu" in trainer.callback_metrics
+
+
+def _two_optimizer_module(L, split_law=False):
+    class TwoOpt(L.LightningModule):  # manual optimization, one optimizer per sub-network (a GAN's layout)
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+            self.aux = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y) + F.cross_entropy(self.aux(x), y)
+            opts = self.optimizers()
+            for o in opts:
+                o.zero_grad()
+            self.manual_backward(loss)
+            for o in opts:
+                o.step()
+            return loss
+
+        def configure_optimizers(self):
+            if split_law:  # net's law read by both optimizers
+                return [torch.optim.SGD([*self.net[0].parameters(), *self.aux.parameters()], lr=1e-2),
+                        torch.optim.SGD(self.net[2].parameters(), lr=1e-2)]
+            return [torch.optim.SGD(self.net.parameters(), lr=1e-2), torch.optim.AdamW(self.aux.parameters(), lr=1e-2)]
+
+        def train_dataloader(self):  # 2 batches an epoch
+            g = torch.Generator().manual_seed(0)
+            ds = torch.utils.data.TensorDataset(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+            return torch.utils.data.DataLoader(ds, batch_size=4)
+
+    return TwoOpt()
+
+
+def test_lightning_two_optimizers_one_tracker_each_and_resume(tmp_path):
+    """Two optimizers (manual optimization): one tracker per optimizer over the laws it holds, logged under
+    ``conserve/opt<i>/``, one JSONL file each, both in the checkpoint; the resumed series continue."""
+    L = _lightning()
+    import csv
+
+    from conserve.integrations.lightning import ConserveCallback
+
+    def fit(cb, max_steps, ckpt_path=None):  # (Lightning's global_step counts both optimizers' steps)
+        trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=max_steps, log_every_n_steps=1,
+                            accelerator="cpu", devices=1, logger=L.loggers.CSVLogger(str(tmp_path), name="csv",
+                                                                                     version=0),
+                            callbacks=[cb, L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
+                                                                       every_n_train_steps=4, save_top_k=-1)],
+                            enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_two_optimizer_module(L), ckpt_path=ckpt_path)
+        return trainer
+
+    cb = ConserveCallback()
+    trainer = fit(cb, 8)
+    assert [t.step_count for t in cb.trackers] == [4, 4]
+    assert [{l.params[0].split(".")[0] for l in t.laws} for t in cb.trackers] == [{"net"}, {"aux"}]
+    with pytest.raises(UsageError, match="use .trackers"):
+        cb.tracker  # noqa: B018
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
+        table = [r for r in csv.DictReader(f) if r.get("conserve/opt0/step")]
+    assert [int(float(r["conserve/opt0/step"])) for r in table] == [1, 2, 3, 4]
+    assert all(r["conserve/opt1/eps/relu"] and r["conserve/opt1/step"] == r["conserve/opt0/step"] for r in table)
+    files = [Path(trainer.log_dir) / "conserve" / f"opt{i}" / "metrics.jsonl" for i in (0, 1)]
+    full = [_rows(f) for f in files]
+    assert [[r["step"] for r in rows] for rows in full] == [[1, 2, 3, 4]] * 2
+    cb2 = ConserveCallback()
+    fit(cb2, 8, ckpt_path=str(tmp_path / "ck" / "epoch=0-step=4.ckpt"))  # 2 steps each: an epoch boundary
+    assert [t.step_count for t in cb2.trackers] == [4, 4]
+    for f, rows in zip(files, full):
+        again = _rows(f)
+        assert [r["step"] for r in again] == [1, 2, 3, 4]
+        for a, b in zip(rows[2:], again[2:]):
+            assert b["eps/relu"] == pytest.approx(a["eps/relu"], rel=1e-5, abs=1e-8)
+
+
+def test_lightning_law_read_by_two_optimizers_is_not_tracked(tmp_path):
+    L = _lightning()
+    from conserve.integrations.lightning import ConserveCallback
+
+    cb = ConserveCallback(sinks={})
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=2, accelerator="cpu", devices=1, logger=False,
+                        callbacks=[cb], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer.fit(_two_optimizer_module(L, split_law=True))
+    said = [str(x.message) for x in w if "several optimizers" in str(x.message)]
+    assert len(said) == 1 and "net.0-2/unit (optimizers 0, 1)" in said[0], said
+    assert len(cb.trackers) == 1 and {l.params[0].split(".")[0] for l in cb.trackers[0].laws} == {"aux"}
+    assert cb.trackers[0].step_count == 1
+    with pytest.raises(UsageError, match="sinks=.optimizer index"):
+        ConserveCallback(sinks=[]).on_fit_start(trainer, trainer.lightning_module)
 
 
 def test_lightning_module_holding_an_hf_model_resumes_into_a_new_logger_version(tmp_path):

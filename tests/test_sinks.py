@@ -414,3 +414,51 @@ def test_tensorboard_sink_beside_the_users_own_writer_keeps_the_users_events(tmp
     own = EventAccumulator(str(tb / "conserve"))  # conserve's run, beside the user's
     own.Reload()
     assert [e.step for e in own.Scalars("conserve/eps/relu")] == list(range(1, 9))
+
+
+def test_a_sink_that_keeps_failing_owes_at_most_max_unwritten_rows(tmp_path, monkeypatch):
+    """A full disk under one JSONL file for the rest of a long run: the tracker keeps the newest
+    ``max_unwritten`` rows for it (memory bounded), says once that older ones are dropped and how to fix
+    it, counts them (``dropped``, ``sinks/dropped_rows``, close()); what the file holds stays, the other
+    sinks get every row, and the kept rows are written once the disk has room again."""
+    import errno
+
+    import conserve.tracking.sinks as sinks_mod
+
+    bad, good, mem = JSONLSink(tmp_path / "bad.jsonl"), JSONLSink(tmp_path / "good.jsonl"), conserve.MemorySink()
+    real, full = os.write, [False]
+
+    def write(fd, data):
+        if full[0] and fd == bad._fd:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(sinks_mod.os, "write", write)
+    torch.manual_seed(0)
+    m = MLP([4, 8, 3])
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=2, sinks=[bad, good, mem])
+    opt.tracker.max_unwritten = 5
+    owed = []
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(1, 21):
+            full[0] = step > 5  # rows 1-4 reach the file (flushed inside step 5), then the disk is full
+            opt.zero_grad()
+            F.cross_entropy(m(torch.randn(5, 4)), torch.randint(0, 3, (5,))).backward()
+            opt.step()
+            owed.append(len(opt.tracker.unwritten.get(bad, [])))
+        opt.flush()
+        assert max(owed) <= 5 and [r["step"] for r in opt.tracker.unwritten[bad]] == [16, 17, 18, 19, 20]
+        assert opt.tracker.dropped == {bad: 11}  # steps 5..15
+        full[0] = False  # room again: the kept rows are written at close
+        opt.close()
+    msgs = [str(x.message) for x in w]
+    said = [s for s in msgs if "the oldest are dropped" in s]
+    assert len(said) == 1 and "max_unwritten=5" in said[0] and "fix the sink" in said[0], msgs
+    assert sum("failed at step 5" in s for s in msgs) == 1
+    assert any("wrote every row it kept; 11 older row(s) were dropped" in s for s in msgs), msgs
+    assert [r["step"] for r in _lines(tmp_path / "bad.jsonl")] == [1, 2, 3, 4, 16, 17, 18, 19, 20]
+    assert [r["step"] for r in _lines(tmp_path / "good.jsonl")] == list(range(1, 21))
+    assert [r["step"] for r in mem.records] == list(range(1, 21))
+    # the count as the last flush began (steps 5..13 dropped by then; it wrote rows 19, 20)
+    assert mem.records[-1]["sinks/dropped_rows"] == 9 and not any("sinks/dropped_rows" in r for r in mem.records[:8])

@@ -85,12 +85,19 @@ class TrackedRun:
                 self._drift[k] = (rec["step"], v)
 
     def state_dict(self) -> dict:
-        return self.tracker.state_dict()
+        """The tracker's state, plus (``"logs"``) the drift columns not yet given to the framework's logs and
+        which were: a resumed run logs them at its next logging step, as the uninterrupted run does."""
+        state = self.tracker.state_dict()  # (flushes: the rows pass through ``_Seen`` first)
+        state["logs"] = {"drift": {k: [int(s), float(v)] for k, (s, v) in self._drift.items()},
+                         "drift_logged": {k: int(s) for k, s in self._drift_logged.items()}}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.tracker.load_state_dict(state)
         self._logged = None
-        self._drift, self._drift_logged = {}, {}
+        logs = state.get("logs") or {}  # (states saved before it: nothing pending)
+        self._drift = {k: (int(s), float(v)) for k, (s, v) in logs.get("drift", {}).items()}
+        self._drift_logged = {k: int(s) for k, s in logs.get("drift_logged", {}).items()}
 
     def close(self) -> None:
         """Take the hooks off (and the row watcher); close the tracker this run built (flush only a user's own tracker)."""

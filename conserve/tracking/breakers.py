@@ -293,13 +293,113 @@ def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str,
     found = law_breakers(tracker.laws, named, optimizer)
     warned = tracker.__dict__.setdefault("_broken_warned", set())
     new = [(n, r) for n, r in found.items() if (n, r) not in warned]
-    tracker.broken_by = found
+    tracker._optimizer_broken = found
+    tracker.broken_by = _with_marks(tracker, found)
+    tracker._held_seen = _not_held(tracker, optimizer)
     if new:
         warned.update(new)
         shown = "; ".join(f"{n}: {r}" for n, r in new[:3]) + (f"; ... ({len(new) - 3} more)" if len(new) > 3 else "")
         warnings.warn(f"conserve: {len(new)} law(s) broken by the optimizer's param_groups (still tracked, marked "
                       f"broken_by; put each law's parameters in one group to conserve it): {shown}",
                       BrokenLawWarning, stacklevel=3)
-        if not any(isinstance(m, BrokenMonitor) for m in tracker.monitors):
-            tracker.monitors.append(BrokenMonitor(tracker))
+        _monitor(tracker)
     return found
+
+
+def _monitor(tracker) -> None:
+    if not any(isinstance(m, BrokenMonitor) for m in tracker.monitors):
+        tracker.monitors.append(BrokenMonitor(tracker))
+
+
+def _with_marks(tracker, found: dict[str, str]) -> dict[str, str]:
+    """``found`` (the optimizer's breakers) with the laws ``check_frozen`` and ``mark_broken`` marked,
+    reasons joined."""
+    out = dict(found)
+    for store in ("_frozen_broken", "_marked_broken"):
+        for n, r in (tracker.__dict__.get(store) or {}).items():
+            out[n] = f"{out[n]}; {r}" if n in out else r
+    return out
+
+
+def mark_broken(tracker, reason: str, laws=None) -> None:
+    """Mark ``laws`` (law names; default every tracked law) ``broken_by`` for ``reason``, something
+    outside the optimizer's ``param_groups`` that breaks them (a framework's gradient clipping by value,
+    say): still tracked, counted in ``broken/<family>``, kept through later ``check_optimizer`` calls;
+    one ``BrokenLawWarning`` per new reason."""
+    names = [l.name for l in tracker.laws] if laws is None else list(laws)
+    marks = tracker.__dict__.setdefault("_marked_broken", {})
+    new = [n for n in names if marks.get(n) != reason]
+    if not new:
+        return
+    for n in new:
+        marks[n] = reason
+    tracker.broken_by = _with_marks(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+    _monitor(tracker)
+    warnings.warn(f"conserve: {len(new)} law(s) broken by {reason} (still tracked, marked broken_by)",
+                  BrokenLawWarning, stacklevel=3)
+
+
+def _not_held(tracker, optimizer) -> tuple[int, ...]:
+    """Indices of the tracked tensors ``optimizer``'s ``param_groups`` do not hold (by identity)."""
+    held = {id(p) for g in unwrap_optimizer(optimizer).param_groups for p in g["params"]}
+    return tuple(i for i, p in enumerate(tracker.params) if id(p) not in held)
+
+
+def check_frozen(tracker) -> None:
+    """At each flush (``Tracker.flush``): notice a tracked parameter frozen after the tracker was built
+    (``p.requires_grad_(False)``: the optimizer no longer moves it) or no longer held by the optimizer
+    the tracker watches (its ``param_groups`` edited).  A law some but not all of whose parameters are
+    frozen is no longer conserved by gradient flow (one side stands still while the other follows the
+    gradient; spec "Breakers": a zero learning rate on part of a law): it is marked ``broken_by`` (still
+    tracked, counted in ``broken/<family>``) and stays marked if the parameter is unfrozen later (its
+    ``eps`` keeps what moved meanwhile).  A law frozen whole is constant, not broken (unfreezing part of
+    it breaks it).  One ``BrokenLawWarning`` per flush that finds a newly frozen parameter or a newly half
+    frozen law, naming the parameters.  Cost per flush: one ``requires_grad``
+    read per tracked tensor and, when the tracker watches an optimizer, one pass over its parameters."""
+    params = tracker.params
+    frozen = tuple(i for i, p in enumerate(params) if not p.requires_grad)
+    opt = tracker.__dict__.get("_broken_watch")
+    if opt is not None and tracker.__dict__.get("_held_seen") is not None:
+        if _not_held(tracker, opt) != tracker._held_seen:
+            check_optimizer(tracker, opt, _watching=True)  # (sets _held_seen)
+    seen = tracker.__dict__.get("_frozen_seen", ())
+    if frozen == seen:
+        return
+    tracker._frozen_seen = frozen
+    newly = sorted(set(frozen) - set(seen))  # (an unfreezing can leave a law frozen whole half frozen too)
+    names = tracker.compiled.names
+    at = {n: i for i, n in enumerate(names)}
+    now = set(frozen)
+    marks = tracker.__dict__.setdefault("_frozen_broken", {})
+    step = getattr(tracker, "step_count", 0)
+    culprits: dict[int, list[str]] = {}  # frozen parameter -> the laws marked now because of it
+    for law in tracker.laws:
+        if law.name in marks:
+            continue
+        ps = [at[p] for p in law.params if p in at]
+        fr = [i for i in ps if i in now]
+        if not fr or len(fr) == len(ps):
+            continue
+        labels = _labels([names[i] for i in ps])
+        marks[law.name] = (f"frozen after the tracker was built: {', '.join(labels[ps.index(i)] for i in fr)} "
+                           f"(requires_grad=False, seen at step {step}; they do not move while the rest of the law does)")
+        for i in fr:
+            culprits.setdefault(i, []).append(law.name)
+    rest = [i for i in newly if i not in culprits]
+    if not culprits and not rest:
+        return
+    tracker.broken_by = _with_marks(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+    if marks:
+        _monitor(tracker)
+    parts = [f"{names[i]} breaks {len(laws)} law(s) whose other parameters still train "
+             f"({', '.join(laws[:3])}{', ...' if len(laws) > 3 else ''})" for i, laws in sorted(culprits.items())]
+    shown = parts[:3] + ([f"... ({len(parts) - 3} more)"] if len(parts) > 3 else [])
+    if parts:
+        shown[-1] += ": marked broken_by, still tracked"
+    if rest:
+        shown.append(f"{', '.join(names[i] for i in rest[:3])}{f' (and {len(rest) - 3} more)' if len(rest) > 3 else ''}"
+                     ": only in laws frozen whole (constant from now on) or marked already")
+    warnings.warn(f"conserve: parameter(s) frozen (requires_grad=False) after the tracker was built, seen at step {step}: "
+                  f"{'; '.join(shown)}; freeze whole laws (every parameter a law reads) to keep the others conserved, "
+                  "or build the tracker after freezing (frozen parameters' laws are then declined)",
+                  BrokenLawWarning, stacklevel=4)

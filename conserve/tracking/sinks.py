@@ -6,7 +6,8 @@ written, so a resumed run continues one series: the JSONL file drops its rows af
 TensorBoard purges its events from the next step on. A sink that gets its first row without a
 ``resume`` does the same at that row's step (a re-run into the same file restarts the series
 instead of appending a second one). Rows a sink fails to write are kept by the tracker and retried
-(``Tracker`` docstring), so a sink should write a row completely or not at all.
+(``Tracker`` docstring; at most ``Tracker.max_unwritten`` per sink, the oldest dropped and counted beyond
+that), so a sink should write a row completely or not at all.
 """
 from __future__ import annotations
 
