@@ -1091,17 +1091,25 @@ class Tracker:
                 "pending_extras": copy.deepcopy(self._extras),
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Continue the series of ``state`` (from ``state_dict``). Sinks with ``resume(step)`` are told the
-        last step the saved run wrote, so the JSONL file and TensorBoard drop what came after it."""
-        if list(state["laws"]) != [l.name for l in self.laws]:
+    def check_state(self, state: Mapping) -> None:
+        """Raise ``ValueError`` (one line naming the fix) if ``state`` (from ``state_dict``) was saved for other
+        laws or other law sizes; changes nothing.  The optimizers call it before loading their own state, so a
+        refused state leaves optimizer and tracker as they were.  (A distributed state keeps its law names
+        in its packed metadata: only the sizes are checked here, ``load_state_dict`` checks the names.)"""
+        if "laws" in state and list(state["laws"]) != [l.name for l in self.laws]:
             raise ValueError("tracker state was saved for a different set of laws; build the tracker with the same "
                              "model and laws as the saved run")
         shapes = lambda v: {k: tuple(t.shape) for k, t in v.items()}  # noqa: E731
-        if shapes(state["h0"]) != shapes(self.h0.state()):  # same law names, other sizes (hidden, heads...)
+        if "h0" in state and shapes(state["h0"]) != shapes(self.h0.state()):  # same names, other sizes (hidden, heads)
             raise ValueError(f"tracker state was saved for laws of other sizes (law values {shapes(state['h0'])}, this "
                              f"tracker's {shapes(self.h0.state())}); build the tracker with the same model sizes as "
                              "the saved run")
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue the series of ``state`` (from ``state_dict``). Sinks with ``resume(step)`` are told the
+        last step the saved run wrote, so the JSONL file and TensorBoard drop what came after it.
+        Raises ``ValueError`` (``check_state``) before anything is changed."""
+        self.check_state(state)
         dev = self.device
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)

@@ -231,6 +231,34 @@ def test_state_dict_resume_continues_the_same_series():
     torch.optim.AdamW(_model(dtype=torch.float32).parameters(), lr=1e-2).load_state_dict(ck["opt"])
 
 
+@pytest.mark.parametrize("kind", ["track", "fused"])
+def test_a_tracker_state_for_other_laws_leaves_the_optimizer_as_it_was(kind):
+    """load_state_dict of a state whose "conserve" entry was saved for other laws raises before the
+    optimizer state is loaded (it loaded the inner state, then refused the tracker's: half a checkpoint)."""
+    from conserve.optim import FusedAdamW
+
+    def make(m, laws=None):
+        if kind == "track":
+            return conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2), m, laws=laws)
+        return FusedAdamW(m.parameters(), lr=1e-2, track=None if laws else m, laws=laws,
+                          named_params=dict(m.named_parameters()) if laws else None)
+
+    ma = _model(dtype=torch.float32)
+    oa = make(ma)
+    _run(ma, oa, 3)
+    saved = oa.state_dict()
+    mb = _model(dtype=torch.float32)
+    ob = make(mb, laws=mb.conservation_laws()[0][:2])
+    _run(mb, ob, 1)
+    before = {k: v["step"].item() for k, v in ob.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match="different set of laws"):
+        ob.load_state_dict(saved)
+    assert {k: v["step"].item() for k, v in ob.state_dict()["state"].items()} == before == {k: 1.0 for k in before}
+    assert ob.tracker.step_count == 1
+    _run(mb, ob, 1)  # and it trains on
+    assert ob.tracker.step_count == 2
+
+
 def test_frozen_and_gradless_parameters_do_not_crash():
     m = _model(dtype=torch.float32)
     m.layers[0].mlp.up_proj.weight.requires_grad_(False)
