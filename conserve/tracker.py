@@ -868,7 +868,7 @@ class Tracker:
                 continue
             bad = [n for n, x in zip(self.metric_names, row.tolist()) if not math.isfinite(x)][:3]
             what = (f"law values are NaN/Inf at step {step} ({', '.join(bad)}): the parameters diverged; lower the "
-                    "learning rate or check the gradients")
+                    "learning rate or check the gradients" + self._half_hint())
             if self.on_nonfinite == "raise":
                 if step <= self._nonfinite_reported:  # booked before the error that covered it reached the caller
                     self.nonfinite_skipped += 1
@@ -897,6 +897,14 @@ class Tracker:
             raise NonFiniteError(f"{first_what}{more} (the finite rows were written, the non-finite ones are not; "
                                  "steps booked before this error reaches you are not reported again)")
         return out
+
+    def _half_hint(self) -> str:
+        """The likelier cause when float16 weights are tracked: a small optimizer eps (Adam's 1e-8) is 0 in
+        float16 (its smallest subnormal is 6e-8), so a first step divides 0 by 0."""
+        if not any(t.dtype == torch.float16 for t in self.tensors):
+            return ""
+        return ("; with float16 weights an optimizer eps below 6e-8 (Adam's default 1e-8) is 0 in float16: keep "
+                "float32 weights under torch.autocast, use bfloat16, or raise eps")
 
     def _write(self, recs: list[dict]) -> None:
         """Write ``recs`` to every sink, each sink isolated from the others' failures.

@@ -485,3 +485,17 @@ def test_weights_written_in_place_outside_the_tracked_step_are_told_once(kind, w
             m.lm_head.weight.add_(1.0)
         _step(m, opt, batch)  # once per tracker
         opt.tracker.close()
+
+
+def test_nonfinite_error_with_float16_weights_names_the_optimizer_eps():
+    """float16 weights under AdamW's default eps (1e-8 is 0 in float16): the first step divides by 0 where
+    a squared gradient underflows; the error names that cause, not only the learning rate (QA finding)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-3), m, every=1, drift_every=1)
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 1e-4)  # (1 - beta2) g^2 = 1e-11: 0 in float16
+    with pytest.raises(conserve.errors.NonFiniteError, match="float16 weights an optimizer eps below 6e-8"):
+        opt.step()
+        opt.step()
+    opt.tracker.close()
