@@ -25,10 +25,19 @@ several ranks contribute to; ``all_reduce`` what each rank contributes to the pa
 ``h-only step`` the same for a step without drift terms (``drift_every > 1``);
 ``calls at 256 MiB`` how many all-reduces a flush takes under the default ``max_pending_bytes`` (1 when
 ``every`` pending steps fit; raise the cap to ``every * per step`` for one);
-``rows in (max)`` straddling rows received by the busiest owner (point to point, owner-only); then the
+``rows in (max)`` straddling rows received by the busiest owner (point to point, owner-only: the
+``theta_{k+1}`` rows of every step, and on a drift step the ``theta_k`` rows of the group's terms); then the
 previous implementation for comparison: ``old all_gather in`` (every rank received every straddling
 row, every step) and ``old all_reduce`` (every law value of every step, in calls of at most
 ``--max-pending`` bytes: every step for 70B).
+
+Drift snapshots (per rank, right before a drift step; dropped after it): ``groups`` the sampler's
+groups under ``--budget`` (``conserve.tracking.drift.Sampler`` with ``Shards``: the same on every
+rank; each law is decomposed once every ``groups`` drift steps), ``copy (max)`` the most any rank
+copies for one group (the group's views' pieces on that rank, straddling rows included),
+``budget (max)`` the largest ``budget x`` a rank's tracked bytes, ``shards (max)`` what a rank copies
+with ``snapshot_budget=None`` (its whole shards: the previous behaviour at every drift step); last,
+the groups a single-process tracker packs for the same plan under the same budget.
 """
 from __future__ import annotations
 
@@ -38,6 +47,8 @@ import time
 import torch
 
 from conserve.distributed import comm_schedule, shard_layouts
+from conserve.tracking.drift import Sampler
+from conserve.tracking.shard_plan import sampler_shards
 from conserve.laws import compile_laws
 from conserve.models import DecoderLM, LMConfig
 
@@ -62,6 +73,20 @@ def _fmt(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _read_bytes(local, shapes, layouts, r, b) -> int:
+    """Bytes of rank r's shards of the tensors its local terms read (what it copies per drift step with
+    ``snapshot_budget=None``)."""
+    out = 0
+    for i in {t.view.tensor for t in list(local.grams) + list(local.norms) + list(local.sums)}:
+        n, lay = 1, layouts[i]
+        for x in shapes[i]:
+            n *= x
+        if lay.dim is not None:
+            n = n // shapes[i][lay.dim] * lay.ranges[r][1]
+        out += n * b
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
@@ -69,6 +94,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=LLAMA3_70B["num_hidden_layers"])
     ap.add_argument("--max-pending", type=int, default=256 << 20, help="max_pending_bytes (both implementations)")
     ap.add_argument("--drift-every", type=int, default=1, help="drift terms on every N-th step (the new tracker)")
+    ap.add_argument("--budget", type=float, default=0.05, help="snapshot_budget of the drift columns")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -85,15 +111,28 @@ def main(argv=None):
           f"norm / {len(plan.sums)} sum terms, {P / 1e6:.2f} M law scalars per step; every={k}, fp32, drift terms "
           f"every {args.drift_every} step(s) (the old columns: every step)\n")
     head = ("placement", "ranks", "straddles", "split", "per step", "h-only step", "all_reduce", "calls at 256 MiB",
-            "rows in (max)", "old all_gather in", "old all_reduce")
+            "rows in (max)", "old all_gather in", "old all_reduce", "groups", "copy (max)", "budget (max)",
+            "shards (max)")
     rows = []
     for rule in RULES:
         f = _rule(rule)
         for w in args.ranks:
             dims = [f(n, s) for n, s in zip(compiled.names, shapes)]
-            sched = comm_schedule(compiled, shard_layouts(shapes, dims, w), dtypes)
-            recv, _ = sched.row_traffic(True)  # per drift step (new and old rows); other steps: new rows only
-            recv_h, _ = sched.row_traffic(False)
+            layouts = shard_layouts(shapes, dims, w)
+            sched = comm_schedule(compiled, layouts, dtypes)
+            # the drift sampler every rank builds (the costs of all ranks are the same on each: rank 0's view)
+            shards = sampler_shards(sched, shapes, [b] * len(shapes), layouts, 0)
+            metas = [torch.empty(0, device="meta")] * len(shapes)  # (element sizes only: fp32)
+            sampler = Sampler(plan, metas, args.budget, "cpu", shards=shards)
+            whole = max(_read_bytes(sched.plans[r], shapes, layouts, r, b) for r in range(w))
+            copy = whole if sampler.groups == [None] else max(int(sum(u.cost for u in g).max()) for g in sampler.groups)
+            recv_h, _ = sched.row_traffic(False)  # theta_{k+1} rows, every step
+            # theta_k rows on a drift step: those of the straddling terms of the step's group, per group and owner
+            gid = sampler._gid[1]  # the group of each Gram slot (every rank's, the same)
+            old_in = [[0] * w for _ in sampler.groups]
+            for s in sched.straddles:
+                n = s.sizes()
+                old_in[int(gid[s.term.view.rows][s.term.slot])][s.owner] += sum(n) - n[s.owner]
             # the previous implementation: per step an all_gather of 2 blocks (theta_{k+1}, a theta_k) of the
             # largest per-rank straddle count from every rank, and the packed values (4 blocks) all-reduced
             count = [0] * w
@@ -107,19 +146,25 @@ def main(argv=None):
             for i in range(k):
                 drift = i % args.drift_every == 0
                 nxt = step if drift else h_only
-                rows_in += max(recv if drift else recv_h) * b
+                g = (i // args.drift_every) % len(sampler.groups)
+                rows_in += max(x + (old_in[g][r] if drift else 0) for r, x in enumerate(recv_h)) * b
                 if pending and pending + nxt > args.max_pending:
                     calls, pending = calls + 1, 0
                 pending += nxt
                 total += nxt
             rows.append((rule, str(w), str(len(sched.straddles)), f"{sched.split_size / 1e6:.2f} M", _fmt(step),
                          _fmt(h_only), _fmt(total), str(calls), _fmt(rows_in),
-                         _fmt(old_gather), _fmt(k * 4 * P * b)))
+                         _fmt(old_gather), _fmt(k * 4 * P * b), str(len(sampler.groups)), _fmt(copy),
+                         _fmt(args.budget * max(shards.held)), _fmt(whole)))
     width = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print(" | ".join(h.ljust(x) for h, x in zip(head, width)))
     print("-|-".join("-" * x for x in width))
     for r in rows:
         print(" | ".join(c.ljust(x) for c, x in zip(r, width)))
+    metas = [torch.empty(s, device="meta") for s in shapes]  # one process: the same plan, every weight on it
+    one = Sampler(plan, metas, args.budget, "cpu")
+    print(f"\none process, snapshot_budget={args.budget}: {len(one.groups)} groups over "
+          f"{_fmt(one.tracked_bytes)} of tracked weights")
     print(f"\n(planned in {time.perf_counter() - t0:.1f} s)")
 
 

@@ -868,7 +868,7 @@ class Tracker:
                 continue
             bad = [n for n, x in zip(self.metric_names, row.tolist()) if not math.isfinite(x)][:3]
             what = (f"law values are NaN/Inf at step {step} ({', '.join(bad)}): the parameters diverged; lower the "
-                    "learning rate or check the gradients")
+                    "learning rate or check the gradients" + self._half_hint())
             if self.on_nonfinite == "raise":
                 if step <= self._nonfinite_reported:  # booked before the error that covered it reached the caller
                     self.nonfinite_skipped += 1
@@ -897,6 +897,14 @@ class Tracker:
             raise NonFiniteError(f"{first_what}{more} (the finite rows were written, the non-finite ones are not; "
                                  "steps booked before this error reaches you are not reported again)")
         return out
+
+    def _half_hint(self) -> str:
+        """The likelier cause when float16 weights are tracked: a small optimizer eps (Adam's 1e-8) is 0 in
+        float16 (its smallest subnormal is 6e-8), so a first step divides 0 by 0."""
+        if not any(t.dtype == torch.float16 for t in self.tensors):
+            return ""
+        return ("; with float16 weights an optimizer eps below 6e-8 (Adam's default 1e-8) is 0 in float16: keep "
+                "float32 weights under torch.autocast, use bfloat16, or raise eps")
 
     def _write(self, recs: list[dict]) -> None:
         """Write ``recs`` to every sink, each sink isolated from the others' failures.
@@ -1091,17 +1099,25 @@ class Tracker:
                 "pending_extras": copy.deepcopy(self._extras),
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
 
-    def load_state_dict(self, state: Mapping) -> None:
-        """Continue the series of ``state`` (from ``state_dict``). Sinks with ``resume(step)`` are told the
-        last step the saved run wrote, so the JSONL file and TensorBoard drop what came after it."""
-        if list(state["laws"]) != [l.name for l in self.laws]:
+    def check_state(self, state: Mapping) -> None:
+        """Raise ``ValueError`` (one line naming the fix) if ``state`` (from ``state_dict``) was saved for other
+        laws or other law sizes; changes nothing.  The optimizers call it before loading their own state, so a
+        refused state leaves optimizer and tracker as they were.  (A distributed state keeps its law names
+        in its packed metadata: only the sizes are checked here, ``load_state_dict`` checks the names.)"""
+        if "laws" in state and list(state["laws"]) != [l.name for l in self.laws]:
             raise ValueError("tracker state was saved for a different set of laws; build the tracker with the same "
                              "model and laws as the saved run")
         shapes = lambda v: {k: tuple(t.shape) for k, t in v.items()}  # noqa: E731
-        if shapes(state["h0"]) != shapes(self.h0.state()):  # same law names, other sizes (hidden, heads...)
+        if "h0" in state and shapes(state["h0"]) != shapes(self.h0.state()):  # same names, other sizes (hidden, heads)
             raise ValueError(f"tracker state was saved for laws of other sizes (law values {shapes(state['h0'])}, this "
                              f"tracker's {shapes(self.h0.state())}); build the tracker with the same model sizes as "
                              "the saved run")
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue the series of ``state`` (from ``state_dict``). Sinks with ``resume(step)`` are told the
+        last step the saved run wrote, so the JSONL file and TensorBoard drop what came after it.
+        Raises ``ValueError`` (``check_state``) before anything is changed."""
+        self.check_state(state)
         dev = self.device
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)

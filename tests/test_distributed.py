@@ -12,7 +12,11 @@ shards and an empty shard, DDP, a resume from torch.distributed.checkpoint) and 
 (FSDP2 aligned, FSDP2 with a straddling kv head, FSDP2 with a ``shard_placement_fn``, tensor
 parallel, DDP, a NaN stop, and the torch.distributed calls the tracker makes: one all-reduce per
 flush, straddling rows to their owner only, bytes checked against the laws' views). Each comparison
-runs at ``drift_every`` 1 and 2. Every spawn has a timeout, so a hang fails instead of blocking.
+runs at ``drift_every`` 1 and 2. With a snapshot budget (FSDP2 aligned, straddling, 3 ranks uneven
+and empty; tensor parallel) each drift step's terms are compared with the single-process ones at the
+entries of its group, and the storages the tracker creates are measured (``bench.track_overhead.LiveBytes``):
+the copies before a drift step fit the rank's budget, no weight-sized storage outlives a step. Every
+spawn has a timeout, so a hang fails instead of blocking.
 """
 from __future__ import annotations
 
@@ -43,7 +47,9 @@ from conserve.distributed import (DistributedTracker, _Layout, _localize, comm_s
                                   track, wants_distributed)
 from conserve.models import DecoderLM, LMConfig
 from conserve.sinks import MemorySink
-from conserve.tracker import Tracker
+from conserve.tracker import TERMS, Tracker, Values
+from conserve.tracking.drift import Sampler
+from conserve.tracking.shard_plan import sampler_shards
 
 TIMEOUT = 240  # seconds for one spawn (a hang fails the test)
 # the drift cadence (drift_every, snapshot_budget) of conserve.tracking.drift, compared when the Tracker has it
@@ -144,6 +150,73 @@ def test_local_plans_sum_to_the_global_plan(seed):
     torch.testing.assert_close(got_vec, want[0], rtol=1e-12, atol=1e-12)
     for d in want[1]:
         torch.testing.assert_close(got_grams[d], want[1][d], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_sharded_sampler_groups_are_the_global_plans(seed):
+    """The drift sampler over sharded tensors (``Sampler`` with ``sampler_shards``), process free: every
+    rank packs the same groups, which cover every law entry once; in each group, the ranks' sub-plans
+    over their copies (plus the group's straddling Gram terms on the gathered rows) sum to the global
+    plan at the group's entries (0 elsewhere); each rank's copies fit its budget, or the group is
+    one unit."""
+    rng = random.Random(100 + seed)
+    world = rng.choice([2, 3, 4])
+    shapes = [(rng.randint(1, 9), rng.randint(1, 7)), (rng.randint(1, 9),), (rng.randint(1, 3), rng.randint(2, 8), 5)]
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    plan = _random_plan(rng, shapes)
+    layouts = [_Layout(None) if rng.random() < 0.2 else _Layout(d, _shard_ranges(s[d], world, rng.random() < 0.5, rng))
+               for s, d in ((s, rng.randrange(len(s))) for s in shapes)]
+    sched = comm_schedule(_compiled_of(plan, shapes), layouts, [t.dtype for t in full])
+    budget = rng.choice([0.1, 0.3, 0.6])
+    locals_ = [[t if lay.dim is None else t.narrow(lay.dim, *lay.ranges[r]) for t, lay in zip(full, layouts)]
+               for r in range(world)]
+    samplers = [Sampler(plan, locals_[r], budget, "cpu",
+                        shards=sampler_shards(sched, shapes, [8] * len(shapes), layouts, r)) for r in range(world)]
+    keys = [[[u.key for u in grp] for grp in s.groups] for s in samplers]
+    assert all(k == keys[0] for k in keys), "ranks pack different groups"
+    assert len(keys[0]) >= 2  # (2 to 20 groups over the seeds)
+    want = kernels.evaluate_reference(plan, full, fp64=True)
+    seen_v = torch.zeros(plan.vec_size, dtype=torch.long)
+    seen_g = {d: torch.zeros(n, dtype=torch.long) for d, n in plan.gram_slots.items()}
+    for j in range(len(samplers[0].groups)):
+        vec, grams = torch.zeros_like(want[0]), {d: torch.zeros_like(x) for d, x in want[1].items()}
+        for r, s in enumerate(samplers):
+            snap = s.snapshot(j, locals_[r])
+            copied = sum(o.numel() * o.element_size() for o in snap.olds)
+            assert copied <= budget * s.tracked_bytes or len(s.groups[j]) == 1, (copied, s.tracked_bytes)
+            if snap.plan.grams or snap.plan.norms or snap.plan.sums:
+                v, gr = kernels.evaluate_reference(snap.plan, snap.olds, fp64=True)
+                vec += v
+                for d in gr:
+                    grams[d] += gr[d]
+        mask = samplers[0].mask(j)
+        seen_v += mask.vec.long()
+        for d in seen_g:
+            seen_g[d] += mask.grams[d].long()
+        for x in sched.straddles:
+            if mask.gram_np[x.term.view.rows][x.term.slot]:
+                rows = x.term.view.of(full[x.term.view.tensor])
+                grams[x.term.view.rows][x.term.slot] += x.term.sign * rows @ rows.T
+        torch.testing.assert_close(vec, torch.where(mask.vec, want[0], 0.0), rtol=1e-12, atol=1e-12)
+        for d in want[1]:
+            torch.testing.assert_close(grams[d], torch.where(mask.grams[d][:, None, None], want[1][d], 0.0),
+                                       rtol=1e-12, atol=1e-12)
+    written = torch.zeros(plan.vec_size, dtype=torch.bool)
+    for t in plan.norms:
+        written[t.index + t.index_stride * torch.arange(t.view.rows)] = True
+    for t in plan.sums:
+        written[t.index: t.index + t.view.cols] = True
+    assert (seen_v == written.long()).all() and all((seen_g[d] == 1).all() for d in seen_g)
+
+
+def _compiled_of(plan, shapes):
+    """A stand-in for ``Compiled`` with one ``per="entry"`` vector law over the whole vector part (what
+    ``comm_schedule`` reads of it: the plan, the laws' families and where they are)."""
+    from types import SimpleNamespace
+
+    law = SimpleNamespace(family="f", layer=None, per="entry", name="f")
+    return SimpleNamespace(plan=plan, laws=[law], where=[("vec", 0, plan.vec_size)], names=[str(i) for i in range(len(shapes))])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -376,7 +449,7 @@ def _compare_run(rank, world, model, laws, cfg, what, *, data_rank=None):
     _check_values(trackers[1].values(), refs[1].tracker.values(), 1e-6, what + " fp32")
     if CADENCE:
         _check_values(trackers[2].values(), refs[2].tracker.values(), 1e-12, what + " drift_every=2")
-    assert all(t._prev is None for t in trackers if t._comm)  # the shard copies are dropped after each step
+    assert all(t._snap is None and t._old is None for t in trackers if t._comm)  # the copies are dropped after each step
     for k in ("decay", "first", "second"):
         _check_values(dict(enumerate(trackers[0].cumulative[k].grams.values())),
                       dict(enumerate(refs[0].tracker.cumulative[k].grams.values())), 1e-9, f"{what} cumulative {k}")
@@ -422,7 +495,10 @@ def _scenario_fsdp(rank, world, cfg, tmpdir, dim1=()):
 
 def _resume(rank, world, cfg, tmpdir):
     """Run 6 steps with a DCP checkpoint after step 3 (a pending, unreduced step inside); a fresh model,
-    optimizer and tracker loaded from it continue the same series (rows and values)."""
+    optimizer and tracker loaded from it continue the same series (rows, values and totals). A snapshot
+    budget with the drift at every step: the resumed tracker decomposes the same groups (the sampler's
+    position is the step count), the first of them right after the load (h_k then comes from the group's
+    copies of theta_k)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_model_state_dict,
                                                          set_optimizer_state_dict, set_model_state_dict)
@@ -431,7 +507,7 @@ def _resume(rank, world, cfg, tmpdir):
         model, laws = _fsdp(cfg, world, seed)
         inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
         sink = MemorySink()
-        opt = track(inner, model, every=EVERY, sinks=[sink])  # fp32 with drift terms
+        opt = track(inner, model, every=EVERY, sinks=[sink], drift_every=1, snapshot_budget=0.2)  # fp32
         return model, inner, opt, sink
 
     def run(model, opt, first, n):
@@ -451,7 +527,8 @@ def _resume(rank, world, cfg, tmpdir):
     if rank == 0:
         assert flushed == 3, [r["step"] for r in sink.records]
     run(model, opt, 4, 3)
-    want_values = opt.tracker.values()
+    want_values, want_totals = opt.tracker.values(), opt.tracker.totals()
+    assert len(opt.tracker.sampler.groups) > 3
     opt.close()
 
     model2, inner2, opt2, sink2 = build(7)  # different initial weights: everything must come from the checkpoint
@@ -462,9 +539,12 @@ def _resume(rank, world, cfg, tmpdir):
     set_optimizer_state_dict(model2, inner2, state["optim"])
     opt2.tracker.load_state_dict(state["conserve"])
     run(model2, opt2, 4, 3)
-    got_values = opt2.tracker.values()
+    got_values, got_totals = opt2.tracker.values(), opt2.tracker.totals()
     opt2.close()
     _check_values(got_values, want_values, 1e-7, "resumed values")
+    for f, want in want_totals.items():
+        for k, v in want.items():
+            assert abs(got_totals[f][k] - v) <= 1e-5 * abs(v) + 1e-12, (f, k, got_totals[f][k], v)
     if rank == 0:
         assert sink2.records and sink2.records[0]["step"] == flushed + 1, [r["step"] for r in sink2.records]
         _check_rows(sink2.records, sink.records[flushed:], "resumed series")
@@ -488,13 +568,13 @@ def _scenario_ddp(rank, world, cfg):
     assert all(torch.equal(x, allh[0]) for x in allh), "ranks disagree"
 
 
-def _scenario_tp(rank, world, cfg):
+def _tp(cfg, world, seed=0):
     """Tensor parallel: ColwiseParallel on q/k/v/gate/up (Shard(0)), RowwiseParallel on o/down (Shard(1));
     norms, embeddings and lm_head stay replicated plain tensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _model(cfg)
+    model = _model(cfg, seed)
     laws, _ = model.conservation_laws()  # before the heads are split (global head counts)
     mesh = init_device_mesh("cpu", (world,))
     plan = {}
@@ -508,14 +588,159 @@ def _scenario_tp(rank, world, cfg):
         layer.self_attn.nh //= world  # the attention runs on the local heads
         layer.self_attn.nkv //= world
     parallelize_module(model, mesh, plan)
+    return model, laws
+
+
+def _scenario_tp(rank, world, cfg):
+    """Tensor parallel (``_tp``) against one process: every rank sees the same batch."""
+    model, laws = _tp(cfg, world)
     kinds = {type(p).__name__ for p in model.parameters()}
     assert kinds == {"DTensor", "Parameter"}, kinds
     t = _compare_run(rank, world, model, laws, cfg, f"tp{world}", data_rank=0)  # TP: every rank, same batch
     assert t._comm and not t._straddles
 
 
+def _sampled_expected(ref, mask):
+    """Per family and term, the norm over the family's entries in ``mask`` of the reference's per-entry terms
+    (``ref.tracker.last``: every entry decomposed), NaN for a family with none: the row of a sampled step."""
+    tr = ref.tracker
+    out, hit = {}, torch.zeros(len(tr.families), dtype=torch.bool)
+    hit.index_fill_(0, tr._vec_fam[mask.vec].long(), True)
+    for d, m in mask.grams.items():
+        hit.index_fill_(0, tr._gram_fam[d][m].long(), True)
+    for t in TERMS:
+        v = tr.last[t]
+        sq = torch.zeros(len(tr.families), dtype=torch.float64).index_add_(
+            0, tr._vec_fam.long(), torch.where(mask.vec, v.vec.double(), 0.0) ** 2)
+        for d, g in v.grams.items():
+            sq.index_add_(0, tr._gram_fam[d].long(), (torch.where(mask.grams[d][:, None, None], g.double(), 0.0) ** 2).sum((1, 2)))
+        for i, f in enumerate(tr.families):
+            out[f"drift/{f}/{t}"] = sq[i].sqrt().item() if hit[i] else float("nan")
+    return out, hit
+
+
+def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS, build=None, lr=LR, wd=WD):
+    """FSDP2 with a snapshot budget: each drift step decomposes one group of the GLOBAL plan (the same on
+    every rank); its drift columns, ``cumulative``, ``sampled_steps`` and ``totals()`` equal those of a
+    single-process Tracker that decomposes every entry (``keep_last``), restricted to the group's
+    entries. The storages ``before_step`` creates (the copies) fit this rank's budget, and a whole step
+    leaves no weight-sized storage alive (the pending pack and h_{k+1} only)."""
+    from bench.track_overhead import LiveBytes
+
+    model, laws = (build or _fsdp)(cfg, world)
+    data_rank = 0 if build is _tp else rank  # tensor parallel: every rank, same batch
+    opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd)
+    sink = MemorySink()
+    t = DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sink], drift_every=drift_every,
+                           snapshot_budget=budget)
+    ref = _Reference(cfg, laws, torch.float64, every=EVERY, fp64=True, keep_last=True)
+    ref.opt = torch.optim.SGD(ref.model.parameters(), lr=lr, weight_decay=wd)
+    ref.start(_full(model))
+    s = t.sampler
+    assert s.shards is not None and len(s.groups) >= 3, len(s.groups)
+    mine = sum(x.numel() * x.element_size() for x in t.tensors)
+    assert s.tracked_bytes == mine  # this rank's bytes (uneven and empty shards included)
+    cap = budget * mine
+    # budget None: every local shard the laws read, whole (the previous behaviour)
+    every_law = Sampler(t.compiled.plan, t.tensors, None, t.device, shards=t._shards)
+    snap = every_law.snapshot(0, t.tensors)
+    assert every_law.groups == [None] and snap.mask.full and snap.plan is t._local_plan
+    lp = t._local_plan
+    read = {v.view.tensor for v in list(lp.grams) + list(lp.norms) + list(lp.sums)}
+    assert sum(o.numel() * o.element_size() for o, x in zip(snap.olds, t.tensors) if o.data_ptr() != x.data_ptr()) \
+        == sum(t.tensors[i].numel() * t.tensors[i].element_size() for i in read)
+    del snap
+    rows, copied, cum, straddled, seen = [], [], {k: None for k in TERMS[:4]}, 0, []
+    sampled = torch.zeros(len(t.families), dtype=torch.long)
+    for k in range(1, steps + 1):
+        opt.zero_grad()
+        _loss(model, _batch(k, data_rank, cfg["vocab_size"])).backward()
+        ref.tracker.before_step(ref.opt)
+        drift = t.is_drift_step()
+        with LiveBytes() as m:
+            t.before_step(opt)
+        assert (t._snap is not None) == drift
+        if drift:
+            j = (k - 1) // drift_every
+            group = s.groups[j % len(s.groups)]
+            mask = t._snap.mask
+            # the copies made right before the step: this rank's pieces of the group's views only
+            assert m.cur == t._snap.bytes() + sum(x.numel() * x.element_size() for x in t._old[1].values())
+            assert m.cur <= sum(int(u.cost[rank]) for u in group)
+            assert m.cur <= cap or len(group) == 1, (m.cur, cap)
+            copied.append(m.cur)
+            seen.append(j)
+        opt.step()
+        with LiveBytes() as m:
+            t.after_step()
+        assert t._snap is None and t._old is None
+        straddled += bool(t._pend and t._pend[-1].sel)
+        kept = t._pend[-1].pack if t._pend else None
+        law = sum(v.numel() * v.element_size() for v in [t._hp.vec, *t._hp.grams.values()])
+        held = sum(b.numel() * b.element_size() for p in t._pend if p.held for bl in p.held.values() for b in bl)
+        split = t._h_split.numel() * t._h_split.element_size()  # (replaced at a flush)
+        assert m.cur <= law + split + (0 if kept is None else kept.numel() * kept.element_size()) + held + 1024, \
+            (m.cur, sorted(m.live.values()))
+        ref.load(_full(model))
+        ref.tracker.after_step()
+        want = dict(zip(ref.tracker.metric_names, ref.tracker._rows[-1].tolist()))
+        if drift:
+            exp, hit = _sampled_expected(ref, mask)
+            want.update(exp)
+            sampled += hit.long()
+            for c in cum:
+                v = ref.tracker.last[c]
+                part = Values(torch.where(mask.vec, v.vec, 0.0), {d: torch.where(mask.grams[d][:, None, None], g, 0.0)
+                                                                  for d, g in v.grams.items()})
+                cum[c] = part if cum[c] is None else cum[c].map(torch.add, part)
+        else:
+            want.update({n: float("nan") for n in want if n.startswith("drift/")})
+        rows.append({"step": k, **want})
+    tot, ref_tot = t.totals(), ref.tracker.totals()
+    # straddling rows received (owner only): theta_{k+1} at every step and h_0, theta_k only when the group has the term
+    want_rows = 0
+    for x in t._straddles:
+        if x.owner == rank:
+            n = x.sizes()
+            picked = sum(bool(s.mask(j).gram_np[x.term.view.rows][x.term.slot]) for j in seen)
+            want_rows += (sum(n) - n[rank]) * (1 + steps + picked) * t._xdtype.itemsize
+    assert t.comm_bytes["rows_received"] == want_rows, (t.comm_bytes, want_rows)
+    for c in cum:
+        got = t.cumulative[c]
+        _check_values({"v": got.vec, **{f"g{d}": g for d, g in got.grams.items()}},
+                      {"v": cum[c].vec, **{f"g{d}": g for d, g in cum[c].grams.items()}}, 1e-9, f"sampled cumulative {c}")
+    assert torch.equal(t.sampled_steps.cpu(), sampled), (t.sampled_steps, sampled)
+    for i, f in enumerate(t.families):
+        assert tot[f]["sampled_steps"] == sampled[i].item() and tot[f]["steps"] == steps
+        for key in ("measured", "eps", "scale"):
+            assert abs(tot[f][key] - ref_tot[f][key]) <= 1e-9 * abs(ref_tot[f][key]) + 1e-15, (f, key)
+        want_n = {c: (cum[c].vec[ref.tracker._vec_fam == i].double().norm() ** 2
+                      + sum((g[ref.tracker._gram_fam[d] == i].double() ** 2).sum() for d, g in cum[c].grams.items())).sqrt().item()
+                  for c in cum}
+        for c, key in (("measured", "measured_sampled"), ("decay", "decay"), ("first", "first"), ("second", "second")):
+            assert abs(tot[f][key] - want_n[c]) <= 1e-9 * want_n[c] + 1e-15, (f, key, tot[f][key], want_n[c])
+    t.close()
+    ref.tracker.close()
+    # after close(): no drift copy, nothing booked (one warning), nothing pending
+    opt.zero_grad()
+    _loss(model, _batch(0, data_rank, cfg["vocab_size"])).backward()
+    t.before_step(opt)
+    assert t._snap is None and not t.is_drift_step()
+    opt.step()
+    with pytest.warns(RuntimeWarning, match="closed"):
+        t.after_step()
+    assert t.step_count == steps and not t._pend
+    if rank == 0:
+        _check_rows(sink.records, rows, "sampled")
+    full_bytes = mine  # budget None copies every local shard the laws read
+    return {"groups": len(s.groups), "copied": copied, "mine": mine, "cap": cap, "full": full_bytes,
+            "straddled": straddled, "straddle_groups": sorted({j for j in range(len(s.groups)) for x in t._straddles
+                                                               if s.mask(j).gram_np[x.term.view.rows][x.term.slot]})}
+
+
 def _world3(rank, world, tmpdir):
     info = _scenario_fsdp(rank, world, {**CFG, **MOE}, tmpdir)
+    info["sampled"] = _scenario_sampled(rank, world, {**CFG, **MOE}, 1)
     _scenario_ddp(rank, world, SMALL)
     return info
 
@@ -571,7 +796,7 @@ def _scenario_collectives(rank, world, cfg):
     the terms it owns that it does not hold (checked against the laws' views, not the tracker's counts)."""
     model, laws = _fsdp(cfg, world)
     opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WD)
-    t = DistributedTracker(model, laws, every=EVERY, drift_every=1)
+    t = DistributedTracker(model, laws, every=EVERY, drift_every=1, snapshot_budget=None)
     log = _CommLog()
     for k in range(1, STEPS + 1):
         opt.zero_grad()
@@ -690,6 +915,11 @@ def _world2(rank, world):
     info["straddle"] = _scenario_fsdp(rank, world, STRADDLE2, None)
     info["placed"] = _scenario_fsdp(rank, world, STRADDLE2, None, dim1=("v_proj", "k_proj", "down_proj"))
     info["straddle_comm"] = _scenario_collectives(rank, world, STRADDLE2)
+    info["sampled"] = _scenario_sampled(rank, world, CFG, 1)
+    info["sampled_straddle"] = _scenario_sampled(rank, world, STRADDLE2, 2)
+    info["sampled_tp"] = _scenario_sampled(rank, world, {**CFG, "num_hidden_layers": 1}, 1, build=_tp)
+    # a = 1 - 1e-3, no fp32 number: the assembly's correction with each rank's share of h_k at the group's entries
+    _scenario_sampled(rank, world, STRADDLE2, 1, lr=0.05, wd=0.02)
     _scenario_inexact_decay(rank, world, STRADDLE2)
     _scenario_nan(rank, world, CFG)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})
@@ -714,6 +944,10 @@ def test_three_ranks_fsdp_straddling_heads_empty_shard_ddp_and_resume(tmp_path):
     assert res[2]["empty"] == ["layers.1.mlp.router.weight"]  # dim 0 = 2 < 3 ranks: rank 2 holds nothing
     assert res[0]["bytes"]["rows_received"] + res[1]["bytes"]["rows_received"] > 0
     assert res[0]["resume"] == 3  # rows 1, 2 were flushed before the checkpoint; state_dict() wrote the pending step 3
+    # a snapshot budget with uneven (3/3/2) and empty shards: each rank copied at most 0.2 of its own bytes
+    for r in range(3):
+        got = res[r]["sampled"]
+        assert got["groups"] >= 3 and max(got["copied"]) <= got["cap"] < got["full"], got
 
 
 def test_two_ranks_fsdp_tensor_parallel_and_ddp():
@@ -734,6 +968,15 @@ def test_two_ranks_fsdp_tensor_parallel_and_ddp():
     assert any(n.endswith("v_proj.weight") for n in straddled["straddling"])
     total = lambda info: sum(res[r][info]["bytes"]["rows_received"] for r in (0, 1))  # noqa: E731
     assert 0 < total("placed") < total("straddle") / 10
+    # a snapshot budget: per drift step each rank copies at most 0.2 of the bytes it holds (5x less than its
+    # whole shards), every rank packs the same groups; with straddling heads, a group with one was decomposed
+    for key in ("sampled", "sampled_straddle", "sampled_tp"):
+        for r in (0, 1):
+            got = res[r][key]
+            assert got["groups"] == res[0][key]["groups"] >= 3 and max(got["copied"]) < got["full"], got
+            if key != "sampled_tp":  # (TP: a replicated embedding's entry reads more than 0.2 of a rank's bytes:
+                assert max(got["copied"]) <= got["cap"], got  # a unit of its own, checked in the scenario)
+    assert res[0]["sampled_straddle"]["straddled"] > 0 and res[0]["sampled_straddle"]["straddle_groups"]
 
 
 def test_dist_bytes_bench_prints_the_table(capsys):

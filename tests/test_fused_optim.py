@@ -486,6 +486,72 @@ def test_refused_options_and_tensor_lr():
     _close(q1[0], q2[0], 1e-6, "param")
 
 
+@pytest.mark.parametrize("cls,kw", [(FusedAdamW, {"amsgrad": True}), (FusedSGD, {"differentiable": True})])
+def test_a_refused_param_group_is_not_added(cls, kw):
+    """add_param_group with a refused option raises before the group is added: the optimizer (and its
+    tracker) keeps stepping its groups (the group was appended first, so every later step raised)."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    extra = nn.Parameter(torch.randn(2))
+    opt = cls(m.parameters(), lr=1e-2, track=m, every=1)
+    with pytest.raises(ValueError, match=list(kw)[0]):
+        opt.add_param_group({"params": [extra], **kw})
+    assert len(opt.param_groups) == 1 and all(p is not extra for p in opt.param_groups[0]["params"])
+    m(torch.randn(5, 3)).square().sum().backward()
+    opt.step()
+    assert opt.tracker.step_count == 1
+
+
+def test_a_refused_gradient_in_a_later_group_changes_nothing():
+    """A complex parameter in the second group is refused before the first group's state is made or its
+    step counted (it was refused while collecting that group, after the first group's)."""
+    a, b = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    a.grad, b.grad = torch.randn(3), torch.randn(3, dtype=torch.complex64)
+    opt = FusedAdamW([{"params": [a]}, {"params": [b]}])
+    a0 = a.detach().clone()
+    with pytest.raises(RuntimeError, match="complex"):
+        opt.step()
+    assert not opt.state and torch.equal(a.detach(), a0)
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_adam_refuses_a_gradient_of_another_dtype_sgd_steps_it(tracked):
+    """A bfloat16 weight with a float32 gradient (torch's ``grad_dtype``): FusedAdamW raises one line
+    naming the fix before anything is stepped (torch.optim.AdamW fails inside ``lerp``); FusedSGD steps
+    it as torch.optim.SGD does (same bits), its momentum buffer in the gradient's dtype."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("torch without grad_dtype")
+    g = torch.Generator().manual_seed(0)
+    w0, grad = torch.randn(4, 6, generator=g).to(torch.bfloat16), torch.randn(4, 6, generator=g)
+
+    def param():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 4, bias=False), nn.ReLU(), nn.Linear(4, 6, bias=False)).to(torch.bfloat16)
+        m[0].weight.data.copy_(w0)
+        for p in m.parameters():
+            p.grad_dtype = torch.float32
+            p.grad = torch.ones_like(p, dtype=torch.float32)
+        m[0].weight.grad = grad.clone()
+        return m
+
+    m = param()
+    m[2].weight.grad_dtype = None  # the second group's gradient is fine: nothing of it is stepped either
+    m[2].weight.grad = torch.ones_like(m[2].weight)
+    opt = FusedAdamW([{"params": [m[2].weight]}, {"params": [m[0].weight]}], lr=1e-2,
+                     **(dict(track=m) if tracked else {}))
+    w2 = m[2].weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"grad_dtype = None"):
+        opt.step()
+    assert torch.equal(m[0].weight.detach(), w0) and torch.equal(m[2].weight.detach(), w2) and not opt.state
+    mf, mt = param(), param()
+    of = FusedSGD(mf.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1, **(dict(track=mf) if tracked else {}))
+    ot = torch.optim.SGD(mt.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    for _ in range(2):
+        of.step()
+        ot.step()
+    check_params(mf, mt, rtol=0)
+    check_state(of, ot, rtol=0)
+
+
 def test_bf16_parameters_torch_twin():
     """bf16 parameters on the CPU path: identical to torch foreach (same ops, same rounding)."""
     m1 = lm().to(torch.bfloat16)

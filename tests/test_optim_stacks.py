@@ -85,6 +85,28 @@ def test_dampening_breaks_a_law_only_under_momentum():
     assert t.tracker.broken_by == {}
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_decoupled_weight_decay_on_part_of_a_law_breaks_it(fused):
+    """Adam with the same weight decay, decoupled (theta scaled by 1 - lr wd) in one group and L2 in the
+    other: the law's tensors decay differently (decay factors 1 - lr wd and 1: mixed in the drift
+    identity), so it is broken; without weight decay the flag changes nothing."""
+    from conserve.optim import FusedAdam
+
+    m = _mlp()
+    make = FusedAdam if fused else torch.optim.Adam
+    groups = lambda: [{"params": m[0].parameters(), "decoupled_weight_decay": True},  # noqa: E731
+                      {"params": m[2].parameters()}]
+    build = (lambda wd: FusedAdam(groups(), lr=1e-2, weight_decay=wd, track=m, every=100)) if fused else \
+        (lambda wd: conserve.track(make(groups(), lr=1e-2, weight_decay=wd), m, every=100))
+    with pytest.warns(BrokenLawWarning, match="decoupled weight decay"):
+        t = build(0.1)
+    assert "decoupled weight decay on only part of one law" in t.tracker.broken_by[LAW]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BrokenLawWarning)
+        t = build(0.0)
+    assert t.tracker.broken_by == {}
+
+
 class _TwoBranches(nn.Module):
     def __init__(self):
         super().__init__()

@@ -231,6 +231,34 @@ def test_state_dict_resume_continues_the_same_series():
     torch.optim.AdamW(_model(dtype=torch.float32).parameters(), lr=1e-2).load_state_dict(ck["opt"])
 
 
+@pytest.mark.parametrize("kind", ["track", "fused"])
+def test_a_tracker_state_for_other_laws_leaves_the_optimizer_as_it_was(kind):
+    """load_state_dict of a state whose "conserve" entry was saved for other laws raises before the
+    optimizer state is loaded (it loaded the inner state, then refused the tracker's: half a checkpoint)."""
+    from conserve.optim import FusedAdamW
+
+    def make(m, laws=None):
+        if kind == "track":
+            return conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2), m, laws=laws)
+        return FusedAdamW(m.parameters(), lr=1e-2, track=None if laws else m, laws=laws,
+                          named_params=dict(m.named_parameters()) if laws else None)
+
+    ma = _model(dtype=torch.float32)
+    oa = make(ma)
+    _run(ma, oa, 3)
+    saved = oa.state_dict()
+    mb = _model(dtype=torch.float32)
+    ob = make(mb, laws=mb.conservation_laws()[0][:2])
+    _run(mb, ob, 1)
+    before = {k: v["step"].item() for k, v in ob.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match="different set of laws"):
+        ob.load_state_dict(saved)
+    assert {k: v["step"].item() for k, v in ob.state_dict()["state"].items()} == before == {k: 1.0 for k in before}
+    assert ob.tracker.step_count == 1
+    _run(mb, ob, 1)  # and it trains on
+    assert ob.tracker.step_count == 2
+
+
 def test_frozen_and_gradless_parameters_do_not_crash():
     m = _model(dtype=torch.float32)
     m.layers[0].mlp.up_proj.weight.requires_grad_(False)
@@ -457,3 +485,17 @@ def test_weights_written_in_place_outside_the_tracked_step_are_told_once(kind, w
             m.lm_head.weight.add_(1.0)
         _step(m, opt, batch)  # once per tracker
         opt.tracker.close()
+
+
+def test_nonfinite_error_with_float16_weights_names_the_optimizer_eps():
+    """float16 weights under AdamW's default eps (1e-8 is 0 in float16): the first step divides by 0 where
+    a squared gradient underflows; the error names that cause, not only the learning rate (QA finding)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-3), m, every=1, drift_every=1)
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 1e-4)  # (1 - beta2) g^2 = 1e-11: 0 in float16
+    with pytest.raises(conserve.errors.NonFiniteError, match="float16 weights an optimizer eps below 6e-8"):
+        opt.step()
+        opt.step()
+    opt.tracker.close()

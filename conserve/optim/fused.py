@@ -247,6 +247,10 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     # ---- param groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``; a refused option (``amsgrad=True``...) raises
+        ``ValueError`` before the group is added (the optimizer is left as it was and keeps stepping)."""
+        if isinstance(param_group, Mapping):
+            self._check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
         self._check_group(self.param_groups[-1])
         if getattr(self, "_tracking_ready", False):  # not during __init__ (later groups still to come)
@@ -293,14 +297,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of its torch twin. The twin's ``fused`` / ``capturable`` /
         ``foreach`` say how torch ran the same update: they take this optimizer's values. An option
-        that changes the math and is not supported (``amsgrad``...) raises ``ValueError`` before
-        anything is loaded (the optimizer is left as it was)."""
+        that changes the math and is not supported (``amsgrad``...), or a ``"conserve"`` tracker state saved
+        for other laws, raises ``ValueError`` before anything is loaded (the optimizer is left as it was)."""
         state_dict = dict(state_dict)
         tracked = state_dict.pop("conserve", None)
         groups = [{**g, **{k: self.defaults[k] for k in _IMPLEMENTATION if k in g and k in self.defaults}}
                   for g in state_dict.get("param_groups", [])]
         for g in groups:
             self._check_group(g)
+        if tracked is not None and self.tracker is not None:  # (other laws: raised before anything is loaded)
+            self.tracker.check_state(tracked)
         state_dict["param_groups"] = groups
         super().load_state_dict(state_dict)
         if tracked is not None and self.tracker is not None:
@@ -344,6 +350,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Params with a gradient (each once), their state buffers, steps and fresh-buffer flags."""
         raise NotImplementedError
 
+    def _check_grads(self) -> None:
+        """Raise (one line naming the fix) for gradients this update does not take, before anything is
+        changed (no state made, no step counted, no weight stepped): sparse ones, complex parameters."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    _refuse(p)
+
     @eager
     @torch.no_grad()
     def step(self, closure=None):
@@ -351,11 +365,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
         Runs eagerly under ``torch.compile`` (``torch.compiler.disable``: a compiled training step
         breaks the graph here, so the update is exactly the eager one).  Raises ``RuntimeError`` for
-        sparse or complex gradients."""
+        sparse or complex gradients, and (Adam) for a gradient of another dtype than its parameter."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_grads()
         tr, fp = self.tracker, self._fp
         if tr is not None:
             tr.check_bound()  # a flush is due in this step: the tracked tensors must still be the model's
@@ -614,15 +629,19 @@ def _split_work(work, first: set):
     return head, tail
 
 
+def _refuse(p: torch.Tensor) -> None:
+    if p.grad.is_sparse:
+        raise RuntimeError("fused optimizers do not support sparse gradients; use torch.optim.SparseAdam")
+    if torch.is_complex(p):
+        raise RuntimeError("fused optimizers do not support complex parameters; use torch.optim.AdamW")
+
+
 def _params_with_grad(group, done: set):
     out = []
     for p in group["params"]:
         if p.grad is None or id(p) in done:
             continue
-        if p.grad.is_sparse:
-            raise RuntimeError("fused optimizers do not support sparse gradients; use torch.optim.SparseAdam")
-        if torch.is_complex(p):
-            raise RuntimeError("fused optimizers do not support complex parameters; use torch.optim.AdamW")
+        _refuse(p)
         done.add(id(p))
         out.append(p)
     return out
@@ -675,6 +694,16 @@ class FusedAdam(_FusedOptimizer):
         return K.Hyper("adam", lr=_scalar(group["lr"]), weight_decay=float(group["weight_decay"]),
                        maximize=bool(group["maximize"]), beta1=_scalar(b1), beta2=_scalar(b2), eps=float(group["eps"]),
                        decoupled=bool(group.get("decoupled_weight_decay", False)))
+
+    def _check_grads(self) -> None:
+        super()._check_grads()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.dtype != p.dtype:  # (torch's grad_dtype: fp32 grads of bf16 weights)
+                    raise RuntimeError(f"{type(self).__name__}: a {str(p.dtype)[6:]} parameter {tuple(p.shape)} has a "
+                                       f"{str(p.grad.dtype)[6:]} gradient; Adam keeps exp_avg / exp_avg_sq in the "
+                                       "parameter's dtype (as torch.optim.AdamW): give the gradient the parameter's "
+                                       "dtype (p.grad_dtype = None) or keep the parameter in float32")
 
     def _collect(self, group, done):
         params = _params_with_grad(group, done)

@@ -275,13 +275,16 @@ class TrackedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``state_dict`` (with or without ``"conserve"``: a plain torch state dict loads the
-        inner optimizer and leaves the tracker as it is)."""
+        inner optimizer and leaves the tracker as it is). A ``"conserve"`` state saved for other laws raises
+        ``ValueError`` before anything is loaded (``Tracker.check_state``)."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             got = pre_hook(self, state_dict)
             if got is not None:
                 state_dict = got
         state_dict = dict(state_dict)
         tracked = state_dict.pop("conserve", None)
+        if tracked is not None:  # a tracker state for other laws raises before the optimizer state is loaded
+            self.tracker.check_state(tracked)
         self.optimizer.load_state_dict(state_dict)
         if tracked is not None:
             self.tracker.load_state_dict(tracked)
@@ -341,6 +344,7 @@ class OptimizerState:
     def load_state_dict(self, state_dict: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        self.optimizer.tracker.check_state(state_dict["conserve"])  # other laws: raised before anything is loaded
         set_optimizer_state_dict(self.model, self.optimizer, state_dict["optim"], options=self.options)
         self.optimizer.tracker.load_state_dict(state_dict["conserve"])
 

@@ -12,7 +12,8 @@ optimizer's ``param_groups`` and marks the law ``broken_by`` (it is still tracke
   not move, the others do;
 * ``momentum`` (heavy ball scales the effective step by ``1 / (1 - momentum)``), ``dampening`` under
   momentum (it scales the step by ``1 - dampening``), ``maximize`` or ASGD's ``lambd`` (its decay) or
-  ``alpha`` (its step-size schedule) differ.
+  ``alpha`` (its step-size schedule) differ, or Adam's ``decoupled_weight_decay`` under a weight decay
+  (part of the law decayed by ``1 - lr wd``, the rest by L2 inside the adaptive step).
 
 ``decay_factor(optimizer, group)`` is ``a`` in ``theta_{k+1} = a theta_k + Delta`` (spec "Discrete
 steps"), read from the group's hyper-parameters and the update rule of the optimizer's class found by
@@ -156,11 +157,15 @@ def _describe(names: list[str], vals: list[float]) -> str:
 _COMPARED = (("lr", "different lr in one law"), ("weight_decay", "weight decay on only part of one law"),
              ("momentum", "different momentum in one law"), ("maximize", "maximize on only part of one law"),
              ("dampening", "different dampening in one law"), ("lambd", "different ASGD decay (lambd) in one law"),
-             ("alpha", "different ASGD step-size power (alpha) in one law"))
+             ("alpha", "different ASGD step-size power (alpha) in one law"),
+             ("decoupled_weight_decay", "decoupled weight decay on only part of one law"))
 # keys that matter only with another one: dampening scales the step under momentum only; ASGD's eta =
 # lr / (1 + lambd lr t)^alpha depends on alpha only when lambd != 0 (other optimizers' alpha, RMSprop's
 # smoothing constant, has no lambd beside it: not compared)
 _ONLY_WITH = {"dampening": "momentum", "alpha": "lambd"}
+# keys compared among the groups that have the other one only: Adam's decoupled_weight_decay (theta scaled
+# by 1 - lr wd, or wd theta added to the gradient) says nothing in a group without weight decay
+_AMONG = {"decoupled_weight_decay": "weight_decay"}
 
 
 def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str, str]:
@@ -187,7 +192,8 @@ def law_breakers(laws, named: Mapping[str, torch.Tensor], optimizer) -> dict[str
                 continue
             need = _ONLY_WITH.get(key)
             vals = [_num(g.get(key, 0.0) or 0.0) if need is None or g.get(need) else 0.0 for g in groups]
-            if len({float(np.float32(v)) for v in vals}) > 1:  # at fp32 resolution: lr=tensor(0.01) is lr=0.01
+            among = [v for v, g in zip(vals, groups) if key not in _AMONG or _num(g.get(_AMONG[key], 0.0) or 0.0)]
+            if len({float(np.float32(v)) for v in among}) > 1:  # at fp32 resolution: lr=tensor(0.01) is lr=0.01
                 reasons.append(f"{what}: {_describe(ps, vals)}")
         if reasons:
             out[law.name] = "; ".join(reasons)

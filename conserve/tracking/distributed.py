@@ -30,6 +30,10 @@ holds rows of a term the receiver owns). ``max_pending_bytes`` bounds what is ke
 Where each term runs: ``conserve.tracking.shard_plan``. Bytes per flush: ``flush_bytes`` and
 docs/distributed.md (``python -m bench.dist_bytes``).
 
+Drift steps: a budgeted ``Sampler`` over the global plan (``Shards``: a copy cost per rank), so each
+rank copies only its pieces of the views of the step's group, at most ``snapshot_budget`` x its own
+bytes, and every rank decomposes the same entries (the groups follow from the layouts; no collective).
+
 Collectives (same calls, same order on every rank, empty shards included): one ``all_gather_object``
 at construction (shard offsets and a check that every rank tracks the same laws), one all-reduce for
 ``h_0`` and the guards, then per flush the owner-only row exchange (only if some Gram head straddles
@@ -53,8 +57,8 @@ from ..errors import UsageError
 from ..laws import Law
 from ..tracker import (TERMS, NotKept, Tracker, Values, _abs_plan, _Deferred, decay_factors, eager, record_value,
                        stepped_factors)
-from .shard_plan import _Entries, _Layout, comm_schedule
-from .drift import drift_pieces
+from .shard_plan import _Entries, _Layout, comm_schedule, sampler_shards
+from .drift import Mask, Sampler, drift_pieces
 
 __all__ = ["DistributedTracker", "wants_distributed", "flush_bytes"]
 
@@ -89,7 +93,8 @@ def flush_bytes(tracker: "DistributedTracker", steps: int | None = None) -> dict
     """Bytes this rank moves per flush of ``steps`` steps (default ``tracker.every``): ``all_reduce``
     = the packed pending partials it contributes (one call), ``rows_received`` / ``rows_sent`` = the
     straddling Gram rows it receives as owner / sends to owners (0 when every head lies on one rank).
-    Counts at drift on every step (the most). See docs/distributed.md."""
+    Counts at drift on every step with every straddling term decomposed (the most: with a snapshot
+    budget only the terms of the step's group send their ``theta_k`` rows). See docs/distributed.md."""
     k = tracker.every if steps is None else steps
     if not tracker._comm:
         return {"all_reduce": 0, "rows_received": 0, "rows_sent": 0}
@@ -102,13 +107,16 @@ def flush_bytes(tracker: "DistributedTracker", steps: int | None = None) -> dict
 # ------------------------------------------------------------------------------------------ tracker
 class _Pending:
     """One step not yet reduced: ``pack`` = [metric-row partials of this rank's complete entries |
-    partial values of the split entries: h(new), then decay, first, second], ``drift`` (the drift terms
-    are in it), ``held`` (this rank's straddling rows until the exchange), ``a`` (decay factors), extras."""
+    partial values of the split entries: h(new), then first, second (and the kernel's decay)], ``drift``
+    (the drift terms are in it), ``held`` (this rank's straddling rows until the exchange), ``a`` (decay
+    factors), ``group`` (the drift step's index for ``Sampler.mask``; None without drift terms), ``sel``
+    (the straddling terms whose ``theta_k`` rows travel: those of the step's group), extras."""
 
-    __slots__ = ("pack", "drift", "held", "a", "kdecay", "extras")
+    __slots__ = ("pack", "drift", "held", "a", "kdecay", "group", "sel", "extras")
 
-    def __init__(self, pack, drift, held, a, kdecay):
+    def __init__(self, pack, drift, held, a, kdecay, group=None, sel=frozenset()):
         self.pack, self.drift, self.held, self.a, self.kdecay, self.extras = pack, drift, held, a, kdecay, {}
+        self.group, self.sel = group, sel
 
 
 class DistributedTracker(Tracker):
@@ -123,11 +131,22 @@ class DistributedTracker(Tracker):
             ``max_pending_bytes // step_bytes`` steps instead (one packed all-reduce each time) and the
             rows sent to their owners as often as the cap requires.
 
-    Drift: on a drift step (``drift_every``) each rank copies its own shards right before the step
-    (1/W of the tracked bytes for W ranks) and drops them after it; ``snapshot_budget`` applies to
-    replicated models (DDP: ``Tracker``'s path) only, with sharded parameters every law is decomposed
-    on every drift step. The decay is ``(a^2 - 1) h_k`` from the stored values
-    (``conserve.tracking.drift.Assembly``, the one assembly every path uses).
+    Drift: ``drift_every`` and ``snapshot_budget`` as in ``Tracker``. With sharded parameters the
+    sampler (``sampler``: ``conserve.tracking.drift.Sampler`` over the GLOBAL plan with ``Shards``) cuts
+    the law entries into units and packs them into groups whose copies fit ``snapshot_budget`` x the
+    bytes EACH rank holds (a unit bigger than that on some rank is a group of its own). Every rank
+    builds the same groups from the shard layouts (no collective); on drift step ``j`` each rank copies,
+    right before the step, only its pieces of the views of group ``j mod len(groups)`` (and its rows
+    of the group's straddling Gram terms, which travel to their owners with the flush's rows) and drops
+    them after the step: no weight copy is held between drift steps. The drift columns and
+    ``totals()`` cover the decomposed (entry, step) pairs exactly as ``Tracker``'s (NaN columns for a
+    family without a decomposed entry; ``sampled_steps``), but the groups are packed per rank, so they
+    are not the single-process tracker's groups. ``snapshot_budget=None``: every law on every drift
+    step, each rank copying its whole shards (1/W of the tracked bytes for W ranks) while the step
+    runs. The decay is ``(a^2 - 1) h_k`` from the stored values (``conserve.tracking.drift.Assembly``,
+    the one assembly every path uses). Held between steps besides the law-sized values: the pending
+    steps' packs and, for Gram heads that straddle ranks, their rows until the flush (both bounded by
+    ``max_pending_bytes``; a placement without straddles holds no rows, docs/distributed.md).
 
     Requirements: ``torch.distributed`` initialised; DTensor parameters on a 1-D mesh spanning all
     ranks in rank order, placement ``Shard(d)`` or ``Replicate()``; plain tensors are taken to be
@@ -174,6 +193,8 @@ class DistributedTracker(Tracker):
         sched = self._schedule = comm_schedule(self.compiled, self._layouts, [t.dtype for t in self.tensors])
         self._local_plan, self._straddles = sched.plans[self.rank], sched.straddles
         self._mine = [(j, s) for j, s in enumerate(self._straddles) if s.owner == self.rank]
+        self._shards = sampler_shards(sched, [tuple(p.shape) for p in self.params],
+                                      [t.element_size() for t in self.tensors], self._layouts, self.rank)
         # the straddling terms this rank owns, each over its assembled (D, N) rows (tensor j of the list)
         self._mini = kernels.Plan([replace(s.term, view=kernels.View(j, (0, 0), 0, s.term.view.rows, 1, s.term.view.cols))
                                    for j, (_, s) in enumerate(self._mine)], [], [], self.compiled.plan.vec_size,
@@ -209,6 +230,19 @@ class DistributedTracker(Tracker):
         # NCCL only moves CUDA tensors: parameters kept on the CPU (FSDP2 offload) reduce through the GPU
         nccl = dist.get_backend() == "nccl"
         self._comm_device = torch.device("cuda", torch.cuda.current_device()) if nccl else dev
+
+    @property
+    def sampler(self) -> Sampler:
+        """Which laws each drift step decomposes: with sharded parameters a ``Sampler`` over the GLOBAL
+        plan whose groups every rank builds alike from the shard layouts (``Shards``: at most
+        ``snapshot_budget`` x the bytes each rank holds copied per rank, this rank's terms in the
+        groups' sub-plans); else ``Tracker.sampler``."""
+        if not self.__dict__.get("_comm"):
+            return Tracker.sampler.fget(self)
+        if self._sampler is None:
+            self._sampler = Sampler(self.compiled.plan, self.tensors, self.snapshot_budget, self.device,
+                                    shards=self._shards)
+        return self._sampler
 
     def _adopt(self) -> None:
         """Per-rank state from the full ``h``/``cumulative`` (after construction or a load): this rank's
@@ -279,29 +313,34 @@ class DistributedTracker(Tracker):
             return self._zeros()
         return Values(*kernels.evaluate(plan, tensors, fp64=self.fp64, backend=self.backend))
 
-    def _pieces(self, plan, cur, prev, a_plan, a, h_old):
-        """``(h(cur), terms, kernel decay)`` of ``plan`` (partial sums of this rank's terms): one DRIFT pass
-        (``conserve.tracking.drift.drift_pieces``) when ``prev`` (theta_k, before the decay) is given, else
-        ``(h(cur), None, None)``. ``a_plan``: decay factor per tensor of ``plan``; ``a``: per tracked tensor.
-        ``terms`` come from the drift assembly (``Tracker.assembly``) with ``h_old`` as the stored ``h_k``:
-        exact on this rank's complete entries. A split entry's decay is ``(a^2 - 1) h_k`` of the REDUCED
-        ``h_k``, formed at the flush; what the kernel adds to it (entries whose tensors have different
-        ``a``) is the third result (None when no entry needs it)."""
-        if prev is None:
-            return self._values(plan, cur), None, None
+    def _drift_terms(self, plan, olds, news, a_plan, a, h_old, mask: Mask, *, donate: bool = False):
+        """``(terms, kernel decay)`` of ``plan`` (partial sums of this rank's terms) over ``olds`` (theta_k,
+        before the decay; tensors the plan does not read may be None) and ``news``: one DRIFT pass
+        (``conserve.tracking.drift.drift_pieces``; ``donate``: ``olds`` are copies made for this step).
+        ``a_plan``: decay factor per tensor of ``plan``; ``a``: per tracked tensor; ``mask``: the entries
+        the step decomposes (the terms are 0 elsewhere). ``terms`` come from the drift assembly
+        (``Tracker.assembly``) with ``h_old`` as the stored ``h_k``: exact on this rank's complete
+        entries. A split entry's decay is ``(a^2 - 1) h_k`` of the REDUCED ``h_k``, formed at the flush;
+        what the kernel adds to it (entries whose tensors have different ``a``) is the second result
+        (None when no decomposed entry needs it)."""
         asm = self.assembly
-        need = asm.needs_kernel_decay(a)
+        need = asm.needs_kernel_decay(a, mask)
         if plan.grams or plan.norms or plan.sums:
-            pieces = drift_pieces(plan, prev, cur, a_plan, fp64=self.fp64, backend=self.backend, decay=need)
+            pieces = drift_pieces(plan, olds, news, a_plan, fp64=self.fp64, backend=self.backend, decay=need,
+                                  donate=donate, values=False)
+            if donate:  # the copies (now Delta) are read: freed before the terms are formed
+                olds.clear()
+            pieces = [None, *pieces[1:]]  # a list: the assembly empties it once read
         else:
             z = self._zeros()
-            pieces = ((z.vec, z.grams), (z.vec, z.grams) if need else None, (z.vec, z.grams), (z.vec, z.grams))
-        terms = {k: Values(*v) for k, v in asm.terms((h_old.vec, h_old.grams), pieces, a).items()}
+            pieces = [None, (z.vec, z.grams) if need else None, (z.vec, z.grams), (z.vec, z.grams)]
+        kern = pieces[1]
+        terms = {k: Values(*v) for k, v in asm.terms((h_old.vec, h_old.grams), pieces, a, mask).items()}
         kdec = None
         if need:
             z = self._zeros()
-            kdec = Values(*asm.decay((z.vec, z.grams), a, pieces[1]))
-        return Values(*pieces[0]), terms, kdec
+            kdec = Values(*asm.decay((z.vec, z.grams), a, kern, mask))
+        return terms, kdec
 
     def _split_blocks(self, h1, terms, kdec) -> list:
         """The split entries' blocks of one step's pack: h(new), then first, second (and the kernel decay)."""
@@ -321,7 +360,7 @@ class DistributedTracker(Tracker):
         h0 = self._values(self._local_plan, self.tensors)
         mag = self._values(_abs_plan(self._local_plan), self.tensors)
         if self._straddles:
-            full = self._exchange([self._held(self.tensors, None)], [False])[0]
+            full = self._exchange([self._held(self.tensors, {})], [frozenset()])[0]
             if self._mine:
                 news = [f[0] for f in full]
                 h0 = h0.map(torch.add, self._values(self._mini, news))
@@ -337,20 +376,30 @@ class DistributedTracker(Tracker):
         self.comm_bytes["all_reduce"] += y.numel() * y.element_size()
         return y.to(self.device)
 
-    def _held(self, cur, prev) -> dict:
-        """This rank's rows of each straddling term (new, and old for the drift terms), copied: the
-        weights change before they are sent."""
+    def _old_rows(self, tensors, mask: Mask) -> dict:
+        """This rank's rows of ``theta_k`` of the straddling terms that ``mask`` decomposes (copies made
+        right before the step: ``{straddle index: rows}``)."""
+        out = {}
+        for j, s in enumerate(self._straddles):
+            p = s.pieces[self.rank]
+            if p is not None and mask.gram_np[s.term.view.rows][s.term.slot]:
+                out[j] = p.of(tensors[s.term.view.tensor]).clone()
+        return out
+
+    def _held(self, cur, old_rows: Mapping) -> dict:
+        """This rank's rows of each straddling term (new, copied: the weights change before they are
+        sent; and the old ones of ``old_rows``, the drift step's copies)."""
         out = {}
         for j, s in enumerate(self._straddles):
             p = s.pieces[self.rank]
             if p is not None:
-                t = s.term.view.tensor
-                out[j] = [p.of(cur[t]).clone()] + ([p.of(prev[t]).clone()] if prev is not None else [])
+                out[j] = [p.of(cur[s.term.view.tensor]).clone()] + ([old_rows[j]] if j in old_rows else [])
         return out
 
-    def _exchange(self, helds: list[dict], drifts: list[bool]) -> list[list[list[torch.Tensor]]]:
+    def _exchange(self, helds: list[dict], sels: list) -> list[list[list[torch.Tensor]]]:
         """Send the straddling rows of some steps to their owners (one ``isend`` per owner, one ``irecv``
-        per holder; nobody receives rows of a term it does not own). Returns, per step and owned term
+        per holder; nobody receives rows of a term it does not own). ``sels``: per step the straddling
+        terms whose old rows travel too (the same sets on every rank). Returns, per step and owned term
         (``self._mine`` order), the full ``(D, N)`` rows: ``[new]`` or ``[new, old]``."""
         me, xd, dev = self.rank, self._xdtype, self._comm_device
         sends: dict[int, list[torch.Tensor]] = {}
@@ -359,11 +408,11 @@ class DistributedTracker(Tracker):
                 if s.owner != me and j in held:
                     sends.setdefault(s.owner, []).extend(b.reshape(-1) for b in held[j])
         counts = [0] * self.world
-        for held, drift in zip(helds, drifts):
-            for _, s in self._mine:
+        for held, sel in zip(helds, sels):
+            for j, s in self._mine:
                 for h, n in enumerate(s.sizes()):
                     if h != me:
-                        counts[h] += n * (2 if drift else 1)
+                        counts[h] += n * (2 if j in sel else 1)
         recv, ops = {}, []
         for h, n in enumerate(counts):
             if n:
@@ -379,9 +428,10 @@ class DistributedTracker(Tracker):
         recv = {h: b.to(self.device) for h, b in recv.items()}
         off = [0] * self.world
         out = []
-        for held, drift in zip(helds, drifts):
-            nb, step = (2 if drift else 1), []
+        for held, sel in zip(helds, sels):
+            step = []
             for j, s in self._mine:
+                nb = 2 if j in sel else 1
                 blocks = [[] for _ in range(nb)]
                 for h, p in enumerate(s.pieces):
                     if p is None:
@@ -403,19 +453,25 @@ class DistributedTracker(Tracker):
         steps = [p for p in self._pend if p.held is not None]
         if not steps:
             return
-        got = self._exchange([p.held for p in steps], [p.drift for p in steps])
+        got = self._exchange([p.held for p in steps], [p.sel for p in steps])
         r = self._row_size
+        mini = self._mini
         for p, full in zip(steps, got):
             p.held = None
             if not self._mine:
                 continue
             news = [f[0] for f in full]
-            olds = [f[1] for f in full] if p.drift else None
-            # h_k of the straddling terms (the assembly's correction for a non-fp32 decay factor reads it; their
-            # decay is formed at the flush from the reduced h_k)
-            h_old = self._values(self._mini, olds) if olds is not None else self._zeros()
-            h1, terms, kdec = self._pieces(self._mini, news, olds, [p.a[s.term.view.tensor] for _, s in self._mine],
-                                           p.a, h_old)
+            h1 = self._values(mini, news)
+            terms = kdec = None
+            if p.drift:  # the owned terms of the step's group, over their old rows (the others are not read)
+                idx = [i for i, (j, _) in enumerate(self._mine) if j in p.sel]
+                sub = kernels.Plan([mini.grams[i] for i in idx], [], [], mini.vec_size, dict(mini.gram_slots))
+                olds = [full[i][1] if i in idx else None for i in range(len(full))]
+                # h_k of the straddling terms (the assembly's correction for a non-fp32 decay factor reads it;
+                # their decay is formed at the flush from the reduced h_k)
+                h_old = self._values(sub, [o if o is not None else n for o, n in zip(olds, news)])
+                terms, kdec = self._drift_terms(sub, olds, news, [p.a[s.term.view.tensor] for _, s in self._mine],
+                                                p.a, h_old, self.sampler.mask(p.group))
             add = torch.cat(self._split_blocks(h1, terms, kdec if p.kdecay else None))
             p.pack[r: r + add.numel()] += add
 
@@ -427,14 +483,19 @@ class DistributedTracker(Tracker):
     @eager
     @torch.no_grad()
     def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """On a drift step, copy this rank's shards of ``theta_k`` (dropped after the step: no copy is
-        held between drift steps) and take each parameter's decay factor ``a``; else nothing."""
+        """On a drift step, copy this rank's pieces of the views of ``theta_k`` that the step's group
+        reads (``sampler``: every local shard with ``snapshot_budget=None``; dropped after the step: no
+        copy is held between drift steps) and take each parameter's decay factor ``a``; else nothing."""
         if not self._comm:
             return super().before_step(optimizer)
-        self._prev = None
+        self._snap, self._old = None, None
         if not self.is_drift_step():
             return
-        self._prev = [_local(p).clone() for p in self.params]
+        j = (self.step_count + len(self._pend)) // self.drift_every  # drift step j: group j mod len(groups)
+        self.tensors = [_local(p) for p in self.params]
+        snap = self.sampler.snapshot(j, self.tensors)
+        self._old = (j, self._old_rows(self.tensors, snap.mask) if self._straddles else {})
+        self._snap = snap
         self._a = decay_factors(optimizer, self.params)
 
     def _masked(self, v: Values) -> Values:
@@ -442,9 +503,10 @@ class DistributedTracker(Tracker):
         vec, grams = self._own
         return Values(torch.where(vec, v.vec, 0.0), {d: torch.where(grams[d], g, 0.0) for d, g in v.grams.items()})
 
-    def _own_row(self, h1: Values, terms) -> torch.Tensor:
+    def _own_row(self, h1: Values, terms, mask: Mask | None = None) -> torch.Tensor:
         """This rank's additive share of one metric row: per family and group the sum of the ``eps``
-        of its complete instances, then per term and family the sum of squares over its complete entries."""
+        of its complete instances, then per term and family the sum of squares over its complete entries
+        (of ``mask``: the entries the step decomposed; ``terms["measured"]`` is set, 0 outside it)."""
         rel = self._inst_norm(self._masked(h1.map(torch.sub, self.h0))) / self.denom
         nf = len(self.families)
         parts = [torch.zeros(nf, dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel),
@@ -454,11 +516,28 @@ class DistributedTracker(Tracker):
                 parts.append(torch.zeros(len(TERMS) * nf, dtype=rel.dtype, device=self.device))
             else:
                 meas = h1.map(torch.sub, self._hp)
+                if mask is not None:
+                    mask.restrict_((meas.vec, meas.grams))
                 res = meas.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
                 terms["measured"] = meas
                 for v in (meas, terms["decay"], terms["first"], terms["second"], res):
-                    parts.append(self._sq_bins(self._masked(v), self._vec_fam, self._gram_fam, nf))
+                    parts.append(self._own_squares(v, nf))
         return torch.cat(parts)
+
+    def _own_squares(self, v: Values, nf: int) -> torch.Tensor:
+        """Per family the sum of squares of ``v`` over this rank's complete entries (a Gram slot's as one
+        batched dot per slot: no masked copy, no squared temporary of the Grams; NaN elsewhere does
+        not leak)."""
+        vec_own, gram_own = self._own
+        out = torch.zeros(nf, dtype=v.vec.dtype, device=self.device).index_add_(
+            0, self._vec_fam, torch.where(vec_own, v.vec, 0.0).square())
+        fam = self._gram_fam
+        for d, g in v.grams.items():
+            if g.shape[0]:
+                flat = g.reshape(g.shape[0], 1, -1)
+                sq = torch.bmm(flat, flat.transpose(1, 2)).view(-1)
+                out.index_add_(0, fam[d], torch.where(gram_own[d].view(-1), sq, 0.0))
+        return out
 
     @eager
     @torch.no_grad()
@@ -467,12 +546,15 @@ class DistributedTracker(Tracker):
         and keep the step pending on the device. Collective only when a reduction is due."""
         if not self._comm:  # every rank holds every parameter: the single-process step, on every rank
             return super().after_step()
-        prev, self._prev = self._prev, None
+        if not self._books_after_close():  # (one warning; nothing is booked after close())
+            return
+        snap, self._snap = self._snap, None
+        old, self._old = self.__dict__.get("_old"), None
         if self._straddles and sum(p.held is not None for p in self._pend) >= self._exchange_every:
             self._exchange_pending()
         # reduce when `every` steps are pending or this step's pack would not fit max_pending_bytes (the
         # sizes are the same on every rank, so every rank decides the same)
-        nxt = self._schedule.step_scalars(prev is not None, self.drift) * self._pack_dtype.itemsize
+        nxt = self._schedule.step_scalars(snap is not None, self.drift) * self._pack_dtype.itemsize
         pending = sum(p.pack.numel() for p in self._pend) * self._pack_dtype.itemsize
         deferred = _Deferred()  # a NonFiniteError is raised once this step is pending (the optimizer applied it)
         if self._pend and (len(self._pend) >= self.every or pending + nxt > self._max_pending_bytes):
@@ -480,17 +562,32 @@ class DistributedTracker(Tracker):
         cur = [_local(p) for p in self.params]
         self.tensors = cur
         a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
-        h_old = self._values(self._local_plan, prev) if self._hp_full and prev is not None else self._hp
-        h1, terms, kdec = self._pieces(self._local_plan, cur, prev, a, a, h_old)
+        terms = kdec = mask = None
+        group, sel, old_rows = None, frozenset(), {}
+        if snap is not None:
+            mask, (group, old_rows) = snap.mask, old
+            # this rank's share of h_k at the group's entries: the last step's (after a load: the full h, so
+            # from the copies of theta_k)
+            h_old = self._values(snap.plan, snap.olds) if self._hp_full else self._hp
+            terms, kdec = self._drift_terms(snap.plan, snap.olds, self.sampler.news(snap, cur),
+                                            self.sampler.factors(snap, a), a, h_old, mask, donate=True)
+            del snap, h_old  # (the copies of theta_k were freed once the DRIFT pass read them)
+            sel = frozenset(j for j, s in enumerate(self._straddles) if mask.gram_np[s.term.view.rows][s.term.slot])
+        h1 = self._values(self._local_plan, cur)
         # a step without drift terms packs h(new) only (every rank agrees on which steps have them)
-        parts = [self._own_row(h1, terms).to(self._pack_dtype)] + self._split_blocks(h1, terms, kdec)
-        held = self._held(cur, prev) if self._straddles else None
-        self._pend.append(_Pending(torch.cat(parts), terms is not None, held, a, kdec is not None))
-        del prev
-        self._hp, self._hp_full = h1, False
-        if terms is not None:
+        parts = [self._own_row(h1, terms, mask).to(self._pack_dtype)]
+        drifted, kdecay = terms is not None, kdec is not None
+        if drifted:  # each law-sized term freed once it is summed and packed
             for k in _CUM:
                 self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
+            del terms["measured"], terms["decay"]
+        parts += self._split_blocks(h1, terms, kdec)
+        del terms, kdec
+        held = self._held(cur, old_rows) if self._straddles else None
+        del old_rows
+        self._pend.append(_Pending(torch.cat(parts), drifted, held, a, kdecay, group, sel))
+        del parts
+        self._hp, self._hp_full = h1, False
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
             m.update()
         deferred.raise_booked(self, self.step_count + len(self._pend))  # this step too (pending)
@@ -531,26 +628,32 @@ class DistributedTracker(Tracker):
         parts = [fam / self._fam_count, grp / self._group_count]
         if self.drift:
             if p.drift:
+                mask = self.sampler.mask(p.group)
                 fst, snd = x[r + S: r + 2 * S], x[r + 2 * S: r + 3 * S]
                 # decay = (a^2 - 1) h_k of the reduced h_k (conserve.tracking.drift), + the kernel's part
                 h_old, z = self._split.put(self._zeros(), self._h_split), self._zeros()
                 dec = self._split.take(Values(*self.assembly.decay((h_old.vec, h_old.grams), p.a,
-                                                                   (z.vec, z.grams) if p.kdecay else None)))
+                                                                   (z.vec, z.grams) if p.kdecay else None, mask)))
                 if p.kdecay:
                     dec = dec + x[r + 3 * S: r + 4 * S]
                 meas = hs - self._h_split
+                if not mask.full:  # the split entries the step decomposed
+                    meas = meas * self._split.take(Values(mask.vec, {d: g[:, None, None].expand(-1, d, d)
+                                                                     for d, g in mask.grams.items()})).to(dt)
                 split = dict(zip(TERMS, (meas, dec, fst, snd, meas - dec - fst - snd)))
+                miss = None if mask.full else self._family_hit(mask)[1]
                 for i, t in enumerate(TERMS):
                     own = x[nf + ng + i * nf: nf + ng + (i + 1) * nf]
                     v = split[t]
-                    parts.append((own + torch.zeros(nf, dtype=dt, device=dev).index_add_(
-                        0, self._split_fam, self._split_w * v * v)).sqrt())
+                    norm = (own + torch.zeros(nf, dtype=dt, device=dev).index_add_(
+                        0, self._split_fam, self._split_w * v * v)).sqrt()
+                    parts.append(norm if miss is None else norm.masked_fill(miss, float("nan")))
                 for k, v in zip(_CUM, (meas, dec, fst, snd)):
                     self._cum_split[k].add_(v)
-                self.sampled_steps += 1
+                self.sampled_steps += 1 if miss is None else ~miss
             else:
                 parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
-        self._h_split = hs
+        self._h_split = hs.clone()  # (a view would keep the reduced buffer of every pending step alive)
         deferred = _Deferred()
         if len(self._rows) >= self.every:  # as Tracker.record_step: flush lazily, raise once this step is booked
             deferred.call(Tracker.flush, self)
@@ -650,7 +753,7 @@ class DistributedTracker(Tracker):
             n = meta["pending_count"]
             state.update(step=meta["step"], laws=meta["laws"], pending_extras=meta["pending_extras"],
                          monitors=meta["monitors"], pending=state["pending"][:n] if n else None)
-        self._pend = []
+        self._pend, self._snap, self._old = [], None, None
         super().load_state_dict(state)
         if self._comm:
             self._adopt()

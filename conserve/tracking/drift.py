@@ -38,7 +38,8 @@ try:  # the kernels' reference module (after the vectorised twin); before it, pl
 except ImportError:  # pragma: no cover - depends on the kernels version
     from ..kernels.plan import drift_factors
 
-__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Snapshot", "Mask", "make_mask"]
+__all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Shards", "copy_costs", "Snapshot",
+           "Mask", "make_mask"]
 
 def drift_pieces(plan: Plan, olds: Sequence[torch.Tensor | None], news: Sequence[torch.Tensor], a, *,
                  fp64: bool, backend: str, decay: bool, donate: bool = False, values: bool = True, config=None):
@@ -446,11 +447,78 @@ def make_mask(vm: np.ndarray, gm: Mapping[int, np.ndarray], device, key: tuple |
                 full, key)
 
 
+# with shards, vector runs are cut at 1/_SHARD_CUT of each rank's budget: a run that filled one rank's budget
+# would leave the other ranks' idle in its group (each costs some ranks only), smaller ones pack first fit
+_SHARD_CUT = 4
+
+
 class _Unit:
+    """A part of the law entries (one Gram slot, or a run of vector entries) with the terms this rank
+    evaluates for it and its copy cost per rank (``(ranks,)`` int64 bytes)."""
+
     __slots__ = ("key", "grams", "norms", "sums", "cost")
 
-    def __init__(self, key):
-        self.key, self.grams, self.norms, self.sums, self.cost = key, [], [], [], 0
+    def __init__(self, key, ranks: int = 1):
+        self.key, self.grams, self.norms, self.sums = key, [], [], []
+        self.cost = np.zeros(ranks, dtype=np.int64)
+
+
+def _vec_spans(p: Plan):
+    """Per norm and per sum term of ``p`` the range ``[lo, hi)`` of vector entries it writes (host int64
+    arrays), for ``_vec_terms``."""
+    def span(t, n, step):
+        a, b = t.index, t.index + step * (n - 1)
+        return min(a, b), max(a, b) + 1
+    ns = np.asarray([span(t, t.view.rows, t.index_stride) for t in p.norms], dtype=np.int64).reshape(-1, 2)
+    ss = np.asarray([(t.index, t.index + t.view.cols) for t in p.sums], dtype=np.int64).reshape(-1, 2)
+    return ns, ss
+
+
+def _vec_terms(p: Plan, o0: int, o1: int, spans=None):
+    """The norm and sum terms of ``p`` restricted to the vector entries ``[o0, o1)`` (the rows / columns
+    of their views that write there); ``spans``: ``_vec_spans(p)`` (only the terms that reach the range
+    are looked at)."""
+    ns, ss = _vec_spans(p) if spans is None else spans
+    norms, sums = [], []
+    for k in np.flatnonzero((ns[:, 0] < o1) & (ns[:, 1] > o0)):
+        t = p.norms[k]
+        idx = t.index + t.index_stride * np.arange(t.view.rows)
+        r = np.nonzero((idx >= o0) & (idx < o1))[0]
+        if len(r) == 0:
+            continue
+        r0, r1 = int(r.min()), int(r.max()) + 1
+        norms.append(replace(t, view=_sub_view(t.view, t.view.row_dim, r0, r1 - r0, "rows"),
+                             index=t.index + t.index_stride * r0))
+    for k in np.flatnonzero((ss[:, 0] < o1) & (ss[:, 1] > o0)):
+        t = p.sums[k]
+        c0, c1 = max(o0, t.index), min(o1, t.index + t.view.cols)
+        if c0 >= c1:
+            continue
+        sums.append(replace(t, view=_sub_view(t.view, t.view.col_dim, c0 - t.index, c1 - c0, "cols")
+                            if t.view.col_dim is not None else t.view, index=c0))
+    return norms, sums
+
+
+def _runs_under(cost: np.ndarray, cap: np.ndarray) -> list[tuple[int, int]]:
+    """``cost`` (entries, ranks) cut into runs ``[o0, o1)`` in order: a run takes entries while their
+    sum stays within ``cap`` on every rank, and at least its first entry of nonzero cost (one bigger
+    than ``cap`` is a run of its own, with the zero-cost entries before it)."""
+    n = cost.shape[0]
+    if n == 0:
+        return []
+    cs = np.vstack([np.zeros((1, cost.shape[1]), dtype=np.int64), np.cumsum(cost, axis=0)])
+    nz = np.flatnonzero(cost.any(axis=1))
+    out, start = [], 0
+    while start < n:
+        k = np.searchsorted(nz, start)
+        if k == len(nz):  # no cost left: the rest is one run
+            out.append((start, n))
+            break
+        end = min(int(np.searchsorted(cs[:, r], cs[start, r] + cap[r], side="right")) - 1 for r in range(cost.shape[1]))
+        end = min(n, max(int(nz[k]) + 1, end))
+        out.append((start, end))
+        start = end
+    return out
 
 
 def _sub_view(v: View, dim: int, start: int, n: int, which: str) -> View:
@@ -473,6 +541,44 @@ def _check_renumbered(plan: Plan, units, sub: Plan, vpos: np.ndarray) -> None:
             k += 1
 
 
+@dataclass(frozen=True)
+class Shards:
+    """How the tracked tensors are spread over the ranks, for a ``Sampler`` over the GLOBAL plan
+    (``conserve.tracking.distributed``): every rank builds the same groups from the same ``Shards``
+    (no collective) and copies only its own pieces of a group's views.
+
+    ``local``: this rank's terms (local views of its shards, ``conserve.tracking.shard_plan``: summed
+    over the ranks with the straddling Gram terms they give the global plan); the groups' sub-plans
+    are made of these.  ``costs[r]``: the bytes rank ``r`` copies before a drift step per output entry
+    of the global plan (``copy_costs`` of its local terms, plus its rows of the straddling Grams).
+    ``held[r]``: the tracked bytes rank ``r`` holds (its budget is ``budget * held[r]``).  ``rank``:
+    this rank."""
+
+    local: Plan
+    costs: tuple
+    held: tuple
+    rank: int
+
+
+def copy_costs(plan: Plan, esize: Sequence[int], grams: Sequence[tuple[int, int, int]] = ()):
+    """Bytes of the views the terms of ``plan`` read, per output entry: ``(vec, {(D, slot): bytes})``,
+    ``vec`` a ``(vec_size,)`` int64 array (a norm's row to its entry, a sum's column to its entry).
+    ``esize``: bytes per element of each tensor; ``grams``: more ``(D, slot, bytes)`` to add (a rank's
+    rows of a Gram term that straddles ranks)."""
+    vec = np.zeros(plan.vec_size, dtype=np.int64)
+    for t in plan.norms:
+        np.add.at(vec, t.index + t.index_stride * np.arange(t.view.rows), t.view.cols * esize[t.view.tensor])
+    for t in plan.sums:
+        vec[t.index: t.index + t.view.cols] += t.view.rows * esize[t.view.tensor]
+    gram: dict = {}
+    for t in plan.grams:
+        key = (t.view.rows, t.slot)
+        gram[key] = gram.get(key, 0) + t.view.rows * t.view.cols * esize[t.view.tensor]
+    for d, slot, b in grams:
+        gram[(d, slot)] = gram.get((d, slot), 0) + b
+    return vec, gram
+
+
 class Sampler:
     """Which laws each drift step decomposes, under a budget on the bytes copied before the step.
 
@@ -484,6 +590,13 @@ class Sampler:
             whose copied views sum to at most ``budget`` x the tracked bytes (a unit bigger than that
             is a group of its own); drift step ``j`` decomposes group ``j mod len(groups)`` (round
             robin), so each law is decomposed once every ``len(groups)`` drift steps.
+        shards: ``Shards`` when the tensors are sharded over ranks (``tensors`` are then this rank's
+            local shards and ``plan`` the global plan): the units are the global plan's, each with a
+            copy cost per rank, and the packing is first fit decreasing over the groups, so that every
+            rank's copies of a group sum to at most ``budget`` x the bytes THAT rank holds (a unit
+            bigger than that on some rank is a group of its own); the groups' sub-plans are made of
+            this rank's terms (``Shards.local``) and read its local tensors.  ``tracked_bytes`` is then
+            this rank's.  None: one process (units packed in order).
 
     ``snapshot(j, tensors)``: copies the views of group ``j`` (call right before the optimizer step).
     Held between steps: the plan-sized units and sub-plans (no tensor) and one int16 group id per
@@ -496,21 +609,29 @@ class Sampler:
     """
 
     def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], budget: float | None, device,
-                 compact: bool = False):
+                 compact: bool = False, shards: Shards | None = None):
         if budget is not None and not budget > 0:
             raise ValueError(f"snapshot_budget={budget} must be > 0 (a fraction of the tracked bytes) or None")
         self.plan, self.budget, self.device, self.compact = plan, budget, device, bool(compact)
-        self.tracked_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.shards = shards
         self._esize = [t.element_size() for t in tensors]
-        used = sorted({t.view.tensor for t in list(plan.grams) + list(plan.norms) + list(plan.sums)})
+        if shards is None:
+            self._exec, costs = plan, [copy_costs(plan, self._esize)]
+            held = [sum(t.numel() * t.element_size() for t in tensors)]
+            rank = 0
+        else:
+            self._exec, costs, held, rank = shards.local, list(shards.costs), list(shards.held), shards.rank
+        self.tracked_bytes = held[rank]
+        ex = self._exec
+        used = sorted({t.view.tensor for t in list(ex.grams) + list(ex.norms) + list(ex.sums)})
         self._used = used
         if budget is None or budget >= 1.0:
             self.groups = [None]
         else:
-            self.groups = self._pack(self._units(int(budget * self.tracked_bytes)), int(budget * self.tracked_bytes))
+            cap = np.asarray([int(budget * b) for b in held], dtype=np.int64)
+            self.groups = self._pack(self._units(cap, costs), cap, first_fit=shards is not None)
         self._subs: dict = {}  # group -> (sub-plan, views): plan-sized, built on first use
         self._masks()
-
     def _masks(self) -> None:
         """Per output entry the group that decomposes it (-1: none), int16/int32 on the host (and a
         device copy off the CPU): a step's mask is one comparison, not a rebuild."""
@@ -532,59 +653,69 @@ class Sampler:
         self._full = [bool((gv == g).all() and all((m == g).all() for m in gg.values())) for g in range(n)]
 
     # ------------------------------------------------------------------ units and groups
-    def _units(self, cap: int) -> list[_Unit]:
-        p = self.plan
+    def _units(self, cap: np.ndarray, costs: Sequence[tuple]) -> list[_Unit]:
+        """The global plan's entries cut into units (in the plan's order, the same on every rank), each
+        with its copy cost per rank (``(ranks,)`` int64, from ``costs``: ``copy_costs`` per rank) and
+        this rank's terms of it (``self._exec`` restricted to the unit's entries).  ``cap``: ``(ranks,)``
+        bytes per rank."""
+        p, ex, W = self.plan, self._exec, len(costs)
         units: dict = {}
-        for t in p.grams:
-            u = units.setdefault(("gram", t.view.rows, t.slot), _Unit(("gram", t.view.rows, t.slot)))
-            u.grams.append(t)
-            u.cost += t.view.rows * t.view.cols * self._esize[t.view.tensor]
-        # vector entries: cost per entry, then runs of entries of at most `cap` bytes
-        cost = np.zeros(p.vec_size, dtype=np.int64)
-        for t in p.norms:
-            np.add.at(cost, t.index + t.index_stride * np.arange(t.view.rows), t.view.cols * self._esize[t.view.tensor])
-        for t in p.sums:
-            cost[t.index: t.index + t.view.cols] += t.view.rows * self._esize[t.view.tensor]
-        bounds, acc, start = [], 0, 0
-        for e in range(p.vec_size):
-            if acc and acc + cost[e] > cap:
-                bounds.append((start, e))
-                start, acc = e, 0
-            acc += cost[e]
-        if p.vec_size:
-            bounds.append((start, p.vec_size))
-        for (o0, o1) in bounds:
-            u = _Unit(("vec", o0, o1))
-            for t in p.norms:
-                r = np.nonzero(((t.index + t.index_stride * np.arange(t.view.rows)) >= o0)
-                               & ((t.index + t.index_stride * np.arange(t.view.rows)) < o1))[0]
-                if len(r) == 0:
-                    continue
-                r0, r1 = int(r.min()), int(r.max()) + 1
-                u.norms.append(replace(t, view=_sub_view(t.view, t.view.row_dim, r0, r1 - r0, "rows"),
-                                       index=t.index + t.index_stride * r0))
-            for t in p.sums:
-                c0, c1 = max(o0, t.index), min(o1, t.index + t.view.cols)
-                if c0 >= c1:
-                    continue
-                u.sums.append(replace(t, view=_sub_view(t.view, t.view.col_dim, c0 - t.index, c1 - c0, "cols")
-                                      if t.view.col_dim is not None else t.view, index=c0))
-            u.cost = int(cost[o0:o1].sum())
-            if u.norms or u.sums:
-                units[u.key] = u
+        for t in p.grams:  # the slots, in the global plan's order
+            key = ("gram", t.view.rows, t.slot)
+            units.setdefault(key, _Unit(key, W))
+        for r, (_, gc) in enumerate(costs):
+            for (d, slot), b in gc.items():
+                units[("gram", d, slot)].cost[r] += b
+        for t in ex.grams:  # this rank's terms (whole D rows: a straddling term is in no rank's local plan)
+            units[("gram", t.view.rows, t.slot)].grams.append(t)
+        # vector entries: cost per entry and rank, then runs of entries of at most `cap` bytes on every rank
+        cost = np.stack([vc for vc, _ in costs], axis=1) if p.vec_size else np.zeros((0, W), dtype=np.int64)
+        sp, sx = _vec_spans(p), (None if ex is p else _vec_spans(ex))
+        for (o0, o1) in _runs_under(cost, cap if W == 1 else np.maximum(cap // _SHARD_CUT, 1)):
+            u = _Unit(("vec", o0, o1), W)
+            gn, gs = _vec_terms(p, o0, o1, sp)
+            if not (gn or gs):  # entries no term writes: no unit
+                continue
+            u.norms, u.sums = (gn, gs) if ex is p else _vec_terms(ex, o0, o1, sx)
+            u.cost = cost[o0:o1].sum(axis=0)
+            units[u.key] = u
         return list(units.values())
 
     @staticmethod
-    def _pack(units: list[_Unit], cap: int) -> list[list[_Unit]]:
-        groups, cur, acc = [], [], 0
-        for u in units:
-            if cur and acc + u.cost > cap:
+    def _pack(units: list[_Unit], cap: np.ndarray, first_fit: bool = False) -> list[list[_Unit]]:
+        """Groups of units whose costs sum to at most ``cap`` on every rank (a unit bigger than that is a
+        group of its own): in order (a group is consecutive units), or ``first_fit`` (first fit
+        decreasing: each unit, largest share of a rank's budget first, joins the first group it fits in;
+        with costs on several ranks a group then fills every rank's budget instead of closing when one
+        rank's is full)."""
+        groups: list[list[_Unit]] = []
+        order = {id(u): i for i, u in enumerate(units)}
+        if not first_fit:
+            cur, acc = [], np.zeros_like(cap)
+            for u in units:
+                if cur and (acc + u.cost > cap).any():
+                    groups.append(cur)
+                    cur, acc = [], np.zeros_like(cap)
+                cur.append(u)
+                acc = acc + u.cost
+            if cur:
                 groups.append(cur)
-                cur, acc = [], 0
-            cur.append(u)
-            acc += u.cost
-        if cur:
-            groups.append(cur)
+            return groups
+        # first fit decreasing: the units by their largest share of a rank's budget (stable: ties keep the
+        # plan's order), each into the first group it fits in on every rank
+        share = np.asarray([(u.cost / np.maximum(cap, 1)).max() if len(cap) else 0.0 for u in units])
+        acc = np.zeros((0, len(cap)), dtype=np.int64)
+        for i in np.argsort(-share, kind="stable"):
+            u = units[i]
+            fit = np.flatnonzero((acc + u.cost <= cap).all(axis=1)) if len(groups) else ()
+            if len(fit):
+                groups[fit[0]].append(u)
+                acc[fit[0]] += u.cost
+            else:
+                groups.append([u])
+                acc = np.vstack([acc, u.cost[None]])
+        for g in groups:  # each group's units in the plan's order
+            g.sort(key=lambda u: order[id(u)])
         return groups
 
     # ------------------------------------------------------------------ per drift step
@@ -605,7 +736,7 @@ class Sampler:
     def snapshot(self, j: int, tensors: Sequence[torch.Tensor]) -> Snapshot:
         """Copy what drift step ``j`` reads of ``tensors`` (the weights right before the step)."""
         group = self.groups[j % len(self.groups)]
-        p = self.plan
+        p = self._exec  # (this rank's terms with ``shards``)
         if group is None:  # whole tensors, the plan as it is
             olds = [t.detach() for t in tensors]  # unread tensors: the live ones, never copied
             for i in self._used:

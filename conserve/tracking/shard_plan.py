@@ -16,8 +16,9 @@ import torch
 from .. import kernels
 from ..laws import Compiled
 from ..tracker import TERMS, Values
+from .drift import Shards, copy_costs
 
-__all__ = ["CommSchedule", "comm_schedule", "shard_layouts"]
+__all__ = ["CommSchedule", "comm_schedule", "shard_layouts", "sampler_shards"]
 
 # ------------------------------------------------------------------------------------ localisation
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class _Entries:
         parts = [v.vec[self.vec]]
         for d, s in self.slots.items():
             i, j = self.tri[d]
-            parts.append(v.grams[d][s][:, i, j].reshape(-1))
+            parts.append(v.grams[d][s[:, None], i[None], j[None]].reshape(-1))  # (no copy of the whole slots)
         return torch.cat(parts)
 
     def put(self, v: Values, x: torch.Tensor) -> Values:
@@ -268,3 +269,27 @@ def comm_schedule(compiled: Compiled, layouts: Sequence[_Layout], dtypes) -> Com
     fams = {l.family for l in compiled.laws}
     groups = {(l.family, l.layer) for l in compiled.laws}
     return CommSchedule(plans, straddles, vec_owner, gram_owner, split, len(fams), len(groups))
+
+
+def sampler_shards(sched: CommSchedule, shapes: Sequence[Sequence[int]], esize: Sequence[int],
+                   layouts: Sequence[_Layout], rank: int) -> Shards:
+    """The drift sampler's view of the shards (``conserve.tracking.drift.Shards``) for rank ``rank``:
+    per rank the bytes it copies before a drift step per law entry (``copy_costs`` of its local terms,
+    plus its rows of each straddling Gram term: it sends them to the owner) and the tracked bytes it
+    holds, from the global ``shapes``, the bytes per element and the layouts alone (no process group:
+    every rank gets the same costs, so every rank packs the same groups)."""
+    costs, held = [], []
+    for r, local in enumerate(sched.plans):
+        rows = [(s.term.view.rows, s.term.slot, s.pieces[r].rows * s.pieces[r].cols * esize[s.term.view.tensor])
+                for s in sched.straddles if s.pieces[r] is not None]
+        costs.append(copy_costs(local, esize, rows))
+        b = 0
+        for shape, e, lay in zip(shapes, esize, layouts):
+            n = 1
+            for x in shape:
+                n *= x
+            if lay.dim is not None:
+                n = 0 if shape[lay.dim] == 0 else n // shape[lay.dim] * lay.ranges[r][1]
+            b += n * e
+        held.append(b)
+    return Shards(sched.plans[rank], tuple(costs), tuple(held), rank)
