@@ -797,8 +797,10 @@ def _same(probe, gm, inputs, kwargs, export=False):
     b = _flat(gm(*inputs, **kwargs) if export else gm(*inputs))
     a = [t for t in a if t.is_floating_point()]
     b = [t for t in b if t.is_floating_point()]
-    if len(a) != len(b) or not a or any(x.shape != y.shape or not torch.allclose(x, y, rtol=1e-4, atol=1e-6)
-                                        for x, y in zip(a, b)):
+    # the graph computes in float64 where the model's code downcasts to float32 (precision only, ``_to64``): entries
+    # near zero then differ by float32 rounding of the output's scale, so the absolute tolerance follows that scale
+    if len(a) != len(b) or not a or any(x.shape != y.shape or not torch.allclose(
+            x, y, rtol=1e-4, atol=1e-6 + 1e-5 * float(x.abs().max() if x.numel() else 0.0)) for x, y in zip(a, b)):
         raise ValueError("the traced graph does not reproduce the model's output")
 
 
