@@ -229,6 +229,7 @@ def count_laws(
     patience: int = 1,
     margin: int = 8,
     chunk_size: int | None = 64,
+    sample_check: bool = True,
 ) -> LawCount:
     """Number of independent conservation laws of ``block`` at its current parameters.
 
@@ -249,6 +250,12 @@ def count_laws(
         patience: stop after this many consecutive depths (>= 2) that did not raise the rank.
         margin: extra samples per depth beyond ``#params - rank so far``.
         chunk_size: ``vmap`` chunk over bracket samples (memory bound); ``None`` for one chunk.
+        sample_check: check that the batch is large enough: the rank is recomputed on each half of
+            the batch (rows ``0::2`` and ``1::2`` of every input whose first dimension is the batch's)
+            and must already equal the rank on the whole batch, i.e. the rank is stable when the
+            sample doubles. Too few samples make the rank deficient (a ReLU unit active on few rows
+            leaves directions no field reaches) and the count too high, without any other sign.
+            ``False`` counts the laws of this batch only (e.g. a data-dependent count on purpose).
 
     Returns:
         a :class:`LawCount` (count, rank, singular values, gap ratio, depth reached, ...).
@@ -256,8 +263,38 @@ def count_laws(
     Raises:
         TypeError: bad block / params / output types (the message names the fix).
         ValueError: unknown parameter names, no parameters, ``depth < 1``, an output that does not
-            depend on the parameters at all.
+            depend on the parameters at all; with ``sample_check``, a batch of fewer than 2 rows or a
+            rank that is lower on a half of the batch (the message names the fix: more input rows).
     """
+    res = _count(block, inputs, params, depth, seed, patience, margin, chunk_size)
+    if not sample_check:
+        return res
+    tensors = [x for x in _as_tuple(inputs) if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    rows = int(tensors[0].shape[0]) if tensors else 0
+    if rows < 2:
+        raise ValueError(
+            f"count_laws: cannot check the sample size on a batch of {rows} row(s) (inputs' first "
+            "dimension is the batch); pass more input rows, or sample_check=False to count this batch's laws"
+        )
+
+    def half(start: int) -> tuple:
+        return tuple(
+            x[start::2] if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == rows else x
+            for x in _as_tuple(inputs)
+        )
+
+    halves = [_count(block, half(i), params, depth, seed, patience, margin, chunk_size).rank for i in (0, 1)]
+    if any(r != res.rank for r in halves):
+        raise ValueError(
+            f"count_laws: the rank is not stable in the sample size (rank {res.rank} on {rows} input rows, "
+            f"{halves[0]} and {halves[1]} on each half), so the count {res.count} may hold laws of this batch "
+            f"only; pass more input rows (e.g. {4 * rows}), or sample_check=False to count this batch's laws"
+        )
+    return res
+
+
+def _count(block, inputs, params, depth, seed, patience, margin, chunk_size) -> LawCount:
+    """:func:`count_laws` on one batch, without the sample-size check."""
     if depth < 1:
         raise ValueError(f"count_laws: depth must be >= 1, got {depth}")
     call, theta_dict = _setup(block, params)

@@ -181,7 +181,7 @@ def instances(seed: int = 0) -> list[Instance]:
         "silu_ffn", _seeded(seed, lambda: FFN(3, 4, 2, F.silu)), x(40, 3), 0,
         "SiLU FFN with biases: no law"))
     out.append(Instance(
-        "relu_ffn_bias", _seeded(seed, lambda: FFN(3, 5, 2, F.relu)), x(60, 3), 5,
+        "relu_ffn_bias", _seeded(seed, lambda: FFN(3, 5, 2, F.relu)), x(240, 3), 5,
         "ReLU FFN, width I=5, with biases: one law per unit ||w_in,u||^2 + b_in,u^2 - ||w_out[:,u]||^2"))
     out.append(Instance(
         "relu_ffn", _seeded(seed, lambda: FFN(3, 4, 2, F.relu, bias=False)), x(60, 3), 4,

@@ -133,8 +133,26 @@ def test_bad_input_errors():
 
 def test_constant_fields_vanish_and_count_is_the_corank():
     # f(theta) = A theta (3 outputs per input, 2 inputs, 10 params): constant fields, all brackets
-    # vanish, laws = P - rank(A-stack) = 10 - 6 exactly
+    # vanish, laws = P - rank(A-stack) = 10 - 6 exactly (laws of this batch: sample_check off)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2, 3, 10, generator=g, dtype=torch.float64)
-    res = count_laws(lambda p, xx: xx @ p["theta"], x, params={"theta": torch.randn(10, generator=g)})
+    res = count_laws(lambda p, xx: xx @ p["theta"], x, params={"theta": torch.randn(10, generator=g)},
+                     sample_check=False)
     assert res.count == 4 and res.vanished_at == 2, res.summary()
+
+
+def test_too_few_inputs_is_an_error_not_a_count():
+    # user report: Linear(3,4)-ReLU-Linear(4,2) (4 laws) gave laws=11 on 16 inputs, silently: a unit
+    # active on few rows leaves directions no field reaches. The rank must be stable when the sample
+    # doubles (each half of the batch reaches it), else an error naming the fix.
+    from torch import nn
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(16, 3)
+    assert count_laws(block, x, sample_check=False).count == 11  # the silent wrong count
+    with pytest.raises(ValueError, match="not stable in the sample size.*pass more input rows"):
+        count_laws(block, x)
+    with pytest.raises(ValueError, match="pass more input rows"):
+        count_laws(block, x[:1])
+    assert count_laws(block, torch.randn(64, 3)).count == 4

@@ -751,13 +751,14 @@ def _count(pb: _Problem, found: int, seed: int, notes: list[str]) -> tuple[LawCo
     draws = min(64, max(3, math.ceil(4 * pb.P / max(pb.m, 1))))
     block = _count_block(pb)
     inputs = pb.count_inputs(draws)
-    lc = count_laws(block, inputs, params=dict(pb.theta0), seed=seed)
+    # the sample size is handled here (redraws, the lowest count kept, a note), not by count_laws' check
+    lc = count_laws(block, inputs, params=dict(pb.theta0), seed=seed, sample_check=False)
     redrawn = inputs is not pb.example
     history = [(_batch_rows(inputs), lc.count)]
     while redrawn and lc.count > found and len(history) < 3:
         draws *= 4
         inputs = pb.count_inputs(draws)
-        more = count_laws(block, inputs, params=dict(pb.theta0), seed=seed)
+        more = count_laws(block, inputs, params=dict(pb.theta0), seed=seed, sample_check=False)
         history.append((_batch_rows(inputs), more.count))
         if more.count >= lc.count:
             break
