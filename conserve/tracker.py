@@ -1103,7 +1103,13 @@ class Tracker:
         """Raise ``ValueError`` (one line naming the fix) if ``state`` (from ``state_dict``) was saved for other
         laws or other law sizes; changes nothing.  The optimizers call it before loading their own state, so a
         refused state leaves optimizer and tracker as they were.  (A distributed state keeps its law names
-        in its packed metadata: only the sizes are checked here, ``load_state_dict`` checks the names.)"""
+        in its packed metadata: only the sizes are checked here, ``load_state_dict`` checks the names.)
+        A state that is not one (empty, truncated, garbled values) raises ``ValueError`` naming the entry."""
+        bad = _state_problem(state)
+        if bad:
+            raise ValueError(f"tracker state is not one saved by Tracker.state_dict: {bad}; resume from an intact "
+                             "checkpoint, or drop its 'conserve' entry to load the optimizer state alone (the "
+                             "tracker then starts a new series)")
         if "laws" in state and list(state["laws"]) != [l.name for l in self.laws]:
             raise ValueError("tracker state was saved for a different set of laws; build the tracker with the same "
                              "model and laws as the saved run")
@@ -1143,6 +1149,41 @@ class Tracker:
         for s in self.sinks:  # one series: sinks drop what an earlier run wrote after it
             if hasattr(s, "resume"):
                 s.resume(written)
+
+
+def _state_problem(state) -> str | None:
+    """What makes ``state`` not a ``Tracker.state_dict`` (nor a distributed one, with ``"meta"``), or None."""
+    if not isinstance(state, Mapping):
+        return f"it is a {type(state).__name__}, not a dict"
+    need = ("h0", "h", "denom", "cumulative") + (("meta", "pending") if "meta" in state else ("step",))
+    missing = [k for k in need if k not in state]
+    if missing:
+        return f"it lacks {missing}" + (" (it is empty)" if not state else "")
+    tensor = lambda v: isinstance(v, torch.Tensor)  # noqa: E731
+
+    def values(v) -> bool:  # a Values.state(): {"vec": tensor, "gram<d>": tensor, ...}
+        return isinstance(v, Mapping) and tensor(v.get("vec")) and all(tensor(t) for t in v.values())
+
+    step = state.get("step", 0)
+    if isinstance(step, bool) or not (isinstance(step, numbers.Integral) or (tensor(step) and step.numel() == 1)):
+        return f"'step' is {step!r}, not an integer"
+    for k in ("h0", "h"):
+        if not values(state[k]):
+            return f"{k!r} is a {type(state[k]).__name__}, not the law values"
+    if not tensor(state["denom"]):
+        return f"'denom' is a {type(state['denom']).__name__}, not a tensor"
+    cum = state["cumulative"]
+    if not isinstance(cum, Mapping) or not all(values(v) for v in cum.values()):
+        return "'cumulative' is not the drift terms' law values"
+    for k in ("sampled_steps", "balance", "h0_balance", "pending"):
+        if state.get(k) is not None and not tensor(state[k]):
+            return f"{k!r} is a {type(state[k]).__name__}, not a tensor"
+    for k in ("laws", "pending_extras", "monitors"):
+        if state.get(k) is not None and not isinstance(state[k], (list, tuple)):
+            return f"{k!r} is a {type(state[k]).__name__}, not a list"
+    if "meta" in state and not isinstance(state["meta"], (bytes, bytearray)):
+        return f"'meta' is a {type(state['meta']).__name__}, not the packed metadata"
+    return None
 
 
 class DriftTerms(dict):

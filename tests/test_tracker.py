@@ -499,3 +499,27 @@ def test_nonfinite_error_with_float16_weights_names_the_optimizer_eps():
         opt.step()
         opt.step()
     opt.tracker.close()
+
+
+@pytest.mark.parametrize("corrupt", ["empty", "garbled", "step", "not_a_dict"])
+def test_a_corrupt_tracker_state_is_one_error_before_anything_changes(corrupt):
+    """User report: an empty "conserve" entry raised ``KeyError: 'step'``, garbled values
+    ``AttributeError: 'str' object has no attribute 'items'``. Now one ValueError naming the entry and the
+    fix, raised before the optimizer or the tracker changed."""
+    m = _model(dtype=torch.float32)
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2), m)
+    _run(m, opt, 2)
+    saved = opt.state_dict()
+    tracked = dict(saved["conserve"])
+    broken = {"empty": {}, "garbled": {k: "x" for k in tracked}, "step": {**tracked, "step": "seven"},
+              "not_a_dict": "garbage"}[corrupt]
+    _run(m, opt, 1)
+    before = {k: v["step"].item() for k, v in opt.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match="not one saved by Tracker.state_dict.*drop its 'conserve' entry"):
+        opt.load_state_dict({**saved, "conserve": broken})
+    with pytest.raises(ValueError, match="not one saved by Tracker.state_dict"):
+        opt.tracker.load_state_dict(broken)
+    assert {k: v["step"].item() for k, v in opt.state_dict()["state"].items()} == before
+    assert opt.tracker.step_count == 3
+    opt.load_state_dict(saved)  # the intact state still loads
+    assert opt.tracker.step_count == 2
