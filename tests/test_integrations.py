@@ -106,6 +106,24 @@ def test_hf_trainer_logs_checkpoints_and_resumes(tmp_path):
     assert drift_at(logged2) == drift_at(logged) == [(6, 5.0), (8, None), (10, 9.0)]
 
 
+def test_hf_resume_from_a_truncated_tracker_state_names_the_file(tmp_path):
+    """User report: a truncated conserve_tracker.pt crashed in torch.load with ``OSError: [Errno 22]
+    Invalid argument``, naming neither the file nor the fix."""
+    from conserve.errors import UsageError
+    from conserve.integrations.hf import ConserveCallback
+
+    _hf_trainer(tmp_path, [ConserveCallback()], max_steps=5).train()
+    saved = tmp_path / "checkpoint-5" / "conserve_tracker.pt"
+    saved.write_bytes(saved.read_bytes()[:100])
+    with pytest.raises(UsageError, match=r"cannot read the tracker state .*conserve_tracker\.pt.*delete it"):
+        _hf_trainer(tmp_path, [ConserveCallback()], max_steps=6).train(
+            resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+    torch.save({"step": "garbled"}, saved)  # readable, but not a tracker state
+    with pytest.raises(UsageError, match=r"conserve_tracker\.pt: tracker state is not one saved"):
+        _hf_trainer(tmp_path, [ConserveCallback()], max_steps=6).train(
+            resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+
+
 def test_hf_callback_uses_a_tracker_the_user_made(tmp_path):
     import conserve
     from conserve.integrations.hf import ConserveCallback

@@ -28,6 +28,7 @@ try:
 except ImportError:
     raise ImportError("conserve.integrations.hf needs transformers: pip install 'torch-conserve[hf]'") from None
 
+from ..errors import UsageError
 from ..tracking.sinks import JSONLSink
 from ._run import CHECKPOINT_FILE, TrackedRun
 
@@ -129,7 +130,17 @@ class ConserveCallback(TrainerCallback):
             warnings.warn(f"conserve: resuming at step {state.global_step} without {path}: the tracker starts a new "
                           "series at the resumed weights (h_0 = the checkpoint's weights)", RuntimeWarning, stacklevel=2)
             return
-        self.run.load_state_dict(torch.load(path, map_location=self.run.tracker.device, weights_only=True))
+        fix = (f"restore {path} from an intact copy, or delete it to resume with a new series (h_0 = the "
+               "checkpoint's weights)")
+        try:
+            saved = torch.load(path, map_location=self.run.tracker.device, weights_only=True)
+        except Exception as e:  # truncated / not a torch file: OSError, RuntimeError, EOFError, UnpicklingError
+            raise UsageError(f"conserve: cannot read the tracker state {path} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else 'unreadable'}); {fix}") from None
+        try:
+            self.run.load_state_dict(saved)
+        except ValueError as e:  # Tracker.check_state: not a tracker state, or one of other laws: nothing loaded
+            raise UsageError(f"conserve: {path}: {e}") from None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.run is None or logs is None:
