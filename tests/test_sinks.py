@@ -462,3 +462,12 @@ def test_a_sink_that_keeps_failing_owes_at_most_max_unwritten_rows(tmp_path, mon
     assert [r["step"] for r in mem.records] == list(range(1, 21))
     # the count as the last flush began (steps 5..13 dropped by then; it wrote rows 19, 20)
     assert mem.records[-1]["sinks/dropped_rows"] == 9 and not any("sinks/dropped_rows" in r for r in mem.records[:8])
+
+
+def test_jsonl_unwritable_path_names_the_path_argument_not_a_cli_flag(tmp_path):
+    # user report: the Python API said "choose a writable --out directory" (there is no --out there)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UsageError, match="pass JSONLSink a path in a writable directory") as e:
+        JSONLSink(blocker / "m" / "metrics.jsonl")
+    assert "--out" not in str(e.value) and str(blocker / "m" / "metrics.jsonl") in str(e.value)

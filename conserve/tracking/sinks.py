@@ -80,7 +80,8 @@ class JSONLSink:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as e:
             self._release()
-            raise UsageError(f"cannot write metrics to {self.path}: {e.strerror}; choose a writable --out directory") from None
+            raise UsageError(f"cannot write metrics to {self.path}: {e.strerror}; pass JSONLSink a path in a "
+                             "writable directory") from None
         self._started = False
 
     _superseded = False
