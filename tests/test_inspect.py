@@ -389,3 +389,47 @@ def test_every_hf_family_round_trips_through_save_pretrained(tmp_path, name):
     ref = _reference(m, det.laws)
     for law in det.laws:
         torch.testing.assert_close(vals[law.name], ref[law.name].to(torch.float64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("what", ["heads_mismatch", "torch_pickle", "unknown_model_type"])
+def test_config_and_file_errors_are_one_short_line(ckpts, tmp_path, capsys, what):
+    """User reports: a config.json contradicting its weights crashed with a transformers traceback; a .pt
+    file said only 'not a .safetensors file'; an unknown model_type printed every model type (11,992 chars)."""
+    import json
+
+    root, _ = ckpts
+    d = tmp_path / "ck"
+    shutil.copytree(root / "llama", d)
+    cfg = json.loads((d / "config.json").read_text())
+    if what == "heads_mismatch":
+        cfg["num_attention_heads"] = 3  # hidden 16 does not split into 3 heads
+        cfg.pop("head_dim", None)
+        argv, expect = [d], ["config.json", "cannot build a model", "not a multiple", "fix config.json"]
+    elif what == "torch_pickle":
+        torch.save({"w": torch.zeros(2)}, tmp_path / "model.pt")
+        argv, expect = [tmp_path / "model.pt"], ["torch pickle", "save_file(torch.load(", "save_pretrained"]
+    else:
+        cfg["model_type"] = "lamma"
+        argv, expect = [d], ["config.json", "'lamma'", "close: llama"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.startswith("conserve inspect: error:") and err.count("\n") == 1, err
+    assert all(e in err for e in expect), err
+    assert len(err) < 600, err
+
+
+def test_python_only_advice_is_reworded_for_the_cli(ckpts, capsys, monkeypatch):
+    """Detection's "pass example_inputs=(...)" is a Python argument the CLI has no option for."""
+    import conserve.detection as detection
+    from conserve.errors import UnsupportedModelError
+
+    def refuse(*a, **k):
+        raise UnsupportedModelError("no detector recognises T5ForConditionalGeneration; pass explicit laws "
+                                    "(conserve.laws) to track it, or example_inputs= if forward needs a particular input")
+
+    monkeypatch.setattr(detection, "detect", refuse)
+    code, out, err = run(capsys, ckpts[0] / "llama")
+    assert code == 2 and "the CLI cannot pass one" in err and "conserve.detect(model, example_inputs=" in err, err
+    assert ins._cli_wording("cannot synthesise an input: pass example_inputs=(...) (what forward takes)") == (
+        "cannot synthesise an input: the CLI cannot pass model inputs; run conserve.detect(model, "
+        "example_inputs=(...)) from Python")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import re
 import sys
 from collections import defaultdict
@@ -156,18 +157,59 @@ def detect_checkpoint(ck: Checkpoint, args):
                              "how many heads there are")
     import transformers
 
+    where = ck.path if ck.raw else Path(ck.path) / "config.json"
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING as known
+    except ImportError:  # pragma: no cover - another layout of transformers: its own error below, cut short
+        known = None
+    if not ck.raw and known is not None and config["model_type"] not in known:
+        close = difflib.get_close_matches(str(config["model_type"]), list(known.keys()), n=4, cutoff=0.6)
+        raise UsageError(f"{where}: model_type {config['model_type']!r} is not one this transformers "
+                         f"{transformers.__version__} knows" + (f" (close: {', '.join(close)})" if close else "")
+                         + "; fix the config's model_type, or upgrade transformers")
     try:
         cfg = transformers.AutoConfig.for_model(**config)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{ck.path}: transformers cannot read this config ({e})") from None
-    model = meta_model(cfg)
-    found = detect(model, cfg, **options)
+        model = meta_model(cfg)
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a config transformers refuses (its validators raise several types)
+        raise UsageError(f"{where}: transformers cannot build a model from this config ({_last_line(e)}); fix "
+                         "config.json so it matches the weights, or re-save the checkpoint with save_pretrained") from None
+    try:
+        found = detect(model, cfg, **options)
+    except UsageError as e:  # UnsupportedModelError: its advice is for the Python API
+        raise UsageError(_cli_wording(str(e))) from None
+    found.declined = [dataclasses.replace(d, reason=_cli_wording(d.reason)) for d in found.declined]
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     found.shapes = {p: shapes[p] for law in found.laws for p in law.params}  # for resolve() of a second checkpoint
     found.rename = _hf_rename(model)
     names = resolve(ck, found.shapes, found.rename)
     _check_fits(found.laws, names, ck)
     return found, names
+
+
+def _last_line(e: BaseException) -> str:
+    """The last non-empty line of an exception's message (transformers' validators wrap the cause in a
+    multi-line message whose last line is the reason)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    line = lines[-1] if lines else type(e).__name__
+    return line if len(line) <= 300 else line[:300] + " ..."
+
+
+_PY_ADVICE = (
+    (": pass example_inputs=(...) (what forward takes)",
+     ": the CLI cannot pass model inputs; run conserve.detect(model, example_inputs=(...)) from Python"),
+    ("or example_inputs= if forward needs a particular input",
+     "or, from Python, conserve.detect(model, example_inputs=(...)) if forward needs a particular input "
+     "(the CLI cannot pass one)"),
+)
+
+
+def _cli_wording(text: str) -> str:
+    """Detection's advice reworded for the CLI (``example_inputs=`` is a Python argument, not an option)."""
+    for old, new in _PY_ADVICE:
+        text = text.replace(old, new)
+    return text
 
 
 def _hf_rename(model):
@@ -372,8 +414,8 @@ def main(args) -> int:
         paths.append(args.compare)
     if len(paths) > 2:
         raise UsageError(f"at most two checkpoints (PATH [OTHER] or PATH --compare OTHER), got {len(paths)}")
-    ck = open_checkpoint(paths[0])
-    other = open_checkpoint(paths[1]) if len(paths) == 2 else None
+    ck = _open(paths[0])
+    other = _open(paths[1]) if len(paths) == 2 else None
     det, names = detect_checkpoint(ck, args)
     con = _console()
     src = "raw safetensors (architecture from tensor names)" if ck.raw else f"config model_type={ck.config.get('model_type')!r}"
@@ -415,6 +457,20 @@ def main(args) -> int:
     if nonfinite_in:
         _nonfinite(con, nonfinite_in)
     return 0
+
+
+_TORCH_FILES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _open(path: str) -> Checkpoint:
+    """``open_checkpoint``; a torch pickle (``.pt``/``.pth``/``.bin``/``.ckpt``) is refused with how to convert it."""
+    p = Path(path)
+    if p.is_file() and p.suffix in _TORCH_FILES:
+        raise UsageError(f"{p}: a torch pickle, not safetensors (only safetensors is read: no code runs on load); "
+                         "convert it: from safetensors.torch import save_file; save_file(torch.load(path, "
+                         "weights_only=True), 'model.safetensors') for a state dict, or model.save_pretrained(dir) "
+                         "for an HF model")
+    return open_checkpoint(path)
 
 
 def _describe_fused(name: str, f) -> str:
