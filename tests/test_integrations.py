@@ -210,6 +210,24 @@ def _lit_trainer(L, root, cb, max_steps, ckpt=None):
                      enable_checkpointing=ckpt is not None)
 
 
+def test_lightning_resume_from_a_corrupt_tracker_state_is_one_error(tmp_path):
+    """A garbled tracker state in a Lightning checkpoint: one UsageError naming the entry and a fix that
+    applies to Lightning (it raised KeyError 'step' before)."""
+    L = _lightning()
+    from conserve.errors import UsageError
+    from conserve.integrations.lightning import ConserveCallback
+
+    ckpt = L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=5, save_top_k=-1)
+    _lit_trainer(L, tmp_path, ConserveCallback(), 5, ckpt).fit(_lit_module(L))
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    saved = torch.load(path, weights_only=False)
+    (key,) = [k for k in saved["callbacks"] if "ConserveCallback" in k]
+    saved["callbacks"][key] = {"tracker": {}}
+    torch.save(saved, path)
+    with pytest.raises(UsageError, match="checkpoint's tracker state cannot be loaded.*lacks.*fit without ckpt_path"):
+        _lit_trainer(L, tmp_path, ConserveCallback(), 6).fit(_lit_module(L), ckpt_path=str(path))
+
+
 def test_lightning_logs_checkpoints_and_resumes(tmp_path):
     L = _lightning()
     import csv

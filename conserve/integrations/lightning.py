@@ -242,6 +242,14 @@ class ConserveCallback(Callback):
         return dict(self._pending_state) if self._pending_state is not None else {}
 
     def _load(self, state: dict) -> None:
+        try:
+            self._load_runs(state)
+        except ValueError as e:  # Tracker.check_state, raised before that tracker changed
+            raise UsageError(f"ConserveCallback: the checkpoint's tracker state cannot be loaded: {e}"
+                             .replace("drop its 'conserve' entry to load the optimizer state alone",
+                                      "fit without ckpt_path")) from None
+
+    def _load_runs(self, state: dict) -> None:
         if "trackers" in state:
             if len(self.runs) < 2 or set(state["trackers"]) != set(self._indices):
                 raise UsageError(f"ConserveCallback: the checkpoint holds trackers of optimizers "
