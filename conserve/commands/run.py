@@ -374,6 +374,7 @@ def _main(args) -> int:
 
     # one writer per run directory, taken before anything in it is touched (a second process is refused)
     lock = RunDirLock(out, hint="pass another --out").acquire()
+    sinks = []
     try:
         if held:  # --overwrite
             _clear_earlier_run(out)
@@ -396,6 +397,11 @@ def _main(args) -> int:
         tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors, **cadence)
         (out / "config.json").write_text(json.dumps(config, indent=2))
     except BaseException:
+        for s in sinks:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to report
+                pass
         _undo_start(out, created)
         lock.release()
         raise
@@ -525,8 +531,10 @@ def _train_and_report(args, model, tracked, batches, device, lr, source, out, co
         except OSError as e:
             disk_error = e
     if owed or dropped or disk_error:
-        why = (f"could not write {out}" + (f" ({disk_error.strerror or disk_error})" if disk_error else "")
-               + (f": {len(owed)} metric rows were not written to {metrics}" if owed else "")
+        why = (f"the run directory {out} could not be written"
+               + (f" ({disk_error.strerror or disk_error})" if disk_error else "")
+               + (f": {len(owed)} metric rows (steps {owed[0]['step']}..{owed[-1]['step']}) are missing from {metrics}"
+                  if owed else "")
                + (f"; {dropped} older rows were dropped in memory (tracker.max_unwritten)" if dropped else ""))
         print(f"conserve run: error: {_save_elsewhere(out, records, config, summary_args, why)}", file=sys.stderr)
         return 4
