@@ -184,7 +184,9 @@ def test_a_locked_run_directory_is_refused_before_anything_in_it_is_touched(tmp_
     try:
         assert holder.stdout.readline().strip() == "held"
         assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "2", "--overwrite"]) == 2
-        assert "in use by another conserve process" in _one_line(capsys)
+        err = _one_line(capsys)
+        assert "in use by another conserve process" in err and "--out" in err
+        assert err.count("wait for it to finish") == 1, err  # the lock's own advice, not repeated by the hint
         assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and (out / "config.json").read_text() == "{}"
     finally:
         holder.kill()
