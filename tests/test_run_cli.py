@@ -258,3 +258,10 @@ def test_argument_errors_point_to_the_sub_command_help(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.endswith(f"(see {hint})"), err
+
+
+def test_size_help_names_the_presets_and_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default tiny" in text and "base (hidden 128, 4 layers, 8 heads / 4 kv)" in text and "--overwrite" in text

@@ -91,8 +91,10 @@ def add_arguments(p) -> None:
                         "one group of laws per drift step, round robin); 'none': every law on every drift step")
     m = p.add_argument_group("model")
     m.add_argument("--size", choices=tuple(SIZES), default="tiny",
-                   help="tiny (hidden 32, 3 layers, 4 heads / 2 kv), small (64, 3, 4/2) or base (128, 4, 8/4); "
-                        "default tiny; --hidden, --layers, --heads, --kv-heads override it")
+                   help=", ".join(f"{k} (hidden {v['hidden_size']}, {v['num_hidden_layers']} layers, "
+                                  f"{v['num_attention_heads']} heads / {v['num_key_value_heads']} kv)"
+                                  for k, v in SIZES.items())
+                        + "; default tiny; --hidden, --layers, --heads, --kv-heads override it")
     m.add_argument("--layers", type=int, default=None, help="number of layers (overrides --size)")
     m.add_argument("--hidden", type=int, default=None, help="hidden size (overrides --size)")
     m.add_argument("--heads", type=int, default=None)
