@@ -141,8 +141,8 @@ def test_out_of_memory_sizes_are_refused_in_one_line(tmp_path, capsys):
 def test_plain_progress_lines_off_a_terminal_and_tensorboard_rerun(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
-    for _ in range(2):  # a re-run into the same directory keeps one series
-        assert main(["run", "--out", str(out), *FAST, "--steps", "4", "--tensorboard"]) == 0
+    for again in ([], ["--overwrite"]):  # a re-run into the same directory keeps one series
+        assert main(["run", "--out", str(out), *FAST, "--steps", "4", "--tensorboard", *again]) == 0
     text = capsys.readouterr().out
     assert "step 4/4" in text and "worst eps" in text and "\x1b[" not in text
     assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1
@@ -183,8 +183,10 @@ def test_a_locked_run_directory_is_refused_before_anything_in_it_is_touched(tmp_
                               stdout=subprocess.PIPE, text=True, env=ENV)
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "2"]) == 2
-        assert "in use by another conserve process" in _one_line(capsys)
+        assert main(["run", "--out", str(out), *FAST, "--no-progress", "--steps", "2", "--overwrite"]) == 2
+        err = _one_line(capsys)
+        assert "in use by another conserve process" in err and "--out" in err
+        assert err.count("wait for it to finish") == 1, err  # the lock's own advice, not repeated by the hint
         assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and (out / "config.json").read_text() == "{}"
     finally:
         holder.kill()

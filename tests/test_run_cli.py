@@ -110,7 +110,7 @@ def test_console_script_reports_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--kv-heads", "3", "--heads", "4"], "multiple"), (["--rotary-dim", "3"], "rotary_dim"),
+    (["--kv-heads", "3", "--heads", "4"], "--kv-heads"), (["--rotary-dim", "3"], "rotary_dim"),
     (["--top-k", "9", "--experts", "4"], "--top-k"), (["--heads", "0"], "--heads"),
     (["--weight-decay", "-1"], "--weight-decay"), (["--device", "foo"], "--device"),
     (["--nope-layers", "7"], "out of range"), (["--lr", "nan"], "--lr"), (["--drift-every", "0"], "--drift-every"),
@@ -136,13 +136,118 @@ def test_drift_cadence_options(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def test_rerun_into_the_same_directory_says_it_replaces_the_earlier_run(tmp_path, capsys):
+def test_rerun_into_the_same_directory_keeps_the_earlier_run_unless_overwrite(tmp_path, capsys):
     assert _run(tmp_path, "--steps", "3") == 0
+    out = tmp_path / "run"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     capsys.readouterr()
-    assert _run(tmp_path, "--steps", "2") == 0
-    err = capsys.readouterr().err
-    assert "held an earlier run (3 metric rows): replaced" in err and "--out" in err
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert _run(tmp_path, "--steps", "2") == 2  # refused: nothing touched
+    err = _err(capsys)
+    assert "earlier run (3 metric rows)" in err and "--overwrite" in err and "--out" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert _run(tmp_path, "--steps", "2", "--overwrite") == 0
+    assert "replaced the earlier run" in capsys.readouterr().err
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert json.loads((out / "config.json").read_text())["steps"] == 2
+
+
+def test_failed_start_writes_nothing(tmp_path, capsys, monkeypatch):
+    """A check that fails after the inputs (TensorBoard missing, the tracker refusing the model) leaves no
+    run directory, config.json or empty metrics.jsonl behind; an existing directory keeps its files."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *a, **k):
+        if name.startswith("torch.utils.tensorboard") or name.startswith("tensorboard"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    assert _run(tmp_path, "--steps", "2", "--tensorboard") == 2
+    assert "tensorboard" in _err(capsys).lower()
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+
+    import conserve
+
+    def refuse(*a, **k):
+        from conserve.errors import UsageError
+
+        raise UsageError("no laws (test)")
+
+    monkeypatch.setattr(conserve, "track", refuse)
+    assert _run(tmp_path, "--steps", "2") == 2
+    assert "no laws" in _err(capsys)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert _run(tmp_path, "--steps", "2", out="mine") == 2
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir() if not p.name.endswith(".lock")) == ["notes.txt"]
+
+
+def test_full_disk_saves_the_run_elsewhere_in_one_line(tmp_path, capsys, monkeypatch):
+    """The JSONL file fails (ENOSPC) from step 3 on and the summary cannot be written: every row is saved to
+    a fallback directory under tempfile.gettempdir(), one line names it and `conserve report`; exit 4."""
+    import errno
+    import tempfile
+
+    from conserve import report
+    from conserve.tracking import sinks
+
+    fb_root = tmp_path / "tmp"
+    fb_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(fb_root))
+    real_write, real_summary = sinks.JSONLSink.write, report.write_summary
+
+    def full_write(self, step, metrics):
+        if step >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, step, metrics)
+
+    def full_summary(run_dir, *a, **k):
+        if Path(run_dir) == tmp_path / "run":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_summary(run_dir, *a, **k)
+
+    monkeypatch.setattr(sinks.JSONLSink, "write", full_write)
+    monkeypatch.setattr(report, "write_summary", full_summary)
+    with pytest.warns(RuntimeWarning):
+        assert _run(tmp_path, "--steps", "6") == 4
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    line = err.splitlines()[-1]
+    assert "6 metric rows" in line and "conserve report" in line and "free space" in line, line
+    saved = next(fb_root.glob("conserve-run-*")) / "metrics.jsonl"
+    assert str(saved) in line
+    assert [json.loads(l)["step"] for l in saved.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(l)["step"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    monkeypatch.setattr(sinks.JSONLSink, "write", real_write)
+    assert main(["report", str(saved)]) == 0  # the saved file is a complete run
+
+
+def test_sizes_that_cannot_fit_are_refused_before_building(tmp_path, capsys):
+    for extra in (["--hidden", "100000000"], ["--hidden", "20000", "--layers", "40"]):
+        assert main(["run", "--out", str(tmp_path / "o"), "--steps", "5", "--no-progress", *extra]) == 2
+        err = _err(capsys)
+        assert "GiB" in err and "--hidden" in err and "--layers" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_allocation_failure_while_building_is_one_line(tmp_path, capsys, monkeypatch):
+    from conserve.commands import run
+
+    monkeypatch.setattr(run, "_check_memory", lambda *a: None)  # the estimate passes, the allocator does not
+    import conserve.models
+
+    def no_memory(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(conserve.models, "DecoderLM", no_memory)
+    assert _run(tmp_path, "--steps", "2") == 2
+    err = _err(capsys)
+    assert "out of memory" in err and "--hidden" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_argument_errors_point_to_the_sub_command_help(capsys):
@@ -153,3 +258,10 @@ def test_argument_errors_point_to_the_sub_command_help(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.endswith(f"(see {hint})"), err
+
+
+def test_size_help_names_the_presets_and_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default tiny" in text and "base (hidden 128, 4 layers, 8 heads / 4 kv)" in text and "--overwrite" in text

@@ -4,6 +4,10 @@ Writes a run directory: ``config.json``, ``metrics.jsonl`` (appended and flushed
 ``summary.md`` / ``summary.json`` and ``eps.png`` / ``drift.png`` / ``layers.png`` (``conserve.report``);
 TensorBoard events with ``--tensorboard``. A run that diverges (NaN/Inf or exploding loss, ``eps`` beyond
 ``--max-eps``) or is interrupted (Ctrl-C) stops with the summary and plots of what was recorded.
+Every input is checked before the run directory is touched (a failed start writes nothing); a directory
+holding an earlier run is refused unless ``--overwrite``; the memory a size needs is estimated before the
+model is built (exit 2). A disk that fails mid-run saves every row kept, the config and the summary to a
+fallback directory under ``tempfile.gettempdir()``, named in one line with the fix (exit 4).
 The default model covers every law family of the paper: RoPE pairs (layers 0, 2), a NoPE layer with MHA
 QK Gram laws (layer 1), VO Grams, SwiGLU units, an MoE layer (router sum and experts' units), pre-norm
 gains and the untied output translation law.
@@ -56,7 +60,10 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("data and output")
     g.add_argument("--data", default=None, help="text file (plain or .gz), or a PTB/WikiText directory; default: the "
                    "embedded CPython documentation corpus")
-    g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
+    g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>); a directory holding an "
+                   "earlier run is refused unless --overwrite")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the earlier run in --out (its metrics, summary and TensorBoard events)")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
     g.add_argument("--every", type=int, default=10, help="flush metrics every N steps (default 10)")
     g.add_argument("--continuity", action="store_true",
@@ -83,7 +90,11 @@ def add_arguments(p) -> None:
                    help="bytes copied before a drift step, as a fraction of the tracked bytes (default 0.05: "
                         "one group of laws per drift step, round robin); 'none': every law on every drift step")
     m = p.add_argument_group("model")
-    m.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    m.add_argument("--size", choices=tuple(SIZES), default="tiny",
+                   help=", ".join(f"{k} (hidden {v['hidden_size']}, {v['num_hidden_layers']} layers, "
+                                  f"{v['num_attention_heads']} heads / {v['num_key_value_heads']} kv)"
+                                  for k, v in SIZES.items())
+                        + "; default tiny; --hidden, --layers, --heads, --kv-heads override it")
     m.add_argument("--layers", type=int, default=None, help="number of layers (overrides --size)")
     m.add_argument("--hidden", type=int, default=None, help="hidden size (overrides --size)")
     m.add_argument("--heads", type=int, default=None)
@@ -135,15 +146,21 @@ def apply_preset(args) -> None:
         args.data = str(path)
 
 
+def _out_path(arg) -> Path:
+    """The run directory's path (default ``runs/<timestamp>``, with a suffix if two runs start in the same second);
+    nothing is created."""
+    if arg:
+        return Path(arg)
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out, i = base, 1
+    while out.exists():
+        out, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return out
+
+
 def out_dir(arg) -> Path:
     """The run directory (default ``runs/<timestamp>``), created and checked writable (``UsageError``)."""
-    if arg:
-        out = Path(arg)
-    else:  # runs/<timestamp>, with a suffix if two runs start in the same second
-        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        out, i = base, 1
-        while out.exists():
-            out, i = base.with_name(f"{base.name}-{i}"), i + 1
+    out = _out_path(arg)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -154,32 +171,106 @@ def out_dir(arg) -> Path:
     return out
 
 
+_RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "summary.md", "eps.png", "drift.png", "layers.png")
+
+
+def earlier_run(out: Path) -> str | None:
+    """What an earlier run left in ``out`` (e.g. ``'12 metric rows'``), or None when it holds none."""
+    if not out.is_dir():
+        return None
+    metrics = out / "metrics.jsonl"
+    rows = 0
+    if metrics.is_file():
+        with open(metrics, "rb") as f:
+            rows = sum(1 for line in f if line.strip())
+    if rows:
+        return f"{rows} metric rows"
+    found = [f for f in _RUN_FILES[1:] if (out / f).exists()] + (
+        ["tb/"] if any((out / "tb").glob("events.out.tfevents.*")) else [])
+    return ", ".join(found) if found else None
+
+
+def _clear_earlier_run(out: Path) -> None:
+    """``--overwrite``: remove the files an earlier ``conserve run`` wrote into ``out`` (nothing else)."""
+    for f in _RUN_FILES:
+        (out / f).unlink(missing_ok=True)
+    if (out / "tb").is_dir():
+        for old in (out / "tb").glob("events.out.tfevents.*"):  # one TensorBoard series, not two
+            old.unlink()
+
+
 _FLAG = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
          "num_key_value_heads": "kv-heads", "intermediate_size": "size"}
+_SHRINK = "lower --hidden or --layers (or a smaller --size), --batch-size or --seq-len"
+_OPT_STATES = {"gd": 0, "sgd": 0, "momentum": 1, "adamw": 2}  # optimizer state tensors per parameter
+
+
+def _available_bytes(device: str) -> int:
+    """Memory free for a new run: CUDA ``mem_get_info``; on CPU ``MemAvailable`` (/proc/meminfo) or free pages."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def estimate_bytes(cfg, args) -> tuple[int, int, int]:
+    """``(total, parameter_bytes, activation_bytes)`` a run of ``cfg`` needs, float32, estimated before building.
+
+    Parameters are counted on a ``meta`` model (no memory); each one costs its weight, gradient, the
+    optimizer's state (0 for gd/sgd, 1 momentum, 2 AdamW) and ~1 copy for the tracker's snapshots and
+    law values. Activations kept for backward: ~16 floats per token, hidden unit and layer plus
+    the attention scores (3 x batch x heads x T^2 per layer) and the logits (3 x batch x T x vocab)."""
+    import torch
+
+    from ..models import DecoderLM
+
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in DecoderLM(cfg).parameters())
+    except ValueError as e:
+        raise model_error(e) from None
+    params = 4 * n * (3 + _OPT_STATES.get(args.optimizer, 2))
+    bt = args.batch_size * args.seq_len
+    act = 4 * (bt * cfg.num_hidden_layers * (16 * cfg.hidden_size + 3 * cfg.num_attention_heads * args.seq_len)
+               + 3 * bt * cfg.vocab_size)
+    return params + act, params, act
+
+
+def model_error(e: ValueError) -> UsageError:
+    """An inconsistent architecture (``ValueError`` of the model) as a ``UsageError`` naming the flags."""
+    msg = str(e)
+    if "num_key_value_heads" in msg and "multiple" in msg:
+        msg += "; pass --heads a multiple of --kv-heads (--kv-heads = --heads for MHA, 1 for MQA)"
+    elif "rotary_dim" in msg:
+        msg += " (--rotary-dim, --head-dim)"
+    return UsageError(msg)
 
 
 def _check_memory(cfg, args, device: str) -> None:
-    """Refuse sizes whose attention scores alone cannot fit (B x heads x T x T floats, kept for backward)."""
-    import torch
-
-    need = 3 * args.batch_size * cfg.num_attention_heads * args.seq_len ** 2 * 4
-    if device.startswith("cuda"):
-        have = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    else:
-        import os
-
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Refuse (``UsageError`` naming the flags to shrink) a run whose estimate exceeds the memory available."""
+    need, params, act = estimate_bytes(cfg, args)
+    have = _available_bytes(device)
     if need > have:
-        raise UsageError(f"--batch-size {args.batch_size} --seq-len {args.seq_len} needs ~{need / 2**30:.0f} GiB for "
-                         f"the attention scores alone ({have / 2**30:.0f} GiB on {device}); lower --seq-len or --batch-size")
+        raise UsageError(f"this run needs ~{need / 2**30:.1f} GiB ({params / 2**30:.1f} GiB of weights, gradients and "
+                         f"optimizer state; {act / 2**30:.1f} GiB of activations at --batch-size {args.batch_size} "
+                         f"--seq-len {args.seq_len}) but {have / 2**30:.1f} GiB is available on {device}; {_SHRINK}")
 
 
 def _out_of_memory(e: BaseException, args) -> UsageError | None:
     import torch
 
     if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e) or "out of memory" in str(e):
-        return UsageError(f"out of memory at --batch-size {args.batch_size} --seq-len {args.seq_len}; lower --seq-len or "
-                          "--batch-size (or a smaller --size)")
+        return UsageError(f"out of memory at --batch-size {args.batch_size} --seq-len {args.seq_len}; {_SHRINK}")
     return None
 
 
@@ -215,7 +306,7 @@ def build_config(args):
                         moe_layers=moe, router=args.router, shared_expert=args.shared_expert,
                         tie_word_embeddings=args.tie_embeddings, **kw)
     except ValueError as e:
-        raise UsageError(f"{e}") from None
+        raise model_error(e) from None
 
 
 def make_optimizer(name: str, params, lr: float | None, weight_decay: float, momentum: float):
@@ -247,10 +338,9 @@ def _main(args) -> int:
     from .. import JSONLSink, track
     from ..data import Batches, load_tokens
     from ..models import DecoderLM
-    from ..report import plot_all, read_metrics, write_summary
     from ..sinks import TensorBoardSink
-    from ..train import train
 
+    # everything is checked before the run directory is touched: a failed start writes nothing
     for name in ("steps", "batch_size", "seq_len", "every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -262,49 +352,136 @@ def _main(args) -> int:
     tokens, source = load_tokens(args.data)
     cfg = build_config(args)
     _check_memory(cfg, args, device)
+    path = _out_path(args.out)
+    held = earlier_run(path)
+    if held and not getattr(args, "overwrite", False):
+        raise UsageError(f"{path} holds an earlier run ({held}); pass --overwrite to replace it, or another --out to "
+                         "keep both")
+    tb = TensorBoardSink(path / "tb") if args.tensorboard else None  # not installed: refused here, nothing written
     torch.manual_seed(args.seed)
     try:
         model = DecoderLM(cfg).to(device)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise model_error(e) from None
+    except RuntimeError as e:
+        oom = _out_of_memory(e, args)
+        if oom is None:
+            raise
+        raise oom from None
     opt, lr = make_optimizer(args.optimizer, model.parameters(), args.lr, args.weight_decay, args.momentum)
     batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
-    out = out_dir(args.out)  # created only once the inputs are known to be good
+    created = not path.exists()
+    out = out_dir(path)  # created only once the inputs are known to be good
     from ..tracking.lock import RunDirLock
 
     # one writer per run directory, taken before anything in it is touched (a second process is refused)
-    lock = RunDirLock(out, hint="wait for it to finish or pass another --out").acquire()
-    config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()), "optimizer": args.optimizer,
-              "lr": lr, "weight_decay": args.weight_decay, "momentum": args.momentum if args.optimizer == "momentum" else 0.0,
-              "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed,
-              "device": device, "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters())}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    metrics = out / "metrics.jsonl"
-    if metrics.exists():  # a re-run into the same directory starts a fresh series: say so, it replaces the old one
-        with open(metrics, "rb") as f:
-            old_rows = sum(1 for line in f if line.strip())
-        metrics.unlink()
-        if old_rows:
-            print(f"conserve run: {out} held an earlier run ({old_rows} metric rows): replaced by this one (pass another "
-                  "--out to keep both)", file=sys.stderr)
-    if args.tensorboard and (out / "tb").is_dir():
-        for old in (out / "tb").glob("events.out.tfevents.*"):  # ... in TensorBoard too (no second series)
-            old.unlink()
-    sinks = [JSONLSink(metrics)] + ([TensorBoardSink(out / "tb")] if args.tensorboard else [])
-    monitors = []
-    if args.continuity:
-        from ..continuity import ContinuityMonitor
+    lock = RunDirLock(out, hint="pass another --out").acquire()
+    sinks = []
+    try:
+        if held:  # --overwrite
+            _clear_earlier_run(out)
+            print(f"conserve run: --overwrite: replaced the earlier run in {out} ({held})", file=sys.stderr)
+        config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()),
+                  "optimizer": args.optimizer, "lr": lr, "weight_decay": args.weight_decay,
+                  "momentum": args.momentum if args.optimizer == "momentum" else 0.0, "steps": args.steps,
+                  "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed, "device": device,
+                  "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters())}
+        metrics = out / "metrics.jsonl"
+        sinks = [JSONLSink(metrics)] + ([tb] if tb is not None else [])
+        monitors = []
+        if args.continuity:
+            from ..continuity import ContinuityMonitor
 
-        monitors.append(ContinuityMonitor(model, every=1))
-    cadence = {} if args.drift_every is None else {"drift_every": args.drift_every}
-    if args.snapshot_budget is not None:
-        cadence["snapshot_budget"] = None if args.snapshot_budget == "none" else args.snapshot_budget
-    tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors, **cadence)
+            monitors.append(ContinuityMonitor(model, every=1))
+        cadence = {} if args.drift_every is None else {"drift_every": args.drift_every}
+        if args.snapshot_budget is not None:
+            cadence["snapshot_budget"] = None if args.snapshot_budget == "none" else args.snapshot_budget
+        tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors, **cadence)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    except BaseException:
+        for s in sinks:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to report
+                pass
+        _undo_start(out, created)
+        lock.release()
+        raise
+    try:
+        return _train_and_report(args, model, tracked, batches, device, lr, source, out, config, sinks, lock)
+    finally:
+        lock.release()
+
+
+def _undo_start(out: Path, created: bool) -> None:
+    """A start that failed after the run directory was made: remove what it wrote (an empty metrics file, the
+    config, the directory itself when this run created it and nothing else is in it)."""
+    m = out / "metrics.jsonl"
+    try:
+        if m.is_file() and m.stat().st_size == 0:
+            m.unlink()
+        if created:
+            (out / "config.json").unlink(missing_ok=True)
+            left = [p for p in out.iterdir() if not p.name.endswith(".lock")]
+            if not left:
+                for p in out.iterdir():
+                    p.unlink()
+                out.rmdir()
+    except OSError:
+        pass
+
+
+def _fallback_dir(out: Path) -> Path | None:
+    """A writable directory for a run whose own directory failed: ``<tempdir>/conserve-<name>-<time>``
+    (then the home directory); None when neither can be written."""
+    import tempfile
+
+    name = f"conserve-{out.resolve().name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for root in (tempfile.gettempdir(), str(Path.home())):
+        d = Path(root) / name
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / ".write-test").write_text("")
+            (d / ".write-test").unlink()
+            return d
+        except OSError:
+            continue
+    return None
+
+
+def _save_elsewhere(out: Path, records: list[dict], config: dict, summary_args: tuple, why: str) -> str:
+    """Write the whole run (every row: those in ``out`` and those its sink still owed, the config, the
+    summary) to a fallback directory; the one line naming where it went and the fix."""
+    from ..report import json_safe, write_summary
+
+    fb = _fallback_dir(out)
+    if fb is not None:
+        try:
+            with open(fb / "metrics.jsonl", "w") as f:
+                for r in records:
+                    f.write(json.dumps(json_safe(r)) + "\n")
+            (fb / "config.json").write_text(json.dumps(config, indent=2))
+            try:
+                write_summary(fb, records, config, *summary_args)
+            except OSError:
+                pass
+            return (f"{why}; saved the run ({len(records)} metric rows) to {fb}/metrics.jsonl: free space in {out}, "
+                    f"then `conserve report {fb}/metrics.jsonl` (or copy it into {out})")
+        except OSError:
+            pass
+    return f"{why}; no fallback directory could be written either ({len(records)} metric rows lost): free disk space"
+
+
+def _train_and_report(args, model, tracked, batches, device, lr, source, out, config, sinks, lock) -> int:
+    from ..report import plot_all, read_metrics, write_summary
+    from ..train import train
+
     tracker = tracked.tracker
     from ..tracking.control import ControlMonitor
 
     tracker.monitors.append(ControlMonitor(tracker.laws, dict(model.named_parameters()), fp64=args.fp64_laws))
     declined = [asdict(d) for d in tracker.declined]
+    metrics = out / "metrics.jsonl"
     print(f"conserve run: {config['parameters']:,} parameters, {len(tracker.laws)} laws in "
           f"{len(tracker.families)} families ({', '.join(tracker.families)}); data: {source}; out: {out}")
     stopped, code = None, 0
@@ -323,22 +500,46 @@ def _main(args) -> int:
             raise
         stopped, code = str(oom), 2
     finally:
+        owed = []
         try:
+            owed = list(tracker.unwritten.get(sinks[0], ()))  # rows the JSONL file could not take
             tracked.close()  # flush what is pending (rows of a stopped run are already flushed)
+            owed = list(tracker.unwritten.get(sinks[0], ()))
         except (NonFiniteError, OSError) as e:
             stopped = stopped or str(e)
             code = code or 2
             for s in sinks:
-                s.close()
-    records = read_metrics(metrics) if metrics.exists() else []
+                try:
+                    s.close()
+                except Exception:  # noqa: BLE001 - closing a failed sink must not hide the run's outcome
+                    pass
+    dropped = tracker.dropped.get(sinks[0], 0)
+    disk_error = None
+    try:
+        records = read_metrics(metrics) if metrics.exists() else []
+    except OSError as e:
+        records, disk_error = [], e
+    if owed:
+        records = [r for r in records if r["step"] < owed[0]["step"]] + owed
     totals = tracker.totals() if code == 0 or code == 130 else None
     broken = getattr(tracker, "broken_by_family", None)
-    write_summary(out, records, config, totals, {"declined": declined, "seconds": round(time.time() - t0, 1),
-                                                 **({"stopped": stopped} if stopped else {})},
-                  broken() if callable(broken) else None)
-    if records:
-        plot_all(records, out, f"{args.optimizer}, lr={lr:g}, {source.split('/')[-1]}")
-    lock.release()
+    summary_args = (totals, {"declined": declined, "seconds": round(time.time() - t0, 1),
+                             **({"stopped": stopped} if stopped else {})}, broken() if callable(broken) else None)
+    if not (owed or dropped or disk_error):
+        try:
+            write_summary(out, records, config, *summary_args)
+            if records:
+                plot_all(records, out, f"{args.optimizer}, lr={lr:g}, {source.split('/')[-1]}")
+        except OSError as e:
+            disk_error = e
+    if owed or dropped or disk_error:
+        why = (f"the run directory {out} could not be written"
+               + (f" ({disk_error.strerror or disk_error})" if disk_error else "")
+               + (f": {len(owed)} metric rows (steps {owed[0]['step']}..{owed[-1]['step']}) are missing from {metrics}"
+                  if owed else "")
+               + (f"; {dropped} older rows were dropped in memory (tracker.max_unwritten)" if dropped else ""))
+        print(f"conserve run: error: {_save_elsewhere(out, records, config, summary_args, why)}", file=sys.stderr)
+        return 4
     if code == 2:
         raise UsageError(stopped)
     if code == 3:  # diverged: the same one line as a usage error, its own exit code
