@@ -30,18 +30,18 @@ in a forked child, killed after ``--timeout`` s; ``--max-checks`` laws per famil
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
 import os
 import signal
-import sys
 import time
 import traceback
 import warnings
 
 import torch
+
+from conserve.analysis.verify import code_in_float64
 
 H, NH, NKV, HD, INTER, LAYERS, VOCAB, EXPERTS, TOPK, MOE_INTER, POS = 32, 4, 2, 8, 48, 2, 128, 4, 2, 16, 64
 
@@ -186,26 +186,7 @@ def build(model_type: str, family: str):
     return randomize(m.eval()), cfg
 
 
-class _Torch64:
-    def __getattr__(self, n):
-        return torch.float64 if n in ("float32", "float") else getattr(torch, n)
-
-
-@contextlib.contextmanager
-def exact64(model):
-    """Run the model's own transformers / timm code in float64: its float32 upcasts become float64."""
-    mods = {sys.modules[type(m).__module__] for m in model.modules()}
-    mods = [m for m in mods if m.__name__.startswith(("transformers.", "timm.")) and getattr(m, "torch", None) is torch]
-    orig = torch.Tensor.float
-    for m in mods:
-        m.torch = _Torch64()
-    torch.Tensor.float = lambda self, *a, **k: self if self.dtype == torch.float64 else orig(self, *a, **k)
-    try:
-        yield
-    finally:
-        torch.Tensor.float = orig
-        for m in mods:
-            m.torch = torch
+exact64 = code_in_float64  # the model's own code in float64 (conserve.analysis.verify)
 
 
 def hf_inputs(model, cfg):

@@ -10,9 +10,7 @@ the same code with those casts made float64 so the check can resolve 1e-10 (see 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from conserve.detection.hf import FAMILIES, detect_from_config, probe_rope  # no
 from conserve.errors import UsageError  # noqa: E402
 from conserve.laws import (GainBalance, QKGram, RopePairs, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram,  # noqa: E402
                            cols, rows, vector)
-from conserve.analysis.verify import TOL, first_order  # noqa: E402
+from conserve.analysis.verify import TOL, code_in_float64, first_order  # noqa: E402
 
 TINY = dict(hidden_size=16, num_attention_heads=4, intermediate_size=12, num_hidden_layers=1, vocab_size=17)
 MOE = ("mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "qwen3_moe")
@@ -99,30 +97,7 @@ def randomize(model: nn.Module) -> nn.Module:
     return model
 
 
-class _Torch64:
-    """``torch`` as seen by a modeling module inside ``exact64``: float32 / float mean float64."""
-
-    def __getattr__(self, n):
-        return torch.float64 if n in ("float32", "float") else getattr(torch, n)
-
-
-@contextlib.contextmanager
-def exact64(model):
-    """Run the model's own HF code in float64 end to end: its explicit float32 upcasts (RMSNorm,
-    softmax(dtype=torch.float32), rotary, routers' ``.float()``) become float64. They are precision
-    choices, not part of the function, but at float32 they would bound the first-order check at ~1e-7."""
-    mods = {sys.modules[type(m).__module__] for m in model.modules()}
-    mods = [m for m in mods if m.__name__.startswith("transformers.") and getattr(m, "torch", None) is torch]
-    orig = torch.Tensor.float
-    for m in mods:
-        m.torch = _Torch64()
-    torch.Tensor.float = lambda self, *a, **k: self if self.dtype == torch.float64 else orig(self, *a, **k)
-    try:
-        yield
-    finally:
-        torch.Tensor.float = orig
-        for m in mods:
-            m.torch = torch
+exact64 = code_in_float64  # the model's own code in float64 (conserve.analysis.verify)
 
 
 def logits_model(model):

@@ -12,7 +12,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -73,6 +75,35 @@ def _tensors(out) -> list[torch.Tensor]:
     from ..detection.graph import _flat
 
     return [t for t in _flat(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class _Torch64:
+    """``torch`` as seen by a modeling module inside ``code_in_float64``: float32 / float mean float64."""
+
+    def __getattr__(self, n):
+        return torch.float64 if n in ("float32", "float") else getattr(torch, n)
+
+
+@contextlib.contextmanager
+def code_in_float64(model: nn.Module, packages: tuple[str, ...] = ("transformers.", "timm.")):
+    """Run the model's own transformers / timm code in float64 end to end, without tracing it: inside the
+    block, the modeling modules of ``model``'s submodules (those under ``packages``) see ``torch.float32`` /
+    ``torch.float`` as float64, and ``Tensor.float()`` leaves float64 tensors alone, so the code's explicit
+    float32 upcasts (RMSNorm, ``softmax(dtype=torch.float32)``, rotary, routers' ``.float()``) become float64.
+    They are precision choices, not part of the function, but at float32 they would bound the first-order
+    check near 1e-7.  ``model`` must already be float64.  Not thread-safe (patches module globals)."""
+    mods = {sys.modules[type(m).__module__] for m in model.modules()}
+    mods = [m for m in mods if m.__name__.startswith(packages) and getattr(m, "torch", None) is torch]
+    orig = torch.Tensor.float
+    for m in mods:
+        m.torch = _Torch64()
+    torch.Tensor.float = lambda self, *a, **k: self if self.dtype == torch.float64 else orig(self, *a, **k)
+    try:
+        yield
+    finally:
+        torch.Tensor.float = orig
+        for m in mods:
+            m.torch = torch
 
 
 def exact64(model: nn.Module, inputs) -> tuple[nn.Module, dict]:
