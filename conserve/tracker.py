@@ -1058,9 +1058,7 @@ class Tracker:
         and model in the same call makes them), without sinks: a snapshot, not a second writer."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
-                "_warned_dropped_sinks": set(), "_closed": False,
-                "_bound": None}
+        skip = _SNAPSHOT_RESET
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.copy(skip[k]) if k in skip else copy.deepcopy(v, memo)
         # the bindings follow a model copied in the same call (else the copy has none: nothing to check)
@@ -1074,9 +1072,7 @@ class Tracker:
     def __getstate__(self) -> dict:
         """Pickling keeps the series (values, pending rows, cumulative terms) without the sinks, as
         ``copy.deepcopy`` does: an unpickled tracker is a snapshot, not a second writer (set ``sinks``)."""
-        skip = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
-                "_warned_dropped_sinks": set(), "_closed": False,
-                "_bound": None}  # (weak references to the model's modules do not pickle)
+        skip = _SNAPSHOT_RESET  # (weak references to the model's modules do not pickle)
         return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
 
     def __setstate__(self, state: dict) -> None:
@@ -1149,6 +1145,12 @@ class Tracker:
         for s in self.sinks:  # one series: sinks drop what an earlier run wrote after it
             if hasattr(s, "resume"):
                 s.resume(written)
+
+
+# what a copy or an unpickled tracker starts afresh (a snapshot, not a second writer): each is copied
+# (``copy.copy``) into the new tracker, never shared
+_SNAPSHOT_RESET = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
+                   "_warned_dropped_sinks": set(), "_closed": False, "_bound": None}
 
 
 def _state_problem(state) -> str | None:

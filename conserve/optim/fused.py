@@ -356,7 +356,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    _refuse(p)
+                    self._refuse(p)
+
+    def _refuse(self, p: torch.Tensor) -> None:
+        """``_check_grads`` for one parameter with a gradient (one pass over the parameters per step)."""
+        if p.grad.is_sparse:
+            raise RuntimeError("fused optimizers do not support sparse gradients; use torch.optim.SparseAdam")
+        if torch.is_complex(p):
+            raise RuntimeError("fused optimizers do not support complex parameters; use torch.optim.AdamW")
 
     @eager
     @torch.no_grad()
@@ -629,19 +636,11 @@ def _split_work(work, first: set):
     return head, tail
 
 
-def _refuse(p: torch.Tensor) -> None:
-    if p.grad.is_sparse:
-        raise RuntimeError("fused optimizers do not support sparse gradients; use torch.optim.SparseAdam")
-    if torch.is_complex(p):
-        raise RuntimeError("fused optimizers do not support complex parameters; use torch.optim.AdamW")
-
-
 def _params_with_grad(group, done: set):
     out = []
     for p in group["params"]:
         if p.grad is None or id(p) in done:
-            continue
-        _refuse(p)
+            continue  # (the gradients were checked before the step changed anything: ``_check_grads``)
         done.add(id(p))
         out.append(p)
     return out
@@ -695,15 +694,13 @@ class FusedAdam(_FusedOptimizer):
                        maximize=bool(group["maximize"]), beta1=_scalar(b1), beta2=_scalar(b2), eps=float(group["eps"]),
                        decoupled=bool(group.get("decoupled_weight_decay", False)))
 
-    def _check_grads(self) -> None:
-        super()._check_grads()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.grad.dtype != p.dtype:  # (torch's grad_dtype: fp32 grads of bf16 weights)
-                    raise RuntimeError(f"{type(self).__name__}: a {str(p.dtype)[6:]} parameter {tuple(p.shape)} has a "
-                                       f"{str(p.grad.dtype)[6:]} gradient; Adam keeps exp_avg / exp_avg_sq in the "
-                                       "parameter's dtype (as torch.optim.AdamW): give the gradient the parameter's "
-                                       "dtype (p.grad_dtype = None) or keep the parameter in float32")
+    def _refuse(self, p: torch.Tensor) -> None:
+        super()._refuse(p)
+        if p.grad.dtype != p.dtype:  # (torch's grad_dtype: fp32 grads of bf16 weights)
+            raise RuntimeError(f"{type(self).__name__}: a {str(p.dtype)[6:]} parameter {tuple(p.shape)} has a "
+                               f"{str(p.grad.dtype)[6:]} gradient; Adam keeps exp_avg / exp_avg_sq in the "
+                               "parameter's dtype (as torch.optim.AdamW): give the gradient the parameter's "
+                               "dtype (p.grad_dtype = None) or keep the parameter in float32")
 
     def _collect(self, group, done):
         params = _params_with_grad(group, done)
