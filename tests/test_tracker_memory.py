@@ -216,20 +216,28 @@ def test_family_ids_gathered_equal_the_built_tables():
     m = _model()
     tr = Tracker(m, drift=False)
     fams = tr.families
-    want_inst, want_entry = [], torch.zeros(tr._inst_all.numel(), dtype=torch.int32)
+    want_inst, want_entry, want_group = [], torch.zeros(tr._inst_all.numel(), dtype=torch.int32), []
     c = tr.compiled
     offs = tr._flat_at
     for law, (kind, a, b) in zip(c.laws, c.where):
         f = fams.index(law.family)
+        g = tr.groups.index((law.family, -1 if law.layer is None else law.layer))
+        n = b if kind == "vec" and law.per == "entry" else 1
+        want_inst += [f] * n
+        want_group += [g] * n
         if kind == "vec":
-            want_inst += [f] * (b if law.per == "entry" else 1)
             want_entry[a: a + b] = f
         else:
-            want_inst.append(f)
             want_entry[offs[a] + b] = f
     assert tr.__dict__.get("_fam_all_held") is None  # every entry belongs to a law here: nothing held
     assert tr._inst_fam.tolist() == want_inst
     assert torch.equal(tr._fam_all, want_entry)
+    # the instances' groups are held as runs (fewer than the instances), expanding to the table
+    assert tr._inst_group.tolist() == want_group and len(tr._run_len) < tr._n_inst
+    assert "_inst_group" not in tr.__dict__
+    per_inst = torch.rand(tr._n_inst, dtype=torch.float64)
+    want = torch.zeros(len(tr.groups), dtype=torch.float64).index_add_(0, torch.tensor(want_group), per_inst)
+    torch.testing.assert_close(tr._group_sum(per_inst), want, rtol=1e-15, atol=0)
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "per_tensor", "matrices_only"])

@@ -511,7 +511,7 @@ class DistributedTracker(Tracker):
         rel = self._inst_norm(self._masked(h1.map(torch.sub, self.h0))) / self.denom
         nf = len(self.families)
         parts = [torch.zeros(nf, dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel),
-                 torch.zeros(len(self.groups), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_group, rel)]
+                 self._group_sum(rel)]
         if self.drift:
             if terms is None:
                 parts.append(torch.zeros(len(TERMS) * nf, dtype=rel.dtype, device=self.device))
@@ -625,7 +625,7 @@ class DistributedTracker(Tracker):
         sq = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._split_inst, self._split_w * d * d)
         rel = sq.sqrt() / self.denom  # 0 on complete instances (their share is in x[:nf + ng])
         fam = x[:nf] + torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
-        grp = x[nf: nf + ng] + torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        grp = x[nf: nf + ng] + self._group_sum(rel)
         parts = [fam / self._fam_count, grp / self._group_count]
         if self.drift:
             if p.drift:
