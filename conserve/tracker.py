@@ -434,6 +434,25 @@ class Tracker:
         return torch.zeros(len(self.groups), dtype=per_inst.dtype, device=per_inst.device).index_add_(
             0, self._run_group, runs)
 
+    @property
+    def denom(self) -> torch.Tensor:
+        """(instances,) the ``eps`` denominators: ``||h_i(theta_0)||``, or for a guarded instance (``|h_0|``
+        below ``GUARD`` times its magnitude) that magnitude, at least the dtype's ``tiny``; dtype of ``h_0``.
+        Formed when read from the held ``h_0`` (one evaluation of the instance norms): only the guarded
+        instances' values are held (``_guard_at``, ``_guard_val``: 12 bytes each; none on a model whose
+        laws all start unbalanced).  Setting it (construction, ``load_state_dict``) keeps those."""
+        d = self._inst_norm(self.h0)
+        if self._guard_at.numel():
+            d.index_copy_(0, self._guard_at, self._guard_val)
+        return d.clamp_min_(torch.finfo(d.dtype).tiny)
+
+    @denom.setter
+    def denom(self, value: torch.Tensor) -> None:
+        h0n = self._inst_norm(self.h0)
+        value = value.to(device=h0n.device, dtype=h0n.dtype)
+        at = torch.nonzero(value != h0n).flatten()  # (a denominator clamped to tiny too)
+        self._guard_at, self._guard_val = at, value.index_select(0, at)
+
     def _fam_mean(self, per_inst: torch.Tensor) -> torch.Tensor:
         """(families,): the mean of a per-instance quantity over each family's instances."""
         return torch.zeros(len(self.families), dtype=per_inst.dtype, device=per_inst.device).index_add_(
@@ -885,7 +904,9 @@ class Tracker:
         rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
         parts["eps"] = self._fam_mean(rel)
         # fraction of a family's instances whose h_0 is ~0 (the eps guard divides by the magnitude instead)
-        parts["guarded"] = self._fam_mean((self.denom > self._inst_norm(self.h0)).to(rel.dtype))
+        guarded = torch.zeros(self._n_inst, dtype=rel.dtype, device=rel.device)
+        guarded[self._guard_at] = (self._guard_val > self._inst_norm(self.h0)[self._guard_at]).to(rel.dtype)
+        parts["guarded"] = self._fam_mean(guarded)
         parts["balance"] = self.h0_balance.to(device=self.device, dtype=rel.dtype)
         host = {k: v.double().cpu().tolist() for k, v in parts.items()}
         sums = self._step_sums + self._pending_step_sums()  # (flushed rows + the rows still pending)
@@ -1158,7 +1179,11 @@ class Tracker:
         return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
 
     def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        denom = state.pop("denom", None)  # (pickled before the denominators were formed when read)
         self.__dict__.update(state)
+        if denom is not None and "_guard_at" not in state:
+            self.denom = denom
         if "params" in state:
             self._accept_weights()  # the unpickled tensors' version counters start afresh
         _LIVE.add(self)

@@ -38,10 +38,9 @@ def _train(m, opt, steps, seed=0):
 
 
 def _law_sized(tr):
-    """The storages of law-value shape that the tracker owns (its ``__dict__``, into containers and ``Values``;
-    not the per-instance guard denominators ``denom``, which have that shape when every instance is one entry)."""
+    """The storages of law-value shape that the tracker owns (its ``__dict__``, into containers and ``Values``)."""
     shapes = {tuple(tr.h0.vec.shape)} | {tuple(g.shape) for g in tr.h0.grams.values()}
-    seen, out, todo = {tr.denom.untyped_storage().data_ptr()}, [], list(tr.__dict__.values())
+    seen, out, todo = set(), [], list(tr.__dict__.values())
     while todo:
         o = todo.pop()
         if torch.is_tensor(o):

@@ -9,7 +9,8 @@ import conserve
 from conserve.kernels import reference as R
 from conserve.kernels.reference import _evaluate_looped, bilinear_reference, evaluate_reference
 from conserve.models import DecoderLM, LMConfig
-from conserve.tracker import Tracker
+from conserve import kernels
+from conserve.tracker import GUARD, Tracker, Values, _abs_plan as _tracker_abs_plan
 from conserve.tracking.drift import Sampler
 from bench.track_overhead import LiveBytes  # the bench's storage counter
 from test_kernels import _abs_plan, llama_block
@@ -448,3 +449,26 @@ def test_compact_layout_selects_by_slice_or_index_alike():
         want = x.clone().index_add_(0, vi, y)
         _add_at(x, at.vec, y)
         assert torch.equal(x, want)
+
+
+def test_eps_denominators_formed_from_h0_hold_only_the_guarded_ones():
+    """``denom`` is formed when read from ``h_0`` (not held): ``|h_0,i|`` where the law starts unbalanced,
+    the magnitude (every sign +) where the guard takes it; only those are held, and the value set by a
+    ``load_state_dict`` (the saved run's guards) is the one read back, bit for bit."""
+    m = _model()
+    tr = Tracker(m, drift=False)
+    assert "denom" not in tr.__dict__
+    h0n = tr._inst_norm(tr.h0)
+    mag = tr._inst_norm(Values(*kernels.evaluate(_tracker_abs_plan(tr.compiled.plan), tr.tensors)))
+    want = torch.where(h0n > GUARD * mag, h0n, mag).clamp_min(torch.finfo(h0n.dtype).tiny)
+    assert torch.equal(tr.denom, want)
+    assert tr._guard_at.numel() == int((want != h0n).sum())
+    # a state whose guards differ (another theta_0's magnitudes): those instances are held and read back
+    sd = tr.state_dict()
+    other = sd["denom"].clone()
+    other[::3] *= 7.0
+    sd["denom"] = other
+    tr.load_state_dict(sd)
+    assert torch.equal(tr.denom, other) and tr._guard_at.numel() == len(other[::3])
+    assert tr.totals()  # (guarded read from the held ones)
+    tr.close()
