@@ -734,8 +734,8 @@ class Tracker:
         (None: all).  Appends one metric row (on device).
 
         Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
-        are formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to
-        the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it).
+        are formed in one stacked scratch buffer, summed into ``cumulative`` in place (when kept) and
+        reduced to the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it).
         The tracker's own budgeted drift steps (``drift_terms`` over a compact sub-plan) form them over
         the group's entries only (the scratch is the group's size, not five law-sized rows); terms
         given here are in the full layout.  Nothing is booked after ``close()`` (one warning)."""
@@ -775,7 +775,7 @@ class Tracker:
         deferred.raise_booked(self, self.step_count)  # this step was booked before the caller saw the error
 
     def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
-        """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four, and per
+        """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four (when kept), and per
         term and family the Euclidean norm into ``norms`` (``(len(TERMS), families)``, NaN for a family
         without a decomposed entry)."""
         dev = self.device
