@@ -52,6 +52,19 @@ def check_slots(plan: Plan):
 _INDEX = torch.int32  # index tensors of the cached structures (index_add_/index_select take int32)
 
 
+def _narrow_index(idx: np.ndarray, device) -> torch.Tensor:
+    """A held index table in the narrowest dtype that holds it: int16 when every entry is below 2^15
+    (half of int32's bytes), else ``_INDEX``; ``_wide`` widens it (a transient copy) where an
+    ``index_add_`` reads it."""
+    small = idx.size == 0 or (int(idx.min()) >= 0 and int(idx.max()) < (1 << 15))
+    return torch.as_tensor(idx, dtype=torch.int16 if small else _INDEX, device=device)
+
+
+def _wide(idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` as an index ``index_add_`` takes (int32 / int64): a transient int32 copy of an int16 table."""
+    return idx if idx.dtype in (torch.int32, torch.int64) else idx.to(_INDEX)
+
+
 def _tensor(ts, i: int) -> torch.Tensor:
     if not 0 <= i < len(ts) or ts[i] is None:
         raise ValueError(f"the plan names tensor {i} but {len(ts)} tensors were given")
@@ -384,7 +397,7 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
         progs = _progressions(reds, out_line, sign_line)
         if progs is not None:  # a few reductions, each onto a progression of entries: no index table at all
             return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [], None, cap)), taken
-        out_t = torch.as_tensor(out_line, dtype=_INDEX, device=device)
+        out_t = _narrow_index(out_line, device)  # held: int16 (widened per segment where it is read)
         return _Lines(reds, None, out_t, segments, norm_size, None, _batches(reds, norm_size, [], segments, out_t, cap)), taken
     order = np.argsort(sign, kind="stable")
     src, out, sign = src[order], out[order], sign[order]
@@ -420,21 +433,28 @@ def _progressions(reds, out_line: np.ndarray, sign_line: np.ndarray):
 
 
 _BATCH_MIN = 256  # a batch of stacked line values holds at least this many (a batch costs one cat and its adds)
+_CUT_MIN = 256  # ... and is closed at the end of a sign segment once it holds this many (no extra index_add_)
 
 
 def _batches(reds, norm_size: int, progs, segments, out, cap: int):
     """Reductions ``[i0, i1)`` whose values ``[v0, v1)`` are stacked, squared (up to ``squared end``)
     and added at once, at most ``cap`` values each (``_temp_cap``: the bound on any temporary of the
-    plan, 1/16 of its tensors' bytes; one batch in the usual case, since a model has far fewer line
-    values than weights), with the progressions and the segments (clipped; with their view of
-    ``out``) that fall in them, offsets relative to ``v0``; the additions into each entry keep their
-    line order."""
+    plan, 1/16 of its tensors' bytes; a model has far fewer line values than weights), with the
+    progressions and the segments (clipped; with their view of ``out``) that fall in them, offsets
+    relative to ``v0``; the additions into each entry keep their line order.  A batch of at least
+    ``_CUT_MIN`` values ends where a sign segment ends (at a reduction boundary): the stacked values
+    alive at once are about one segment's, at the cost of one ``empty`` per batch and no extra
+    ``index_add_`` (each segment is still added by one call)."""
     size = max(_BATCH_MIN, cap)
+    ends = {b for _, _, b in segments}  # a batch holding _CUT_MIN values is closed where a segment ends
     got, i0 = [], 0
     while i0 < len(reds):
         i1, v0 = i0, reds[i0].start
         while i1 < len(reds) and (i1 == i0 or reds[i1].start + reds[i1].size - v0 <= size):
             i1 += 1
+            end = reds[i1 - 1].start + reds[i1 - 1].size
+            if end in ends and end - v0 >= _CUT_MIN:
+                break
         v1 = reds[i1 - 1].start + reds[i1 - 1].size
         ps = [(p[0] - v0, p[1] - v0) + tuple(p[2:]) for p in progs if v0 <= p[0] < v1]
         ss = [(sg, max(a, v0) - v0, min(b, v1) - v0, out[max(a, v0): min(b, v1)]) for sg, a, b in segments
@@ -498,7 +518,7 @@ def _reduce_into(out: torch.Tensor, how, x: torch.Tensor, y, d, kind: str, acc) 
     if how == "elem":
         out.copy_(x)
         return out.mul_(out if kind != "dot" else y)  # in acc: y (any float dtype) is promoted exactly
-    o = out.view([n for i, n in enumerate(x.shape) if i != d])  # the values, C order of x without dim d
+    o = out if x.dim() == 2 else out.view([n for i, n in enumerate(x.shape) if i != d])  # C order of x without d
     if how == "norm":
         torch.linalg.vector_norm(x, dim=d, out=o)
     elif how == "sum":
@@ -561,8 +581,8 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
             for r0, r1, first, step, sign in progs:
                 vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(
                     v if r1 - r0 == n else v[r0:r1], alpha=sign)
-            for sign, r0, r1, o in segs:
-                vec.index_add_(0, o, v if r1 - r0 == n else v[r0:r1], alpha=sign)
+            for sign, r0, r1, o in segs:  # (the widened index lives after the reductions' temporaries)
+                vec.index_add_(0, _wide(o), v if r1 - r0 == n else v[r0:r1], alpha=sign)
             del v
         return
     norms, other = [], []
@@ -579,7 +599,7 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
     for r0, r1, first, step, sign in lines.progressions or ():
         vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(v[r0:r1], alpha=sign)
     for sign, r0, r1 in lines.segments:
-        vec.index_add_(0, lines.out[r0:r1], v[r0:r1], alpha=sign)
+        vec.index_add_(0, _wide(lines.out[r0:r1]), v[r0:r1], alpha=sign)
 
 
 def _order(e):

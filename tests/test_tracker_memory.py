@@ -69,6 +69,7 @@ def test_line_batches_and_progressions_bit_equal_to_one_stacked_gather(fp64, mon
         cap = 1 << 30 if mode == "stacked" else 8  # batches of at most ``cap`` values (the plan's temp cap)
         monkeypatch.setattr(R, "_batches", lambda *a, cap=cap: batches(*a[:-1], cap))
         monkeypatch.setattr(R, "_BATCH_MIN", 8)
+        monkeypatch.setattr(R, "_CUT_MIN", 1 << 30 if mode == "stacked" else 8)  # (batches end at sign segments)
         monkeypatch.setattr(R, "_PROGRESSIONS", 1 << 10 if mode == "progressions" else 0)
         R.clear_cache()
         s = R._structure(plan, ts, None, False, torch.float64 if fp64 else torch.float32, torch.device("cpu"))
