@@ -159,8 +159,8 @@ def _row_sums(blocks, xs, ys, dtype, square: bool, shift=None) -> torch.Tensor:
 class _GramGroup:
     D: int
     blocks: list
-    tensor: np.ndarray  # tensor index of each stacked view
-    sign_np: np.ndarray  # its sign (float64)
+    tensor: np.ndarray | None  # tensor index of each stacked view (decay's structure only, else None)
+    sign_np: np.ndarray | None  # its sign (float64; decay's structure only)
     slot: torch.Tensor  # (T,) output slot per view (``_INDEX``)
     sign: torch.Tensor  # (T,) signs in the accumulation dtype
 
@@ -171,7 +171,7 @@ class _RowGroup:
 
     square: bool
     blocks: list
-    row_term: np.ndarray  # (R,) term id (into ``_Structure.vterms``) of each stacked row
+    row_term: np.ndarray | None  # (R,) term id (into ``_Structure.vterms``) of each row (decay's structure only)
     out: torch.Tensor  # (R,) vec index per row
     sign: torch.Tensor  # (R,) sign per row (acc dtype)
     shift: torch.Tensor | None  # (R,) shift per row, None when every shift is 0
@@ -211,6 +211,7 @@ class _Lines:
     norm_size: int = 0  # the first norm_size stacked values are norms (squared once)
     progressions: list | None = None  # (r0, r1, first, step, sign): ``src`` None, ``out`` None, see _build_lines
     batches: list | None = None  # ``src`` None: (i0, i1, values, squared, progressions, segments), _batches
+    early: int | None = None  # ``_early``'s batch (-1: none), set at the first evaluation
 
 
 @dataclass
@@ -235,7 +236,10 @@ def _partner(ys, v, x):
 
 
 def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = True) -> _Structure:
+    """The grouped structure; the host arrays of the decay coefficients (``_GramGroup.tensor`` /
+    ``sign_np``, ``_RowGroup.row_term``) only in decay's (``use_lines`` False), None otherwise."""
     check_slots(plan)
+    decay = not use_lines
     ggroups: dict = {}
     for t in plan.grams:
         v = t.view
@@ -256,8 +260,8 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
         blocks: list = []
         for (ti, xo, rs, cs, y, _, _) in ents:
             _extend(blocks, ti, xo, D, N, rs, cs, y)
-        grams.append(_GramGroup(D, blocks, np.asarray([e[0] for e in ents], dtype=np.int64),
-                                np.asarray([e[6] for e in ents], dtype=np.float64),
+        grams.append(_GramGroup(D, blocks, np.asarray([e[0] for e in ents], dtype=np.int64) if decay else None,
+                                np.asarray([e[6] for e in ents], dtype=np.float64) if decay else None,
                                 torch.tensor([e[5] for e in ents], dtype=_INDEX, device=device),
                                 torch.tensor([e[6] for e in ents], dtype=acc, device=device)))
     vterms = list(plan.norms) + ([] if bilinear else list(plan.sums))
@@ -298,7 +302,8 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
         for (ti, xo, rs, ls, yy, rows, *_) in ents:
             _extend(blocks, ti, xo, rows, length, rs, ls, yy)
         shift = np.concatenate([np.full(e[5], e[9]) for e in ents])
-        groups.append(_RowGroup(square, blocks, np.concatenate([np.full(e[5], e[6], dtype=np.int64) for e in ents]),
+        groups.append(_RowGroup(square, blocks, np.concatenate([np.full(e[5], e[6], dtype=np.int64) for e in ents])
+                                if decay else None,
                                 torch.as_tensor(np.concatenate([e[7] for e in ents]), dtype=_INDEX, device=device),
                                 torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]), dtype=acc,
                                                 device=device),
@@ -439,7 +444,7 @@ _CUT_MIN = 256  # ... and is closed at the end of a sign segment once it holds t
 def _batches(reds, norm_size: int, progs, segments, out, cap: int):
     """Reductions ``[i0, i1)`` whose values ``[v0, v1)`` are stacked, squared (up to ``squared end``)
     and added at once, at most ``cap`` values each (``_temp_cap``: the bound on any temporary of the
-    plan, 1/16 of its tensors' bytes; a model has far fewer line values than weights), with the
+    plan, 1/16 of its tensors' bytes; at least ``_BATCH_MIN``), with the
     progressions and the segments (clipped; with their view of ``out``) that fall in them, offsets
     relative to ``v0``; the additions into each entry keep their line order.  A batch of at least
     ``_CUT_MIN`` values ends where a sign segment ends (at a reduction boundary): the stacked values
@@ -567,17 +572,57 @@ def _chunked(x, y, d: int, kind: str, k: int, acc, out: torch.Tensor | None = No
     return total.reshape(-1)
 
 
-def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
-    """``vec[out] += sign * value`` for every term row of ``lines``."""
+def _batched(lines: _Lines, xs, ys) -> bool:
+    """Whether ``lines`` takes the batch path (in place: not under autograd)."""
+    return lines.batches is not None and not (torch.is_grad_enabled() and any(
+        xs[r.tensor].requires_grad or (ys is not None and ys[r.tensor].requires_grad) for r in lines.reductions))
+
+
+def _temp_size(r: _Reduction, x: torch.Tensor, y, acc) -> int:
+    """Elements of the temporary ``_reduce`` makes for ``r`` (its path chosen here if not yet)."""
+    if r.how is None:
+        r.how = _choose(r, x, y, acc)
+    if r.how == "temp":
+        return x.numel()
+    if isinstance(r.how, int):
+        return r.how * (x.numel() // max(1, x.shape[r.dim]))
+    return 0
+
+
+def _early(lines: _Lines, xs, ys, acc) -> int | None:
+    """The batch whose reductions make the largest temporary (``_run`` reduces it before the outputs
+    are allocated, so that temporary never sits next to them); None when none makes one.  Chosen once
+    per structure (its layouts are part of the cache key)."""
+    if lines.early is None:
+        best, lines.early = 0, -1
+        for b, (i0, i1, *_) in enumerate(lines.batches):
+            for r in lines.reductions[i0:i1]:
+                t = _temp_size(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc)
+                if t > best:
+                    best, lines.early = t, b
+    return lines.early if lines.early >= 0 else None
+
+
+def _batch_values(lines: _Lines, batch, xs, ys, acc, device) -> torch.Tensor:
+    """The stacked values of one batch (``_batches``): each reduction's values straight into their
+    place (no parts, no cat), the norms squared in place."""
+    i0, i1, n, sq = batch[:4]
     reds = lines.reductions
-    if lines.batches is not None and not (torch.is_grad_enabled() and any(
-            xs[r.tensor].requires_grad or (ys is not None and ys[r.tensor].requires_grad) for r in reds)):
-        for i0, i1, n, sq, progs, segs in lines.batches:  # fresh values: squared in place
-            v, v0 = torch.empty(n, dtype=acc, device=vec.device), reds[i0].start
-            for r in reds[i0:i1]:  # each reduction's values straight into their place (no parts, no cat)
-                _reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc, out=v[r.start - v0: r.start - v0 + r.size])
-            if sq > 0:
-                (v if sq == n else v[:sq]).square_()
+    v, v0 = torch.empty(n, dtype=acc, device=device), reds[i0].start
+    for r in reds[i0:i1]:
+        _reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc, out=v[r.start - v0: r.start - v0 + r.size])
+    if sq > 0:
+        (v if sq == n else v[:sq]).square_()
+    return v
+
+
+def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc, early=None) -> None:
+    """``vec[out] += sign * value`` for every term row of ``lines``; ``early``: ``(batch, values)`` of a
+    batch already reduced (``_run``), added in its turn (the additions into each entry keep their order)."""
+    if _batched(lines, xs, ys):
+        for b, batch in enumerate(lines.batches):
+            n, progs, segs = batch[2], batch[4], batch[5]
+            v = early[1] if early is not None and early[0] == b else _batch_values(lines, batch, xs, ys, acc, vec.device)
             for r0, r1, first, step, sign in progs:
                 vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(
                     v if r1 - r0 == n else v[r0:r1], alpha=sign)
@@ -675,9 +720,13 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
     acc = acc_dtype(fp64)
     device = _device(xs)
     s = _structure(plan, xs, ys, ys is not None, acc, device, use_lines=row_coef is None)
+    early = None  # the batch of line values with the largest temporary: reduced before the outputs exist
+    if s.lines is not None and _batched(s.lines, xs, ys) and (b := _early(s.lines, xs, ys, acc)) is not None:
+        early = (b, _batch_values(s.lines, s.lines.batches[b], xs, ys, acc, device))
     vec, grams = empty_out(plan, device, acc)
     if s.lines is not None:
-        _add_lines(vec, s.lines, xs, ys, acc)
+        _add_lines(vec, s.lines, xs, ys, acc, early)
+        del early
     for g in s.grams:
         coef = g.sign if gram_coef is None else gram_coef(g)
         if coef is None:  # every coefficient is 0
