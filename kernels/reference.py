@@ -172,9 +172,9 @@ class _RowGroup:
     square: bool
     blocks: list
     row_term: np.ndarray | None  # (R,) term id (into ``_Structure.vterms``) of each row (decay's structure only)
-    out: torch.Tensor  # (R,) vec index per row
-    sign: torch.Tensor  # (R,) sign per row (acc dtype)
-    shift: torch.Tensor | None  # (R,) shift per row, None when every shift is 0
+    out: torch.Tensor  # (R,) vec index per row (``_narrow_index``: int16 where it fits)
+    sign: torch.Tensor | None  # (R,) sign per row (acc dtype; None in decay's structure: its coefficients replace it)
+    shift: torch.Tensor | None  # (R,) shift per row, None when every shift is 0 (and in decay's structure)
 
 
 @dataclass
@@ -237,7 +237,8 @@ def _partner(ys, v, x):
 
 def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = True) -> _Structure:
     """The grouped structure; the host arrays of the decay coefficients (``_GramGroup.tensor`` /
-    ``sign_np``, ``_RowGroup.row_term``) only in decay's (``use_lines`` False), None otherwise."""
+    ``sign_np``, ``_RowGroup.row_term``) only in decay's (``use_lines`` False), None otherwise; decay's
+    row groups hold no signs or shifts (its coefficients replace them)."""
     check_slots(plan)
     decay = not use_lines
     ggroups: dict = {}
@@ -304,10 +305,10 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
         shift = np.concatenate([np.full(e[5], e[9]) for e in ents])
         groups.append(_RowGroup(square, blocks, np.concatenate([np.full(e[5], e[6], dtype=np.int64) for e in ents])
                                 if decay else None,
-                                torch.as_tensor(np.concatenate([e[7] for e in ents]), dtype=_INDEX, device=device),
-                                torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]), dtype=acc,
-                                                device=device),
-                                torch.as_tensor(shift, dtype=acc, device=device) if shift.any() else None))
+                                _narrow_index(np.concatenate([e[7] for e in ents]), device),
+                                None if decay else torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]),
+                                                                   dtype=acc, device=device),
+                                torch.as_tensor(shift, dtype=acc, device=device) if shift.any() and not decay else None))
     return _Structure(grams, groups, vterms, lines)
 
 
@@ -753,9 +754,9 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
             v = c2 * _row_sums(g.blocks, xs, None, acc, True) if g.square else 0.0
             if c1 is not None:
                 v = v + c1 * _row_sums(g.blocks, xs, None, acc, False)
-            vec.index_add_(0, g.out, v)
+            vec.index_add_(0, _wide(g.out), v)
         else:
-            vec.index_add_(0, g.out, g.sign * _row_sums(g.blocks, xs, ys, acc, g.square, g.shift))
+            vec.index_add_(0, _wide(g.out), g.sign * _row_sums(g.blocks, xs, ys, acc, g.square, g.shift))
     return vec, grams
 
 
