@@ -12,6 +12,14 @@ Decay (spec "Discrete steps"): ``h(a old) - h(old)`` is computed per term in clo
 quadratic terms ``s_t (a_t^2 - 1) h_t(old)`` (a Gemma-shifted norm adds ``2 s_t (a_t - 1) shift
 sum_c x``), linear terms ``s_t (a_t - 1) sum x`` -- never as a difference of two evaluations (which
 cancels to ~1e-4 relative in fp32 at ``a = 1 - 1e-3``).
+
+Memory (issue 12; ``tests/test_tracker_memory.py`` bounds it, ``bench/reference.py`` prints it): the
+held index tables are int16 where the entries fit (``_narrow_index``; widened per segment where an
+``index_add_`` reads them, after the reductions' temporaries are freed); the whole-line values alive
+at once are one batch (a sign segment, ``_batches``), never all of them stacked; the batch with the
+largest reduction temporary is reduced before the outputs are allocated (``_early``), so that
+temporary never sits next to them.  None of this changes a bit of the results: the same reductions
+run in the same order and every entry receives its additions in the same order.
 """
 from __future__ import annotations
 
@@ -206,7 +214,7 @@ class _Lines:
 
     reductions: list
     src: torch.Tensor | None  # (R,) index into the stacked line values, per term row (None: identity)
-    out: torch.Tensor  # (R,) vec index per term row
+    out: torch.Tensor  # (R,) vec index per term row (``_narrow_index``: int16 where it fits, as ``src``)
     segments: list  # (sign, r0, r1): rows [r0, r1) carry ``sign``
     norm_size: int = 0  # the first norm_size stacked values are norms (squared once)
     progressions: list | None = None  # (r0, r1, first, step, sign): ``src`` None, ``out`` None, see _build_lines
@@ -410,8 +418,7 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
     cuts = np.flatnonzero(np.diff(sign)) + 1
     bounds = [0, *cuts.tolist(), len(sign)]
     segments = [(float(sign[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a and sign[a] != 0.0]
-    return _Lines(reds, torch.as_tensor(src, dtype=_INDEX, device=device),
-                  torch.as_tensor(out, dtype=_INDEX, device=device), segments, norm_size), taken
+    return _Lines(reds, _narrow_index(src, device), _narrow_index(out, device), segments, norm_size), taken
 
 
 _PROGRESSIONS = 16  # at most this many reductions are added onto strided views of vec (no index table)
@@ -641,7 +648,7 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc, early=None) -> Non
         if norms:
             v[: lines.norm_size].square_()
     if lines.src is not None:
-        v = v.index_select(0, lines.src)
+        v = v.index_select(0, _wide(lines.src))
     for r0, r1, first, step, sign in lines.progressions or ():
         vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(v[r0:r1], alpha=sign)
     for sign, r0, r1 in lines.segments:

@@ -92,10 +92,10 @@ def test_line_batches_and_progressions_bit_equal_to_one_stacked_gather(fp64, mon
 
 @pytest.mark.parametrize("fp64", [False, True])
 def test_narrow_index_table_and_early_batch_bit_equal_to_int32_and_in_order(fp64, monkeypatch):
-    """The whole-line index table held as int16 (widened where it is read) and the batch with the
-    largest temporary reduced before the outputs are allocated give the bits of the int32 table and
-    of the batches reduced in order; a table with entries >= 2^15 stays int32 (and equals the
-    float64 loop)."""
+    """The whole-line index tables held as int16 (widened where they are read; the entry table and a
+    RoPE plan's gather table) and the batch with the largest temporary reduced before the outputs
+    are allocated give the bits of int32 tables and of the batches reduced in order; a table with
+    entries >= 2^15 stays int32 (and equals the float64 loop)."""
     plan, ts = llama_block()
     g = torch.Generator().manual_seed(6)
     ys = [torch.randn(t.shape, generator=g) for t in ts]
@@ -117,6 +117,17 @@ def test_narrow_index_table_and_early_batch_bit_equal_to_int32_and_in_order(fp64
     for mode in ("int32", "in order"):
         for a, b in zip(got["int16"], got[mode]):
             assert _bits(a, b), mode
+    rope, rts = llama_block(rope=True)  # a RoPE plan reads some line values twice: the src (gather) table
+    rys = [torch.randn(t.shape, generator=g) for t in rts]
+    for mode in ("int16", "int32"):
+        monkeypatch.setattr(R, "_narrow_index", narrow if mode == "int16" else
+                            (lambda idx, device: torch.as_tensor(idx, dtype=torch.int32, device=device)))
+        R.clear_cache()
+        s = R._structure(rope, rts, None, False, acc, torch.device("cpu"))
+        assert s.lines.src is not None and s.lines.src.dtype == s.lines.out.dtype == getattr(torch, mode)
+        got[mode] = (evaluate_reference(rope, rts, fp64=fp64), bilinear_reference(rope, rts, rys, fp64=fp64))
+    for a, b in zip(got["int16"], got["int32"]):
+        assert _bits(a, b), "src"
     monkeypatch.setattr(R, "_narrow_index", narrow)
     monkeypatch.setattr(R, "_early", early)
     # entries past int16: the table stays int32
