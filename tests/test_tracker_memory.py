@@ -2,6 +2,7 @@
 paths that keep it small, each against an independent form (the float64 term-by-term loop, the
 previous full-layout / stacked computation, bit for bit where the sums run in the same order)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,7 @@ def test_line_batches_and_progressions_bit_equal_to_one_stacked_gather(fp64, mon
         cap = 1 << 30 if mode == "stacked" else 8  # batches of at most ``cap`` values (the plan's temp cap)
         monkeypatch.setattr(R, "_batches", lambda *a, cap=cap: batches(*a[:-1], cap))
         monkeypatch.setattr(R, "_BATCH_MIN", 8)
+        monkeypatch.setattr(R, "_CUT_MIN", 1 << 30 if mode == "stacked" else 8)  # (batches end at sign segments)
         monkeypatch.setattr(R, "_PROGRESSIONS", 1 << 10 if mode == "progressions" else 0)
         R.clear_cache()
         s = R._structure(plan, ts, None, False, torch.float64 if fp64 else torch.float32, torch.device("cpu"))
@@ -87,6 +89,95 @@ def test_line_batches_and_progressions_bit_equal_to_one_stacked_gather(fp64, mon
     _close64(got["batched"][1], _evaluate_looped(plan, d64, y64, True),
              _evaluate_looped(_abs_plan(plan), [t.abs() for t in d64], [t.abs() for t in y64], True),
              1e-12 if fp64 else 1e-5)
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+def test_narrow_index_table_and_early_batch_bit_equal_to_int32_and_in_order(fp64, monkeypatch):
+    """The whole-line index tables held as int16 (widened where they are read; the entry table and a
+    RoPE plan's gather table) and the batch with the largest temporary reduced before the outputs
+    are allocated give the bits of int32 tables and of the batches reduced in order; a table with
+    entries >= 2^15 stays int32 (and equals the float64 loop)."""
+    plan, ts = llama_block()
+    g = torch.Generator().manual_seed(6)
+    ys = [torch.randn(t.shape, generator=g) for t in ts]
+    acc = torch.float64 if fp64 else torch.float32
+    monkeypatch.setattr(R, "_BATCH_MIN", 8)
+    monkeypatch.setattr(R, "_CUT_MIN", 8)  # several batches (one per sign segment)
+    monkeypatch.setattr(R, "_PROGRESSIONS", 0)  # the index table path
+    got = {}
+    narrow, early = R._narrow_index, R._early
+    for mode in ("int16", "int32", "in order"):
+        monkeypatch.setattr(R, "_narrow_index", narrow if mode == "int16" else
+                            (lambda idx, device: torch.as_tensor(idx, dtype=torch.int32, device=device)))
+        monkeypatch.setattr(R, "_early", early if mode == "int16" else (lambda *a: None))
+        R.clear_cache()
+        s = R._structure(plan, ts, None, False, acc, torch.device("cpu"))
+        assert s.lines.out.dtype == (torch.int16 if mode == "int16" else torch.int32)
+        assert len(s.lines.batches) >= 2
+        got[mode] = (evaluate_reference(plan, ts, fp64=fp64), bilinear_reference(plan, ts, ys, fp64=fp64))
+    for mode in ("int32", "in order"):
+        for a, b in zip(got["int16"], got[mode]):
+            assert _bits(a, b), mode
+    rope, rts = llama_block(rope=True)  # a RoPE plan reads some line values twice: the src (gather) table
+    rys = [torch.randn(t.shape, generator=g) for t in rts]
+    for mode in ("int16", "int32"):
+        monkeypatch.setattr(R, "_narrow_index", narrow if mode == "int16" else
+                            (lambda idx, device: torch.as_tensor(idx, dtype=torch.int32, device=device)))
+        R.clear_cache()
+        s = R._structure(rope, rts, None, False, acc, torch.device("cpu"))
+        assert s.lines.src is not None and s.lines.src.dtype == s.lines.out.dtype == getattr(torch, mode)
+        got[mode] = (evaluate_reference(rope, rts, fp64=fp64), bilinear_reference(rope, rts, rys, fp64=fp64))
+    for a, b in zip(got["int16"], got["int32"]):
+        assert _bits(a, b), "src"
+    monkeypatch.setattr(R, "_narrow_index", narrow)
+    monkeypatch.setattr(R, "_early", early)
+    # entries past int16: the table stays int32
+    from conserve.kernels import NormTerm, View
+    big = R.Plan()
+    big.new_vec(1 << 15)  # entries 0 .. 2^15 - 1 unused
+    x = torch.randn(6, 5, generator=g)
+    big.norms.append(NormTerm(View(0, (0, 0), 0, 6, 1, 5), 1.0, big.new_vec(6)))
+    big.norms.append(NormTerm(View(0, (0, 0), 1, 5, 0, 6), -1.0, big.new_vec(5)))
+    R.clear_cache()
+    s = R._structure(big, [x], None, False, acc, torch.device("cpu"))
+    assert s.lines.out.dtype == torch.int32
+    want = _evaluate_looped(big, [x.double()], None, True)
+    _close64(evaluate_reference(big, [x], fp64=fp64), want,
+             _evaluate_looped(_abs_plan(big), [x.double().abs()], None, True), 1e-12 if fp64 else 1e-5)
+    assert R._narrow_index(np.arange(3) + (1 << 15) - 3, "cpu").dtype == torch.int16
+    assert R._narrow_index(np.arange(3) + (1 << 15) - 2, "cpu").dtype == torch.int32
+    R.clear_cache()
+
+
+def test_twin_evaluation_of_the_default_model_holds_one_segment_and_no_temporary_next_to_its_outputs():
+    """``h`` of ``conserve run``'s default model through the twin (its whole-line values: 48 reductions
+    into 1888 values, four sign segments; column sums of squares of 32 x 64 weights, one ``x * x``
+    temporary each): the held index table is int16; the values alive at once are one batch (a sign
+    segment), never the 1888 stacked; the batch with the largest temporary is reduced before the
+    outputs exist.  So the storages created inside the evaluation peak at
+    ``max(E + T, outputs + 2 E)`` (E: the largest batch's values, T: the largest temporary; the
+    second phase: the outputs, that batch and its widened index), not ``outputs + all values + T``."""
+    m = _model(cfg=RUN)
+    tr = Tracker(m)
+    plan, ts = tr.compiled.plan, tr.tensors
+    s = R._structure(plan, ts, None, False, torch.float32, torch.device("cpu"))
+    lines = s.lines
+    total = sum(r.size for r in lines.reductions)
+    assert lines.out.dtype == torch.int16 and lines.out.numel() == total
+    E = 4 * max(b[2] for b in lines.batches)
+    assert len(lines.batches) >= 2 and E < 4 * total * 0.7
+    with torch.no_grad():
+        evaluate_reference(plan, ts)  # the reductions' paths chosen
+        T = 4 * max(R._temp_size(r, ts[r.tensor], None, torch.float32) for r in lines.reductions)
+        assert T > 0 and R._early(lines, ts, None, torch.float32) is not None
+        with LiveBytes() as mode:
+            vec, grams = evaluate_reference(plan, ts)
+    out = 4 * (vec.numel() + sum(g.numel() for g in grams.values()))
+    assert mode.largest <= max(T, E, out), (mode.largest, T, E)
+    assert mode.peak <= max(E + T, out + 2 * E), (mode.peak, E, T, out)
+    assert mode.peak < out + 4 * total + T - E  # (the stacked form: outputs, all values, a temporary)
+    want = _evaluate_looped(plan, [t.double() for t in ts], None, True)
+    _close64((vec, grams), want, _evaluate_looped(_abs_plan(plan), [t.double().abs() for t in ts], None, True), 1e-5)
 
 
 def test_large_gram_groups_block_by_block_bit_equal_to_stacked(monkeypatch):
