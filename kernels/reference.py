@@ -23,6 +23,7 @@ run in the same order and every entry receives its additions in the same order.
 """
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -219,6 +220,7 @@ class _Lines:
     norm_size: int = 0  # the first norm_size stacked values are norms (squared once)
     progressions: list | None = None  # (r0, r1, first, step, sign): ``src`` None, ``out`` None, see _build_lines
     batches: list | None = None  # ``src`` None: (i0, i1, values, squared, progressions, segments), _batches
+    windows: list | None = None  # ``src`` and ``out`` None: ``(G, step, firsts)`` per segment, see _windows
     early: int | None = None  # ``_early``'s batch (-1: none), set at the first evaluation
 
 
@@ -411,6 +413,10 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
         progs = _progressions(reds, out_line, sign_line)
         if progs is not None:  # a few reductions, each onto a progression of entries: no index table at all
             return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [], None, cap)), taken
+        wins = _windows(reds, out_line, segments, device)
+        if wins is not None:  # runs of entries: one window index per run piece, no per-line table
+            return _Lines(reds, None, None, segments, norm_size, None, _batches(reds, norm_size, [], segments, wins, cap),
+                          windows=wins), taken
         out_t = _narrow_index(out_line, device)  # held: int16 (widened per segment where it is read)
         return _Lines(reds, None, out_t, segments, norm_size, None, _batches(reds, norm_size, [], segments, out_t, cap)), taken
     order = np.argsort(sign, kind="stable")
@@ -445,6 +451,60 @@ def _progressions(reds, out_line: np.ndarray, sign_line: np.ndarray):
     return progs
 
 
+_WINDOWS = True  # whole-line entries encoded as runs (``_windows``) where they are; False: the int16 table
+
+
+def _pow2(x: float) -> bool:
+    """Whether ``x`` is +-2^k: ``x * v`` is exact, so ``a + x*v`` has one rounding fused or not."""
+    return x != 0.0 and np.isfinite(x) and math.frexp(abs(x))[0] == 0.5
+
+
+def _windows(reds, out_line: np.ndarray, segments, device):
+    """``[(G, step, firsts)]``, one per sign segment ``(sign, r0, r1)``, when the entries of every
+    segment's lines are pieces of ``G >= 2`` consecutive lines onto ``first + step * j`` (``firsts``:
+    ``(r1 - r0) / G`` int32, one per piece; the pieces end at every reduction's start, so a batch cut
+    there clips whole pieces) and every sign is +-2^k; else None (the per-line table).
+    ``_add_window`` adds a piece per row of a window view of ``vec`` (one ``index_add_`` per segment,
+    rows in line order: each entry receives its additions in the order of the per-line ``index_add_``,
+    bit for bit).  The usual case: a term's rows r go to ``index + r*index_stride``, its columns c to
+    ``index + c``."""
+    if not _WINDOWS or not segments:
+        return None
+    starts = np.asarray([r.start for r in reds], dtype=np.int64)
+    got = []
+    for sign, a, b in segments:
+        if not _pow2(sign):
+            return None
+        o = out_line[a:b]
+        d = np.diff(o)
+        pos = d[d > 0]
+        step = int(np.bincount(pos).argmax()) if pos.size else 1
+        cuts = np.union1d(np.flatnonzero(d != step) + 1, starts[(starts > a) & (starts < b)] - a)
+        bounds = np.concatenate([[0], cuts, [b - a]])
+        G = int(np.gcd.reduce(np.diff(bounds)))
+        if G < 2:
+            return None
+        got.append((G, step, torch.as_tensor(o[::G], dtype=_INDEX, device=device)))
+    return got
+
+
+def _add_window(vec: torch.Tensor, values: torch.Tensor, win, sign: float) -> None:
+    """``vec[firsts[i] + step * j] += sign * values[i * G + j]`` (``win``: ``(G, step, firsts)``): one
+    ``index_add_`` of the ``(pieces, G)`` values into the overlapping window view
+    ``vec.as_strided((rows, G), (1, step))`` (row ``e``: entries ``e + step * j``), rows in order."""
+    G, step, firsts = win
+    vs = vec.stride(0)
+    rows = vec.numel() - (G - 1) * step
+    vec.as_strided((rows, G), (vs, step * vs), vec.storage_offset()).index_add_(0, firsts, values.view(-1, G),
+                                                                                  alpha=sign)
+
+
+def _window_index(win) -> torch.Tensor:
+    """The per-line entries of ``win`` (a transient int64 table: the autograd path's ``index_add_``)."""
+    G, step, firsts = win
+    return (firsts.long()[:, None] + step * torch.arange(G, device=firsts.device)).reshape(-1)
+
+
 _BATCH_MIN = 256  # a batch of stacked line values holds at least this many (a batch costs one cat and its adds)
 _CUT_MIN = 256  # ... and is closed at the end of a sign segment once it holds this many (no extra index_add_)
 
@@ -470,11 +530,21 @@ def _batches(reds, norm_size: int, progs, segments, out, cap: int):
                 break
         v1 = reds[i1 - 1].start + reds[i1 - 1].size
         ps = [(p[0] - v0, p[1] - v0) + tuple(p[2:]) for p in progs if v0 <= p[0] < v1]
-        ss = [(sg, max(a, v0) - v0, min(b, v1) - v0, out[max(a, v0): min(b, v1)]) for sg, a, b in segments
-              if a < v1 and b > v0]
+        ss = [(sg, max(a, v0) - v0, min(b, v1) - v0, _clip(out, k, a, max(a, v0), min(b, v1)))
+              for k, (sg, a, b) in enumerate(segments) if a < v1 and b > v0]
         got.append((i0, i1, v1 - v0, min(max(norm_size, v0), v1) - v0, ps, ss))
         i0 = i1
     return got
+
+
+def _clip(out, k: int, a: int, c0: int, c1: int):
+    """Lines ``[c0, c1)`` of segment ``k`` (its lines start at ``a``): a view of the table ``out``, or
+    ``(G, step, firsts)`` of its windows (``out``: ``_windows``' list; the cut is at a piece's end)."""
+    if isinstance(out, list):
+        G, step, firsts = out[k]
+        assert (c0 - a) % G == 0 and (c1 - a) % G == 0
+        return G, step, firsts[(c0 - a) // G: (c1 - a) // G]
+    return out[c0:c1]
 
 
 _CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
@@ -635,7 +705,10 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc, early=None) -> Non
                 vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(
                     v if r1 - r0 == n else v[r0:r1], alpha=sign)
             for sign, r0, r1, o in segs:  # (the widened index lives after the reductions' temporaries)
-                vec.index_add_(0, _wide(o), v if r1 - r0 == n else v[r0:r1], alpha=sign)
+                if isinstance(o, tuple):
+                    _add_window(vec, v if r1 - r0 == n else v[r0:r1], o, sign)
+                else:
+                    vec.index_add_(0, _wide(o), v if r1 - r0 == n else v[r0:r1], alpha=sign)
             del v
         return
     norms, other = [], []
@@ -651,8 +724,9 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc, early=None) -> Non
         v = v.index_select(0, _wide(lines.src))
     for r0, r1, first, step, sign in lines.progressions or ():
         vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(v[r0:r1], alpha=sign)
-    for sign, r0, r1 in lines.segments:
-        vec.index_add_(0, _wide(lines.out[r0:r1]), v[r0:r1], alpha=sign)
+    for k, (sign, r0, r1) in enumerate(lines.segments):
+        idx = _window_index(lines.windows[k]) if lines.windows is not None else _wide(lines.out[r0:r1])
+        vec.index_add_(0, idx, v[r0:r1], alpha=sign)
 
 
 def _order(e):

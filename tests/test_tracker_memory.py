@@ -104,6 +104,7 @@ def test_narrow_index_table_and_early_batch_bit_equal_to_int32_and_in_order(fp64
     monkeypatch.setattr(R, "_BATCH_MIN", 8)
     monkeypatch.setattr(R, "_CUT_MIN", 8)  # several batches (one per sign segment)
     monkeypatch.setattr(R, "_PROGRESSIONS", 0)  # the index table path
+    monkeypatch.setattr(R, "_WINDOWS", False)
     got = {}
     narrow, early = R._narrow_index, R._early
     for mode in ("int16", "int32", "in order"):
@@ -152,18 +153,23 @@ def test_narrow_index_table_and_early_batch_bit_equal_to_int32_and_in_order(fp64
 def test_twin_evaluation_of_the_default_model_holds_one_segment_and_no_temporary_next_to_its_outputs():
     """``h`` of ``conserve run``'s default model through the twin (its whole-line values: 48 reductions
     into 1888 values, four sign segments; column sums of squares of 32 x 64 weights, one ``x * x``
-    temporary each): the held index table is int16; the values alive at once are one batch (a sign
-    segment), never the 1888 stacked; the batch with the largest temporary is reduced before the
-    outputs exist.  So the storages created inside the evaluation peak at
-    ``max(E + T, outputs + 2 E)`` (E: the largest batch's values, T: the largest temporary; the
-    second phase: the outputs, that batch and its widened index), not ``outputs + all values + T``."""
+    temporary each): no per-line entry table is held (the entries are runs: ``_windows``, one int32
+    per piece of >= 4 lines, at most a fifth of the int16 table's bytes) and nothing per line is
+    widened; the values alive at once are one batch (a sign segment), never the 1888 stacked; the
+    batch with the largest temporary is reduced before the outputs exist.  So the storages created
+    inside the evaluation peak at ``max(E + T, outputs + E)`` (E: the largest batch's values, T: the
+    largest temporary), not ``outputs + all values + T``."""
     m = _model(cfg=RUN)
     tr = Tracker(m)
     plan, ts = tr.compiled.plan, tr.tensors
     s = R._structure(plan, ts, None, False, torch.float32, torch.device("cpu"))
     lines = s.lines
     total = sum(r.size for r in lines.reductions)
-    assert lines.out.dtype == torch.int16 and lines.out.numel() == total
+    assert lines.out is None and lines.src is None and lines.windows is not None
+    assert len(lines.windows) == len(lines.segments) and min(G for G, _, _ in lines.windows) >= 4
+    held = sum(f.numel() * f.element_size() for _, _, f in lines.windows)
+    assert held <= 2 * total / 5, held
+    assert all(isinstance(o, tuple) for b in lines.batches for *_, o in b[5])  # no table view in any batch
     E = 4 * max(b[2] for b in lines.batches)
     assert len(lines.batches) >= 2 and E < 4 * total * 0.7
     with torch.no_grad():
@@ -174,10 +180,52 @@ def test_twin_evaluation_of_the_default_model_holds_one_segment_and_no_temporary
             vec, grams = evaluate_reference(plan, ts)
     out = 4 * (vec.numel() + sum(g.numel() for g in grams.values()))
     assert mode.largest <= max(T, E, out), (mode.largest, T, E)
-    assert mode.peak <= max(E + T, out + 2 * E), (mode.peak, E, T, out)
+    assert mode.peak <= max(E + T, out + E), (mode.peak, E, T, out)
     assert mode.peak < out + 4 * total + T - E  # (the stacked form: outputs, all values, a temporary)
     want = _evaluate_looped(plan, [t.double() for t in ts], None, True)
     _close64((vec, grams), want, _evaluate_looped(_abs_plan(plan), [t.double().abs() for t in ts], None, True), 1e-5)
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+def test_window_entries_bit_equal_to_the_per_line_table(fp64, monkeypatch):
+    """The whole-line entries added as runs (``_windows``: one ``index_add_`` per segment into a window
+    view of ``vec``, overlapping rows where several lines hit an entry) give the bits of the int16
+    per-line table's ``index_add_``, for evaluate and bilinear, batched (one or several batches) and
+    under autograd (the transient per-line index), on the default model's plan and a Llama block;
+    ``_windows`` refuses segments of single lines and signs that are not +-2^k (the table then)."""
+    cases = [(Tracker(_model(cfg=RUN)).compiled.plan, None), llama_block()]
+    acc = torch.float64 if fp64 else torch.float32
+    g = torch.Generator().manual_seed(8)
+    for plan, ts in cases:
+        ts = ts if ts is not None else Tracker(_model(cfg=RUN)).tensors
+        ys = [torch.randn(t.shape, generator=g) for t in ts]
+        got = {}
+        for mode in ("table", "windows", "windows batched"):
+            monkeypatch.setattr(R, "_WINDOWS", mode != "table")
+            monkeypatch.setattr(R, "_PROGRESSIONS", 0)
+            monkeypatch.setattr(R, "_CUT_MIN", 8 if mode == "windows batched" else 256)
+            R.clear_cache()
+            s = R._structure(plan, ts, None, False, acc, torch.device("cpu"))
+            assert (s.lines.windows is not None) == (mode != "table") and (s.lines.out is None) == (mode != "table")
+            with torch.no_grad():
+                got[mode] = (evaluate_reference(plan, ts, fp64=fp64), bilinear_reference(plan, ts, ys, fp64=fp64))
+            leaf = [t.detach().clone().requires_grad_(True) for t in ts]  # the non-batched path (autograd)
+            vec, grams = evaluate_reference(plan, leaf, fp64=fp64)
+            got[mode] += ((vec.detach(), {d: x.detach() for d, x in grams.items()}),)
+            (vec.sum() + sum(x.sum() for x in grams.values())).backward()
+            got[mode] += ((torch.cat([t.grad.reshape(-1) for t in leaf]), {}),)
+        R.clear_cache()
+        for mode in ("windows", "windows batched"):
+            for a, b in zip(got[mode], got["table"]):
+                assert _bits(a, b), mode
+    segs = [(1.0, 0, 8), (-1.0, 8, 12)]
+    red = [R._Reduction(0, 1, "sq", 0, 12, True)]
+    runs = np.concatenate([np.arange(4) + 3, np.arange(4) + 3, np.arange(4) + 10])
+    wins = R._windows(red, runs, segs, "cpu")
+    assert [(G, st, f.tolist()) for G, st, f in wins] == [(4, 1, [3, 3]), (4, 1, [10])]
+    assert R._windows(red, np.asarray([0, 5, 1, 7, 2, 2, 9, 3, 4, 4, 6, 8]), segs, "cpu") is None  # single lines
+    assert R._windows(red, runs, [(0.3, 0, 8), (-1.0, 8, 12)], "cpu") is None  # 0.3 * v is rounded
+    assert R._windows(red, runs, [(0.5, 0, 8), (-2.0, 8, 12)], "cpu") is not None
 
 
 def test_large_gram_groups_block_by_block_bit_equal_to_stacked(monkeypatch):
