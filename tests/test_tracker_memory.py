@@ -189,7 +189,8 @@ def test_twin_evaluation_of_the_default_model_holds_one_segment_and_no_temporary
 @pytest.mark.parametrize("fp64", [False, True])
 def test_window_entries_bit_equal_to_the_per_line_table(fp64, monkeypatch):
     """The whole-line entries added as runs (``_windows``: one ``index_add_`` per segment into a window
-    view of ``vec``, overlapping rows where several lines hit an entry) give the bits of the int16
+    view of ``vec``, overlapping rows where several lines hit an entry, or over a transient int32
+    index formed from the runs) give the bits of the int16
     per-line table's ``index_add_``, for evaluate and bilinear, batched (one or several batches) and
     under autograd (the transient per-line index), on the default model's plan and a Llama block;
     ``_windows`` refuses segments of single lines and signs that are not +-2^k (the table then)."""
@@ -200,8 +201,9 @@ def test_window_entries_bit_equal_to_the_per_line_table(fp64, monkeypatch):
         ts = ts if ts is not None else Tracker(_model(cfg=RUN)).tensors
         ys = [torch.randn(t.shape, generator=g) for t in ts]
         got = {}
-        for mode in ("table", "windows", "windows batched"):
+        for mode in ("table", "windows", "windows batched", "windows 1-D"):
             monkeypatch.setattr(R, "_WINDOWS", mode != "table")
+            monkeypatch.setattr(R, "_WINDOW_ROWS", 0 if mode == "windows 1-D" else 128)  # transient int32 index
             monkeypatch.setattr(R, "_PROGRESSIONS", 0)
             monkeypatch.setattr(R, "_CUT_MIN", 8 if mode == "windows batched" else 256)
             R.clear_cache()
@@ -215,7 +217,7 @@ def test_window_entries_bit_equal_to_the_per_line_table(fp64, monkeypatch):
             (vec.sum() + sum(x.sum() for x in grams.values())).backward()
             got[mode] += ((torch.cat([t.grad.reshape(-1) for t in leaf]), {}),)
         R.clear_cache()
-        for mode in ("windows", "windows batched"):
+        for mode in ("windows", "windows batched", "windows 1-D"):
             for a, b in zip(got[mode], got["table"]):
                 assert _bits(a, b), mode
     segs = [(1.0, 0, 8), (-1.0, 8, 12)]
