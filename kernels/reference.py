@@ -14,8 +14,10 @@ sum_c x``), linear terms ``s_t (a_t - 1) sum x`` -- never as a difference of two
 cancels to ~1e-4 relative in fp32 at ``a = 1 - 1e-3``).
 
 Memory (issue 12; ``tests/test_tracker_memory.py`` bounds it, ``bench/reference.py`` prints it): the
-held index tables are int16 where the entries fit (``_narrow_index``; widened per segment where an
-``index_add_`` reads them, after the reductions' temporaries are freed); the whole-line values alive
+whole-line entries are held as runs where they are (``_windows``: one int32 per piece of ``G >= 2``
+lines, added by one ``index_add_`` per segment into a window view of ``vec``; no per-line table held
+or widened), else as index tables, int16 where the entries fit (``_narrow_index``; widened per
+segment where an ``index_add_`` reads them, after the reductions' temporaries are freed); the whole-line values alive
 at once are one batch (a sign segment, ``_batches``), never all of them stacked; the batch with the
 largest reduction temporary is reduced before the outputs are allocated (``_early``), so that
 temporary never sits next to them.  None of this changes a bit of the results: the same reductions
@@ -497,9 +499,11 @@ def _add_window(vec: torch.Tensor, values: torch.Tensor, win, sign: float) -> No
     ``vec.as_strided((rows, G), (1, step))`` (row ``e``: entries ``e + step * j``), rows in order.
     More than ``_WINDOW_ROWS`` pieces (a 2-D ``index_add_`` costs ~0.07 us a row on a CPU, the 1-D
     one ~0.002 us a line): the 1-D ``index_add_`` over the per-line entries formed transiently in
-    int32 (one op, as the table's widening was); the same additions in the same order."""
+    int32 (one op, as the table's widening was); the same additions in the same order.  Off the CPU
+    too (a CUDA ``index_add_`` under deterministic algorithms is an ``index_put_``, which refuses an
+    overlapping view)."""
     G, step, firsts = win
-    if firsts.numel() > _WINDOW_ROWS:
+    if firsts.numel() > _WINDOW_ROWS or vec.device.type != "cpu":
         vec.index_add_(0, _window_index(win, _INDEX), values, alpha=sign)
         return
     vs = vec.stride(0)
