@@ -26,8 +26,8 @@ deterministic).  Torch twin (``step_reference``): the same math op by op, as ``t
 (``_single_tensor_adam`` / ``_single_tensor_sgd``; on CPU the ``foreach`` path runs the same ops), and
 the same statistics with torch reductions (``stats_reference``); ``step_stats_reference`` runs both on
 blocks of whole rows (the update is elementwise: the same bits), so a drift step's old copy and
-``Delta`` are block-sized.  Finish (``finish_signed``): the plan entries from the statistics by one
-index addition per quantity, the coefficients rebuilt from one sign per pair.
+``Delta`` are block-sized.  Finish (``fold``): each tensor's line statistics added into the plan entries
+by one index addition per quantity, the coefficients rebuilt from the tensor's sign(s).
 
 Rounding: the kernel computes in fp32 and, for bf16/fp16 parameters, rounds to the storage dtype at
 every point where torch's foreach ops write a tensor (``LOWP``), so bf16 parameters follow torch's
@@ -49,7 +49,7 @@ from .tables import STEP_TENSOR as ST
 
 __all__ = ["Hyper", "StatsRequest", "matrix_shape", "step_reference", "step_triton", "stats_reference",
            "step_stats_reference", "chunk_bound", "finish_reference", "compact_terms", "finish_compact",
-           "finish_signed", "NQ", "CHUNK_MAX", "CHUNK_MIN"]
+           "Fold", "fold", "NQ", "CHUNK_MAX", "CHUNK_MIN"]
 
 NQ = 4  # quantities per stats slot
 T_COLS = ST.COLS  # columns of the tensor table (tables.STEP_TENSOR)
@@ -406,39 +406,82 @@ def compact_terms(idx: torch.Tensor, coef: torch.Tensor):
     return o, idx[o, j], coef[:, o, j]
 
 
-def _index_add_rows(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, coef, n: int) -> torch.Tensor:
-    """``out[k].index_add_(0, entry, coef(k) * stats[k, slot])`` for each row ``k`` of ``stats``: one 1-d
-    index addition per row (sequential on CPU, in pair order: the bits of a 2-d ``index_add_`` over
-    dim 1, ~3x faster), temporaries of the size of the pairs."""
+def finish_compact(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, coef: torch.Tensor, n: int):
+    """``vals[k, o] = sum over pairs p with entry[p] == o of coef[k, p] * stats[k, slot[p]]``: ``(K, n)`` for
+    the ``K <= NQ`` rows of ``stats`` (``coef``: ``(NQ, P)``; ``entry``/``slot``: ``(P,)`` int32/int64),
+    in pair order (one sequential 1-d ``index_add_`` per row on CPU, atomics on CUDA -- use
+    ``finish_reference`` there); temporaries of the size of the pairs (the fused optimizer folds each
+    tensor's lines with ``fold`` instead: temporaries of one tensor's lines)."""
     out = torch.zeros(stats.shape[0], n, dtype=stats.dtype, device=stats.device)
-    entry = entry if entry.dtype in (torch.int32, torch.int64) else entry.int()
-    slot = slot if slot.dtype in (torch.int32, torch.int64) else slot.int()
     for k in range(stats.shape[0]):
-        out[k].index_add_(0, entry, coef(k) * stats[k].index_select(0, slot))
+        out[k].index_add_(0, entry, coef[k] * stats[k].index_select(0, slot))
     return out
 
 
-def finish_compact(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, coef: torch.Tensor, n: int):
-    """``vals[k, o] = sum over pairs p with entry[p] == o of coef[k, p] * stats[k, slot[p]]``: ``(K, n)`` for
-    the ``K <= NQ`` rows of ``stats`` (``coef``: ``(NQ, P)``; ``entry``/``slot``: ``(P,)`` integers),
-    temporaries of the size of the used pairs.  ``index_add_``: sequential (deterministic) on CPU,
-    atomics on CUDA -- use ``finish_reference`` there."""
-    return _index_add_rows(stats, entry, slot, lambda k: coef[k], n)
+@dataclass
+class Fold:
+    """How the line statistics of ONE tensor add into the plan entries (``fold``; built once per plan).
+
+    The tensor's lines are numbered locally, quadratic ones first (``n_quad`` of them); its (entry,
+    line) pairs are in local-line order, so the pairs reading quadratic lines are a prefix.
+    ``entry``: ``(P,)`` the entry of each pair (int16 when the entries fit: widened per fold, a
+    temporary of this tensor's pairs; else int32/int64).  ``line``: ``(P,)`` int16/int32 local line of
+    each pair, or None when pair ``p`` reads line ``p`` (every line read once: no gather).  ``sign``:
+    one float shared by every pair (folded as ``index_add_``'s ``alpha``: no product), or ``(P,)`` signs
+    (int8 when small integers, else the statistics' dtype).  A quadratic pair's coefficients are
+    ``(s, 2 s, s, s)``, a linear one's ``(s, s, 0, s)`` (module docstring)."""
+
+    entry: torch.Tensor
+    line: torch.Tensor | None
+    sign: torch.Tensor | float
+    n_quad: int
+    n_lines: int
+
+    @staticmethod
+    def build(entry: torch.Tensor, line: torch.Tensor, sign: torch.Tensor, n_quad_lines: int, n_lines: int,
+              n_entries: int, sign_dtype: torch.dtype) -> "Fold":
+        """From the tensor's pairs in any order (``entry``, ``line``: integer ``(P,)``; ``sign``: ``(P,)``
+        floats): sorted by line (stable), narrowed as the class docstring says."""
+        order = torch.sort(line, stable=True).indices
+        entry, line, sign = entry[order], line[order], sign[order]
+        nq = int((line < n_quad_lines).sum())
+        ident = line.numel() == n_lines and bool(torch.equal(line, torch.arange(n_lines, dtype=line.dtype)))
+        s = torch.unique(sign)
+        shared = s.numel() == 1 and float(s[0]) in (1.0, -1.0)  # alpha +-1, +-2: exact products
+        return Fold(entry.to(torch.int16 if n_entries < 2 ** 15 else torch.int32 if n_entries < 2 ** 31 else torch.int64),
+                    None if ident else line.to(torch.int16 if n_lines < 2 ** 15 else torch.int32),
+                    float(s[0]) if shared else sign.to(sign_dtype), nq, n_lines)
 
 
-def finish_signed(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor, sign: torch.Tensor,
-                  n_quad: int, n: int) -> torch.Tensor:
-    """``finish_compact`` for the coefficients of the fused optimizer's plan, stored as one sign per
-    pair: a pair whose slot is quadratic (``slot < n_quad``: the ``Q`` slots are numbered first) has
-    ``coef = (s, 2 s, s, s)``, a linear one ``(s, s, 0, s)`` (module docstring).  ``(K, n)`` for the
-    ``K <= NQ`` rows of ``stats``; the same bits as ``finish_compact`` with the expanded ``(NQ, P)`` table."""
-    def coef(k):
-        if k in (0, 3):
-            return sign
-        quad = (slot < n_quad).to(sign.dtype)
-        return sign * (quad + 1) if k == 1 else sign * quad
-
-    return _index_add_rows(stats, entry, slot, coef, n)
+def fold(vals: torch.Tensor, lines: torch.Tensor, f: Fold) -> None:
+    """``vals[k, o] += coef[k, p] * lines[k, line[p]]`` over the pairs ``p`` of one tensor (``Fold``), in
+    pair order, for the ``K <= NQ`` rows of ``vals`` (``(K, entries)``) and ``lines`` (``(K, n_lines)``, this
+    tensor's line statistics: overwritten, a buffer the caller drops).  One sequential 1-d ``index_add_``
+    per row and kind on CPU (deterministic: folding the tensors in a fixed order gives fixed bits);
+    temporaries: at most this tensor's pairs (a gather when lines are read other than once each, the
+    widened entry index when it is held as int16)."""
+    P = f.entry.numel()
+    if P == 0:
+        return
+    idx = f.entry if f.entry.dtype in (torch.int32, torch.int64) else f.entry.int()
+    nq = f.n_quad
+    for k in range(vals.shape[0]):
+        src = lines[k] if f.line is None else lines[k].index_select(0, f.line if f.line.dtype != torch.int16
+                                                                     else f.line.int())
+        n = nq if k == 2 else P  # quantity 2 of a linear line is 0
+        if n == 0:
+            continue
+        if isinstance(f.sign, float):
+            if k == 1 and 0 < nq < P:
+                vals[k].index_add_(0, idx[:nq], src[:nq], alpha=2 * f.sign)
+                vals[k].index_add_(0, idx[nq:], src[nq:P], alpha=f.sign)
+            else:
+                vals[k].index_add_(0, idx[:n], src[:n], alpha=2 * f.sign if k == 1 else f.sign)
+            continue
+        src = src[:n].mul_(f.sign[:n])  # in place: ``lines`` (or the gather) is scratch
+        if k == 1 and nq:
+            src[:nq].mul_(2)
+        vals[k].index_add_(0, idx[:n], src)
 
 
 # ------------------------------------------------------------------------------------ triton

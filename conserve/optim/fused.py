@@ -172,20 +172,47 @@ class _FusedPlan:
                 coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
-        o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
-        # held between steps (CPU finish, ``K.finish_signed``): per pair its entry, int32 (the index type
-        # index_add_ takes: not widened per step), its slot, int16 when it fits (the finish widens it
-        # once per step: held narrow, the in-step peak is lower), and one sign, int8 when the signs
-        # are small integers (exact in the product with the float statistics; the finish rebuilds the
-        # four coefficients from it and the slot's kind)
-        sign = cf[0]
-        small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
         cuda = torch.device(dev).type == "cuda"
-        entry = o.to(dev, torch.int32 if plan.vec_size < 2 ** 31 else torch.int64)
-        slot = sl.to(dev, torch.int16 if self.n_slots < 2 ** 15 else torch.int32)
-        self.compact = None if cuda else (entry, slot, sign.to(dev, torch.int8 if small else acc))
         # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
+        # CPU: each tracked tensor's lines numbered locally (quadratic ones first: row_q, col_q, row_l,
+        # col_l), ``local_reqs`` (the torch twin writes a tensor's lines into a buffer of its own, folded
+        # into the entries right after its step: ``_Folds``), ``runs`` (where they lie in the global
+        # buffer of a Triton step) and one ``K.Fold`` per tensor (held between steps: per pair its entry,
+        # int16 when it fits, its line only when lines are not each read once, its sign only when they
+        # differ); the tensors are folded in index order (``order``), so the bits do not depend on the
+        # order in which they are stepped
+        self.local_reqs: dict[int, K.StatsRequest] = {}
+        self.runs: dict[int, list[tuple[int, int]]] = {}
+        self.folds: dict[int, K.Fold] = {}
+        if not cuda:
+            o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
+            owner = np.full(self.n_slots, -1, dtype=np.int64)
+            local = np.zeros(self.n_slots, dtype=np.int64)
+            n_quad_lines, n_lines = {}, {}
+            for i, r in enumerate(self.reqs):
+                if not r.any:
+                    continue
+                B, R, C = K.matrix_shape(shapes[i])
+                lr, runs, n = K.StatsRequest(), [], 0
+                for name, cnt in (("row_q", B * R), ("col_q", B * C), ("row_l", B * R), ("col_l", B * C)):
+                    g = getattr(r, name)
+                    if g >= 0:
+                        setattr(lr, name, n)
+                        runs.append((g, cnt))
+                        owner[g: g + cnt], local[g: g + cnt] = i, np.arange(n, n + cnt)
+                        n += cnt
+                    if name == "col_q":
+                        n_quad_lines[i] = n
+                self.local_reqs[i], self.runs[i], n_lines[i] = lr, runs, n
+            sign = cf[0]
+            small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
+            own, loc = torch.from_numpy(owner)[sl], torch.from_numpy(local)[sl]
+            for i in self.local_reqs:
+                m = own == i
+                self.folds[i] = K.Fold.build(o[m], loc[m], sign[m], n_quad_lines[i], n_lines[i], plan.vec_size,
+                                             torch.int8 if small else acc)
+        self.order = sorted(self.folds)
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
         # vec entries written by a term of ``rest`` (decomposed only when the Sampler's group holds them)
@@ -407,20 +434,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 work.append((h, tri, ids, sub(params), sub(grads), sub(b1), sub(b2), sub(steps), sub(fresh)))
         # the step statistics live for this step only: quantity 0 (h(new)) between drift steps, all four
         # on drift steps and wherever the Triton kernel writes them
-        stats = None
+        stats = folds = None
         if tr is not None:
-            rows = K.NQ if drift_step or any(w[1] for w in work) else 1
-            stats = torch.zeros(rows, max(1, fp.n_slots), device=tr.device, dtype=self._acc)
+            tri = any(w[1] for w in work)
+            rows = K.NQ if drift_step or tri else 1
+            if fp.idx is None and not tri:  # CPU torch twin: each tensor's lines folded after its step
+                folds = _Folds(fp, tr.tensors, rows, self._acc, set(a_of), tr.device)
+            else:  # one buffer of every line (Triton writes it in one launch; the CUDA finish reads it)
+                stats = torch.zeros(rows, max(1, fp.n_slots), device=tr.device, dtype=self._acc)
         self._early = None
         if snap is not None and self.overlap:
             # the overlap ordering: the tensors the DRIFT pass reads are stepped first; their pass runs
             # (on CUDA: on a side stream, after an event of this stream) while the rest is stepped; the
             # join comes before the terms are assembled in _record (see _drift_early)
             head, tail = _split_work(work, self._snap_tensors(snap))
-            scratch = self._step_work(head, stats, drift_step, None)
+            scratch = self._step_work(head, stats, drift_step, None, folds)
             job = self._drift_early(snap, a_of)
             try:
-                scratch = self._step_work(tail, stats, drift_step, scratch)
+                scratch = self._step_work(tail, stats, drift_step, scratch, folds)
             except BaseException:
                 self._join_early(job)  # the side stream is joined, nothing of the step is kept
                 self._early = None
@@ -430,16 +461,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 self._early = None
                 raise job.error
         else:
-            scratch = self._step_work(work, stats, drift_step, None)
+            scratch = self._step_work(work, stats, drift_step, None, folds)
         if tr is not None:
             del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
-            vals = self._finish(a_of, stats)
-            del stats  # the statistics: dropped once summed into the plan's entries
+            vals = self._finish(a_of, stats, folds)
+            del stats, folds  # the statistics: dropped once summed into the plan's entries
             self._record(a_of, vals, snap, drift_step)
         return loss
 
-    def _step_work(self, work, stats, drift_step: bool, scratch):
-        """Step the buckets ``work`` (see ``step``) in order; returns the torch twin's scratch buffers."""
+    def _step_work(self, work, stats, drift_step: bool, scratch, folds=None):
+        """Step the buckets ``work`` (see ``step``) in order; returns the torch twin's scratch buffers.
+        ``folds`` (``_Folds``): the twin writes each tracked tensor's lines into a buffer of its own,
+        folded into the entries after its step; else into ``stats``."""
         fp = self._fp
         for h, tri, ids, ps, gs, m1, m2, st, fr in work:
             reqs = [fp.reqs[i] if i >= 0 else K.StatsRequest() for i in ids]
@@ -450,11 +483,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 # drift steps each block's old copy and Delta live in two block-sized scratch buffers
                 # reused across blocks and tensors, dropped after the step
                 for k, p in enumerate(ps):
-                    req = reqs[k] if ids[k] >= 0 else K.StatsRequest()
+                    i = ids[k]
+                    req, out = reqs[k], stats
+                    if folds is not None and i >= 0 and req.any:
+                        req, out = fp.local_reqs[i], folds.lines(i)
                     if drift_step and req.any:
                         scratch = self._scratch(scratch, p)
                     K.step_stats_reference(h, p, gs[k], m1[k], m2[k], st[k], bool(fr[k]) if fr else False, req,
-                                           stats, drift=drift_step, bound=self._chunk, scratch=scratch)
+                                           out, drift=drift_step, bound=self._chunk, scratch=scratch)
+                    if out is not stats:
+                        folds.done(i, out)
+                    del out
         return scratch
 
     # ---- the overlap ordering (overlap=True) ------------------------------------------------------
@@ -558,17 +597,22 @@ class _FusedOptimizer(torch.optim.Optimizer):
         vm, gm = self._mask_arrays(snap)
         return Mask(vm, dict(gm), None, None, bool(vm.all() and all(m.all() for m in gm.values())))
 
-    def _finish(self, a_of: dict[int, float], stats: torch.Tensor) -> torch.Tensor:
+    def _finish(self, a_of: dict[int, float], stats: torch.Tensor | None, folds=None) -> torch.Tensor:
         """The plan entries ``(rows of stats, vec_size)`` of this step's statistics (tracked tensors that
-        were not stepped -- no grad, not in any group -- added with ``Delta = 0``)."""
+        were not stepped -- no grad, not in any group -- added with ``Delta = 0``): ``folds``' (the torch
+        twin's), else from the one buffer ``stats``."""
         fp = self._fp
+        if folds is not None:
+            return folds.finish()
         for i, t in enumerate(self.tracker.tensors):
             if i not in a_of and fp.reqs[i].any:
                 K.stats_reference(None, t, 1.0, fp.reqs[i], stats)
         if fp.idx is not None:  # deterministic (CUDA)
             return K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]])
-        entry, slot, sign = fp.compact
-        return K.finish_signed(stats, entry, slot, sign, fp.n_quad, fp.n_entries)
+        vals = torch.zeros(stats.shape[0], fp.n_entries, dtype=stats.dtype, device=stats.device)
+        for i in fp.order:  # CPU (a Triton step): each tensor's lines gathered and folded, in index order
+            K.fold(vals, torch.cat([stats[:, g: g + n] for g, n in fp.runs[i]], 1), fp.folds[i])
+        return vals
 
     def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None, drift_step: bool = False) -> None:
         """Book the step: ``drift_step`` is ``step()``'s ``tracker.is_drift_step()`` (the statistics rows
@@ -581,8 +625,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
                                                   backend=tr.backend))
                 return Values(h_rest.vec.add_(vals[0]), h_rest.grams)
-            # a copy: a view would keep all four statistics rows alive as tracker.h
-            return Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
+            # a copy of a drift step's row: a view would keep all four statistics rows alive as tracker.h
+            return Values(vals[0] if vals.shape[0] == 1 else vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
                                             for d, n in tr.compiled.plan.gram_slots.items()})
         if not drift_step:
             tr.record_step(h_new(), None)
@@ -601,6 +645,53 @@ class _FusedOptimizer(torch.optim.Optimizer):
         h1 = h_new()
         del pieces, vals
         tr.record_step(h1, terms, mask)
+
+
+class _Folds:
+    """The plan entries of one torch-twin step, folded tensor by tensor (``K.fold``): ``lines(i)`` is a
+    zeroed ``(rows, lines of tensor i)`` buffer for its step, ``done(i, buf)`` hands it back.  The
+    tensors are folded in index order (``_FusedPlan.order``), each as soon as every tensor before it
+    is folded (a tensor stepped early waits; a tracked tensor this step does not step -- no grad --
+    is measured when its turn comes: it does not change during the step), so the entries' bits do not
+    depend on the stepping order (the overlap ordering's) and, stepped in index order, no more than
+    one tensor's lines are alive at a time."""
+
+    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "vals", "pending", "next")
+
+    def __init__(self, fp: _FusedPlan, tensors, rows: int, acc, stepped: set, device):
+        self.fp, self.tensors, self.rows, self.acc, self.stepped = fp, tensors, rows, acc, stepped
+        self.vals = torch.zeros(rows, fp.n_entries, dtype=acc, device=device)
+        self.pending: dict[int, torch.Tensor] = {}
+        self.next = 0
+
+    def lines(self, i: int) -> torch.Tensor:
+        return torch.zeros(self.rows, self.fp.folds[i].n_lines, dtype=self.acc, device=self.vals.device)
+
+    def done(self, i: int, buf: torch.Tensor) -> None:
+        self.pending[i] = buf
+        self._advance()
+
+    def _advance(self) -> None:
+        fp, order = self.fp, self.fp.order
+        while self.next < len(order):
+            i = order[self.next]
+            buf = self.pending.pop(i, None)
+            if buf is None:
+                if i in self.stepped:
+                    return  # not stepped yet
+                buf = self.lines(i)  # not stepped this step: h(new) of its current values, Delta = 0
+                K.stats_reference(None, self.tensors[i], 1.0, fp.local_reqs[i], buf)
+            K.fold(self.vals, buf, fp.folds[i])
+            del buf
+            self.next += 1
+
+    def finish(self) -> torch.Tensor:
+        """The ``(rows, vec_size)`` entries, once every tensor is stepped."""
+        self._advance()
+        if self.next != len(self.fp.order):
+            raise RuntimeError("conserve internal error: a tracked tensor was stepped without its statistics; "
+                               "report it")
+        return self.vals
 
 
 def _pass(snap, news, a, tr: Tracker, decay: bool, config=None):
