@@ -72,7 +72,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from .. import kernels
 from ..kernels import optim_step as K
-from ..kernels import streams
+from ..kernels import reference, runner, streams
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
 from ..tracker import Tracker, Values, eager
@@ -264,6 +264,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tracker_kwargs = {"drift_every": FUSED_DRIFT_EVERY, **tracker_kwargs}
         self.tracker = Tracker(track, laws, params=params, **tracker_kwargs)
         self._fp = _FusedPlan(self.tracker)
+        # h_0 was this optimizer's only evaluation of the whole plan (each step: the statistics and the
+        # rest plan), so the structures cached for it (the torch twin's line index, the Triton tables)
+        # are dropped now rather than held for the tracker's lifetime
+        for cache in (reference, runner):
+            cache._forget(id(self.tracker.compiled.plan))
         self._tracked = {id(t): i for i, t in enumerate(self.tracker.tensors)}
         self._acc = torch.float64 if self.tracker.fp64 else torch.float32
         # elements of a block of the torch twin's drift step (kernels.optim_step.chunk_bound)
