@@ -34,9 +34,15 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   hold at most ``optim_step.chunk_bound`` elements (64Ki at most) and each block of a weight with
   statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
   across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
-  block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps);
-  between steps the optimizer holds, per (entry, statistic) pair, its entry (int32) and slot (int16)
-  index and one sign.
+  block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps),
+  one tensor at a time: each tensor's row / column sums go to a buffer of its own lines, folded into
+  the ``(rows, entries)`` result right after its step (``optim_step.fold``: one slice addition per run
+  of consecutive entries, or an index addition), the tensors in index order whatever order they are
+  stepped in (so the bits do not depend on it; a tensor stepped early waits for those before it);
+  no buffer of every line, no copy of every (entry, line) pair.  Between steps the optimizer holds
+  per tensor its runs (a few ints), or an int16 entry per pair (and signs where they differ); the
+  structures cached for ``h_0``'s evaluation of the whole plan are dropped after it.  (A Triton step
+  writes one buffer of every line, the CUDA finish reads the padded ``(entry, J)`` tables.)
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
