@@ -418,6 +418,9 @@ def finish_compact(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor,
     return out
 
 
+_MAX_SEGMENTS = 8  # sign segments of a tensor's pairs; beyond: one segment with a sign per pair
+
+
 @dataclass
 class Fold:
     """How the line statistics of ONE tensor add into the plan entries (``fold``; built once per plan).
@@ -425,86 +428,74 @@ class Fold:
     The tensor's lines are numbered locally, quadratic ones first; its (entry, line) pairs are in
     local-line order, so the ``n_quad`` pairs reading quadratic lines are a prefix.  ``line``: ``(P,)``
     int16/int32 local line of each pair, or None when pair ``p`` reads line ``p`` (every line read
-    once: no gather).  The entries and signs are held in one of two forms:
-
-    * ``runs`` (when the pairs form few of them): ``((p0, n, e0, s), ...)``, pairs ``p0 .. p0+n-1`` add,
-      with the one sign ``s``, into the consecutive entries ``e0 .. e0+n-1`` (all quadratic or all
-      linear): one slice addition per run, no index tensor held;
-    * else ``entry``: ``(P,)`` the entry of each pair (int16 when the entries fit: widened per fold, a
-      temporary of this tensor's pairs) and ``sign``: one float shared by every pair (``index_add_``'s
-      ``alpha``: no product), or ``(P,)`` signs (int8 when small integers, else the statistics' dtype).
-
-    A quadratic pair's coefficients are ``(s, 2 s, s, s)``, a linear one's ``(s, s, 0, s)`` (module docstring)."""
+    once: no gather).  ``segments``: ``((p0, n, s, e), ...)``, the pairs cut where the sign changes
+    (at most ``_MAX_SEGMENTS``; else one segment): pairs ``p0 .. p0+n-1`` have the sign ``s`` (a float;
+    a ``(n,)`` tensor of the statistics' dtype for the one segment of a tensor whose signs change more
+    often) and add into the entries ``e`` -- an int ``e0`` for the consecutive entries ``e0 .. e0+n-1``
+    (a slice addition for all the rows, no index held), else a ``(n,)`` index (int16 when the entries
+    fit, widened per fold into the caller's int32 buffer).  No temporary in ``fold`` is larger than
+    this tensor's pairs.  A quadratic pair's coefficients are ``(s, 2 s, s, s)``, a linear one's
+    ``(s, s, 0, s)`` (module docstring)."""
 
     n_lines: int
     n_quad: int
-    line: torch.Tensor | None = None
-    runs: tuple | None = None
-    entry: torch.Tensor | None = None
-    sign: torch.Tensor | float | None = None
+    n_pairs: int
+    line: torch.Tensor | None
+    segments: tuple
 
     @property
-    def n_pairs(self) -> int:
-        return sum(r[1] for r in self.runs) if self.runs is not None else self.entry.numel()
+    def n_index(self) -> int:
+        """Pairs of the largest index segment (the int32 buffer ``fold`` widens it into)."""
+        return max([n for _, n, _, e in self.segments if torch.is_tensor(e)] + [0])
 
     @staticmethod
     def build(entry: torch.Tensor, line: torch.Tensor, sign: torch.Tensor, n_quad_lines: int, n_lines: int,
-              n_entries: int, sign_dtype: torch.dtype) -> "Fold":
+              n_entries: int, acc: torch.dtype) -> "Fold":
         """From the tensor's pairs in any order (``entry``, ``line``: integer ``(P,)``; ``sign``: ``(P,)``
-        floats): sorted by line (stable), held in the smaller form (class docstring)."""
+        floats): sorted by line (stable), cut into segments (class docstring)."""
         order = torch.sort(line, stable=True).indices
         entry, line, sign = entry[order].long(), line[order], sign[order]
         P = entry.numel()
-        nq = int((line < n_quad_lines).sum())
         ident = P == n_lines and bool(torch.equal(line, torch.arange(n_lines, dtype=line.dtype)))
-        f = Fold(n_lines, nq, None if ident else line.to(torch.int16 if n_lines < 2 ** 15 else torch.int32))
-        quad = torch.arange(P) < nq
-        cut = ((entry[1:] - entry[:-1] != 1) | (sign[1:] != sign[:-1]) | (quad[1:] != quad[:-1])).nonzero()
-        starts = [0] + (cut.flatten() + 1).tolist()
-        if P and len(starts) <= max(8, P // 16):
-            ends = starts[1:] + [P]
-            f.runs = tuple((a, b - a, int(entry[a]), float(sign[a])) for a, b in zip(starts, ends))
-            return f
-        f.entry = entry.to(torch.int16 if n_entries < 2 ** 15 else torch.int32 if n_entries < 2 ** 31 else torch.int64)
-        s = torch.unique(sign)
-        f.sign = float(s[0]) if s.numel() == 1 and float(s[0]) in (1.0, -1.0) else sign.to(sign_dtype)
-        return f
+        starts = [0] + ((sign[1:] != sign[:-1]).nonzero().flatten() + 1).tolist() if P else []
+        per_pair = len(starts) > _MAX_SEGMENTS
+        if per_pair:
+            starts = [0]
+        narrow = torch.int16 if n_entries < 2 ** 15 else torch.int32 if n_entries < 2 ** 31 else torch.int64
+        segs = []
+        for a, b in zip(starts, starts[1:] + [P]):
+            e = entry[a:b]
+            e = int(e[0]) if torch.equal(e, torch.arange(int(e[0]), int(e[0]) + b - a)) else e.to(narrow)
+            segs.append((a, b - a, sign[a:b].to(acc) if per_pair else float(sign[a]), e))
+        return Fold(n_lines, int((line < n_quad_lines).sum()), P,
+                    None if ident else line.to(torch.int16 if n_lines < 2 ** 15 else torch.int32), tuple(segs))
 
 
-def fold(vals: torch.Tensor, lines: torch.Tensor, f: Fold) -> None:
+def fold(vals: torch.Tensor, lines: torch.Tensor, f: Fold, index: torch.Tensor | None = None) -> None:
     """``vals[k, o] += coef[k, p] * lines[k, line[p]]`` over the pairs ``p`` of one tensor (``Fold``), in
     pair order, for the ``K <= NQ`` rows of ``vals`` (``(K, entries)``) and ``lines`` (``(K, n_lines)``, this
-    tensor's line statistics: may be overwritten, a buffer the caller drops).  Deterministic (slice
-    additions or one sequential 1-d ``index_add_`` per row on CPU): folding the tensors in a fixed
-    order gives fixed bits.  Temporaries: at most this tensor's pairs (a gather when lines are not
-    read once each, the widened entry index when it is held as int16)."""
-    nq = f.n_quad
-    for k in range(vals.shape[0]):
-        src = lines[k] if f.line is None else lines[k].index_select(0, f.line if f.line.dtype != torch.int16
-                                                                     else f.line.int())
-        if f.runs is not None:
-            for p0, n, e0, s in f.runs:
-                quad = p0 < nq
-                if k == 2 and not quad:
-                    continue  # quantity 2 of a linear line is 0
-                vals[k, e0: e0 + n].add_(src[p0: p0 + n], alpha=2 * s if k == 1 and quad else s)
+    tensor's line statistics, quantity 2 of its linear lines 0: overwritten, a buffer the caller drops
+    or reuses).  ``index``: an int32 buffer of ``>= f.n_index`` elements the int16 entries are widened
+    into (None: a temporary).  Deterministic (slice additions and sequential 1-d ``index_add_`` on
+    CPU, segment by segment in pair order): folding the tensors in a fixed order gives fixed bits.
+    No allocation but a gather when lines are not read once each (and the widening without ``index``)."""
+    if f.n_pairs == 0:
+        return
+    src = lines if f.line is None else lines.index_select(1, f.line.int() if f.line.dtype == torch.int16 else f.line)
+    if src.shape[0] > 1 and f.n_quad:
+        src[1, : f.n_quad].mul_(2)  # the first-order coefficient 2 s of a quadratic pair (exact)
+    for p0, n, s, e in f.segments:
+        part = src.narrow(1, p0, n)
+        if torch.is_tensor(s) or s not in (1.0, -1.0):
+            part.mul_(s)  # (a +-1 sign is exact as alpha: no product)
+            s = 1.0
+        if isinstance(e, int):
+            vals.narrow(1, e, n).add_(part, alpha=s)
             continue
-        P = f.entry.numel()
-        n = nq if k == 2 else P
-        if n == 0:
-            continue
-        idx = f.entry if f.entry.dtype in (torch.int32, torch.int64) else f.entry.int()
-        if isinstance(f.sign, float):
-            if k == 1 and 0 < nq < P:
-                vals[k].index_add_(0, idx[:nq], src[:nq], alpha=2 * f.sign)
-                vals[k].index_add_(0, idx[nq:], src[nq:P], alpha=f.sign)
-            else:
-                vals[k].index_add_(0, idx[:n], src[:n], alpha=2 * f.sign if k == 1 and nq else f.sign)
-            continue
-        src = src[:n].mul_(f.sign[:n])  # in place: ``lines`` (or the gather) is scratch
-        if k == 1 and nq:
-            src[:nq].mul_(2)
-        vals[k].index_add_(0, idx[:n], src)
+        if e.dtype == torch.int16:
+            e = index[:n].copy_(e) if index is not None else e.int()
+        for k in range(vals.shape[0]):
+            vals[k].index_add_(0, e, part[k], alpha=s)
 
 
 # ------------------------------------------------------------------------------------ triton

@@ -245,49 +245,51 @@ def test_block_storages_bounded():
 def _expanded(f: K.Fold):
     """The Fold's pairs as ``(entry, line, coef (NQ, P))`` in its pair order (the independent form)."""
     P = f.n_pairs
-    if f.runs is not None:
-        entry = torch.cat([torch.arange(e0, e0 + n) for _, n, e0, _ in f.runs])
-        sign = torch.cat([torch.full((n,), s, dtype=torch.float64) for _, n, _, s in f.runs])
-    else:
-        entry = f.entry.long()
-        sign = torch.full((P,), f.sign, dtype=torch.float64) if isinstance(f.sign, float) else f.sign.double()
+    entry = torch.cat([torch.arange(e, e + n) if isinstance(e, int) else e.long() for _, n, _, e in f.segments])
+    sign = torch.cat([s.double() if torch.is_tensor(s) else torch.full((n,), s, dtype=torch.float64)
+                      for _, n, s, _ in f.segments])
     line = torch.arange(P) if f.line is None else f.line.long()
     quad = (torch.arange(P) < f.n_quad).double()
     return entry, line, torch.stack([sign, sign * (1 + quad), sign * quad, sign])
 
 
-@pytest.mark.parametrize("case", ["runs", "runs_gather", "index_shared", "index_mixed", "index_float", "linear"])
+@pytest.mark.parametrize("case", ["run", "run_gather", "linear", "runs", "index_shared", "index_mixed", "index_float"])
 def test_fold_equals_the_expanded_table(case):
     """``K.fold`` of one tensor's lines == a 2-d ``index_add_`` over the expanded ``(NQ, P)`` coefficients
     in the fold's pair order (bit for bit), and == ``finish_reference`` of the pairs as given (any order:
-    to fp32 rounding); both forms (runs of consecutive entries; an entry index with one shared sign,
-    +-1 signs, float signs), lines read once each or gathered (some twice, some never), quadratic and
-    linear lines."""
+    to fp32 rounding); segments of consecutive entries and of an entry index, one per sign, or one with a
+    sign per pair (+-1 signs changing often, float signs), lines read once each or gathered (some twice,
+    some never), quadratic and linear lines."""
     g = torch.Generator().manual_seed(hash(case) % 1000)
     L, V = 96, 200
     nql = 0 if case == "linear" else 64  # the first nql lines are quadratic
-    if case.startswith("runs") or case == "linear":
-        line = torch.arange(L)
-        entry = torch.cat([torch.arange(10, 42), torch.arange(100, 132), torch.arange(50, 82)])
-        sign = torch.cat([torch.ones(40), -torch.ones(56)]).double()
-        if case == "runs_gather":
+    if case in ("run", "run_gather", "linear"):
+        line, entry, sign = torch.arange(L), torch.arange(50, 50 + L), -torch.ones(L, dtype=torch.float64)
+        if case == "run_gather":
             line = torch.sort(torch.cat([line[:90], torch.tensor([3, 3, 70, 70, 95, 1])])).values  # 90-94: none
     else:
         line = torch.randperm(L, generator=g)
         entry = torch.randint(0, V, (L,), generator=g)
-        sign = {"index_shared": -torch.ones(L), "index_mixed": torch.randint(0, 2, (L,), generator=g) * 2.0 - 1,
+        if case == "runs":  # consecutive entries in runs, two signs: the index form
+            line, entry = torch.arange(L), torch.cat([torch.arange(10, 42), torch.arange(100, 132), torch.arange(50, 82)])
+        sign = {"runs": torch.cat([torch.ones(40), -torch.ones(56)]), "index_shared": -torch.ones(L),
+                "index_mixed": torch.randint(0, 2, (L,), generator=g) * 2.0 - 1,
                 "index_float": torch.randn(L, generator=g)}[case].double()
-    f = K.Fold.build(entry, line, sign, nql, L, V, torch.int8 if case != "index_float" else torch.float32)
-    assert (f.runs is not None) == (case.startswith("runs") or case == "linear")
-    assert (f.line is None) == (case != "runs_gather")
+    f = K.Fold.build(entry, line, sign, nql, L, V, torch.float32)
+    kinds = [("run" if isinstance(e, int) else "index", "pair" if torch.is_tensor(s) else s) for _, _, s, e in f.segments]
+    assert kinds == {"run": [("run", -1.0)], "run_gather": [("run", -1.0)], "linear": [("run", -1.0)],
+                     "runs": [("index", 1.0), ("index", -1.0)], "index_shared": [("index", -1.0)],
+                     "index_mixed": [("index", "pair")], "index_float": [("index", "pair")]}[case], kinds
+    assert (f.line is None) == (case != "run_gather")
     lines = torch.randn(K.NQ, L, generator=g)
     lines[2, nql:] = 0  # linear lines: quantity 2 is 0
     e, l, c = _expanded(f)
     want = torch.zeros(K.NQ, V).index_add_(1, e, c.float() * lines[:, l])
     for rows in (K.NQ, 1):
-        got = torch.zeros(rows, V)
-        K.fold(got, lines[:rows].clone(), f)
-        assert torch.equal(got, want[:rows]), case
+        for index in (None, torch.empty(f.n_index, dtype=torch.int32)):
+            got = torch.zeros(rows, V)
+            K.fold(got, lines[:rows].clone(), f, index)
+            assert torch.equal(got, want[:rows]), case
     quad = line < nql
     coef = torch.stack([sign, sign * (1 + quad.double()), sign * quad.double(), sign])
     pad_idx = torch.zeros(V, L, dtype=torch.long)

@@ -212,13 +212,13 @@ class _FusedPlan:
                         n_quad_lines[i] = n
                 self.local_reqs[i], self.runs[i], n_lines[i] = lr, runs, n
             sign = cf[0]
-            small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
             own, loc = torch.from_numpy(owner)[sl], torch.from_numpy(local)[sl]
             for i in self.local_reqs:
                 m = own == i
-                self.folds[i] = K.Fold.build(o[m], loc[m], sign[m], n_quad_lines[i], n_lines[i], plan.vec_size,
-                                             torch.int8 if small else acc)
+                self.folds[i] = K.Fold.build(o[m], loc[m], sign[m], n_quad_lines[i], n_lines[i], plan.vec_size, acc)
         self.order = sorted(self.folds)
+        self.max_lines = max([f.n_lines for f in self.folds.values()] + [0])
+        self.max_index = max([f.n_index for f in self.folds.values()] + [0])
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
         # vec entries written by a term of ``rest`` (decomposed only when the Sampler's group holds them)
@@ -667,16 +667,23 @@ class _Folds:
     depend on the stepping order (the overlap ordering's) and, stepped in index order, no more than
     one tensor's lines are alive at a time."""
 
-    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "vals", "pending", "next")
+    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "vals", "pending", "next", "buf", "index")
 
     def __init__(self, fp: _FusedPlan, tensors, rows: int, acc, stepped: set, device):
         self.fp, self.tensors, self.rows, self.acc, self.stepped = fp, tensors, rows, acc, stepped
         self.vals = torch.zeros(rows, fp.n_entries, dtype=acc, device=device)
         self.pending: dict[int, torch.Tensor] = {}
         self.next = 0
+        # one buffer of the most lines, reused by every tensor folded right after its step (a tensor
+        # that waits gets one of its own), and the int32 buffer of the widened entry index
+        self.buf = torch.empty(rows * fp.max_lines, dtype=acc, device=device)
+        self.index = torch.empty(fp.max_index, dtype=torch.int32, device=device)
 
     def lines(self, i: int) -> torch.Tensor:
-        return torch.zeros(self.rows, self.fp.folds[i].n_lines, dtype=self.acc, device=self.vals.device)
+        n = self.fp.folds[i].n_lines
+        if not any(b.data_ptr() == self.buf.data_ptr() for b in self.pending.values()):
+            return self.buf[: self.rows * n].view(self.rows, n).zero_()
+        return torch.zeros(self.rows, n, dtype=self.acc, device=self.vals.device)
 
     def done(self, i: int, buf: torch.Tensor) -> None:
         self.pending[i] = buf
@@ -692,7 +699,7 @@ class _Folds:
                     return  # not stepped yet
                 buf = self.lines(i)  # not stepped this step: h(new) of its current values, Delta = 0
                 K.stats_reference(None, self.tensors[i], 1.0, fp.local_reqs[i], buf)
-            K.fold(self.vals, buf, fp.folds[i])
+            K.fold(self.vals, buf, fp.folds[i], self.index)
             del buf
             self.next += 1
 
