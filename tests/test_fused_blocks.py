@@ -320,8 +320,14 @@ def test_tracking_storages_of_a_step_bounded_by_one_tensor():
     opt = FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, drift_every=2, every=1000)
     opt._chunk = 64
     fp = opt._fp
-    assert fp.rest is None and len(fp.order) == 25  # no Gram laws: no snapshot; the last bias in no law
-    n_lines = max(f.n_lines for f in fp.folds.values())
+    assert fp.rest is None and len(fp.local_reqs) == 25  # no Gram laws: no snapshot; the last bias in no law
+    n_lines = max(f.n_lines for f in fp.folds)  # the largest group: one tensor's lines (a tiny model)
+
+    def lines(i, r):
+        B, R, C = K.matrix_shape(opt.tracker.tensors[i].shape)
+        return sum(c for f, c in (("row_q", B * R), ("col_q", B * C), ("row_l", B * R), ("col_l", B * C))
+                   if getattr(r, f) >= 0)
+    assert n_lines == max(lines(i, r) for i, r in fp.local_reqs.items()) and len(fp.groups) == 25
     lines_b, vals_b = K.NQ * n_lines * 4, K.NQ * fp.n_entries * 4
     assert fp.n_slots * 4 > 3 * lines_b and fp.n_slots * K.NQ * 4 > vals_b + 2 * lines_b + 2 * 64 * 4
 

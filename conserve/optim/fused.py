@@ -95,6 +95,11 @@ _IMPLEMENTATION = ("fused", "capturable", "foreach")
 # of the new weights (in cache: block by block).  Every 10th step keeps a tracked CPU step within
 # ~1.05-1.3x torch AdamW (bench/track_overhead.py); pass drift_every=1 for every step.
 FUSED_DRIFT_EVERY = 10
+# The torch twin's step statistics go to buffers of groups of consecutive tensors of at most this
+# fraction of the tracked bytes (or one tensor's lines), each folded into the entries once stepped: a
+# large model folds few groups (few ops: the per-op cost of a fold after a tensor's step, ~10-20 us,
+# is paid per group), a small one tensor by tensor (its buffer of every line would be ~14% of it)
+STATS_BUDGET = 0.01
 
 
 # --------------------------------------------------------------------------- term -> stats map
@@ -164,61 +169,73 @@ class _FusedPlan:
             base = slot(t.view.tensor, m[0], False)
             for c, s in enumerate(m[1]):
                 entries[t.index + c].append((base + s, t.sign, False))
-        self.n_quad = nq = n_slots[True]
+        nq = n_slots[True]
         self.n_slots = nq + n_slots[False]
         for r in self.reqs:
             r.row_l, r.col_l = (x + nq if x >= 0 else x for x in (r.row_l, r.col_l))
-        J = max([len(e) for e in entries] + [1])
         dev, acc = tracker.device, torch.float64 if tracker.fp64 else torch.float32
+        # the lines renumbered in groups of consecutive tensors (index order) of at most ``budget`` lines
+        # (or one tensor's), each group's quadratic lines first: a group's lines are one range of the
+        # buffer of every line (a Triton step's), its quadratic ones a prefix of it (``K.Fold``)
+        tracked = sum(t.numel() * t.element_size() for t in tracker.tensors)
+        budget = int(STATS_BUDGET * tracked / (K.NQ * torch.empty((), dtype=acc).element_size()))
+        fields = [(i, [(name, getattr(r, name), cnt) for name, cnt in zip(
+            ("row_q", "col_q", "row_l", "col_l"), (lambda B, R, C: (B * R, B * C, B * R, B * C))(*K.matrix_shape(shapes[i])))
+            if getattr(r, name) >= 0]) for i, r in enumerate(self.reqs) if r.any]
+        groups: list[list] = []
+        for i, fs in fields:
+            n = sum(c for _, _, c in fs)
+            if not groups or groups[-1][1] + n > max(budget, n) or groups[-1][1] == 0:
+                groups.append([[], 0])
+            groups[-1][0].append((i, fs))
+            groups[-1][1] += n
+        remap = np.zeros(max(1, self.n_slots), dtype=np.int64)
+        self.local_reqs: dict[int, K.StatsRequest] = {}
+        self.group_of: dict[int, int] = {}
+        self.groups: list[tuple[int, int, int, list[int]]] = []  # (first line, lines, quadratic lines, tensors)
+        start = 0
+        for g, (members, n) in enumerate(groups):
+            at = start
+            for quad in (True, False):
+                for i, fs in members:
+                    lr = self.local_reqs.setdefault(i, K.StatsRequest())
+                    for name, old, cnt in fs:
+                        if name.endswith("_q") == quad:
+                            remap[old: old + cnt] = np.arange(at, at + cnt)
+                            setattr(self.reqs[i], name, at)
+                            setattr(lr, name, at - start)
+                            at += cnt
+                if quad:
+                    n_quad = at - start
+            self.groups.append((start, n, n_quad, [i for i, _ in members]))
+            for i, _ in members:
+                self.group_of[i] = g
+            start += n
+        entries = [[(remap[s if quad else s + nq], sign, quad) for s, sign, quad in es] for es in entries]
+        J = max([len(e) for e in entries] + [1])
         idx = np.zeros((plan.vec_size, J), dtype=np.int64)
         coef = np.zeros((K.NQ, plan.vec_size, J), dtype=np.float64)
         for o, es in enumerate(entries):
             for j, (s, sign, quad) in enumerate(es):
-                idx[o, j] = s if quad else s + nq
+                idx[o, j] = s
                 coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
         cuda = torch.device(dev).type == "cuda"
         # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
-        # CPU: each tracked tensor's lines numbered locally (quadratic ones first: row_q, col_q, row_l,
-        # col_l), ``local_reqs`` (the torch twin writes a tensor's lines into a buffer of its own, folded
-        # into the entries right after its step: ``_Folds``), ``runs`` (where they lie in the global
-        # buffer of a Triton step) and one ``K.Fold`` per tensor (held between steps: per pair its entry,
-        # int16 when it fits, its line only when lines are not each read once, its sign only when they
-        # differ); the tensors are folded in index order (``order``), so the bits do not depend on the
-        # order in which they are stepped
-        self.local_reqs: dict[int, K.StatsRequest] = {}
-        self.runs: dict[int, list[tuple[int, int]]] = {}
-        self.folds: dict[int, K.Fold] = {}
+        # CPU: one ``K.Fold`` per group (held between steps: per pair segment its sign and its entries --
+        # a first entry, or an int16 index --, a line index only when lines are not each read once); the
+        # torch twin writes each tensor's lines into its group's buffer (``local_reqs``: relative to the
+        # group), folded into the entries once the group is stepped (``_Folds``); the groups are folded
+        # in order, so the bits do not depend on the order in which the tensors are stepped
+        self.folds: list[K.Fold] = []
         if not cuda:
             o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
-            owner = np.full(self.n_slots, -1, dtype=np.int64)
-            local = np.zeros(self.n_slots, dtype=np.int64)
-            n_quad_lines, n_lines = {}, {}
-            for i, r in enumerate(self.reqs):
-                if not r.any:
-                    continue
-                B, R, C = K.matrix_shape(shapes[i])
-                lr, runs, n = K.StatsRequest(), [], 0
-                for name, cnt in (("row_q", B * R), ("col_q", B * C), ("row_l", B * R), ("col_l", B * C)):
-                    g = getattr(r, name)
-                    if g >= 0:
-                        setattr(lr, name, n)
-                        runs.append((g, cnt))
-                        owner[g: g + cnt], local[g: g + cnt] = i, np.arange(n, n + cnt)
-                        n += cnt
-                    if name == "col_q":
-                        n_quad_lines[i] = n
-                self.local_reqs[i], self.runs[i], n_lines[i] = lr, runs, n
-            sign = cf[0]
-            own, loc = torch.from_numpy(owner)[sl], torch.from_numpy(local)[sl]
-            for i in self.local_reqs:
-                m = own == i
-                self.folds[i] = K.Fold.build(o[m], loc[m], sign[m], n_quad_lines[i], n_lines[i], plan.vec_size, acc)
-        self.order = sorted(self.folds)
-        self.max_lines = max([f.n_lines for f in self.folds.values()] + [0])
-        self.max_index = max([f.n_index for f in self.folds.values()] + [0])
+            for g0, n, n_quad, _ in self.groups:
+                m = (sl >= g0) & (sl < g0 + n)
+                self.folds.append(K.Fold.build(o[m], sl[m] - g0, cf[0][m], n_quad, n, plan.vec_size, acc))
+        self.max_index = max([f.n_index for f in self.folds] + [0])
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
         # vec entries written by a term of ``rest`` (decomposed only when the Sampler's group holds them)
@@ -621,8 +638,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if fp.idx is not None:  # deterministic (CUDA)
             return K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]])
         vals = torch.zeros(stats.shape[0], fp.n_entries, dtype=stats.dtype, device=stats.device)
-        for i in fp.order:  # CPU (a Triton step): each tensor's lines gathered and folded, in index order
-            K.fold(vals, torch.cat([stats[:, g: g + n] for g, n in fp.runs[i]], 1), fp.folds[i])
+        for (g0, n, _, _), f in zip(fp.groups, fp.folds):  # CPU (a Triton step): group by group, in order
+            K.fold(vals, stats.narrow(1, g0, n), f)
         return vals
 
     def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None, drift_step: bool = False) -> None:
@@ -659,54 +676,53 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
 
 class _Folds:
-    """The plan entries of one torch-twin step, folded tensor by tensor (``K.fold``): ``lines(i)`` is a
-    zeroed ``(rows, lines of tensor i)`` buffer for its step, ``done(i, buf)`` hands it back.  The
-    tensors are folded in index order (``_FusedPlan.order``), each as soon as every tensor before it
-    is folded (a tensor stepped early waits; a tracked tensor this step does not step -- no grad --
-    is measured when its turn comes: it does not change during the step), so the entries' bits do not
-    depend on the stepping order (the overlap ordering's) and, stepped in index order, no more than
-    one tensor's lines are alive at a time."""
+    """The plan entries of one torch-twin step, folded group by group (``_FusedPlan.groups``,
+    ``K.fold``): ``lines(i)`` is the zeroed ``(rows, lines)`` buffer of tensor ``i``'s group (its lines
+    at ``local_reqs[i]``), ``done(i, buf)`` says tensor ``i`` is stepped.  A group is folded once its
+    tensors are stepped and every group before it is folded (a group stepped early waits; a tracked
+    tensor this step does not step -- no grad -- is measured when its group is folded: it does not
+    change during the step), so the entries' bits do not depend on the stepping order (the overlap
+    ordering's) and, stepped in index order, one group's lines are alive at a time."""
 
-    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "vals", "pending", "next", "buf", "index")
+    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "vals", "bufs", "left", "next", "index")
 
     def __init__(self, fp: _FusedPlan, tensors, rows: int, acc, stepped: set, device):
         self.fp, self.tensors, self.rows, self.acc, self.stepped = fp, tensors, rows, acc, stepped
         self.vals = torch.zeros(rows, fp.n_entries, dtype=acc, device=device)
-        self.pending: dict[int, torch.Tensor] = {}
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.left = [{i for i in members if i in stepped} for _, _, _, members in fp.groups]
         self.next = 0
-        # one buffer of the most lines, reused by every tensor folded right after its step (a tensor
-        # that waits gets one of its own), and the int32 buffer of the widened entry index
-        self.buf = torch.empty(rows * fp.max_lines, dtype=acc, device=device)
-        self.index = torch.empty(fp.max_index, dtype=torch.int32, device=device)
+        self.index = torch.empty(fp.max_index, dtype=torch.int32, device=device)  # widened entry indices
 
     def lines(self, i: int) -> torch.Tensor:
-        n = self.fp.folds[i].n_lines
-        if not any(b.data_ptr() == self.buf.data_ptr() for b in self.pending.values()):
-            return self.buf[: self.rows * n].view(self.rows, n).zero_()
-        return torch.zeros(self.rows, n, dtype=self.acc, device=self.vals.device)
+        g = self.fp.group_of[i]
+        buf = self.bufs.get(g)
+        if buf is None:
+            buf = self.bufs[g] = torch.zeros(self.rows, self.fp.groups[g][1], dtype=self.acc, device=self.vals.device)
+        return buf
 
     def done(self, i: int, buf: torch.Tensor) -> None:
-        self.pending[i] = buf
+        self.left[self.fp.group_of[i]].discard(i)
         self._advance()
 
     def _advance(self) -> None:
-        fp, order = self.fp, self.fp.order
-        while self.next < len(order):
-            i = order[self.next]
-            buf = self.pending.pop(i, None)
+        fp = self.fp
+        while self.next < len(fp.groups) and not self.left[self.next]:
+            g = self.next
+            buf = self.bufs.pop(g, None)
             if buf is None:
-                if i in self.stepped:
-                    return  # not stepped yet
-                buf = self.lines(i)  # not stepped this step: h(new) of its current values, Delta = 0
-                K.stats_reference(None, self.tensors[i], 1.0, fp.local_reqs[i], buf)
-            K.fold(self.vals, buf, fp.folds[i], self.index)
+                buf = torch.zeros(self.rows, fp.groups[g][1], dtype=self.acc, device=self.vals.device)
+            for i in fp.groups[g][3]:  # not stepped this step: h(new) of its current values, Delta = 0
+                if i not in self.stepped:
+                    K.stats_reference(None, self.tensors[i], 1.0, fp.local_reqs[i], buf)
+            K.fold(self.vals, buf, fp.folds[g], self.index)
             del buf
             self.next += 1
 
     def finish(self) -> torch.Tensor:
         """The ``(rows, vec_size)`` entries, once every tensor is stepped."""
         self._advance()
-        if self.next != len(self.fp.order):
+        if self.next != len(self.fp.groups):
             raise RuntimeError("conserve internal error: a tracked tensor was stepped without its statistics; "
                                "report it")
         return self.vals
