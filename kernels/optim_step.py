@@ -419,6 +419,7 @@ def finish_compact(stats: torch.Tensor, entry: torch.Tensor, slot: torch.Tensor,
 
 
 _MAX_SEGMENTS = 8  # sign segments of a tensor's pairs; beyond: one segment with a sign per pair
+_MAX_RUNS = 4  # runs of consecutive entries a sign segment is cut into; beyond: one index segment
 
 
 @dataclass
@@ -429,7 +430,8 @@ class Fold:
     local-line order, so the ``n_quad`` pairs reading quadratic lines are a prefix.  ``line``: ``(P,)``
     int16/int32 local line of each pair, or None when pair ``p`` reads line ``p`` (every line read
     once: no gather).  ``segments``: ``((p0, n, s, e), ...)``, the pairs cut where the sign changes
-    (at most ``_MAX_SEGMENTS``; else one segment): pairs ``p0 .. p0+n-1`` have the sign ``s`` (a float;
+    (at most ``_MAX_SEGMENTS``; else one segment), and those into runs of consecutive entries (at most
+    ``_MAX_RUNS`` per sign; else one segment): pairs ``p0 .. p0+n-1`` have the sign ``s`` (a float;
     a ``(n,)`` tensor of the statistics' dtype for the one segment of a tensor whose signs change more
     often) and add into the entries ``e`` -- an int ``e0`` for the consecutive entries ``e0 .. e0+n-1``
     (a slice addition for all the rows, no index held), else a ``(n,)`` index (int16 when the entries
@@ -464,9 +466,12 @@ class Fold:
         narrow = torch.int16 if n_entries < 2 ** 15 else torch.int32 if n_entries < 2 ** 31 else torch.int64
         segs = []
         for a, b in zip(starts, starts[1:] + [P]):
-            e = entry[a:b]
-            e = int(e[0]) if torch.equal(e, torch.arange(int(e[0]), int(e[0]) + b - a)) else e.to(narrow)
-            segs.append((a, b - a, sign[a:b].to(acc) if per_pair else float(sign[a]), e))
+            s = sign[a:b].to(acc) if per_pair else float(sign[a])
+            cuts = [a] + ((entry[a + 1:b] - entry[a:b - 1] != 1).nonzero().flatten() + a + 1).tolist()
+            if per_pair or len(cuts) > _MAX_RUNS:
+                segs.append((a, b - a, s, entry[a:b].to(narrow)))
+            else:  # runs of consecutive entries: slice additions
+                segs.extend((c, d - c, s, int(entry[c])) for c, d in zip(cuts, cuts[1:] + [b]))
         return Fold(n_lines, int((line < n_quad_lines).sum()), P,
                     None if ident else line.to(torch.int16 if n_lines < 2 ** 15 else torch.int32), tuple(segs))
 

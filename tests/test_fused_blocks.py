@@ -270,7 +270,7 @@ def test_fold_equals_the_expanded_table(case):
     else:
         line = torch.randperm(L, generator=g)
         entry = torch.randint(0, V, (L,), generator=g)
-        if case == "runs":  # consecutive entries in runs, two signs: the index form
+        if case == "runs":  # runs of consecutive entries, two signs: a segment per (sign, run)
             line, entry = torch.arange(L), torch.cat([torch.arange(10, 42), torch.arange(100, 132), torch.arange(50, 82)])
         sign = {"runs": torch.cat([torch.ones(40), -torch.ones(56)]), "index_shared": -torch.ones(L),
                 "index_mixed": torch.randint(0, 2, (L,), generator=g) * 2.0 - 1,
@@ -278,7 +278,7 @@ def test_fold_equals_the_expanded_table(case):
     f = K.Fold.build(entry, line, sign, nql, L, V, torch.float32)
     kinds = [("run" if isinstance(e, int) else "index", "pair" if torch.is_tensor(s) else s) for _, _, s, e in f.segments]
     assert kinds == {"run": [("run", -1.0)], "run_gather": [("run", -1.0)], "linear": [("run", -1.0)],
-                     "runs": [("index", 1.0), ("index", -1.0)], "index_shared": [("index", -1.0)],
+                     "runs": [("run", 1.0)] * 2 + [("run", -1.0)] * 2, "index_shared": [("index", -1.0)],
                      "index_mixed": [("index", "pair")], "index_float": [("index", "pair")]}[case], kinds
     assert (f.line is None) == (case != "run_gather")
     lines = torch.randn(K.NQ, L, generator=g)

@@ -35,14 +35,16 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
   across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
   block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps),
-  one tensor at a time: each tensor's row / column sums go to a buffer of its own lines, folded into
-  the ``(rows, entries)`` result right after its step (``optim_step.fold``: one slice addition per run
-  of consecutive entries, or an index addition), the tensors in index order whatever order they are
-  stepped in (so the bits do not depend on it; a tensor stepped early waits for those before it);
-  no buffer of every line, no copy of every (entry, line) pair.  Between steps the optimizer holds
-  per tensor its runs (a few ints), or an int16 entry per pair (and signs where they differ); the
-  structures cached for ``h_0``'s evaluation of the whole plan are dropped after it.  (A Triton step
-  writes one buffer of every line, the CUDA finish reads the padded ``(entry, J)`` tables.)
+  one group of consecutive tensors at a time (at most ``STATS_BUDGET`` = 1% of the tracked bytes of
+  lines, or one tensor's): each tensor's row / column sums go to its group's buffer, folded into the
+  ``(rows, entries)`` result once the group is stepped (``optim_step.fold``: slice additions for runs
+  of consecutive entries, else index additions, one per sign), the groups in order whatever order
+  the tensors are stepped in (so the bits do not depend on it; a group stepped early waits for those
+  before it); no copy of every (entry, line) pair.  Between steps the optimizer holds per group its
+  segments (a few ints per run, an int16 entry per pair of the others, a sign per pair only where
+  signs change often); the structures cached for ``h_0``'s evaluation of the whole plan are dropped
+  after it.  (A Triton step writes one buffer of every line, the CUDA finish reads the padded
+  ``(entry, J)`` tables.)
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
@@ -684,21 +686,22 @@ class _Folds:
     change during the step), so the entries' bits do not depend on the stepping order (the overlap
     ordering's) and, stepped in index order, one group's lines are alive at a time."""
 
-    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "vals", "bufs", "left", "next", "index")
+    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "device", "vals", "bufs", "left", "next", "index")
 
     def __init__(self, fp: _FusedPlan, tensors, rows: int, acc, stepped: set, device):
-        self.fp, self.tensors, self.rows, self.acc, self.stepped = fp, tensors, rows, acc, stepped
-        self.vals = torch.zeros(rows, fp.n_entries, dtype=acc, device=device)
+        self.fp, self.tensors, self.rows, self.acc, self.stepped, self.device = fp, tensors, rows, acc, stepped, device
         self.bufs: dict[int, torch.Tensor] = {}
         self.left = [{i for i in members if i in stepped} for _, _, _, members in fp.groups]
         self.next = 0
-        self.index = torch.empty(fp.max_index, dtype=torch.int32, device=device)  # widened entry indices
+        # the result and the int32 buffer of the widened entry indices: made at the first fold (a model
+        # of one group holds neither while its weights are stepped)
+        self.vals = self.index = None
 
     def lines(self, i: int) -> torch.Tensor:
         g = self.fp.group_of[i]
         buf = self.bufs.get(g)
         if buf is None:
-            buf = self.bufs[g] = torch.zeros(self.rows, self.fp.groups[g][1], dtype=self.acc, device=self.vals.device)
+            buf = self.bufs[g] = torch.zeros(self.rows, self.fp.groups[g][1], dtype=self.acc, device=self.device)
         return buf
 
     def done(self, i: int, buf: torch.Tensor) -> None:
@@ -711,10 +714,13 @@ class _Folds:
             g = self.next
             buf = self.bufs.pop(g, None)
             if buf is None:
-                buf = torch.zeros(self.rows, fp.groups[g][1], dtype=self.acc, device=self.vals.device)
+                buf = torch.zeros(self.rows, fp.groups[g][1], dtype=self.acc, device=self.device)
             for i in fp.groups[g][3]:  # not stepped this step: h(new) of its current values, Delta = 0
                 if i not in self.stepped:
                     K.stats_reference(None, self.tensors[i], 1.0, fp.local_reqs[i], buf)
+            if self.vals is None:
+                self.vals = torch.zeros(self.rows, fp.n_entries, dtype=self.acc, device=self.device)
+                self.index = torch.empty(fp.max_index, dtype=torch.int32, device=self.device)
             K.fold(self.vals, buf, fp.folds[g], self.index)
             del buf
             self.next += 1
@@ -725,6 +731,9 @@ class _Folds:
         if self.next != len(self.fp.groups):
             raise RuntimeError("conserve internal error: a tracked tensor was stepped without its statistics; "
                                "report it")
+        if self.vals is None:  # no statistics (no tensor with row / column terms)
+            self.vals = torch.zeros(self.rows, self.fp.n_entries, dtype=self.acc, device=self.device)
+        self.index = None
         return self.vals
 
 
