@@ -26,8 +26,9 @@ deterministic).  Torch twin (``step_reference``): the same math op by op, as ``t
 (``_single_tensor_adam`` / ``_single_tensor_sgd``; on CPU the ``foreach`` path runs the same ops), and
 the same statistics with torch reductions (``stats_reference``); ``step_stats_reference`` runs both on
 blocks of whole rows (the update is elementwise: the same bits), so a drift step's old copy and
-``Delta`` are block-sized.  Finish (``fold``): each tensor's line statistics added into the plan entries
-by one index addition per quantity, the coefficients rebuilt from the tensor's sign(s).
+``Delta`` are block-sized.  Finish (``fold``): the line statistics of a group of tensors added into the
+plan entries (slice additions for runs of consecutive entries, else index additions), the coefficients
+rebuilt from one sign per segment (or per pair).
 
 Rounding: the kernel computes in fp32 and, for bf16/fp16 parameters, rounds to the storage dtype at
 every point where torch's foreach ops write a tensor (``LOWP``), so bf16 parameters follow torch's
