@@ -7,7 +7,10 @@ For each model (built as ``conserve run`` builds it: ``commands.run.build_config
 defaults plus the listed overrides, the laws ``conserve.track`` detects), prints the number of laws
 and plan terms, the milliseconds of one whole-model evaluation ``h(theta)``, one bilinear form and
 one drift call (the four pieces) with both forms of the twin, their ratio, and the largest
-difference between the two in float64 relative to the entrywise scale (the tests demand <= 1e-12).
+difference between the two in float64 relative to the entrywise scale (the tests demand <= 1e-12),
+and the grouped form's memory over the weights' bytes: the peak of the storages one call creates
+(outputs included; ``bench.track_overhead.LiveBytes``) and the bytes of the tensors its cached
+structures hold (index tables, signs).
 Every ratio comes from the same run (best of ``--repeat`` calls each, one intra-op thread by default).
 """
 from __future__ import annotations
@@ -43,6 +46,35 @@ def best_ms(fn, repeat: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
+
+
+def memory(calls, nbytes: int) -> str:
+    """Peak storage of one call of each grouped form and the tensor bytes its cached structures hold,
+    over ``nbytes`` (the calls are made once before, so the structures exist and are not counted)."""
+    from bench.track_overhead import LiveBytes
+    from conserve.kernels import reference as R
+
+    R.clear_cache()
+    peaks = []
+    with torch.no_grad():
+        for what, fn in calls:
+            fn()
+            with LiveBytes() as m:
+                fn()
+            peaks.append(f"{what} {m.peak / nbytes:.3f}")
+    held, seen, todo = {}, set(), list(R._CACHE.values())
+    while todo:  # the storages reachable from the cached structures (dataclasses, lists, tuples)
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if torch.is_tensor(o):
+            held[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, (list, tuple)):
+            todo.extend(o)
+        elif hasattr(o, "__dataclass_fields__"):
+            todo.extend(vars(o).values())
+    return "peak of one call / weights: " + ", ".join(peaks) + f"; cached tables {sum(held.values()) / nbytes:.3f}"
 
 
 def _maxrel(a, b, s) -> float:
@@ -82,20 +114,22 @@ def main(argv=None):
         news = [t + 1e-2 * y for t, y in zip(ts, ys)]
         nterms = len(plan.grams) + len(plan.norms) + len(plan.sums)
         mb = sum(t.numel() * t.element_size() for t in ts) / 1e6
-        row = []
+        row, grouped_calls = [], []
         for what, grouped, looped in (
                 ("evaluate", lambda: evaluate_reference(plan, ts), lambda: _evaluate_looped(plan, ts, None, False)),
                 ("bilinear", lambda: bilinear_reference(plan, ts, ys), lambda: _evaluate_looped(plan, ts, ys, False)),
                 ("drift", lambda: drift_reference(plan, ts, news, 0.999), lambda: looped_drift(plan, ts, news, 0.999))):
             g, l = best_ms(grouped, a.repeat), best_ms(looped, a.repeat)
             row.append(f"{what} {l:.2f} -> {g:.2f} ms (x{l / g:.1f})")
+            grouped_calls.append((what, grouped))
         d64 = [t.double() for t in ts]
         ap_ = Plan([replace(t, sign=abs(t.sign)) for t in plan.grams], [replace(t, sign=abs(t.sign)) for t in plan.norms],
                    [replace(t, sign=abs(t.sign)) for t in plan.sums], plan.vec_size, dict(plan.gram_slots))
         err = _maxrel(evaluate_reference(plan, d64, fp64=True), _evaluate_looped(plan, d64, None, True),
                       _evaluate_looped(ap_, [t.abs() for t in d64], None, True))
         print(f"{name}: {nlaws} laws, {nterms} terms, {len(ts)} tensors, {mb:.1f} MB fp32 | looped -> grouped: "
-              + "; ".join(row) + f" | fp64 max diff / scale {err:.1e}", flush=True)
+              + "; ".join(row) + f" | fp64 max diff / scale {err:.1e} | "
+              + memory(grouped_calls, sum(t.numel() * t.element_size() for t in ts)), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import math
 import warnings
 from pathlib import Path
+from typing import Mapping
 
 from .errors import UsageError
 
@@ -308,7 +309,9 @@ def verdict(stats: dict, broken_by: list[str] | None = None) -> tuple[str, str]:
 def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[str, list[str]] | None = None) -> dict:
     """Per family: final and max eps, max per-step measured drift, the per-step term norms summed over
     the recorded steps, the verdict, and (from ``Tracker.totals``) the measured total drift vs the
-    identity's prediction."""
+    identity's prediction.  Totals of a tracker that kept no per-entry cumulative sums (``cumulative``
+    False: sampled drift) give ``total_drift_measured`` (||h_K - h_0||), ``guarded`` and ``balance`` and
+    ``total_decomposition: False``; the prediction columns are None then (not estimated)."""
     out = {}
     for f in families(records):
         _, eps = _series(records, f"eps/{f}")
@@ -327,12 +330,15 @@ def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[s
         row["max_step_drift"] = max(m) if m else None
         if totals and f in totals:
             t = totals[f]
+            kept = decomposition_kept(t)
             row.update({"total_drift_measured": t.get("measured"), "total_drift_predicted": t.get("predicted"),
                         "total_second_order": t.get("second"), "total_first_order": t.get("first"),
                         "total_decay": t.get("decay"), "predicted_gd": t.get("predicted_no_first"),
                         "guarded": t.get("guarded"), "balance": t.get("balance"),
                         # the change over the decomposed (law, step) pairs: what decay+1st+2nd predicts
-                        "total_drift_measured_sampled": t.get("measured_sampled", t.get("measured"))})
+                        # (totals saved before measured_sampled existed: the measured total)
+                        "total_drift_measured_sampled": t.get("measured_sampled", t.get("measured") if kept else None),
+                        "total_decomposition": kept})
         reasons = (broken_by or {}).get(f)
         if not reasons:  # a run without a summary.json (a framework callback, a user's loop): the rows' count
             n = next((r[f"broken/{f}"] for r in reversed(records) if _finite(r.get(f"broken/{f}"))), 0)
@@ -341,6 +347,17 @@ def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[s
         row["verdict_key"], row["verdict"] = verdict(row, reasons)
         out[f] = row
     return out
+
+
+NOT_KEPT = ("total decomposition not kept (sampled drift): pass cumulative=True (conserve run: --cumulative) to keep "
+            "the per-entry sums that the total and prediction columns need")
+
+
+def decomposition_kept(totals_of_family: Mapping) -> bool:
+    """Whether ``Tracker.totals()`` of one family holds the per-entry decomposition (``decay``, ``first``,
+    ``second``, ``predicted``...): False for a tracker built without ``cumulative`` (its ``cumulative`` key
+    is False); totals saved before the key existed always had it."""
+    return bool(totals_of_family.get("cumulative", True))
 
 
 def _finite(v) -> bool:
@@ -379,6 +396,8 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
         lines.append(f"| {f} | {_fmt(r['eps_max'])} | {_fmt(r['max_step_drift'])} | {_fmt(r['sum_decay'])} | "
                      f"{_fmt(r['sum_first'])} | {_fmt(r['sum_second'])} | {_fmt(r.get('total_drift_measured_sampled'))} | "
                      f"{_fmt(r.get('total_drift_predicted'))} | {_fmt(r.get('predicted_gd'))} |")
+    if any(r.get("total_decomposition") is False for r in fams.values()):
+        lines += ["", NOT_KEPT + "."]
     lines += ["", "How to read it. eps is the error of Tran et al. 2026: the mean over a family's laws of",
               "|h(k) - h(0)| / |h(0)|. Each step's change splits exactly into decay (weight decay), first order",
               "(the optimizer's update direction; zero for gradient descent by Noether's theorem) and second order",
@@ -390,7 +409,8 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
               "init) has a large relative eps even when its absolute drift is tiny: read its drift columns instead.",
               "Drift columns: Euclidean norms over the family's entries (Frobenius for Gram laws); totals are norms",
               "of the summed measured changes and terms over the decomposed (law, step) pairs (equal by the identity;",
-              "by default each drift step decomposes one group of laws, see conserve.track's snapshot_budget). float32",
+              "by default each drift step decomposes one group of laws, see conserve.track's snapshot_budget; the",
+              "per-entry sums they need are kept in exact mode or with cumulative=True / --cumulative). float32",
               "rounding (~1e-7 relative) is the whole drift of the linear laws (router_sum, translation); `--fp64-laws`",
               "pushes it down. The 'total' and 'prediction' columns need the live tracker (conserve run); from a",
               "metrics file alone they are '-'.", "",

@@ -92,6 +92,21 @@ class Values:
         return cls(s["vec"].to(device), {int(k[4:]): v.to(device) for k, v in s.items() if k.startswith("gram")})
 
 
+class CumulativeNotKept(dict):
+    """``Tracker.cumulative`` of a tracker that keeps no per-entry cumulative sums (``cumulative=False``, or
+    the default in sampled drift mode): empty, and reading a term raises a ``KeyError`` that names the fix."""
+
+    def __repr__(self) -> str:
+        return ("CumulativeNotKept(): the per-entry cumulative drift sums are not kept; build the tracker with "
+                "cumulative=True")
+
+    def __missing__(self, key):
+        raise KeyError(f"tracker.cumulative[{key!r}]: the tracker keeps no per-entry cumulative drift sums (sampled "
+                       "drift: drift_every > 1 or a snapshot_budget); build it with cumulative=True "
+                       "(conserve.track(..., cumulative=True) or the fused optimizer's cumulative=True), or "
+                       "drift_every=1, snapshot_budget=None")
+
+
 class NotKept(dict):
     """``Tracker.last`` of a tracker built without ``keep_last``: empty, and reading a term raises a
     ``KeyError`` that names the fix (no stale terms are ever returned)."""
@@ -158,13 +173,24 @@ class Tracker:
             tracked bytes while the step runs).  With a budget, a drift step decomposes one group of
             laws (round robin, ``conserve.tracking.drift.Sampler``): its ``drift/<family>/*`` columns are
             norms over the family's decomposed entries only (NaN for a family with none that step), and
-            ``totals()`` sums the terms over the decomposed (entry, step) pairs and says how many.  No
-            weight-sized buffer is held between steps.
+            ``totals()`` says how many (with ``cumulative=True``, it also sums the terms per entry over the
+            decomposed (entry, step) pairs).  No weight-sized buffer is held between steps.
         fp64: accumulate in float64.
         keep_last: keep the last drift step's per-entry terms in ``last`` (``{"measured", "decay", "first",
             "second", "residual"}``, each a ``Values``; 5 law-sized copies held between steps).  Default
             False: ``last`` is an empty ``NotKept`` dict whose items raise a ``KeyError`` naming this
             option; the metric rows, ``cumulative`` and ``totals()`` are the same either way.
+        cumulative: keep ``cumulative``, the per-entry sums of the ``measured``/``decay``/``first``/``second``
+            terms over the decomposed (entry, step) pairs (4 law-sized copies held for the whole run:
+            on ``conserve run``'s 62.8k-parameter model 0.088x the tracked bytes).  ``None`` (default):
+            kept only when every (entry, step) pair is decomposed (``drift`` with ``drift_every=1`` and
+            ``snapshot_budget=None``, the exact mode); ``True``: always; ``False``: never.  Without
+            them ``totals()`` has no per-entry decomposition (no ``decay``/``first``/``second``/
+            ``predicted``/``predicted_no_first``/``measured_sampled``): it gives ``measured`` (from
+            ``h`` and ``h_0``), ``eps``, the guards and, per family, ``sum_step_<term>``, the sum over
+            the drift steps of each step's family norm (a sum of norms: an upper bound of the norm of
+            the summed term, not that norm), with ``cumulative: False``; ``cumulative`` is then an empty
+            ``CumulativeNotKept`` dict whose items raise a ``KeyError`` naming this option.
         backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
         on_nonfinite: what a flush does with a row whose law values are NaN/Inf (the parameters
@@ -220,7 +246,8 @@ class Tracker:
                  sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
                  monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None,
                  on_nonfinite: str = "raise", drift_every: int = DRIFT_EVERY,
-                 snapshot_budget: float | None = SNAPSHOT_BUDGET, keep_last: bool = False):
+                 snapshot_budget: float | None = SNAPSHOT_BUDGET, keep_last: bool = False,
+                 cumulative: bool | None = None):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if isinstance(drift_every, bool) or not (isinstance(drift_every, numbers.Integral) and drift_every >= 1):
@@ -234,6 +261,9 @@ class Tracker:
             snapshot_budget = float(snapshot_budget)
         if not isinstance(keep_last, bool):
             raise ValueError(f"keep_last={keep_last!r} must be True or False")
+        if cumulative is not None and not isinstance(cumulative, bool):
+            raise ValueError(f"cumulative={cumulative!r} must be True, False or None (None: kept only with "
+                             "drift_every=1 and snapshot_budget=None)")
         self.on_nonfinite = on_nonfinite
         named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
         self.declined: list[Declined] = []
@@ -290,7 +320,14 @@ class Tracker:
         # the mean over each family's instances of |h_0| / magnitude (``totals()["balance"]``): per family, held
         self.h0_balance = self._fam_mean(h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny))
         # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
-        self.cumulative: dict[str, Values] = {k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
+        # (only where kept: ``cumulative``)
+        self.keep_cumulative = (bool(drift) and drift_every == 1 and snapshot_budget is None) if cumulative is None \
+            else cumulative
+        self.cumulative: dict[str, Values] = ({k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
+                                              if self.keep_cumulative else CumulativeNotKept())
+        # per term (CUMULATIVE) and family, the sum over the booked drift steps of the step's family norm: on
+        # the host, summed from the rows at each flush (``totals()["sum_step_<term>"]``); no per-step cost
+        self._step_sums = torch.zeros(len(CUMULATIVE), len(self.families), dtype=torch.float64)
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
         self._versions = self._tensor_versions()  # the weights h_0 was evaluated on (``check_outside``)
         _LIVE.add(self)
@@ -362,9 +399,16 @@ class Tracker:
         self._n_inst = len(inst_fam)
         self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
         self._group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
-        self._inst_group = inst_group.to(dev, torch.int32)
-        # the family of each (family, layer) group and of each instance (read every step: held, 4 bytes
-        # per instance); an entry's is gathered from it when needed, unless an entry belongs to no law
+        # the (family, layer) group of each instance, held as runs: the instances of a group lie side by side
+        # in law order (``conserve run``'s model: 634 instances, 15 groups, 21 runs), so the per-step group
+        # sums are one segment sum per run (``_group_sum``) and no 4 bytes per instance are held
+        new_run = torch.ones(len(inst_group), dtype=torch.bool)
+        new_run[1:] = inst_group[1:] != inst_group[:-1]
+        starts = torch.nonzero(new_run).flatten()
+        self._run_len = torch.diff(starts, append=torch.tensor([len(inst_group)])).to(dev, torch.int32)
+        self._run_group = inst_group[starts].to(dev, torch.int32)
+        # the family of each (family, layer) group (an instance's is expanded from the runs when needed, an
+        # entry's gathered from that, unless an entry belongs to no law)
         self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
         self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
         self.metric_names = ([f"eps/{f}" for f in fams]
@@ -372,10 +416,42 @@ class Tracker:
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
 
     @property
+    def _inst_group(self) -> torch.Tensor:
+        """(instances,) int32: the (family, layer) group of each instance (expanded from the runs when read:
+        not held)."""
+        return torch.repeat_interleave(self._run_group, self._run_len)
+
+    @property
     def _inst_fam(self) -> torch.Tensor:
-        """(instances,) int32: the family of each instance (gathered when read: not held; the per-step
+        """(instances,) int32: the family of each instance (expanded when read: not held; the per-step
         family sums add the (family, layer) group sums instead)."""
-        return self._group_fam.index_select(0, self._inst_group)
+        return torch.repeat_interleave(self._group_fam.index_select(0, self._run_group), self._run_len)
+
+    def _group_sum(self, per_inst: torch.Tensor) -> torch.Tensor:
+        """(groups,): the sum of a per-instance quantity over each (family, layer) group's instances (one
+        segment sum per run of ``_run_len``, then the runs added into their groups)."""
+        runs = torch.segment_reduce(per_inst, "sum", lengths=self._run_len)
+        return torch.zeros(len(self.groups), dtype=per_inst.dtype, device=per_inst.device).index_add_(
+            0, self._run_group, runs)
+
+    @property
+    def denom(self) -> torch.Tensor:
+        """(instances,) the ``eps`` denominators: ``||h_i(theta_0)||``, or for a guarded instance (``|h_0|``
+        below ``GUARD`` times its magnitude) that magnitude, at least the dtype's ``tiny``; dtype of ``h_0``.
+        Formed when read from the held ``h_0`` (one evaluation of the instance norms): only the guarded
+        instances' values are held (``_guard_at``, ``_guard_val``: 12 bytes each; none on a model whose
+        laws all start unbalanced).  Setting it (construction, ``load_state_dict``) keeps those."""
+        d = self._inst_norm(self.h0)
+        if self._guard_at.numel():
+            d.index_copy_(0, self._guard_at, self._guard_val)
+        return d.clamp_min_(torch.finfo(d.dtype).tiny)
+
+    @denom.setter
+    def denom(self, value: torch.Tensor) -> None:
+        h0n = self._inst_norm(self.h0)
+        value = value.to(device=h0n.device, dtype=h0n.dtype)
+        at = torch.nonzero(value != h0n).flatten()  # (a denominator clamped to tiny too)
+        self._guard_at, self._guard_val = at, value.index_select(0, at)
 
     def _fam_mean(self, per_inst: torch.Tensor) -> torch.Tensor:
         """(families,): the mean of a per-instance quantity over each family's instances."""
@@ -658,8 +734,8 @@ class Tracker:
         (None: all).  Appends one metric row (on device).
 
         Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
-        are formed in one stacked scratch buffer, summed into ``cumulative`` in place and reduced to
-        the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it).
+        are formed in one stacked scratch buffer, summed into ``cumulative`` in place (when kept) and
+        reduced to the family norms, and dropped after the step (``keep_last``: ``last`` views a copy of it).
         The tracker's own budgeted drift steps (``drift_terms`` over a compact sub-plan) form them over
         the group's entries only (the scratch is the group's size, not five law-sized rows); terms
         given here are in the full layout.  Nothing is booked after ``close()`` (one warning)."""
@@ -669,7 +745,7 @@ class Tracker:
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             deferred.call(self.flush)  # a NonFiniteError is raised once this step is booked
         self.step_count += 1
-        nf, ng, dev = len(self.families), len(self.groups), self.device
+        nf, dev = len(self.families), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
         # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group
         dv = torch.sub(h1.vec, self.h0.vec)
@@ -679,7 +755,7 @@ class Tracker:
             rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
         rel.sqrt_().div_(self.denom)
         del dv
-        grp = torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        grp = self._group_sum(rel)
         fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
         parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
         if self.drift:
@@ -699,7 +775,7 @@ class Tracker:
         deferred.raise_booked(self, self.step_count)  # this step was booked before the caller saw the error
 
     def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
-        """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four, and per
+        """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four (when kept), and per
         term and family the Euclidean norm into ``norms`` (``(len(TERMS), families)``, NaN for a family
         without a decomposed entry)."""
         dev = self.device
@@ -738,7 +814,7 @@ class Tracker:
         for d, g in h1g.items():
             fill(wg[d], g, hkg[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
                  sampled.grams[d].view(-1, 1, 1) if partial_masks else None)
-        for i, k in enumerate(CUMULATIVE):  # cumulative += measured, decay, first, second (in place)
+        for i, k in enumerate(CUMULATIVE if self.keep_cumulative else ()):  # cumulative += measured, decay, ...
             c = self.cumulative[k]
             if at is None:
                 c.vec.add_(wv[i])
@@ -797,33 +873,59 @@ class Tracker:
         return {l.name: v for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
 
     def totals(self) -> dict[str, dict[str, float]]:
-        """Per family, since step 0: ``eps`` now, ``measured`` = ||h_k - h_0||, and over the decomposed
-        (entry, step) pairs only (every step and entry with ``drift_every=1, snapshot_budget=None``):
-        ``measured_sampled`` (norm of the summed measured changes), the cumulative ``decay``, ``first``
-        and ``second`` terms (norms of their per-entry sums), ``predicted`` = ||decay + first + second||
-        (equals ``measured_sampled`` by the identity) and ``predicted_no_first`` = ||decay + second||
-        (the GD/SGD prediction, where the first-order term vanishes); ``sampled_steps``: drift steps
+        """Per family, since step 0: ``eps`` now, ``measured`` = ||h_k - h_0||; ``sampled_steps``: drift steps
         that decomposed some law of the family, of ``steps``; ``scale`` = ||h_0||; ``guarded``: the
         fraction of the family's instances whose ``eps`` divides by their magnitude (the same law with
         every sign +) because ``|h_0|`` is ~0; ``balance``: the mean over instances of ``|h_0|`` / magnitude
-        (1: one side of the law dominates, 0: balanced).  Nothing is extrapolated to the steps or laws
-        that were not decomposed.  Host floats (one sync)."""
-        c = self.cumulative
-        parts = {"measured": self._fam_norm(self.h.map(torch.sub, self.h0)),
-                 "measured_sampled": self._fam_norm(c["measured"]),
-                 "decay": self._fam_norm(c["decay"]), "first": self._fam_norm(c["first"]),
-                 "second": self._fam_norm(c["second"]),
-                 "predicted": self._fam_norm(c["decay"].map(torch.add, c["first"]).map(torch.add, c["second"])),
-                 "predicted_no_first": self._fam_norm(c["decay"].map(torch.add, c["second"])),
-                 "scale": self._fam_norm(self.h0), "sampled_steps": self.sampled_steps,
-                 "steps": torch.full_like(self.sampled_steps, self.step_count)}
+        (1: one side of the law dominates, 0: balanced); ``sum_step_measured``, ``sum_step_decay``,
+        ``sum_step_first``, ``sum_step_second``: the sum over the drift steps of each step's family norm
+        of the term (the ``drift/<family>/<term>`` columns summed, NaN steps skipped: a sum of norms, an
+        upper bound of the norm of the summed term, not that norm; NaN after loading a state saved
+        without them); ``cumulative``: whether the per-entry sums below are kept (``Tracker(cumulative=)``).
+
+        With them (``cumulative`` True; the default in exact mode, ``drift_every=1, snapshot_budget=None``),
+        over the decomposed (entry, step) pairs only (every step and entry in exact mode):
+        ``measured_sampled`` (norm of the summed measured changes), the cumulative ``decay``, ``first``
+        and ``second`` terms (norms of their per-entry sums), ``predicted`` = ||decay + first + second||
+        (equals ``measured_sampled`` by the identity) and ``predicted_no_first`` = ||decay + second||
+        (the GD/SGD prediction, where the first-order term vanishes).  Without them these keys are
+        absent (never estimated).  Nothing is extrapolated to the steps or laws that were not
+        decomposed.  Host floats (one sync)."""
+        parts = {"measured": self._fam_norm(self.h.map(torch.sub, self.h0))}
+        if self.keep_cumulative:
+            c = self.cumulative
+            parts.update({"measured_sampled": self._fam_norm(c["measured"]),
+                          "decay": self._fam_norm(c["decay"]), "first": self._fam_norm(c["first"]),
+                          "second": self._fam_norm(c["second"]),
+                          "predicted": self._fam_norm(c["decay"].map(torch.add, c["first"]).map(torch.add, c["second"])),
+                          "predicted_no_first": self._fam_norm(c["decay"].map(torch.add, c["second"]))})
+        parts.update({"scale": self._fam_norm(self.h0), "sampled_steps": self.sampled_steps,
+                      "steps": torch.full_like(self.sampled_steps, self.step_count)})
         rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
         parts["eps"] = self._fam_mean(rel)
         # fraction of a family's instances whose h_0 is ~0 (the eps guard divides by the magnitude instead)
-        parts["guarded"] = self._fam_mean((self.denom > self._inst_norm(self.h0)).to(rel.dtype))
+        guarded = torch.zeros(self._n_inst, dtype=rel.dtype, device=rel.device)
+        guarded[self._guard_at] = (self._guard_val > self._inst_norm(self.h0)[self._guard_at]).to(rel.dtype)
+        parts["guarded"] = self._fam_mean(guarded)
         parts["balance"] = self.h0_balance.to(device=self.device, dtype=rel.dtype)
         host = {k: v.double().cpu().tolist() for k, v in parts.items()}
-        return {f: {k: host[k][i] for k in host} for i, f in enumerate(self.families)}
+        sums = self._step_sums + self._pending_step_sums()  # (flushed rows + the rows still pending)
+        for i, t in enumerate(CUMULATIVE):
+            host[f"sum_step_{t}"] = sums[i].tolist()
+        kept = self.keep_cumulative
+        return {f: {**{k: host[k][i] for k in host}, "cumulative": kept} for i, f in enumerate(self.families)}
+
+    def _pending_step_sums(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(len(CUMULATIVE), families) float64 on the host: per term and family the sum of the drift
+        columns of ``rows`` (default: the pending rows), NaN (not decomposed) skipped."""
+        nf = len(self.families)
+        if rows is None:
+            rows = torch.stack(self._rows) if self._rows else None
+        if rows is None or not self.drift or rows.shape[0] == 0:
+            return torch.zeros(len(CUMULATIVE), nf, dtype=torch.float64)
+        at = nf + len(self.groups)  # the drift columns: drift/<family>/<term>, term-major (TERMS order)
+        cols = rows[:, at: at + len(CUMULATIVE) * nf].to(torch.float64)
+        return cols.nansum(0).view(len(CUMULATIVE), nf).cpu()
 
     def flush(self) -> list[dict]:
         """Move the pending rows to the host (one sync) and write them to the sinks.
@@ -841,6 +943,7 @@ class Tracker:
             warnings.warn(f"{self._stale_message(why)} (steps {first_step}..{self.step_count} are written; those after "
                           "the change describe the old tensors)", RuntimeWarning, stacklevel=2)
         host = torch.stack(self._rows).cpu()
+        self._step_sums = self._step_sums + self._pending_step_sums(host)  # (a new tensor: a state's copy is not aliased)
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
         extras += [{}] * (len(self._rows) - len(extras))
         check_frozen(self)  # parameters frozen since the last flush: their laws' broken_by (before the monitors)
@@ -1076,7 +1179,11 @@ class Tracker:
         return {k: (copy.copy(skip[k]) if k in skip else v) for k, v in self.__dict__.items()}
 
     def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        denom = state.pop("denom", None)  # (pickled before the denominators were formed when read)
         self.__dict__.update(state)
+        if denom is not None and "_guard_at" not in state:
+            self.denom = denom
         if "params" in state:
             self._accept_weights()  # the unpickled tensors' version counters start afresh
         _LIVE.add(self)
@@ -1084,12 +1191,14 @@ class Tracker:
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Everything needed to continue the same series: ``h0``, ``h_k``, the guards, the cumulative
-        drift terms and the step counter. Pending rows are flushed to the sinks first (one host sync),
-        so a run resumed from this state neither repeats nor loses a row."""
+        drift terms (``{}`` for a tracker that keeps none: ``cumulative``), the per-step norm sums
+        (``step_sums``) and the step counter. Pending rows are flushed to the sinks first (one host
+        sync), so a run resumed from this state neither repeats nor loses a row."""
         self.flush()
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
                 # copies: the tracker sums into its buffers in place
-                "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()}, "laws": [l.name for l in self.laws],
+                "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()} if self.keep_cumulative else {},
+                "step_sums": self._step_sums.clone(), "laws": [l.name for l in self.laws],
                 "sampled_steps": self.sampled_steps.clone(), "balance": self.h0_balance,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
@@ -1100,7 +1209,10 @@ class Tracker:
         laws or other law sizes; changes nothing.  The optimizers call it before loading their own state, so a
         refused state leaves optimizer and tracker as they were.  (A distributed state keeps its law names
         in its packed metadata: only the sizes are checked here, ``load_state_dict`` checks the names.)
-        A state that is not one (empty, truncated, garbled values) raises ``ValueError`` naming the entry."""
+        A state that is not one (empty, truncated, garbled values) raises ``ValueError`` naming the entry, and
+        a state saved without the per-entry cumulative sums (``cumulative`` not kept) given to a tracker that
+        keeps them raises ``ValueError`` naming ``cumulative=False`` (they cannot be rebuilt).  The reverse is
+        loaded (``load_state_dict`` drops them, with a warning)."""
         bad = _state_problem(state)
         if bad:
             raise ValueError(f"tracker state is not one saved by Tracker.state_dict: {bad}; resume from an intact "
@@ -1109,6 +1221,10 @@ class Tracker:
         if "laws" in state and list(state["laws"]) != [l.name for l in self.laws]:
             raise ValueError("tracker state was saved for a different set of laws; build the tracker with the same "
                              "model and laws as the saved run")
+        if self.keep_cumulative and "cumulative" in state and not state["cumulative"]:
+            raise ValueError("tracker state was saved without the per-entry cumulative drift sums (cumulative not "
+                             "kept: sampled drift, or cumulative=False), which this tracker keeps; build it with "
+                             "cumulative=False to resume that run (totals() then reports no per-entry decomposition)")
         shapes = lambda v: {k: tuple(t.shape) for k, t in v.items()}  # noqa: E731
         if "h0" in state and shapes(state["h0"]) != shapes(self.h0.state()):  # same names, other sizes (hidden, heads)
             raise ValueError(f"tracker state was saved for laws of other sizes (law values {shapes(state['h0'])}, this "
@@ -1124,9 +1240,18 @@ class Tracker:
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
         self.denom = state["denom"].to(dev)
-        # copies: the tracker sums into them in place (the state's tensors are not aliased)
-        self.cumulative = {k: Values.from_state(v, dev).clone() for k, v in state["cumulative"].items()}
-        self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
+        if self.keep_cumulative:
+            # copies: the tracker sums into them in place (the state's tensors are not aliased)
+            self.cumulative = {k: Values.from_state(v, dev).clone() for k, v in state["cumulative"].items()}
+            self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
+        elif state["cumulative"]:
+            warnings.warn("conserve: the tracker state holds per-entry cumulative drift sums, which this tracker does "
+                          "not keep (sampled drift, or cumulative=False): they are dropped and totals() reports no "
+                          "per-entry decomposition; build the tracker with cumulative=True to continue them",
+                          RuntimeWarning, stacklevel=2)
+        sums = state.get("step_sums")  # states saved before it: unknown (NaN), never restarted from 0
+        self._step_sums = (sums.detach().to("cpu", torch.float64).clone() if sums is not None
+                           else torch.full_like(self._step_sums, float("nan")))
         if state.get("sampled_steps") is not None:
             self.sampled_steps = state["sampled_steps"].to(dev).clone()  # summed into in place
         if state.get("balance") is not None:  # |h_0| / magnitude of the saved run's theta_0, per family
@@ -1177,7 +1302,7 @@ def _state_problem(state) -> str | None:
     cum = state["cumulative"]
     if not isinstance(cum, Mapping) or not all(values(v) for v in cum.values()):
         return "'cumulative' is not the drift terms' law values"
-    for k in ("sampled_steps", "balance", "h0_balance", "pending"):
+    for k in ("sampled_steps", "balance", "h0_balance", "pending", "step_sums"):
         if state.get(k) is not None and not tensor(state[k]):
             return f"{k!r} is a {type(state[k]).__name__}, not a tensor"
     for k in ("laws", "pending_extras", "monitors"):

@@ -12,6 +12,14 @@ Decay (spec "Discrete steps"): ``h(a old) - h(old)`` is computed per term in clo
 quadratic terms ``s_t (a_t^2 - 1) h_t(old)`` (a Gemma-shifted norm adds ``2 s_t (a_t - 1) shift
 sum_c x``), linear terms ``s_t (a_t - 1) sum x`` -- never as a difference of two evaluations (which
 cancels to ~1e-4 relative in fp32 at ``a = 1 - 1e-3``).
+
+Memory (issue 12; ``tests/test_tracker_memory.py`` bounds it, ``bench/reference.py`` prints it): the
+held index tables are int16 where the entries fit (``_narrow_index``; widened per segment where an
+``index_add_`` reads them, after the reductions' temporaries are freed); the whole-line values alive
+at once are one batch (a sign segment, ``_batches``), never all of them stacked; the batch with the
+largest reduction temporary is reduced before the outputs are allocated (``_early``), so that
+temporary never sits next to them.  None of this changes a bit of the results: the same reductions
+run in the same order and every entry receives its additions in the same order.
 """
 from __future__ import annotations
 
@@ -50,6 +58,19 @@ def check_slots(plan: Plan):
 
 
 _INDEX = torch.int32  # index tensors of the cached structures (index_add_/index_select take int32)
+
+
+def _narrow_index(idx: np.ndarray, device) -> torch.Tensor:
+    """A held index table in the narrowest dtype that holds it: int16 when every entry is below 2^15
+    (half of int32's bytes), else ``_INDEX``; ``_wide`` widens it (a transient copy) where an
+    ``index_add_`` reads it."""
+    small = idx.size == 0 or (int(idx.min()) >= 0 and int(idx.max()) < (1 << 15))
+    return torch.as_tensor(idx, dtype=torch.int16 if small else _INDEX, device=device)
+
+
+def _wide(idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` as an index ``index_add_`` takes (int32 / int64): a transient int32 copy of an int16 table."""
+    return idx if idx.dtype in (torch.int32, torch.int64) else idx.to(_INDEX)
 
 
 def _tensor(ts, i: int) -> torch.Tensor:
@@ -146,8 +167,8 @@ def _row_sums(blocks, xs, ys, dtype, square: bool, shift=None) -> torch.Tensor:
 class _GramGroup:
     D: int
     blocks: list
-    tensor: np.ndarray  # tensor index of each stacked view
-    sign_np: np.ndarray  # its sign (float64)
+    tensor: np.ndarray | None  # tensor index of each stacked view (decay's structure only, else None)
+    sign_np: np.ndarray | None  # its sign (float64; decay's structure only)
     slot: torch.Tensor  # (T,) output slot per view (``_INDEX``)
     sign: torch.Tensor  # (T,) signs in the accumulation dtype
 
@@ -158,10 +179,10 @@ class _RowGroup:
 
     square: bool
     blocks: list
-    row_term: np.ndarray  # (R,) term id (into ``_Structure.vterms``) of each stacked row
-    out: torch.Tensor  # (R,) vec index per row
-    sign: torch.Tensor  # (R,) sign per row (acc dtype)
-    shift: torch.Tensor | None  # (R,) shift per row, None when every shift is 0
+    row_term: np.ndarray | None  # (R,) term id (into ``_Structure.vterms``) of each row (decay's structure only)
+    out: torch.Tensor  # (R,) vec index per row (``_narrow_index``: int16 where it fits)
+    sign: torch.Tensor | None  # (R,) sign per row (acc dtype; None in decay's structure: its coefficients replace it)
+    shift: torch.Tensor | None  # (R,) shift per row, None when every shift is 0 (and in decay's structure)
 
 
 @dataclass
@@ -193,11 +214,12 @@ class _Lines:
 
     reductions: list
     src: torch.Tensor | None  # (R,) index into the stacked line values, per term row (None: identity)
-    out: torch.Tensor  # (R,) vec index per term row
+    out: torch.Tensor  # (R,) vec index per term row (``_narrow_index``: int16 where it fits, as ``src``)
     segments: list  # (sign, r0, r1): rows [r0, r1) carry ``sign``
     norm_size: int = 0  # the first norm_size stacked values are norms (squared once)
     progressions: list | None = None  # (r0, r1, first, step, sign): ``src`` None, ``out`` None, see _build_lines
     batches: list | None = None  # ``src`` None: (i0, i1, values, squared, progressions, segments), _batches
+    early: int | None = None  # ``_early``'s batch (-1: none), set at the first evaluation
 
 
 @dataclass
@@ -222,7 +244,11 @@ def _partner(ys, v, x):
 
 
 def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = True) -> _Structure:
+    """The grouped structure; the host arrays of the decay coefficients (``_GramGroup.tensor`` /
+    ``sign_np``, ``_RowGroup.row_term``) only in decay's (``use_lines`` False), None otherwise; decay's
+    row groups hold no signs or shifts (its coefficients replace them)."""
     check_slots(plan)
+    decay = not use_lines
     ggroups: dict = {}
     for t in plan.grams:
         v = t.view
@@ -243,8 +269,8 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
         blocks: list = []
         for (ti, xo, rs, cs, y, _, _) in ents:
             _extend(blocks, ti, xo, D, N, rs, cs, y)
-        grams.append(_GramGroup(D, blocks, np.asarray([e[0] for e in ents], dtype=np.int64),
-                                np.asarray([e[6] for e in ents], dtype=np.float64),
+        grams.append(_GramGroup(D, blocks, np.asarray([e[0] for e in ents], dtype=np.int64) if decay else None,
+                                np.asarray([e[6] for e in ents], dtype=np.float64) if decay else None,
                                 torch.tensor([e[5] for e in ents], dtype=_INDEX, device=device),
                                 torch.tensor([e[6] for e in ents], dtype=acc, device=device)))
     vterms = list(plan.norms) + ([] if bilinear else list(plan.sums))
@@ -285,11 +311,12 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
         for (ti, xo, rs, ls, yy, rows, *_) in ents:
             _extend(blocks, ti, xo, rows, length, rs, ls, yy)
         shift = np.concatenate([np.full(e[5], e[9]) for e in ents])
-        groups.append(_RowGroup(square, blocks, np.concatenate([np.full(e[5], e[6], dtype=np.int64) for e in ents]),
-                                torch.as_tensor(np.concatenate([e[7] for e in ents]), dtype=_INDEX, device=device),
-                                torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]), dtype=acc,
-                                                device=device),
-                                torch.as_tensor(shift, dtype=acc, device=device) if shift.any() else None))
+        groups.append(_RowGroup(square, blocks, np.concatenate([np.full(e[5], e[6], dtype=np.int64) for e in ents])
+                                if decay else None,
+                                _narrow_index(np.concatenate([e[7] for e in ents]), device),
+                                None if decay else torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]),
+                                                                   dtype=acc, device=device),
+                                torch.as_tensor(shift, dtype=acc, device=device) if shift.any() and not decay else None))
     return _Structure(grams, groups, vterms, lines)
 
 
@@ -384,15 +411,14 @@ def _build_lines(plan: Plan, vterms, xs, ys, bilinear: bool, acc, device):
         progs = _progressions(reds, out_line, sign_line)
         if progs is not None:  # a few reductions, each onto a progression of entries: no index table at all
             return _Lines(reds, None, None, [], norm_size, progs, _batches(reds, norm_size, progs, [], None, cap)), taken
-        out_t = torch.as_tensor(out_line, dtype=_INDEX, device=device)
+        out_t = _narrow_index(out_line, device)  # held: int16 (widened per segment where it is read)
         return _Lines(reds, None, out_t, segments, norm_size, None, _batches(reds, norm_size, [], segments, out_t, cap)), taken
     order = np.argsort(sign, kind="stable")
     src, out, sign = src[order], out[order], sign[order]
     cuts = np.flatnonzero(np.diff(sign)) + 1
     bounds = [0, *cuts.tolist(), len(sign)]
     segments = [(float(sign[a]), a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a and sign[a] != 0.0]
-    return _Lines(reds, torch.as_tensor(src, dtype=_INDEX, device=device),
-                  torch.as_tensor(out, dtype=_INDEX, device=device), segments, norm_size), taken
+    return _Lines(reds, _narrow_index(src, device), _narrow_index(out, device), segments, norm_size), taken
 
 
 _PROGRESSIONS = 16  # at most this many reductions are added onto strided views of vec (no index table)
@@ -420,21 +446,28 @@ def _progressions(reds, out_line: np.ndarray, sign_line: np.ndarray):
 
 
 _BATCH_MIN = 256  # a batch of stacked line values holds at least this many (a batch costs one cat and its adds)
+_CUT_MIN = 256  # ... and is closed at the end of a sign segment once it holds this many (no extra index_add_)
 
 
 def _batches(reds, norm_size: int, progs, segments, out, cap: int):
     """Reductions ``[i0, i1)`` whose values ``[v0, v1)`` are stacked, squared (up to ``squared end``)
     and added at once, at most ``cap`` values each (``_temp_cap``: the bound on any temporary of the
-    plan, 1/16 of its tensors' bytes; one batch in the usual case, since a model has far fewer line
-    values than weights), with the progressions and the segments (clipped; with their view of
-    ``out``) that fall in them, offsets relative to ``v0``; the additions into each entry keep their
-    line order."""
+    plan, 1/16 of its tensors' bytes; at least ``_BATCH_MIN``), with the
+    progressions and the segments (clipped; with their view of ``out``) that fall in them, offsets
+    relative to ``v0``; the additions into each entry keep their line order.  A batch of at least
+    ``_CUT_MIN`` values ends where a sign segment ends (at a reduction boundary): the stacked values
+    alive at once are about one segment's, at the cost of one ``empty`` per batch and no extra
+    ``index_add_`` (each segment is still added by one call)."""
     size = max(_BATCH_MIN, cap)
+    ends = {b for _, _, b in segments}  # a batch holding _CUT_MIN values is closed where a segment ends
     got, i0 = [], 0
     while i0 < len(reds):
         i1, v0 = i0, reds[i0].start
         while i1 < len(reds) and (i1 == i0 or reds[i1].start + reds[i1].size - v0 <= size):
             i1 += 1
+            end = reds[i1 - 1].start + reds[i1 - 1].size
+            if end in ends and end - v0 >= _CUT_MIN:
+                break
         v1 = reds[i1 - 1].start + reds[i1 - 1].size
         ps = [(p[0] - v0, p[1] - v0) + tuple(p[2:]) for p in progs if v0 <= p[0] < v1]
         ss = [(sg, max(a, v0) - v0, min(b, v1) - v0, out[max(a, v0): min(b, v1)]) for sg, a, b in segments
@@ -498,7 +531,7 @@ def _reduce_into(out: torch.Tensor, how, x: torch.Tensor, y, d, kind: str, acc) 
     if how == "elem":
         out.copy_(x)
         return out.mul_(out if kind != "dot" else y)  # in acc: y (any float dtype) is promoted exactly
-    o = out.view([n for i, n in enumerate(x.shape) if i != d])  # the values, C order of x without dim d
+    o = out if x.dim() == 2 else out.view([n for i, n in enumerate(x.shape) if i != d])  # C order of x without d
     if how == "norm":
         torch.linalg.vector_norm(x, dim=d, out=o)
     elif how == "sum":
@@ -547,22 +580,62 @@ def _chunked(x, y, d: int, kind: str, k: int, acc, out: torch.Tensor | None = No
     return total.reshape(-1)
 
 
-def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
-    """``vec[out] += sign * value`` for every term row of ``lines``."""
+def _batched(lines: _Lines, xs, ys) -> bool:
+    """Whether ``lines`` takes the batch path (in place: not under autograd)."""
+    return lines.batches is not None and not (torch.is_grad_enabled() and any(
+        xs[r.tensor].requires_grad or (ys is not None and ys[r.tensor].requires_grad) for r in lines.reductions))
+
+
+def _temp_size(r: _Reduction, x: torch.Tensor, y, acc) -> int:
+    """Elements of the temporary ``_reduce`` makes for ``r`` (its path chosen here if not yet)."""
+    if r.how is None:
+        r.how = _choose(r, x, y, acc)
+    if r.how == "temp":
+        return x.numel()
+    if isinstance(r.how, int):
+        return r.how * (x.numel() // max(1, x.shape[r.dim]))
+    return 0
+
+
+def _early(lines: _Lines, xs, ys, acc) -> int | None:
+    """The batch whose reductions make the largest temporary (``_run`` reduces it before the outputs
+    are allocated, so that temporary never sits next to them); None when none makes one.  Chosen once
+    per structure (its layouts are part of the cache key)."""
+    if lines.early is None:
+        best, lines.early = 0, -1
+        for b, (i0, i1, *_) in enumerate(lines.batches):
+            for r in lines.reductions[i0:i1]:
+                t = _temp_size(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc)
+                if t > best:
+                    best, lines.early = t, b
+    return lines.early if lines.early >= 0 else None
+
+
+def _batch_values(lines: _Lines, batch, xs, ys, acc, device) -> torch.Tensor:
+    """The stacked values of one batch (``_batches``): each reduction's values straight into their
+    place (no parts, no cat), the norms squared in place."""
+    i0, i1, n, sq = batch[:4]
     reds = lines.reductions
-    if lines.batches is not None and not (torch.is_grad_enabled() and any(
-            xs[r.tensor].requires_grad or (ys is not None and ys[r.tensor].requires_grad) for r in reds)):
-        for i0, i1, n, sq, progs, segs in lines.batches:  # fresh values: squared in place
-            v, v0 = torch.empty(n, dtype=acc, device=vec.device), reds[i0].start
-            for r in reds[i0:i1]:  # each reduction's values straight into their place (no parts, no cat)
-                _reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc, out=v[r.start - v0: r.start - v0 + r.size])
-            if sq > 0:
-                (v if sq == n else v[:sq]).square_()
+    v, v0 = torch.empty(n, dtype=acc, device=device), reds[i0].start
+    for r in reds[i0:i1]:
+        _reduce(r, xs[r.tensor], None if ys is None else ys[r.tensor], acc, out=v[r.start - v0: r.start - v0 + r.size])
+    if sq > 0:
+        (v if sq == n else v[:sq]).square_()
+    return v
+
+
+def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc, early=None) -> None:
+    """``vec[out] += sign * value`` for every term row of ``lines``; ``early``: ``(batch, values)`` of a
+    batch already reduced (``_run``), added in its turn (the additions into each entry keep their order)."""
+    if _batched(lines, xs, ys):
+        for b, batch in enumerate(lines.batches):
+            n, progs, segs = batch[2], batch[4], batch[5]
+            v = early[1] if early is not None and early[0] == b else _batch_values(lines, batch, xs, ys, acc, vec.device)
             for r0, r1, first, step, sign in progs:
                 vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(
                     v if r1 - r0 == n else v[r0:r1], alpha=sign)
-            for sign, r0, r1, o in segs:
-                vec.index_add_(0, o, v if r1 - r0 == n else v[r0:r1], alpha=sign)
+            for sign, r0, r1, o in segs:  # (the widened index lives after the reductions' temporaries)
+                vec.index_add_(0, _wide(o), v if r1 - r0 == n else v[r0:r1], alpha=sign)
             del v
         return
     norms, other = [], []
@@ -575,11 +648,11 @@ def _add_lines(vec: torch.Tensor, lines: _Lines, xs, ys, acc) -> None:
         if norms:
             v[: lines.norm_size].square_()
     if lines.src is not None:
-        v = v.index_select(0, lines.src)
+        v = v.index_select(0, _wide(lines.src))
     for r0, r1, first, step, sign in lines.progressions or ():
         vec.as_strided((r1 - r0,), (step,), vec.storage_offset() + first).add_(v[r0:r1], alpha=sign)
     for sign, r0, r1 in lines.segments:
-        vec.index_add_(0, lines.out[r0:r1], v[r0:r1], alpha=sign)
+        vec.index_add_(0, _wide(lines.out[r0:r1]), v[r0:r1], alpha=sign)
 
 
 def _order(e):
@@ -655,9 +728,13 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
     acc = acc_dtype(fp64)
     device = _device(xs)
     s = _structure(plan, xs, ys, ys is not None, acc, device, use_lines=row_coef is None)
+    early = None  # the batch of line values with the largest temporary: reduced before the outputs exist
+    if s.lines is not None and _batched(s.lines, xs, ys) and (b := _early(s.lines, xs, ys, acc)) is not None:
+        early = (b, _batch_values(s.lines, s.lines.batches[b], xs, ys, acc, device))
     vec, grams = empty_out(plan, device, acc)
     if s.lines is not None:
-        _add_lines(vec, s.lines, xs, ys, acc)
+        _add_lines(vec, s.lines, xs, ys, acc, early)
+        del early
     for g in s.grams:
         coef = g.sign if gram_coef is None else gram_coef(g)
         if coef is None:  # every coefficient is 0
@@ -684,9 +761,9 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
             v = c2 * _row_sums(g.blocks, xs, None, acc, True) if g.square else 0.0
             if c1 is not None:
                 v = v + c1 * _row_sums(g.blocks, xs, None, acc, False)
-            vec.index_add_(0, g.out, v)
+            vec.index_add_(0, _wide(g.out), v)
         else:
-            vec.index_add_(0, g.out, g.sign * _row_sums(g.blocks, xs, ys, acc, g.square, g.shift))
+            vec.index_add_(0, _wide(g.out), g.sign * _row_sums(g.blocks, xs, ys, acc, g.square, g.shift))
     return vec, grams
 
 

@@ -55,7 +55,7 @@ def test_different_lr_in_one_law():
     assert rec["broken/relu"] == 1.0 and "eps/relu" in rec
     assert t.tracker.broken_by_family() == {"relu": [f"{LAW}: {t.tracker.broken_by[LAW]}"]}
     # and it is really broken: the first-order drift term no longer vanishes under plain SGD
-    assert t.tracker.totals()["relu"]["first"] > 1e-6
+    assert t.tracker.totals()["relu"]["sum_step_first"] > 1e-6
 
 
 def test_weight_decay_on_part_of_a_law_and_hf_style_names():

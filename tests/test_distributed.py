@@ -619,12 +619,15 @@ def _sampled_expected(ref, mask):
     return out, hit
 
 
-def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS, build=None, lr=LR, wd=WD):
+def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS, build=None, lr=LR, wd=WD,
+                      cumulative=True):
     """FSDP2 with a snapshot budget: each drift step decomposes one group of the GLOBAL plan (the same on
     every rank); its drift columns, ``cumulative``, ``sampled_steps`` and ``totals()`` equal those of a
     single-process Tracker that decomposes every entry (``keep_last``), restricted to the group's
     entries. The storages ``before_step`` creates (the copies) fit this rank's budget, and a whole step
-    leaves no weight-sized storage alive (the pending pack and h_{k+1} only)."""
+    leaves no weight-sized storage alive (the pending pack and h_{k+1} only).  ``cumulative=False``
+    (the default of sampled drift): no per-entry cumulative buffer on any rank, ``totals()`` without the
+    per-entry decomposition, its ``sum_step_<term>`` the sums of the expected rows' drift columns."""
     from bench.track_overhead import LiveBytes
 
     model, laws = (build or _fsdp)(cfg, world)
@@ -632,7 +635,10 @@ def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS, bu
     opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd)
     sink = MemorySink()
     t = DistributedTracker(model, laws, every=EVERY, fp64=True, sinks=[sink], drift_every=drift_every,
-                           snapshot_budget=budget)
+                           snapshot_budget=budget, **({"cumulative": True} if cumulative else {}))
+    assert t.keep_cumulative is cumulative
+    if not cumulative:
+        assert not t.cumulative and not getattr(t, "_cum_p", {}) and not getattr(t, "_cum_split", {})
     ref = _Reference(cfg, laws, torch.float64, every=EVERY, fp64=True, keep_last=True)
     ref.opt = torch.optim.SGD(ref.model.parameters(), lr=lr, weight_decay=wd)
     ref.start(_full(model))
@@ -705,7 +711,15 @@ def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS, bu
             picked = sum(bool(s.mask(j).gram_np[x.term.view.rows][x.term.slot]) for j in seen)
             want_rows += (sum(n) - n[rank]) * (1 + steps + picked) * t._xdtype.itemsize
     assert t.comm_bytes["rows_received"] == want_rows, (t.comm_bytes, want_rows)
-    for c in cum:
+    for i, f in enumerate(t.families):  # the sums of the per-step family norms (either way)
+        for c in cum:
+            want_sum = math.fsum(r[f"drift/{f}/{c}"] for r in rows if r[f"drift/{f}/{c}"] == r[f"drift/{f}/{c}"])
+            assert abs(tot[f][f"sum_step_{c}"] - want_sum) <= 1e-5 * want_sum + 1e-12, (f, c, tot[f], want_sum)
+        assert tot[f]["cumulative"] is cumulative
+    if not cumulative:  # nothing per entry was held, and nothing per entry is reported
+        assert not t.cumulative and not t._cum_p and not t._cum_split
+        assert all(not {"decay", "first", "second", "predicted", "measured_sampled"} & set(tot[f]) for f in tot), tot
+    for c in cum if cumulative else ():
         got = t.cumulative[c]
         _check_values({"v": got.vec, **{f"g{d}": g for d, g in got.grams.items()}},
                       {"v": cum[c].vec, **{f"g{d}": g for d, g in cum[c].grams.items()}}, 1e-9, f"sampled cumulative {c}")
@@ -718,7 +732,8 @@ def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS, bu
                       + sum((g[ref.tracker._gram_fam[d] == i].double() ** 2).sum() for d, g in cum[c].grams.items())).sqrt().item()
                   for c in cum}
         for c, key in (("measured", "measured_sampled"), ("decay", "decay"), ("first", "first"), ("second", "second")):
-            assert abs(tot[f][key] - want_n[c]) <= 1e-9 * want_n[c] + 1e-15, (f, key, tot[f][key], want_n[c])
+            if cumulative:
+                assert abs(tot[f][key] - want_n[c]) <= 1e-9 * want_n[c] + 1e-15, (f, key, tot[f][key], want_n[c])
     t.close()
     ref.tracker.close()
     # after close(): no drift copy, nothing booked (one warning), nothing pending
@@ -919,7 +934,7 @@ def _world2(rank, world):
     info["sampled_straddle"] = _scenario_sampled(rank, world, STRADDLE2, 2)
     info["sampled_tp"] = _scenario_sampled(rank, world, {**CFG, "num_hidden_layers": 1}, 1, build=_tp)
     # a = 1 - 1e-3, no fp32 number: the assembly's correction with each rank's share of h_k at the group's entries
-    _scenario_sampled(rank, world, STRADDLE2, 1, lr=0.05, wd=0.02)
+    _scenario_sampled(rank, world, STRADDLE2, 1, lr=0.05, wd=0.02, cumulative=False)  # (the default there)
     _scenario_inexact_decay(rank, world, STRADDLE2)
     _scenario_nan(rank, world, CFG)
     _scenario_tp(rank, world, {**CFG, "num_hidden_layers": 1})

@@ -184,7 +184,8 @@ def run_pair(name: str, algo: str, every: int, budget, steps: int | None = None,
     if dtype is not None:
         m_a = m_a.to(dtype)
     m_b = copy.deepcopy(m_a)
-    kw = dict(every=10_000, drift_every=every, keep_last=True, fp64=fp64)
+    # cumulative: the totals' per-entry decomposition is compared (kept by default in exact mode only)
+    kw = dict(every=10_000, drift_every=every, keep_last=True, fp64=fp64, cumulative=True)
     if budget != "default":
         kw["snapshot_budget"] = budget
     make_torch, make_fused = OPT[algo]

@@ -2,6 +2,7 @@
 paths that keep it small, each against an independent form (the float64 term-by-term loop, the
 previous full-layout / stacked computation, bit for bit where the sums run in the same order)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +10,8 @@ import conserve
 from conserve.kernels import reference as R
 from conserve.kernels.reference import _evaluate_looped, bilinear_reference, evaluate_reference
 from conserve.models import DecoderLM, LMConfig
-from conserve.tracker import Tracker
+from conserve import kernels
+from conserve.tracker import GUARD, Tracker, Values, _abs_plan as _tracker_abs_plan
 from conserve.tracking.drift import Sampler
 from bench.track_overhead import LiveBytes  # the bench's storage counter
 from test_kernels import _abs_plan, llama_block
@@ -69,6 +71,7 @@ def test_line_batches_and_progressions_bit_equal_to_one_stacked_gather(fp64, mon
         cap = 1 << 30 if mode == "stacked" else 8  # batches of at most ``cap`` values (the plan's temp cap)
         monkeypatch.setattr(R, "_batches", lambda *a, cap=cap: batches(*a[:-1], cap))
         monkeypatch.setattr(R, "_BATCH_MIN", 8)
+        monkeypatch.setattr(R, "_CUT_MIN", 1 << 30 if mode == "stacked" else 8)  # (batches end at sign segments)
         monkeypatch.setattr(R, "_PROGRESSIONS", 1 << 10 if mode == "progressions" else 0)
         R.clear_cache()
         s = R._structure(plan, ts, None, False, torch.float64 if fp64 else torch.float32, torch.device("cpu"))
@@ -86,6 +89,95 @@ def test_line_batches_and_progressions_bit_equal_to_one_stacked_gather(fp64, mon
     _close64(got["batched"][1], _evaluate_looped(plan, d64, y64, True),
              _evaluate_looped(_abs_plan(plan), [t.abs() for t in d64], [t.abs() for t in y64], True),
              1e-12 if fp64 else 1e-5)
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+def test_narrow_index_table_and_early_batch_bit_equal_to_int32_and_in_order(fp64, monkeypatch):
+    """The whole-line index tables held as int16 (widened where they are read; the entry table and a
+    RoPE plan's gather table) and the batch with the largest temporary reduced before the outputs
+    are allocated give the bits of int32 tables and of the batches reduced in order; a table with
+    entries >= 2^15 stays int32 (and equals the float64 loop)."""
+    plan, ts = llama_block()
+    g = torch.Generator().manual_seed(6)
+    ys = [torch.randn(t.shape, generator=g) for t in ts]
+    acc = torch.float64 if fp64 else torch.float32
+    monkeypatch.setattr(R, "_BATCH_MIN", 8)
+    monkeypatch.setattr(R, "_CUT_MIN", 8)  # several batches (one per sign segment)
+    monkeypatch.setattr(R, "_PROGRESSIONS", 0)  # the index table path
+    got = {}
+    narrow, early = R._narrow_index, R._early
+    for mode in ("int16", "int32", "in order"):
+        monkeypatch.setattr(R, "_narrow_index", narrow if mode == "int16" else
+                            (lambda idx, device: torch.as_tensor(idx, dtype=torch.int32, device=device)))
+        monkeypatch.setattr(R, "_early", early if mode == "int16" else (lambda *a: None))
+        R.clear_cache()
+        s = R._structure(plan, ts, None, False, acc, torch.device("cpu"))
+        assert s.lines.out.dtype == (torch.int16 if mode == "int16" else torch.int32)
+        assert len(s.lines.batches) >= 2
+        got[mode] = (evaluate_reference(plan, ts, fp64=fp64), bilinear_reference(plan, ts, ys, fp64=fp64))
+    for mode in ("int32", "in order"):
+        for a, b in zip(got["int16"], got[mode]):
+            assert _bits(a, b), mode
+    rope, rts = llama_block(rope=True)  # a RoPE plan reads some line values twice: the src (gather) table
+    rys = [torch.randn(t.shape, generator=g) for t in rts]
+    for mode in ("int16", "int32"):
+        monkeypatch.setattr(R, "_narrow_index", narrow if mode == "int16" else
+                            (lambda idx, device: torch.as_tensor(idx, dtype=torch.int32, device=device)))
+        R.clear_cache()
+        s = R._structure(rope, rts, None, False, acc, torch.device("cpu"))
+        assert s.lines.src is not None and s.lines.src.dtype == s.lines.out.dtype == getattr(torch, mode)
+        got[mode] = (evaluate_reference(rope, rts, fp64=fp64), bilinear_reference(rope, rts, rys, fp64=fp64))
+    for a, b in zip(got["int16"], got["int32"]):
+        assert _bits(a, b), "src"
+    monkeypatch.setattr(R, "_narrow_index", narrow)
+    monkeypatch.setattr(R, "_early", early)
+    # entries past int16: the table stays int32
+    from conserve.kernels import NormTerm, View
+    big = R.Plan()
+    big.new_vec(1 << 15)  # entries 0 .. 2^15 - 1 unused
+    x = torch.randn(6, 5, generator=g)
+    big.norms.append(NormTerm(View(0, (0, 0), 0, 6, 1, 5), 1.0, big.new_vec(6)))
+    big.norms.append(NormTerm(View(0, (0, 0), 1, 5, 0, 6), -1.0, big.new_vec(5)))
+    R.clear_cache()
+    s = R._structure(big, [x], None, False, acc, torch.device("cpu"))
+    assert s.lines.out.dtype == torch.int32
+    want = _evaluate_looped(big, [x.double()], None, True)
+    _close64(evaluate_reference(big, [x], fp64=fp64), want,
+             _evaluate_looped(_abs_plan(big), [x.double().abs()], None, True), 1e-12 if fp64 else 1e-5)
+    assert R._narrow_index(np.arange(3) + (1 << 15) - 3, "cpu").dtype == torch.int16
+    assert R._narrow_index(np.arange(3) + (1 << 15) - 2, "cpu").dtype == torch.int32
+    R.clear_cache()
+
+
+def test_twin_evaluation_of_the_default_model_holds_one_segment_and_no_temporary_next_to_its_outputs():
+    """``h`` of ``conserve run``'s default model through the twin (its whole-line values: 48 reductions
+    into 1888 values, four sign segments; column sums of squares of 32 x 64 weights, one ``x * x``
+    temporary each): the held index table is int16; the values alive at once are one batch (a sign
+    segment), never the 1888 stacked; the batch with the largest temporary is reduced before the
+    outputs exist.  So the storages created inside the evaluation peak at
+    ``max(E + T, outputs + 2 E)`` (E: the largest batch's values, T: the largest temporary; the
+    second phase: the outputs, that batch and its widened index), not ``outputs + all values + T``."""
+    m = _model(cfg=RUN)
+    tr = Tracker(m)
+    plan, ts = tr.compiled.plan, tr.tensors
+    s = R._structure(plan, ts, None, False, torch.float32, torch.device("cpu"))
+    lines = s.lines
+    total = sum(r.size for r in lines.reductions)
+    assert lines.out.dtype == torch.int16 and lines.out.numel() == total
+    E = 4 * max(b[2] for b in lines.batches)
+    assert len(lines.batches) >= 2 and E < 4 * total * 0.7
+    with torch.no_grad():
+        evaluate_reference(plan, ts)  # the reductions' paths chosen
+        T = 4 * max(R._temp_size(r, ts[r.tensor], None, torch.float32) for r in lines.reductions)
+        assert T > 0 and R._early(lines, ts, None, torch.float32) is not None
+        with LiveBytes() as mode:
+            vec, grams = evaluate_reference(plan, ts)
+    out = 4 * (vec.numel() + sum(g.numel() for g in grams.values()))
+    assert mode.largest <= max(T, E, out), (mode.largest, T, E)
+    assert mode.peak <= max(E + T, out + 2 * E), (mode.peak, E, T, out)
+    assert mode.peak < out + 4 * total + T - E  # (the stacked form: outputs, all values, a temporary)
+    want = _evaluate_looped(plan, [t.double() for t in ts], None, True)
+    _close64((vec, grams), want, _evaluate_looped(_abs_plan(plan), [t.double().abs() for t in ts], None, True), 1e-5)
 
 
 def test_large_gram_groups_block_by_block_bit_equal_to_stacked(monkeypatch):
@@ -216,20 +308,28 @@ def test_family_ids_gathered_equal_the_built_tables():
     m = _model()
     tr = Tracker(m, drift=False)
     fams = tr.families
-    want_inst, want_entry = [], torch.zeros(tr._inst_all.numel(), dtype=torch.int32)
+    want_inst, want_entry, want_group = [], torch.zeros(tr._inst_all.numel(), dtype=torch.int32), []
     c = tr.compiled
     offs = tr._flat_at
     for law, (kind, a, b) in zip(c.laws, c.where):
         f = fams.index(law.family)
+        g = tr.groups.index((law.family, -1 if law.layer is None else law.layer))
+        n = b if kind == "vec" and law.per == "entry" else 1
+        want_inst += [f] * n
+        want_group += [g] * n
         if kind == "vec":
-            want_inst += [f] * (b if law.per == "entry" else 1)
             want_entry[a: a + b] = f
         else:
-            want_inst.append(f)
             want_entry[offs[a] + b] = f
     assert tr.__dict__.get("_fam_all_held") is None  # every entry belongs to a law here: nothing held
     assert tr._inst_fam.tolist() == want_inst
     assert torch.equal(tr._fam_all, want_entry)
+    # the instances' groups are held as runs (fewer than the instances), expanding to the table
+    assert tr._inst_group.tolist() == want_group and len(tr._run_len) < tr._n_inst
+    assert "_inst_group" not in tr.__dict__
+    per_inst = torch.rand(tr._n_inst, dtype=torch.float64)
+    want = torch.zeros(len(tr.groups), dtype=torch.float64).index_add_(0, torch.tensor(want_group), per_inst)
+    torch.testing.assert_close(tr._group_sum(per_inst), want, rtol=1e-15, atol=0)
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "per_tensor", "matrices_only"])
@@ -440,3 +540,26 @@ def test_compact_layout_selects_by_slice_or_index_alike():
         want = x.clone().index_add_(0, vi, y)
         _add_at(x, at.vec, y)
         assert torch.equal(x, want)
+
+
+def test_eps_denominators_formed_from_h0_hold_only_the_guarded_ones():
+    """``denom`` is formed when read from ``h_0`` (not held): ``|h_0,i|`` where the law starts unbalanced,
+    the magnitude (every sign +) where the guard takes it; only those are held, and the value set by a
+    ``load_state_dict`` (the saved run's guards) is the one read back, bit for bit."""
+    m = _model()
+    tr = Tracker(m, drift=False)
+    assert "denom" not in tr.__dict__
+    h0n = tr._inst_norm(tr.h0)
+    mag = tr._inst_norm(Values(*kernels.evaluate(_tracker_abs_plan(tr.compiled.plan), tr.tensors)))
+    want = torch.where(h0n > GUARD * mag, h0n, mag).clamp_min(torch.finfo(h0n.dtype).tiny)
+    assert torch.equal(tr.denom, want)
+    assert tr._guard_at.numel() == int((want != h0n).sum())
+    # a state whose guards differ (another theta_0's magnitudes): those instances are held and read back
+    sd = tr.state_dict()
+    other = sd["denom"].clone()
+    other[::3] *= 7.0
+    sd["denom"] = other
+    tr.load_state_dict(sd)
+    assert torch.equal(tr.denom, other) and tr._guard_at.numel() == len(other[::3])
+    assert tr.totals()  # (guarded read from the held ones)
+    tr.close()

@@ -89,6 +89,9 @@ def add_arguments(p) -> None:
     o.add_argument("--snapshot-budget", type=_budget, default=None, metavar="FRACTION",
                    help="bytes copied before a drift step, as a fraction of the tracked bytes (default 0.05: "
                         "one group of laws per drift step, round robin); 'none': every law on every drift step")
+    o.add_argument("--cumulative", action="store_true",
+                   help="keep the per-entry cumulative drift sums, for the summary's total and prediction columns "
+                        "(4 law-sized copies held; default: kept only with --drift-every 1 --snapshot-budget none)")
     m = p.add_argument_group("model")
     m.add_argument("--size", choices=tuple(SIZES), default="tiny",
                    help=", ".join(f"{k} (hidden {v['hidden_size']}, {v['num_hidden_layers']} layers, "
@@ -396,6 +399,8 @@ def _main(args) -> int:
         cadence = {} if args.drift_every is None else {"drift_every": args.drift_every}
         if args.snapshot_budget is not None:
             cadence["snapshot_budget"] = None if args.snapshot_budget == "none" else args.snapshot_budget
+        if args.cumulative:
+            cadence["cumulative"] = True
         tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors, **cadence)
         (out / "config.json").write_text(json.dumps(config, indent=2))
     except BaseException:

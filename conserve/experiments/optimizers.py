@@ -151,7 +151,8 @@ def run_one(task, config: str, args, dtype) -> dict:
     monitors = [MomentumRecursion(args.momentum)] if meta["optimizer"] == "momentum" else []
     sink = MemorySink()
     tracked = track(opt, model, every=50, sinks=[sink], drift=True, fp64=True, monitors=monitors, drift_every=1,
-                    snapshot_budget=None, keep_last=bool(monitors))  # every law on every step: exact totals
+                    snapshot_budget=None, keep_last=bool(monitors), cumulative=True)  # every law on every step:
+    # exact totals, from the per-entry cumulative sums (exact mode keeps them by default; said, as they are read)
     # (MomentumRecursion reads the per-entry terms of each step: tracker.last)
     for m in monitors:
         m.tracker = tracked.tracker

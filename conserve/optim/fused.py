@@ -9,7 +9,8 @@ ways between these classes and their torch twins.
 
 Tracking: pass the model (``track=model``), or explicit ``laws=`` with ``named_params=``, plus any
 ``Tracker`` keyword (``every``, ``sinks``, ``fp64``, ``backend``, ``monitors``, ``drift``, ``drift_every``
-(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``, ``on_nonfinite``, ``keep_last``) and
+(default here ``FUSED_DRIFT_EVERY`` = 10), ``snapshot_budget``, ``on_nonfinite``, ``keep_last``,
+``cumulative``) and
 ``overlap`` (bool, default False: see "Overlap" below)::
 
     opt = conserve.optim.FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1, track=model,
@@ -89,7 +90,7 @@ from ..tracking.drift import Mask, Sampler, StepStats, drift_pieces, make_mask
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
-                 "on_nonfinite", "keep_last")
+                 "on_nonfinite", "keep_last", "cumulative")
 # param_group keys of torch's optimizers that choose an implementation of the same update (not the math)
 _IMPLEMENTATION = ("fused", "capturable", "foreach")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,

@@ -423,7 +423,11 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
             ``laws=conserve.detect(model, loss="ce")`` (the output layer's translation law, which holds
             only under softmax cross-entropy).
         **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``drift_every``, ``snapshot_budget``, ``fp64``,
-            ``backend``, ``monitors``, ``on_nonfinite``, ``keep_last`` (see ``conserve.tracker.Tracker``).
+            ``backend``, ``monitors``, ``on_nonfinite``, ``keep_last``, ``cumulative`` (see
+            ``conserve.tracker.Tracker``).  ``cumulative``: keep the per-entry cumulative drift sums that
+            ``totals()``'s decomposition (``decay``/``first``/``second``/``predicted``) needs: 4 law-sized copies
+            held for the run; by default (None) only in exact mode (``drift_every=1, snapshot_budget=None``),
+            else ``totals()`` gives the sums of per-step norms ``sum_step_<term>`` instead.
 
     Returns:
         a ``TrackedOptimizer`` (a ``torch.optim.Optimizer``).

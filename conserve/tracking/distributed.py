@@ -253,8 +253,9 @@ class DistributedTracker(Tracker):
         self._hp = self.h.clone()
         self._hp_full = True
         self._h_split, self._h0_split = self._split.take(self.h), self._split.take(self.h0)
-        self._cum_p = {k: v.clone() for k, v in self.cumulative.items()}
-        self._cum_split = {k: self._split.take(v) for k, v in self.cumulative.items()}
+        kept = self.cumulative if self.keep_cumulative else {}  # (none held without cumulative)
+        self._cum_p = {k: v.clone() for k, v in kept.items()}
+        self._cum_split = {k: self._split.take(v) for k, v in kept.items()}
         self.last = {} if self.keep_last else NotKept()
 
     # ---------------------------------------------------------------------------------- layout
@@ -510,7 +511,7 @@ class DistributedTracker(Tracker):
         rel = self._inst_norm(self._masked(h1.map(torch.sub, self.h0))) / self.denom
         nf = len(self.families)
         parts = [torch.zeros(nf, dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel),
-                 torch.zeros(len(self.groups), dtype=rel.dtype, device=self.device).index_add_(0, self._inst_group, rel)]
+                 self._group_sum(rel)]
         if self.drift:
             if terms is None:
                 parts.append(torch.zeros(len(TERMS) * nf, dtype=rel.dtype, device=self.device))
@@ -578,7 +579,7 @@ class DistributedTracker(Tracker):
         parts = [self._own_row(h1, terms, mask).to(self._pack_dtype)]
         drifted, kdecay = terms is not None, kdec is not None
         if drifted:  # each law-sized term freed once it is summed and packed
-            for k in _CUM:
+            for k in self._cum_p:  # (empty without cumulative)
                 self._cum_p[k].map(torch.Tensor.add_, terms[k])  # in place (its own buffers, see _adopt)
             del terms["measured"], terms["decay"]
         parts += self._split_blocks(h1, terms, kdec)
@@ -624,7 +625,7 @@ class DistributedTracker(Tracker):
         sq = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._split_inst, self._split_w * d * d)
         rel = sq.sqrt() / self.denom  # 0 on complete instances (their share is in x[:nf + ng])
         fam = x[:nf] + torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
-        grp = x[nf: nf + ng] + torch.zeros(ng, dtype=dt, device=dev).index_add_(0, self._inst_group, rel)
+        grp = x[nf: nf + ng] + self._group_sum(rel)
         parts = [fam / self._fam_count, grp / self._group_count]
         if self.drift:
             if p.drift:
@@ -649,7 +650,8 @@ class DistributedTracker(Tracker):
                         0, self._split_fam, self._split_w * v * v)).sqrt()
                     parts.append(norm if miss is None else norm.masked_fill(miss, float("nan")))
                 for k, v in zip(_CUM, (meas, dec, fst, snd)):
-                    self._cum_split[k].add_(v)
+                    if k in self._cum_split:  # (empty without cumulative)
+                        self._cum_split[k].add_(v)
                 self.sampled_steps += 1 if miss is None else ~miss
             else:
                 parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
@@ -666,15 +668,18 @@ class DistributedTracker(Tracker):
         deferred.raise_booked(self, None)  # _sync marks the booked steps once it has booked them all
 
     def _materialize(self) -> None:
-        """Full ``h`` and ``cumulative`` on every rank (one packed all-reduce after the pending steps)."""
+        """Full ``h`` and ``cumulative`` (when kept) on every rank (one packed all-reduce after the pending steps)."""
         if not self._comm:
             return
         self._sync()
-        srcs = [self._hp] + [self._cum_p[k] for k in _CUM]
+        cum = [k for k in _CUM if k in self._cum_p]  # (none without cumulative: h alone is reduced)
+        srcs = [self._hp] + [self._cum_p[k] for k in cum]
         x = self._all_reduce(torch.stack([self._all.take(self._masked(v)) for v in srcs]).to(self._pack_dtype))
         full = [self._split.put(self._all.put(self._zeros(), x[i]), s)
-                for i, s in enumerate([self._h_split] + [self._cum_split[k] for k in _CUM])]
-        self.h, self.cumulative = full[0], dict(zip(_CUM, full[1:]))
+                for i, s in enumerate([self._h_split] + [self._cum_split[k] for k in cum])]
+        self.h = full[0]
+        if cum:
+            self.cumulative = dict(zip(cum, full[1:]))
 
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled=None) -> None:
         """Book one step from FULL values (a fused optimizer's). Only without sharded parameters (DDP):

@@ -135,8 +135,8 @@ class Assembly:
         # (vec entries, then each D's slots) -> set, held as runs (the entries of a law lie side by side)
         self._runs = _runs(flat, self.vec_size, self.gram_slots, self.device)
         members = [(k, c) for key, k in ids.items() for c in key]
-        self._m_set = np.asarray([k for k, _ in members], dtype=np.int64)
-        self._m_tensor = np.asarray([c // 2 for _, c in members], dtype=np.int64)
+        self._m_set = np.asarray([k for k, _ in members], dtype=np.int32)  # (indices: 4 bytes are plenty)
+        self._m_tensor = np.asarray([c // 2 for _, c in members], dtype=np.int32)
         self._m_shift = np.asarray([c % 2 == 1 for _, c in members], dtype=bool)
         self._n_sets = len(ids)
         self._cache: tuple | None = None
@@ -633,10 +633,10 @@ class Sampler:
         self._subs: dict = {}  # group -> (sub-plan, views): plan-sized, built on first use
         self._masks()
     def _masks(self) -> None:
-        """Per output entry the group that decomposes it (-1: none), int16/int32 on the host (and a
+        """Per output entry the group that decomposes it (-1: none), int8/int16/int32 on the host (and a
         device copy off the CPU): a step's mask is one comparison, not a rebuild."""
         p, n = self.plan, len(self.groups)
-        it = np.int16 if n < np.iinfo(np.int16).max else np.int32
+        it = next(t for t in (np.int8, np.int16, np.int32) if n < np.iinfo(t).max)  # (1 byte per entry up to 126 groups)
         fill = 0 if self.groups == [None] else -1  # budget None: one group, every entry
         gv = np.full(p.vec_size, fill, dtype=it)
         gg = {d: np.full(k, fill, dtype=it) for d, k in p.gram_slots.items()}
