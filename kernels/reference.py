@@ -480,7 +480,8 @@ def _windows(reds, out_line: np.ndarray, segments, device):
         o = out_line[a:b]
         d = np.diff(o)
         pos = d[d > 0]
-        step = int(np.bincount(pos).argmax()) if pos.size else 1
+        vals, counts = np.unique(pos, return_counts=True)  # the most common forward step (no vec-sized bincount)
+        step = int(vals[counts.argmax()]) if pos.size else 1
         cuts = np.union1d(np.flatnonzero(d != step) + 1, starts[(starts > a) & (starts < b)] - a)
         bounds = np.concatenate([[0], cuts, [b - a]])
         G = int(np.gcd.reduce(np.diff(bounds)))
