@@ -314,6 +314,7 @@ class Tracker:
         with torch.no_grad():
             self.h0, mag = self._initial_values()
         self.h = self.h0.clone()
+        self._h_own = self.h  # h's buffers are the tracker's own: later evaluations write into them (_eval_into_h)
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
@@ -488,6 +489,19 @@ class Tracker:
     def _eval(self, tensors) -> Values:
         return Values(*kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend))
 
+    def _eval_into_h(self, tensors) -> Values:
+        """``h(theta_{k+1})`` written into the held ``h``'s buffers when the tracker made them (its own
+        evaluation or construction's clone: ``_h_own``; never a ``Values`` a caller handed to ``record_step``
+        or ``load_state_dict``, nor the fused optimizers' ``h``) and returned as that ``h``; else a fresh
+        evaluation.  Only where the old ``h`` is no longer read (``after_step``).  The evaluation's checks
+        that can raise (views outside their tensors, reserved slots, ``out``'s layout) run before the buffers
+        are zeroed, so an error leaves ``h`` as it was."""
+        own = self.__dict__.get("_h_own")
+        if own is None or own is not self.h:
+            return self._eval(tensors)
+        kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend, out=(own.vec, own.grams))
+        return own
+
     # ------------------------------------------------------------------ the model's parameters, still
     def stale(self) -> list[str]:
         """The tracked parameters that are no longer the model's, one reason each: the module's
@@ -624,17 +638,25 @@ class Tracker:
         if not self._books_after_close():
             return
         snap, self._snap = self._snap, None
-        if snap is None:
-            self.record_step(self._eval(self.tensors))
+        if snap is None:  # h_k is not read again: h_{k+1} is evaluated into its buffers
+            h1 = self._eval_into_h(self.tensors)
+            self.record_step(h1)
+            self._h_own = h1
             return
         a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
         # the DRIFT pass first: it frees the copies of theta_k before h(theta_{k+1}) is evaluated (the
         # pass's pieces, smaller, are held instead); then the terms
         pieces = self._drift_pass(snap, a)
-        h1 = self._eval(self.tensors)
-        terms = self.assemble(pieces, a, snap.mask, compact=snap.compact)
-        del pieces
+        if snap.compact:  # the terms take the group's entries of h_k (a copy, in their scratch): then h_k is free
+            terms = self.assemble(pieces, a, snap.mask, compact=True)
+            del pieces
+            h1 = self._eval_into_h(self.tensors)
+        else:  # every entry: record_step reads the full h_k (measured = h_{k+1} - h_k), a fresh h_{k+1}
+            h1 = self._eval(self.tensors)
+            terms = self.assemble(pieces, a, snap.mask)
+            del pieces
         self.record_step(h1, terms, snap.mask)
+        self._h_own = h1
 
     def _drift_pass(self, snap, a: list[float]) -> list:
         """The DRIFT pass's ``[None, decay, bil, h_delta]`` over ``snap`` (its copies of theta_k are
@@ -680,6 +702,11 @@ class Tracker:
             asm = at.assembly
         out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
         terms = DriftTerms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out, stats=stats).items()})
+        if at is not None:  # the group's h_k into row 0 (where measured = h_{k+1} - h_k goes): a copy, so h's
+            wv[0].copy_(h_old[0])  # buffers may take h_{k+1} before record_step (``take`` gives views of slices)
+            for d, g in wg.items():
+                g[0].copy_(h_old[1][d])
+            h_old = (wv[0], {d: g[0] for d, g in wg.items()})
         terms.at, terms.buf, terms.h_old = at, buf, (h_old if at is not None else None)
         return terms
 
@@ -767,6 +794,8 @@ class Tracker:
             parts.append(norms.view(-1))
         row = torch.cat(parts)
         self._rows.append(row.float())
+        if self.__dict__.get("_h_own") is not h1:  # a caller's h1 (after_step marks its own once this returns)
+            self._h_own = None
         self.h = h1
         if not self.__dict__.get("_warned_outside"):  # (check_outside warns once: no counters read after that)
             self._versions = self._tensor_versions()  # the weights as this step left them (``check_outside``)
@@ -869,8 +898,9 @@ class Tracker:
 
     # ------------------------------------------------------------------------------------ output
     def values(self) -> dict[str, torch.Tensor]:
-        """Current ``h(theta_k)`` per law name (vector or D x D)."""
-        return {l.name: v for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
+        """Current ``h(theta_k)`` per law name (vector or D x D): copies (the tracker writes later steps'
+        values into its held ``h``)."""
+        return {l.name: v.clone() for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
 
     def totals(self) -> dict[str, dict[str, float]]:
         """Per family, since step 0: ``eps`` now, ``measured`` = ||h_k - h_0||; ``sampled_steps``: drift steps
@@ -1195,7 +1225,7 @@ class Tracker:
         (``step_sums``) and the step counter. Pending rows are flushed to the sinks first (one host
         sync), so a run resumed from this state neither repeats nor loses a row."""
         self.flush()
-        return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
+        return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.clone().state(), "denom": self.denom,
                 # copies: the tracker sums into its buffers in place
                 "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()} if self.keep_cumulative else {},
                 "step_sums": self._step_sums.clone(), "laws": [l.name for l in self.laws],
@@ -1239,6 +1269,7 @@ class Tracker:
         dev = self.device
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
+        self._h_own = None  # (the state's tensors, maybe the caller's: never written into)
         self.denom = state["denom"].to(dev)
         if self.keep_cumulative:
             # copies: the tracker sums into them in place (the state's tensors are not aliased)
