@@ -442,7 +442,20 @@ class Tracker:
         Formed when read from the held ``h_0`` (one evaluation of the instance norms): only the guarded
         instances' values are held (``_guard_at``, ``_guard_val``: 12 bytes each; none on a model whose
         laws all start unbalanced).  Setting it (construction, ``load_state_dict``) keeps those."""
-        d = self._inst_norm(self.h0)
+        return self._denominators()
+
+    def _denominators(self, sv: torch.Tensor | None = None, sg: Mapping[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """``denom`` (see there); ``sv``, ``sg``: scratch of ``h_0``'s vec and Gram shapes and dtype the squares
+        are written into (overwritten; the bits of ``_inst_norm``: ``x * x`` is ``square()``)."""
+        if sv is None:
+            d = self._inst_norm(self.h0)
+        else:
+            h0 = self.h0
+            d = torch.zeros(self._n_inst, dtype=h0.vec.dtype, device=self.device).index_add_(
+                0, self._vec_inst, torch.mul(h0.vec, h0.vec, out=sv))
+            for k, g in h0.grams.items():
+                d.index_add_(0, self._gram_inst[k], torch.mul(g, g, out=sg[k]).sum((1, 2)))
+            d.sqrt_()
         if self._guard_at.numel():
             d.index_copy_(0, self._guard_at, self._guard_val)
         return d.clamp_min_(torch.finfo(d.dtype).tiny)
@@ -774,23 +787,32 @@ class Tracker:
         self.step_count += 1
         nf, dev = len(self.families), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
-        # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group
-        dv = torch.sub(h1.vec, self.h0.vec)
-        rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._vec_inst, dv.mul_(dv))
-        for d, g in h1.grams.items():  # x * x: the bits of square()
-            g = torch.sub(g, self.h0.grams[d])
-            rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
-        rel.sqrt_().div_(self.denom)
-        del dv
-        grp = self._group_sum(rel)
-        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
-        parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
-        if self.drift:
+        norms = None
+        if self.drift:  # the terms first: their scratch is squared, reduced and freed before the eps scratch exists
             norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
             if terms is None:
                 norms.fill_(float("nan"))
             else:
                 self._drift_norms(h1, terms, sampled, norms)
+                if isinstance(terms, DriftTerms):  # consumed (documented): its views of the scratch go with it
+                    terms.clear()
+                    terms.buf = terms.h_old = None
+        # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group; the
+        # differences and the denominators' squares go through one vec-sized and one Gram-sized scratch
+        with torch.no_grad():  # (out= takes no autograd inputs; the row is a detached metric either way)
+            sv = torch.empty(h1.vec.shape, dtype=dt, device=dev)
+            sg = {d: torch.empty(g.shape, dtype=dt, device=dev) for d, g in h1.grams.items()}
+            dv, g = torch.sub(h1.vec, self.h0.vec, out=sv), None
+            rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._vec_inst, dv.mul_(dv))
+            for d, g in h1.grams.items():  # x * x: the bits of square()
+                g = torch.sub(g, self.h0.grams[d], out=sg[d])
+                rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
+            rel.sqrt_().div_(self._denominators(sv, sg) if dt == self.h0.vec.dtype else self.denom)
+            del dv, g, sv, sg
+        grp = self._group_sum(rel)
+        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
+        parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
+        if norms is not None:
             parts.append(norms.view(-1))
         row = torch.cat(parts)
         self._rows.append(row.float())

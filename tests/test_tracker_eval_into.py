@@ -101,3 +101,59 @@ def test_record_step_keeps_the_callers_h1():
         _loss(m, torch.randint(0, CFG["vocab_size"], (2, 8))).backward()
         opt.step()
     assert tr.h is not mine and _bits((mine.vec, mine.grams), (keep.vec, keep.grams))
+
+
+def _steps(opt, m, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        _loss(m, torch.randint(0, CFG["vocab_size"], (2, 8), generator=g)).backward()
+        opt.step()
+        yield
+
+
+def test_eps_through_the_scratch_equals_the_direct_form():
+    """record_step's eps (differences and denominators through one reused scratch) equals the direct form
+    (fresh differences, ``square()``, the ``denom`` property) bit for bit, step by step."""
+    torch.manual_seed(0)
+    m = DecoderLM(LMConfig(**CFG))
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=100)
+    tr, nf, ng = opt.tracker, len(opt.tracker.families), len(opt.tracker.groups)
+    for _ in _steps(opt, m, 5):
+        h1, h0 = tr.h, tr.h0
+        dv = torch.sub(h1.vec, h0.vec)
+        rel = torch.zeros(tr._n_inst).index_add_(0, tr._vec_inst, dv.square())
+        for d, g in h1.grams.items():
+            rel.index_add_(0, tr._gram_inst[d], torch.sub(g, h0.grams[d]).square().sum((1, 2)))
+        rel = rel.sqrt() / tr.denom
+        grp = tr._group_sum(rel)
+        fam = torch.zeros(nf).index_add_(0, tr._group_fam, grp) / tr._fam_count_f
+        assert torch.equal(tr._rows[-1][: nf + ng], torch.cat([fam, grp / tr._group_count_f]).float())
+
+
+def test_drift_terms_scratch_is_freed_before_the_eps_scratch():
+    """A drift step's terms (the DriftTerms and its scratch) are consumed before record_step forms eps: the
+    scratch's storage is gone when the denominators are formed, and the DriftTerms is empty after."""
+    torch.manual_seed(0)
+    m = DecoderLM(LMConfig(**CFG))
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2), m, every=100, drift_every=1)
+    tr = opt.tracker
+    seen, assemble, denominators = [], tr.assemble, tr._denominators
+
+    def spy_assemble(*a, **k):
+        terms = assemble(*a, **k)
+        freed = []
+        st = terms.buf.untyped_storage()
+        import weakref
+        weakref.finalize(st, freed.append, True)
+        seen.append((terms, freed))
+        return terms
+
+    def spy_denominators(*a, **k):
+        assert seen[-1][1] == [True], "the drift terms' scratch is still alive while eps is formed"
+        return denominators(*a, **k)
+
+    tr.assemble, tr._denominators = spy_assemble, spy_denominators
+    for _ in _steps(opt, m, 3):
+        pass
+    assert len(seen) == 3 and all(len(t) == 0 and t.buf is None and t.h_old is None for t, _ in seen)
