@@ -660,10 +660,14 @@ class Tracker:
         # the DRIFT pass first: it frees the copies of theta_k before h(theta_{k+1}) is evaluated (the
         # pass's pieces, smaller, are held instead); then the terms
         pieces = self._drift_pass(snap, a)
-        if snap.compact:  # the terms take the group's entries of h_k (a copy, in their scratch): then h_k is free
-            terms = self.assemble(pieces, a, snap.mask, compact=True)
-            del pieces
+        if snap.compact:  # a copy of the group's entries of h_k: then h_k's buffers take h_{k+1}, and the terms
+            # scratch is formed after that evaluation (the pieces, smaller, are held through it instead)
+            hv, hg = self._entries(snap.mask).take(self.h)
+            h_old = (hv.clone(), {d: g.clone() for d, g in hg.items()})
+            del hv, hg
             h1 = self._eval_into_h(self.tensors)
+            terms = self.assemble(pieces, a, snap.mask, compact=True, h_old=h_old)
+            del pieces, h_old
         else:  # every entry: record_step reads the full h_k (measured = h_{k+1} - h_k), a fresh h_{k+1}
             h1 = self._eval(self.tensors)
             terms = self.assemble(pieces, a, snap.mask)
@@ -690,7 +694,7 @@ class Tracker:
         return self.assemble(self._drift_pass(snap, a), a, snap.mask, compact=snap.compact)
 
     def assemble(self, pieces, a: Sequence[float], mask: Mask, *, compact: bool = False,
-                 stats: StepStats | None = None) -> "DriftTerms":
+                 stats: StepStats | None = None, h_old: tuple | None = None) -> "DriftTerms":
         """One drift step's ``decay``/``first``/``second`` from the DRIFT pass's ``pieces`` and, for a fused
         optimizer, its step statistics ``stats``: ``Assembly.terms`` (the one assembly), written into the
         step scratch that ``record_step`` consumes (squares in place: pass the result to one
@@ -699,7 +703,8 @@ class Tracker:
         ``pieces``: ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` over the entries of ``mask`` (a
         list is emptied once read), or None (no DRIFT pass this step); ``a``: decay factor per tracked
         tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``; no
-        ``stats`` then, they are in the full layout)."""
+        ``stats`` then, they are in the full layout); ``h_old``: then ``(vec, {D: grams})`` of ``h_k`` at those
+        entries (default: taken from ``h``; copied into the scratch either way)."""
         if compact and stats is not None:
             raise ValueError("assemble: step statistics are in the full law layout; compact=True takes none")
         asm = self.assembly
@@ -711,7 +716,7 @@ class Tracker:
         else:  # a compact sub-plan: the pieces, terms and scratch hold the group's entries only
             buf, wv, wg = self._views(torch.empty(len(TERMS), at.layout[0], dtype=self.h.vec.dtype, device=self.device),
                                       at.layout)
-            h_old, sampled = at.take(self.h), None
+            h_old, sampled = (at.take(self.h) if h_old is None else h_old), None
             asm = at.assembly
         out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
         terms = DriftTerms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out, stats=stats).items()})
