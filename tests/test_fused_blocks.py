@@ -4,7 +4,7 @@ memory of a CPU ``FusedAdamW`` step.
 References: the whole-tensor update (``step_reference``) and statistics (``stats_reference`` with one
 block), bit for bit for the weights and optimizer state, to fp32 rounding (float64: 1e-12) for the
 statistics; ``torch.optim.AdamW``'s own step for the storages a step may create; the expanded
-``(NQ, P)`` coefficient table and a 2-d ``index_add_`` for the finish.
+``(NQ, P)`` coefficient table and a 2-d ``index_add_`` for the fold of a tensor's lines into the entries.
 """
 from __future__ import annotations
 
@@ -242,19 +242,142 @@ def test_block_storages_bounded():
         assert sizes and max(sizes) <= 32 * (8 if fp64 else 4), max(sizes)
 
 
-def test_finish_signed_bits():
-    """``finish_signed`` == the 2-d ``index_add_`` over the expanded ``(NQ, P)`` table (bit for bit)."""
-    g = torch.Generator().manual_seed(0)
-    P, S, V, nq = 300, 80, 50, 30
-    entry = torch.sort(torch.randint(0, V, (P,), generator=g)).values
-    slot = torch.randint(0, S, (P,), generator=g)
-    sign = (torch.randint(0, 2, (P,), generator=g) * 2 - 1).to(torch.int8)
-    quad = (slot < nq).to(torch.int8)
-    coef = torch.stack([sign, sign * (1 + quad), sign * quad, sign])
-    stats = torch.randn(K.NQ, S, generator=g)
-    stats[2, nq:] = 0  # linear slots: quantity 2 is 0
-    want = torch.zeros(K.NQ, V).index_add_(1, entry.int(), coef * stats[:, slot])
-    got = K.finish_signed(stats, entry.to(torch.int16), slot.to(torch.int16), sign, nq, V)
-    assert torch.equal(got, want)
-    assert torch.equal(K.finish_signed(stats[:1], entry.int(), slot.int(), sign, nq, V), want[:1])
-    assert torch.equal(K.finish_compact(stats, entry.int(), slot.int(), coef, V), want)
+def _expanded(f: K.Fold):
+    """The Fold's pairs as ``(entry, line, coef (NQ, P))`` in its pair order (the independent form)."""
+    P = f.n_pairs
+    entry = torch.cat([torch.arange(e, e + n) if isinstance(e, int) else e.long() for _, n, _, e in f.segments])
+    sign = torch.cat([s.double() if torch.is_tensor(s) else torch.full((n,), s, dtype=torch.float64)
+                      for _, n, s, _ in f.segments])
+    line = torch.arange(P) if f.line is None else f.line.long()
+    quad = (torch.arange(P) < f.n_quad).double()
+    return entry, line, torch.stack([sign, sign * (1 + quad), sign * quad, sign])
+
+
+@pytest.mark.parametrize("case", ["run", "run_gather", "linear", "runs", "index_shared", "index_mixed", "index_float"])
+def test_fold_equals_the_expanded_table(case):
+    """``K.fold`` of one tensor's lines == a 2-d ``index_add_`` over the expanded ``(NQ, P)`` coefficients
+    in the fold's pair order (bit for bit), and == ``finish_reference`` of the pairs as given (any order:
+    to fp32 rounding); segments of consecutive entries and of an entry index, one per sign, or one with a
+    sign per pair (+-1 signs changing often, float signs), lines read once each or gathered (some twice,
+    some never), quadratic and linear lines."""
+    g = torch.Generator().manual_seed(hash(case) % 1000)
+    L, V = 96, 200
+    nql = 0 if case == "linear" else 64  # the first nql lines are quadratic
+    if case in ("run", "run_gather", "linear"):
+        line, entry, sign = torch.arange(L), torch.arange(50, 50 + L), -torch.ones(L, dtype=torch.float64)
+        if case == "run_gather":
+            line = torch.sort(torch.cat([line[:90], torch.tensor([3, 3, 70, 70, 95, 1])])).values  # 90-94: none
+    else:
+        line = torch.randperm(L, generator=g)
+        entry = torch.randint(0, V, (L,), generator=g)
+        if case == "runs":  # runs of consecutive entries, two signs: a segment per (sign, run)
+            line, entry = torch.arange(L), torch.cat([torch.arange(10, 42), torch.arange(100, 132), torch.arange(50, 82)])
+        sign = {"runs": torch.cat([torch.ones(40), -torch.ones(56)]), "index_shared": -torch.ones(L),
+                "index_mixed": torch.randint(0, 2, (L,), generator=g) * 2.0 - 1,
+                "index_float": torch.randn(L, generator=g)}[case].double()
+    f = K.Fold.build(entry, line, sign, nql, L, V, torch.float32)
+    kinds = [("run" if isinstance(e, int) else "index", "pair" if torch.is_tensor(s) else s) for _, _, s, e in f.segments]
+    assert kinds == {"run": [("run", -1.0)], "run_gather": [("run", -1.0)], "linear": [("run", -1.0)],
+                     "runs": [("run", 1.0)] * 2 + [("run", -1.0)] * 2, "index_shared": [("index", -1.0)],
+                     "index_mixed": [("index", "pair")], "index_float": [("index", "pair")]}[case], kinds
+    assert (f.line is None) == (case != "run_gather")
+    lines = torch.randn(K.NQ, L, generator=g)
+    lines[2, nql:] = 0  # linear lines: quantity 2 is 0
+    e, l, c = _expanded(f)
+    want = torch.zeros(K.NQ, V).index_add_(1, e, c.float() * lines[:, l])
+    for rows in (K.NQ, 1):
+        for index in (None, torch.empty(f.n_index, dtype=torch.int32)):
+            got = torch.zeros(rows, V)
+            K.fold(got, lines[:rows].clone(), f, index)
+            assert torch.equal(got, want[:rows]), case
+    quad = line < nql
+    coef = torch.stack([sign, sign * (1 + quad.double()), sign * quad.double(), sign])
+    pad_idx = torch.zeros(V, L, dtype=torch.long)
+    pad_coef = torch.zeros(K.NQ, V, L, dtype=torch.float64)
+    for p in range(L):  # the padded table, pairs in the given order
+        pad_idx[entry[p], p], pad_coef[:, entry[p], p] = line[p], coef[:, p]
+    ref = K.finish_reference(lines.double(), pad_idx, pad_coef)
+    torch.testing.assert_close(want.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(K.finish_compact(lines, entry, line, coef.float(), V), torch.zeros(K.NQ, V).index_add_(
+        1, entry, coef.float() * lines[:, line]))
+
+
+def _deep_mlp():
+    torch.manual_seed(0)
+    return MLP([16] + [32] * 12 + [16], activation="relu")
+
+
+def test_tracking_storages_of_a_step_bounded_by_one_tensor():
+    """What tracking creates inside a CPU FusedAdamW step (drift steps and between them; the update's
+    own temporaries and the tracker's booking left out): the one ``(rows, entries)`` result, and else
+    nothing above one tensor's line statistics ``(NQ, lines)`` -- no buffer of every line, no index or
+    product copy of every (entry, line) pair -- and at most the result plus two tensors' lines and the
+    two block buffers alive at once.  The MLP has 12 hidden layers: all its lines are 18x one tensor's,
+    an int32 index of every pair 4.5x one tensor's statistics."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    m = _deep_mlp()
+    opt = FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, drift_every=2, every=1000)
+    opt._chunk = 64
+    fp = opt._fp
+    assert fp.rest is None and len(fp.local_reqs) == 25  # no Gram laws: no snapshot; the last bias in no law
+    n_lines = max(f.n_lines for f in fp.folds)  # the largest group: one tensor's lines (a tiny model)
+
+    def lines(i, r):
+        B, R, C = K.matrix_shape(opt.tracker.tensors[i].shape)
+        return sum(c for f, c in (("row_q", B * R), ("col_q", B * C), ("row_l", B * R), ("col_l", B * C))
+                   if getattr(r, f) >= 0)
+    assert n_lines == max(lines(i, r) for i, r in fp.local_reqs.items()) and len(fp.groups) == 25
+    lines_b, vals_b = K.NQ * n_lines * 4, K.NQ * fp.n_entries * 4
+    assert fp.n_slots * 4 > 3 * lines_b and fp.n_slots * K.NQ * 4 > vals_b + 2 * lines_b + 2 * 64 * 4
+
+    def outside(fn):
+        def run(*a, **kw):
+            with _disable_current_modes():
+                return fn(*a, **kw)
+        return run
+
+    real = K.step_reference
+    K.step_reference = outside(real)
+    opt._record = outside(opt._record)
+    try:
+        _grads(m, 0)
+        opt.step()  # (the first step makes Adam's state)
+        for k in range(1, 5):
+            _grads(m, k)
+            mode = _Storages()
+            with mode:
+                opt.step()
+            big = [s for s in mode.sizes if s > lines_b]
+            assert big == [vals_b if k % 2 == 0 else vals_b // K.NQ], (k, big, lines_b, vals_b)  # the result
+            assert mode.peak <= vals_b + 2 * lines_b + 2 * 64 * 4, (k, mode.peak)
+    finally:
+        K.step_reference = real
+    assert opt.tracker.step_count == 5
+
+
+def test_fold_order_does_not_depend_on_the_parameter_order():
+    """The law rows of a FusedAdamW over the parameters in reverse order (every tensor's lines wait
+    for the ones before it) == in model order, bit for bit, with a parameter left without gradient
+    (measured when its turn comes); both == conserve.track over torch.optim.AdamW (every entry decomposed on
+    every drift step) to fp32 rounding."""
+    import conserve
+    ms = [_deep_mlp() for _ in range(3)]
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    o1 = FusedAdamW(ms[0].parameters(), **kw, track=ms[0], drift_every=2, keep_last=True)
+    o2 = FusedAdamW(list(ms[1].parameters())[::-1], **kw, track=ms[1], drift_every=2, keep_last=True)
+    o3 = conserve.track(torch.optim.AdamW(ms[2].parameters(), **kw), ms[2], drift_every=2, snapshot_budget=None,
+                        keep_last=True)
+    for k in range(4):
+        for m in ms:
+            _grads(m, k)
+            m.layers[3].bias.grad = None
+        for o in (o1, o2, o3):
+            o.step()
+        for key in ("measured", "decay", "first", "second"):
+            x, y, z = (o.tracker.last.get(key) for o in (o1, o2, o3))
+            if x is None:
+                assert y is None and z is None
+                continue
+            assert torch.equal(x.vec, y.vec), (k, key)
+            torch.testing.assert_close(x.vec, z.vec, rtol=1e-5, atol=1e-6)

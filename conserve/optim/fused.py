@@ -35,9 +35,17 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   hold at most ``optim_step.chunk_bound`` elements (64Ki at most) and each block of a weight with
   statistics is copied into one block-sized scratch buffer (with a second one for ``Delta``) reused
   across blocks and tensors, dropped after the step: no temporary of a drift step is larger than a
-  block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps);
-  between steps the optimizer holds, per (entry, statistic) pair, its entry (int32) and slot (int16)
-  index and one sign.
+  block.  The step statistics live for the step only (one row of ``h(new)`` between drift steps),
+  one group of consecutive tensors at a time (at most ``STATS_BUDGET`` = 1% of the tracked bytes of
+  lines, or one tensor's): each tensor's row / column sums go to its group's buffer, folded into the
+  ``(rows, entries)`` result once the group is stepped (``optim_step.fold``: slice additions for runs
+  of consecutive entries, else index additions, one per sign), the groups in order whatever order
+  the tensors are stepped in (so the bits do not depend on it; a group stepped early waits for those
+  before it); no copy of every (entry, line) pair.  Between steps the optimizer holds per group its
+  segments (a few ints per run, an int16 entry per pair of the others, a sign per pair only where
+  signs change often); the structures cached for ``h_0``'s evaluation of the whole plan are dropped
+  after it.  (A Triton step writes one buffer of every line, the CUDA finish reads the padded
+  ``(entry, J)`` tables.)
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
@@ -73,7 +81,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from .. import kernels
 from ..kernels import optim_step as K
-from ..kernels import streams
+from ..kernels import reference, runner, streams
 from ..kernels.dispatch import _choose
 from ..kernels.plan import Plan, View
 from ..tracker import Tracker, Values, eager
@@ -90,6 +98,11 @@ _IMPLEMENTATION = ("fused", "capturable", "foreach")
 # of the new weights (in cache: block by block).  Every 10th step keeps a tracked CPU step within
 # ~1.05-1.3x torch AdamW (bench/track_overhead.py); pass drift_every=1 for every step.
 FUSED_DRIFT_EVERY = 10
+# The torch twin's step statistics go to buffers of groups of consecutive tensors of at most this
+# fraction of the tracked bytes (or one tensor's lines), each folded into the entries once stepped: a
+# large model folds few groups (few ops: the per-op cost of a fold after a tensor's step, ~10-20 us,
+# is paid per group), a small one tensor by tensor (its buffer of every line would be ~14% of it)
+STATS_BUDGET = 0.01
 
 
 # --------------------------------------------------------------------------- term -> stats map
@@ -159,34 +172,73 @@ class _FusedPlan:
             base = slot(t.view.tensor, m[0], False)
             for c, s in enumerate(m[1]):
                 entries[t.index + c].append((base + s, t.sign, False))
-        self.n_quad = nq = n_slots[True]
+        nq = n_slots[True]
         self.n_slots = nq + n_slots[False]
         for r in self.reqs:
             r.row_l, r.col_l = (x + nq if x >= 0 else x for x in (r.row_l, r.col_l))
-        J = max([len(e) for e in entries] + [1])
         dev, acc = tracker.device, torch.float64 if tracker.fp64 else torch.float32
+        # the lines renumbered in groups of consecutive tensors (index order) of at most ``budget`` lines
+        # (or one tensor's), each group's quadratic lines first: a group's lines are one range of the
+        # buffer of every line (a Triton step's), its quadratic ones a prefix of it (``K.Fold``)
+        tracked = sum(t.numel() * t.element_size() for t in tracker.tensors)
+        budget = int(STATS_BUDGET * tracked / (K.NQ * torch.empty((), dtype=acc).element_size()))
+        fields = [(i, [(name, getattr(r, name), cnt) for name, cnt in zip(
+            ("row_q", "col_q", "row_l", "col_l"), (lambda B, R, C: (B * R, B * C, B * R, B * C))(*K.matrix_shape(shapes[i])))
+            if getattr(r, name) >= 0]) for i, r in enumerate(self.reqs) if r.any]
+        groups: list[list] = []
+        for i, fs in fields:
+            n = sum(c for _, _, c in fs)
+            if not groups or groups[-1][1] + n > max(budget, n) or groups[-1][1] == 0:
+                groups.append([[], 0])
+            groups[-1][0].append((i, fs))
+            groups[-1][1] += n
+        remap = np.zeros(max(1, self.n_slots), dtype=np.int64)
+        self.local_reqs: dict[int, K.StatsRequest] = {}
+        self.group_of: dict[int, int] = {}
+        self.groups: list[tuple[int, int, int, list[int]]] = []  # (first line, lines, quadratic lines, tensors)
+        start = 0
+        for g, (members, n) in enumerate(groups):
+            at = start
+            for quad in (True, False):
+                for i, fs in members:
+                    lr = self.local_reqs.setdefault(i, K.StatsRequest())
+                    for name, old, cnt in fs:
+                        if name.endswith("_q") == quad:
+                            remap[old: old + cnt] = np.arange(at, at + cnt)
+                            setattr(self.reqs[i], name, at)
+                            setattr(lr, name, at - start)
+                            at += cnt
+                if quad:
+                    n_quad = at - start
+            self.groups.append((start, n, n_quad, [i for i, _ in members]))
+            for i, _ in members:
+                self.group_of[i] = g
+            start += n
+        entries = [[(remap[s if quad else s + nq], sign, quad) for s, sign, quad in es] for es in entries]
+        J = max([len(e) for e in entries] + [1])
         idx = np.zeros((plan.vec_size, J), dtype=np.int64)
         coef = np.zeros((K.NQ, plan.vec_size, J), dtype=np.float64)
         for o, es in enumerate(entries):
             for j, (s, sign, quad) in enumerate(es):
-                idx[o, j] = s if quad else s + nq
+                idx[o, j] = s
                 coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
-        o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
-        # held between steps (CPU finish, ``K.finish_signed``): per pair its entry, int32 (the index type
-        # index_add_ takes: not widened per step), its slot, int16 when it fits (the finish widens it
-        # once per step: held narrow, the in-step peak is lower), and one sign, int8 when the signs
-        # are small integers (exact in the product with the float statistics; the finish rebuilds the
-        # four coefficients from it and the slot's kind)
-        sign = cf[0]
-        small = bool((sign == sign.round()).all() and sign.abs().max() <= 127) if sign.numel() else True
         cuda = torch.device(dev).type == "cuda"
-        entry = o.to(dev, torch.int32 if plan.vec_size < 2 ** 31 else torch.int64)
-        slot = sl.to(dev, torch.int16 if self.n_slots < 2 ** 15 else torch.int32)
-        self.compact = None if cuda else (entry, slot, sign.to(dev, torch.int8 if small else acc))
         # the padded (entry, J) tables: only the deterministic CUDA finish reads them
         self.idx, self.coef = (idx_t.to(dev), coef_t.to(dev)) if cuda else (None, None)
+        # CPU: one ``K.Fold`` per group (held between steps: per pair segment its sign and its entries --
+        # a first entry, or an int16 index --, a line index only when lines are not each read once); the
+        # torch twin writes each tensor's lines into its group's buffer (``local_reqs``: relative to the
+        # group), folded into the entries once the group is stepped (``_Folds``); the groups are folded
+        # in order, so the bits do not depend on the order in which the tensors are stepped
+        self.folds: list[K.Fold] = []
+        if not cuda:
+            o, sl, cf = K.compact_terms(idx_t, coef_t)  # the used (entry, slot) pairs, in (entry, j) order
+            for g0, n, n_quad, _ in self.groups:
+                m = (sl >= g0) & (sl < g0 + n)
+                self.folds.append(K.Fold.build(o[m], sl[m] - g0, cf[0][m], n_quad, n, plan.vec_size, acc))
+        self.max_index = max([f.n_index for f in self.folds] + [0])
         self.rest = rest if (rest.grams or rest.norms or rest.sums) else None
         self.rest_tensors = sorted({t.view.tensor for t in rest.grams + rest.norms + rest.sums}) if self.rest else []
         # vec entries written by a term of ``rest`` (decomposed only when the Sampler's group holds them)
@@ -238,6 +290,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
         tracker_kwargs = {"drift_every": FUSED_DRIFT_EVERY, **tracker_kwargs}
         self.tracker = Tracker(track, laws, params=params, **tracker_kwargs)
         self._fp = _FusedPlan(self.tracker)
+        # h_0 was this optimizer's only evaluation of the whole plan (each step: the statistics and the
+        # rest plan), so the structures cached for it (the torch twin's line index, the Triton tables)
+        # are dropped now rather than held for the tracker's lifetime
+        for cache in (reference, runner):
+            cache._forget(id(self.tracker.compiled.plan))
         self._tracked = {id(t): i for i, t in enumerate(self.tracker.tensors)}
         self._acc = torch.float64 if self.tracker.fp64 else torch.float32
         # elements of a block of the torch twin's drift step (kernels.optim_step.chunk_bound)
@@ -408,20 +465,24 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 work.append((h, tri, ids, sub(params), sub(grads), sub(b1), sub(b2), sub(steps), sub(fresh)))
         # the step statistics live for this step only: quantity 0 (h(new)) between drift steps, all four
         # on drift steps and wherever the Triton kernel writes them
-        stats = None
+        stats = folds = None
         if tr is not None:
-            rows = K.NQ if drift_step or any(w[1] for w in work) else 1
-            stats = torch.zeros(rows, max(1, fp.n_slots), device=tr.device, dtype=self._acc)
+            tri = any(w[1] for w in work)
+            rows = K.NQ if drift_step or tri else 1
+            if fp.idx is None and not tri:  # CPU torch twin: each tensor's lines folded after its step
+                folds = _Folds(fp, tr.tensors, rows, self._acc, set(a_of), tr.device)
+            else:  # one buffer of every line (Triton writes it in one launch; the CUDA finish reads it)
+                stats = torch.zeros(rows, max(1, fp.n_slots), device=tr.device, dtype=self._acc)
         self._early = None
         if snap is not None and self.overlap:
             # the overlap ordering: the tensors the DRIFT pass reads are stepped first; their pass runs
             # (on CUDA: on a side stream, after an event of this stream) while the rest is stepped; the
             # join comes before the terms are assembled in _record (see _drift_early)
             head, tail = _split_work(work, self._snap_tensors(snap))
-            scratch = self._step_work(head, stats, drift_step, None)
+            scratch = self._step_work(head, stats, drift_step, None, folds)
             job = self._drift_early(snap, a_of)
             try:
-                scratch = self._step_work(tail, stats, drift_step, scratch)
+                scratch = self._step_work(tail, stats, drift_step, scratch, folds)
             except BaseException:
                 self._join_early(job)  # the side stream is joined, nothing of the step is kept
                 self._early = None
@@ -431,16 +492,18 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 self._early = None
                 raise job.error
         else:
-            scratch = self._step_work(work, stats, drift_step, None)
+            scratch = self._step_work(work, stats, drift_step, None, folds)
         if tr is not None:
             del scratch  # the old/Delta buffers: dropped before the drift pass and the terms
-            vals = self._finish(a_of, stats)
-            del stats  # the statistics: dropped once summed into the plan's entries
+            vals = self._finish(a_of, stats, folds)
+            del stats, folds  # the statistics: dropped once summed into the plan's entries
             self._record(a_of, vals, snap, drift_step)
         return loss
 
-    def _step_work(self, work, stats, drift_step: bool, scratch):
-        """Step the buckets ``work`` (see ``step``) in order; returns the torch twin's scratch buffers."""
+    def _step_work(self, work, stats, drift_step: bool, scratch, folds=None):
+        """Step the buckets ``work`` (see ``step``) in order; returns the torch twin's scratch buffers.
+        ``folds`` (``_Folds``): the twin writes each tracked tensor's lines into a buffer of its own,
+        folded into the entries after its step; else into ``stats``."""
         fp = self._fp
         for h, tri, ids, ps, gs, m1, m2, st, fr in work:
             reqs = [fp.reqs[i] if i >= 0 else K.StatsRequest() for i in ids]
@@ -451,11 +514,17 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 # drift steps each block's old copy and Delta live in two block-sized scratch buffers
                 # reused across blocks and tensors, dropped after the step
                 for k, p in enumerate(ps):
-                    req = reqs[k] if ids[k] >= 0 else K.StatsRequest()
+                    i = ids[k]
+                    req, out = reqs[k], stats
+                    if folds is not None and i >= 0 and req.any:
+                        req, out = fp.local_reqs[i], folds.lines(i)
                     if drift_step and req.any:
                         scratch = self._scratch(scratch, p)
                     K.step_stats_reference(h, p, gs[k], m1[k], m2[k], st[k], bool(fr[k]) if fr else False, req,
-                                           stats, drift=drift_step, bound=self._chunk, scratch=scratch)
+                                           out, drift=drift_step, bound=self._chunk, scratch=scratch)
+                    if out is not stats:
+                        folds.done(i, out)
+                    del out
         return scratch
 
     # ---- the overlap ordering (overlap=True) ------------------------------------------------------
@@ -559,17 +628,22 @@ class _FusedOptimizer(torch.optim.Optimizer):
         vm, gm = self._mask_arrays(snap)
         return Mask(vm, dict(gm), None, None, bool(vm.all() and all(m.all() for m in gm.values())))
 
-    def _finish(self, a_of: dict[int, float], stats: torch.Tensor) -> torch.Tensor:
+    def _finish(self, a_of: dict[int, float], stats: torch.Tensor | None, folds=None) -> torch.Tensor:
         """The plan entries ``(rows of stats, vec_size)`` of this step's statistics (tracked tensors that
-        were not stepped -- no grad, not in any group -- added with ``Delta = 0``)."""
+        were not stepped -- no grad, not in any group -- added with ``Delta = 0``): ``folds``' (the torch
+        twin's), else from the one buffer ``stats``."""
         fp = self._fp
+        if folds is not None:
+            return folds.finish()
         for i, t in enumerate(self.tracker.tensors):
             if i not in a_of and fp.reqs[i].any:
                 K.stats_reference(None, t, 1.0, fp.reqs[i], stats)
         if fp.idx is not None:  # deterministic (CUDA)
             return K.finish_reference(stats, fp.idx, fp.coef[: stats.shape[0]])
-        entry, slot, sign = fp.compact
-        return K.finish_signed(stats, entry, slot, sign, fp.n_quad, fp.n_entries)
+        vals = torch.zeros(stats.shape[0], fp.n_entries, dtype=stats.dtype, device=stats.device)
+        for (g0, n, _, _), f in zip(fp.groups, fp.folds):  # CPU (a Triton step): group by group, in order
+            K.fold(vals, stats.narrow(1, g0, n), f)
+        return vals
 
     def _record(self, a_of: dict[int, float], vals: torch.Tensor, snap=None, drift_step: bool = False) -> None:
         """Book the step: ``drift_step`` is ``step()``'s ``tracker.is_drift_step()`` (the statistics rows
@@ -582,8 +656,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 h_rest = Values(*kernels.evaluate(fp.rest, [t.detach() for t in tr.tensors], fp64=tr.fp64,
                                                   backend=tr.backend))
                 return Values(h_rest.vec.add_(vals[0]), h_rest.grams)
-            # a copy: a view would keep all four statistics rows alive as tracker.h
-            return Values(vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
+            # a copy of a drift step's row: a view would keep all four statistics rows alive as tracker.h
+            return Values(vals[0] if vals.shape[0] == 1 else vals[0].clone(), {d: torch.zeros(n, d, d, device=dev, dtype=dt)
                                             for d, n in tr.compiled.plan.gram_slots.items()})
         if not drift_step:
             tr.record_step(h_new(), None)
@@ -602,6 +676,66 @@ class _FusedOptimizer(torch.optim.Optimizer):
         h1 = h_new()
         del pieces, vals
         tr.record_step(h1, terms, mask)
+
+
+class _Folds:
+    """The plan entries of one torch-twin step, folded group by group (``_FusedPlan.groups``,
+    ``K.fold``): ``lines(i)`` is the zeroed ``(rows, lines)`` buffer of tensor ``i``'s group (its lines
+    at ``local_reqs[i]``), ``done(i, buf)`` says tensor ``i`` is stepped.  A group is folded once its
+    tensors are stepped and every group before it is folded (a group stepped early waits; a tracked
+    tensor this step does not step -- no grad -- is measured when its group is folded: it does not
+    change during the step), so the entries' bits do not depend on the stepping order (the overlap
+    ordering's) and, stepped in index order, one group's lines are alive at a time."""
+
+    __slots__ = ("fp", "tensors", "rows", "acc", "stepped", "device", "vals", "bufs", "left", "next", "index")
+
+    def __init__(self, fp: _FusedPlan, tensors, rows: int, acc, stepped: set, device):
+        self.fp, self.tensors, self.rows, self.acc, self.stepped, self.device = fp, tensors, rows, acc, stepped, device
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.left = [{i for i in members if i in stepped} for _, _, _, members in fp.groups]
+        self.next = 0
+        # the result and the int32 buffer of the widened entry indices: made at the first fold (a model
+        # of one group holds neither while its weights are stepped)
+        self.vals = self.index = None
+
+    def lines(self, i: int) -> torch.Tensor:
+        g = self.fp.group_of[i]
+        buf = self.bufs.get(g)
+        if buf is None:
+            buf = self.bufs[g] = torch.zeros(self.rows, self.fp.groups[g][1], dtype=self.acc, device=self.device)
+        return buf
+
+    def done(self, i: int, buf: torch.Tensor) -> None:
+        self.left[self.fp.group_of[i]].discard(i)
+        self._advance()
+
+    def _advance(self) -> None:
+        fp = self.fp
+        while self.next < len(fp.groups) and not self.left[self.next]:
+            g = self.next
+            buf = self.bufs.pop(g, None)
+            if buf is None:
+                buf = torch.zeros(self.rows, fp.groups[g][1], dtype=self.acc, device=self.device)
+            for i in fp.groups[g][3]:  # not stepped this step: h(new) of its current values, Delta = 0
+                if i not in self.stepped:
+                    K.stats_reference(None, self.tensors[i], 1.0, fp.local_reqs[i], buf)
+            if self.vals is None:
+                self.vals = torch.zeros(self.rows, fp.n_entries, dtype=self.acc, device=self.device)
+                self.index = torch.empty(fp.max_index, dtype=torch.int32, device=self.device)
+            K.fold(self.vals, buf, fp.folds[g], self.index)
+            del buf
+            self.next += 1
+
+    def finish(self) -> torch.Tensor:
+        """The ``(rows, vec_size)`` entries, once every tensor is stepped."""
+        self._advance()
+        if self.next != len(self.fp.groups):
+            raise RuntimeError("conserve internal error: a tracked tensor was stepped without its statistics; "
+                               "report it")
+        if self.vals is None:  # no statistics (no tensor with row / column terms)
+            self.vals = torch.zeros(self.rows, self.fp.n_entries, dtype=self.acc, device=self.device)
+        self.index = None
+        return self.vals
 
 
 def _pass(snap, news, a, tr: Tracker, decay: bool, config=None):
