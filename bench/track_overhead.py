@@ -28,11 +28,13 @@ so a slow phase of the shared machine hits both sides.
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import tempfile
 import time
 import types
 import weakref
+from typing import Mapping
 
 import numpy as np
 
@@ -152,10 +154,27 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def numpy_bytes(*roots) -> int:
+def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
+    from numpy.lib import array_utils  # (numpy >= 2; np.byte_bounds before)
+    return array_utils.byte_bounds(a)
+
+
+def numpy_bytes(*roots, storages: Mapping[int, int] | None = None) -> int:
     """Bytes of the distinct numpy arrays reachable from ``roots`` through attributes, slots and
-    containers (objects walked once; modules, classes and functions not entered)."""
+    containers (objects walked once; modules, classes and functions not entered).  ``storages``:
+    ``{data_ptr: nbytes}`` of torch storages already counted (``LiveBytes.live``): an array whose memory
+    lies inside one of them (e.g. ``t.numpy()`` of a CPU tensor) is not counted a second time."""
     seen, bases, todo = set(), {}, list(roots)
+    spans = sorted((p, p + n) for p, n in (storages or {}).items())
+    starts = [p for p, _ in spans]
+
+    def counted(a: np.ndarray) -> bool:  # the array's bytes lie inside a counted storage
+        if not spans or a.nbytes == 0:
+            return False
+        lo, hi = _byte_bounds(a)
+        i = bisect.bisect_right(starts, lo) - 1
+        return i >= 0 and hi <= spans[i][1]
+
     while todo:
         o = todo.pop()
         if id(o) in seen or isinstance(o, (type, types.ModuleType, types.FunctionType, types.MethodType,
@@ -166,7 +185,8 @@ def numpy_bytes(*roots) -> int:
             base = o
             while isinstance(base.base, np.ndarray):
                 base = base.base
-            bases[id(base)] = base.nbytes
+            if not counted(base):
+                bases[id(base)] = base.nbytes
             continue
         if isinstance(o, dict):
             todo.extend(o.keys())
@@ -200,7 +220,7 @@ def peak_bytes(make, steps: int, build=lambda: run_model("tiny")) -> dict:
             opt.step()
     built = sum(v for key, v in mode.live.items() if key in built_keys)
     mine = [v for k, v in reference._CACHE.items() if k not in before]
-    host = numpy_bytes(opt, mine) if tracker is not None else 0
+    host = numpy_bytes(opt, mine, storages=mode.live) if tracker is not None else 0
     return {"peak": mode.peak, "built": built, "held": mode.cur - built, "numpy": host, "tracked": tracked}
 
 

@@ -314,6 +314,7 @@ class Tracker:
         with torch.no_grad():
             self.h0, mag = self._initial_values()
         self.h = self.h0.clone()
+        self._h_own = self.h  # h's buffers are the tracker's own: later evaluations write into them (_eval_into_h)
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
@@ -441,7 +442,20 @@ class Tracker:
         Formed when read from the held ``h_0`` (one evaluation of the instance norms): only the guarded
         instances' values are held (``_guard_at``, ``_guard_val``: 12 bytes each; none on a model whose
         laws all start unbalanced).  Setting it (construction, ``load_state_dict``) keeps those."""
-        d = self._inst_norm(self.h0)
+        return self._denominators()
+
+    def _denominators(self, sv: torch.Tensor | None = None, sg: Mapping[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """``denom`` (see there); ``sv``, ``sg``: scratch of ``h_0``'s vec and Gram shapes and dtype the squares
+        are written into (overwritten; the bits of ``_inst_norm``: ``x * x`` is ``square()``)."""
+        if sv is None:
+            d = self._inst_norm(self.h0)
+        else:
+            h0 = self.h0
+            d = torch.zeros(self._n_inst, dtype=h0.vec.dtype, device=self.device).index_add_(
+                0, self._vec_inst, torch.mul(h0.vec, h0.vec, out=sv))
+            for k, g in h0.grams.items():
+                d.index_add_(0, self._gram_inst[k], torch.mul(g, g, out=sg[k]).sum((1, 2)))
+            d.sqrt_()
         if self._guard_at.numel():
             d.index_copy_(0, self._guard_at, self._guard_val)
         return d.clamp_min_(torch.finfo(d.dtype).tiny)
@@ -487,6 +501,19 @@ class Tracker:
 
     def _eval(self, tensors) -> Values:
         return Values(*kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend))
+
+    def _eval_into_h(self, tensors) -> Values:
+        """``h(theta_{k+1})`` written into the held ``h``'s buffers when the tracker made them (its own
+        evaluation or construction's clone: ``_h_own``; never a ``Values`` a caller handed to ``record_step``
+        or ``load_state_dict``, nor the fused optimizers' ``h``) and returned as that ``h``; else a fresh
+        evaluation.  Only where the old ``h`` is no longer read (``after_step``).  The evaluation's checks
+        that can raise (views outside their tensors, reserved slots, ``out``'s layout) run before the buffers
+        are zeroed, so an error leaves ``h`` as it was."""
+        own = self.__dict__.get("_h_own")
+        if own is None or own is not self.h:
+            return self._eval(tensors)
+        kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend, out=(own.vec, own.grams))
+        return own
 
     # ------------------------------------------------------------------ the model's parameters, still
     def stale(self) -> list[str]:
@@ -624,17 +651,29 @@ class Tracker:
         if not self._books_after_close():
             return
         snap, self._snap = self._snap, None
-        if snap is None:
-            self.record_step(self._eval(self.tensors))
+        if snap is None:  # h_k is not read again: h_{k+1} is evaluated into its buffers
+            h1 = self._eval_into_h(self.tensors)
+            self.record_step(h1)
+            self._h_own = h1
             return
         a = stepped_factors(self._a, self.params)  # an unstepped parameter (grad None) is not decayed
         # the DRIFT pass first: it frees the copies of theta_k before h(theta_{k+1}) is evaluated (the
         # pass's pieces, smaller, are held instead); then the terms
         pieces = self._drift_pass(snap, a)
-        h1 = self._eval(self.tensors)
-        terms = self.assemble(pieces, a, snap.mask, compact=snap.compact)
-        del pieces
+        if snap.compact:  # a copy of the group's entries of h_k: then h_k's buffers take h_{k+1}, and the terms
+            # scratch is formed after that evaluation (the pieces, smaller, are held through it instead)
+            hv, hg = self._entries(snap.mask).take(self.h)
+            h_old = (hv.clone(), {d: g.clone() for d, g in hg.items()})
+            del hv, hg
+            h1 = self._eval_into_h(self.tensors)
+            terms = self.assemble(pieces, a, snap.mask, compact=True, h_old=h_old)
+            del pieces, h_old
+        else:  # every entry: record_step reads the full h_k (measured = h_{k+1} - h_k), a fresh h_{k+1}
+            h1 = self._eval(self.tensors)
+            terms = self.assemble(pieces, a, snap.mask)
+            del pieces
         self.record_step(h1, terms, snap.mask)
+        self._h_own = h1
 
     def _drift_pass(self, snap, a: list[float]) -> list:
         """The DRIFT pass's ``[None, decay, bil, h_delta]`` over ``snap`` (its copies of theta_k are
@@ -655,7 +694,7 @@ class Tracker:
         return self.assemble(self._drift_pass(snap, a), a, snap.mask, compact=snap.compact)
 
     def assemble(self, pieces, a: Sequence[float], mask: Mask, *, compact: bool = False,
-                 stats: StepStats | None = None) -> "DriftTerms":
+                 stats: StepStats | None = None, h_old: tuple | None = None) -> "DriftTerms":
         """One drift step's ``decay``/``first``/``second`` from the DRIFT pass's ``pieces`` and, for a fused
         optimizer, its step statistics ``stats``: ``Assembly.terms`` (the one assembly), written into the
         step scratch that ``record_step`` consumes (squares in place: pass the result to one
@@ -664,7 +703,8 @@ class Tracker:
         ``pieces``: ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` over the entries of ``mask`` (a
         list is emptied once read), or None (no DRIFT pass this step); ``a``: decay factor per tracked
         tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``; no
-        ``stats`` then, they are in the full layout)."""
+        ``stats`` then, they are in the full layout); ``h_old``: then ``(vec, {D: grams})`` of ``h_k`` at those
+        entries (default: taken from ``h``; copied into the scratch either way)."""
         if compact and stats is not None:
             raise ValueError("assemble: step statistics are in the full law layout; compact=True takes none")
         asm = self.assembly
@@ -676,10 +716,15 @@ class Tracker:
         else:  # a compact sub-plan: the pieces, terms and scratch hold the group's entries only
             buf, wv, wg = self._views(torch.empty(len(TERMS), at.layout[0], dtype=self.h.vec.dtype, device=self.device),
                                       at.layout)
-            h_old, sampled = at.take(self.h), None
+            h_old, sampled = (at.take(self.h) if h_old is None else h_old), None
             asm = at.assembly
         out = {k: (wv[i], {d: g[i] for d, g in wg.items()}) for i, k in enumerate(TERMS[:4]) if i}
         terms = DriftTerms({k: Values(*v) for k, v in asm.terms(h_old, pieces, a, sampled, out=out, stats=stats).items()})
+        if at is not None:  # the group's h_k into row 0 (where measured = h_{k+1} - h_k goes): a copy, so h's
+            wv[0].copy_(h_old[0])  # buffers may take h_{k+1} before record_step (``take`` gives views of slices)
+            for d, g in wg.items():
+                g[0].copy_(h_old[1][d])
+            h_old = (wv[0], {d: g[0] for d, g in wg.items()})
         terms.at, terms.buf, terms.h_old = at, buf, (h_old if at is not None else None)
         return terms
 
@@ -747,26 +792,37 @@ class Tracker:
         self.step_count += 1
         nf, dev = len(self.families), self.device
         dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
-        # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group
-        dv = torch.sub(h1.vec, self.h0.vec)
-        rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._vec_inst, dv.mul_(dv))
-        for d, g in h1.grams.items():  # x * x: the bits of square()
-            g = torch.sub(g, self.h0.grams[d])
-            rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
-        rel.sqrt_().div_(self.denom)
-        del dv
-        grp = self._group_sum(rel)
-        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
-        parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
-        if self.drift:
+        norms = None
+        if self.drift:  # the terms first: their scratch is squared, reduced and freed before the eps scratch exists
             norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
             if terms is None:
                 norms.fill_(float("nan"))
             else:
                 self._drift_norms(h1, terms, sampled, norms)
+                if isinstance(terms, DriftTerms):  # consumed (documented): its views of the scratch go with it
+                    terms.clear()
+                    terms.buf = terms.h_old = None
+        # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group; the
+        # differences and the denominators' squares go through one vec-sized and one Gram-sized scratch
+        with torch.no_grad():  # (out= takes no autograd inputs; the row is a detached metric either way)
+            sv = torch.empty(h1.vec.shape, dtype=dt, device=dev)
+            sg = {d: torch.empty(g.shape, dtype=dt, device=dev) for d, g in h1.grams.items()}
+            dv, g = torch.sub(h1.vec, self.h0.vec, out=sv), None
+            rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._vec_inst, dv.mul_(dv))
+            for d, g in h1.grams.items():  # x * x: the bits of square()
+                g = torch.sub(g, self.h0.grams[d], out=sg[d])
+                rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
+            rel.sqrt_().div_(self._denominators(sv, sg) if dt == self.h0.vec.dtype else self.denom)
+            del dv, g, sv, sg
+        grp = self._group_sum(rel)
+        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
+        parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
+        if norms is not None:
             parts.append(norms.view(-1))
         row = torch.cat(parts)
         self._rows.append(row.float())
+        if self.__dict__.get("_h_own") is not h1:  # a caller's h1 (after_step marks its own once this returns)
+            self._h_own = None
         self.h = h1
         if not self.__dict__.get("_warned_outside"):  # (check_outside warns once: no counters read after that)
             self._versions = self._tensor_versions()  # the weights as this step left them (``check_outside``)
@@ -869,8 +925,9 @@ class Tracker:
 
     # ------------------------------------------------------------------------------------ output
     def values(self) -> dict[str, torch.Tensor]:
-        """Current ``h(theta_k)`` per law name (vector or D x D)."""
-        return {l.name: v for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
+        """Current ``h(theta_k)`` per law name (vector or D x D): copies (the tracker writes later steps'
+        values into its held ``h``)."""
+        return {l.name: v.clone() for l, v in zip(self.laws, self.compiled.split(self.h.vec, self.h.grams))}
 
     def totals(self) -> dict[str, dict[str, float]]:
         """Per family, since step 0: ``eps`` now, ``measured`` = ||h_k - h_0||; ``sampled_steps``: drift steps
@@ -1195,7 +1252,7 @@ class Tracker:
         (``step_sums``) and the step counter. Pending rows are flushed to the sinks first (one host
         sync), so a run resumed from this state neither repeats nor loses a row."""
         self.flush()
-        return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.state(), "denom": self.denom,
+        return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.clone().state(), "denom": self.denom,
                 # copies: the tracker sums into its buffers in place
                 "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()} if self.keep_cumulative else {},
                 "step_sums": self._step_sums.clone(), "laws": [l.name for l in self.laws],
@@ -1239,6 +1296,7 @@ class Tracker:
         dev = self.device
         self.step_count = int(state["step"])
         self.h0, self.h = Values.from_state(state["h0"], dev), Values.from_state(state["h"], dev)
+        self._h_own = None  # (the state's tensors, maybe the caller's: never written into)
         self.denom = state["denom"].to(dev)
         if self.keep_cumulative:
             # copies: the tracker sums into them in place (the state's tensors are not aliased)

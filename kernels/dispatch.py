@@ -32,15 +32,47 @@ def choose_backend(backend: str, tensors: Sequence[torch.Tensor]) -> str:
 _choose = choose_backend  # the name conserve.optim.fused imports
 
 
+def check_out(plan: Plan, out, tensors: Sequence[torch.Tensor], fp64: bool) -> None:
+    """``ValueError`` (one line) unless ``out`` is ``(vec, {D: grams})`` in the layout, accumulation dtype and
+    device an evaluation of ``plan`` over ``tensors`` returns (``evaluate(..., out=)``)."""
+    given = [t for t in tensors if t is not None]
+    dev, dt = (given[0].device if given else torch.device("cpu")), (torch.float64 if fp64 else torch.float32)
+    want = {"vec": (plan.vec_size,), **{d: (n, d, d) for d, n in plan.gram_slots.items()}}
+    try:
+        vec, grams = out
+        have = {"vec": vec, **dict(grams)}
+    except (TypeError, ValueError):
+        raise ValueError("out= must be (vec, {D: grams}) as evaluate returns it") from None
+    bad = sorted((str(k) for k in set(want) ^ set(have)), key=str) or [
+        str(k) for k, t in have.items() if not isinstance(t, torch.Tensor) or tuple(t.shape) != want[k]
+        or t.dtype != dt or t.device != dev]
+    if bad:
+        raise ValueError(f"out= does not fit the plan at {bad}: pass (vec {want['vec']}, {{D: (slots, D, D)}}) in {dt} "
+                         f"on {dev}, e.g. a previous evaluate's result")
+
+
 def evaluate(plan: Plan, tensors: Sequence[torch.Tensor], *, fp64: bool = False, backend: str = "auto",
-             config: Config | None = None):
+             config: Config | None = None, out=None):
     """``h(theta)`` for every term of ``plan``: returns ``(vec, {D: grams})`` (see
-    ``reference.evaluate_reference``)."""
+    ``reference.evaluate_reference``).
+
+    ``out``: ``(vec, {D: grams})`` to write the result into (a previous result of the same plan, dtype and
+    device; ``ValueError`` otherwise, before anything is written) and return.  The torch twin accumulates
+    into it (no new outputs; its checks that can raise run before it is zeroed); Triton copies its result into
+    it (same bits, no saving on the GPU)."""
+    if out is not None:
+        check_out(plan, out, tensors, fp64)
     if choose_backend(backend, tensors) == "triton":
         from .runner import evaluate_triton
 
-        return evaluate_triton(plan, tensors, fp64=fp64, config=config)
-    return evaluate_reference(plan, tensors, fp64=fp64)
+        vec, grams = evaluate_triton(plan, tensors, fp64=fp64, config=config)
+        if out is None:
+            return vec, grams
+        out[0].copy_(vec)
+        for d, g in out[1].items():
+            g.copy_(grams[d])
+        return out[0], dict(out[1])
+    return evaluate_reference(plan, tensors, fp64=fp64, out=out)
 
 
 def bilinear(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], *, fp64: bool = False,

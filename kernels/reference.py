@@ -812,7 +812,8 @@ def _device(ts):
     return given[0].device if given else torch.device("cpu")
 
 
-def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_coef: Callable | None = None):
+def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_coef: Callable | None = None,
+         out=None):
     """``(vec, grams)`` of the grouped plan: evaluate (``ys`` None), bilinear, or decay (``gram_coef`` /
     ``row_coef`` give per-view / per-row coefficients replacing the signs, see ``decay_reference``)."""
     acc = acc_dtype(fp64)
@@ -821,7 +822,7 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
     early = None  # the batch of line values with the largest temporary: reduced before the outputs exist
     if s.lines is not None and _batched(s.lines, xs, ys) and (b := _early(s.lines, xs, ys, acc)) is not None:
         early = (b, _batch_values(s.lines, s.lines.batches[b], xs, ys, acc, device))
-    vec, grams = empty_out(plan, device, acc)
+    vec, grams = empty_out(plan, device, acc) if out is None else (out[0].zero_(), {d: g.zero_() for d, g in out[1].items()})
     if s.lines is not None:
         _add_lines(vec, s.lines, xs, ys, acc, early)
         del early
@@ -857,23 +858,25 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
     return vec, grams
 
 
-def evaluate_reference(plan: Plan, tensors: Sequence[torch.Tensor], *, fp64: bool = False):
+def evaluate_reference(plan: Plan, tensors: Sequence[torch.Tensor], *, fp64: bool = False, out=None):
     """Torch reference twin of every kernel: ``h(theta)`` for all terms of ``plan``.
 
     Args:
         plan: the terms.
         tensors: the weights the views index (any float dtype, any device, any strides).
         fp64: accumulate in float64 instead of float32.
+        out: ``(vec, grams)`` of this layout, dtype and device (checked by ``dispatch.evaluate``), zeroed and
+            accumulated into after the checks below (nothing new allocated for the outputs).
 
     Returns:
         ``(vec, grams)``: ``vec`` of shape ``(plan.vec_size,)`` and a dict ``{D: (slots, D, D)}``, in the
-        accumulation dtype, on the device of the tensors.
+        accumulation dtype, on the device of the tensors (``out``'s tensors when given).
 
     Raises:
         ValueError: a view outside its tensor, a tensor index past the list, an unreserved Gram slot or
             vec entry.
     """
-    return _run(plan, list(tensors), None, fp64)
+    return _run(plan, list(tensors), None, fp64, out=out)
 
 
 def bilinear_reference(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], *, fp64: bool = False):

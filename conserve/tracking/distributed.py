@@ -677,7 +677,7 @@ class DistributedTracker(Tracker):
         x = self._all_reduce(torch.stack([self._all.take(self._masked(v)) for v in srcs]).to(self._pack_dtype))
         full = [self._split.put(self._all.put(self._zeros(), x[i]), s)
                 for i, s in enumerate([self._h_split] + [self._cum_split[k] for k in cum])]
-        self.h = full[0]
+        self.h, self._h_own = full[0], None  # (a view of the gathered values: not written into)
         if cum:
             self.cumulative = dict(zip(cum, full[1:]))
 
