@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import conserve
+from conserve.tracking.sinks import MemorySink
 from conserve.report import NOT_KEPT, summarize, write_summary
 from conserve.tracker import CUMULATIVE, CumulativeNotKept, Tracker
 
@@ -122,16 +123,9 @@ def test_exact_totals_are_the_same_with_and_without_and_sums_of_norms_bound_the_
                 assert ta[f][k] == v or (v != v and ta[f][k] != ta[f][k]), (f, k)
     m = _model()
     opt = _track(m, cumulative=True, **EXACT)
-    got = []
-
-    class Keep:
-        def write(self, step, rec):
-            got.append(rec)
-
-        def close(self):
-            pass
-
-    opt.tracker.sinks.append(Keep())
+    sink = MemorySink()
+    got = sink.records
+    opt.tracker.sinks.append(sink)
     _train(m, opt, 7)
     tot = opt.tracker.totals()  # one row still pending: counted too
     assert len(got) == 6 and len(opt.tracker._rows) == 1
@@ -215,16 +209,9 @@ def test_report_with_and_without(tmp_path):
     for keep in (True, False):
         m = _model()
         opt = _track(m, cumulative=keep)
-        got = []
-
-        class Keep:
-            def write(self, step, rec):
-                got.append(rec)
-
-            def close(self):
-                pass
-
-        opt.tracker.sinks.append(Keep())
+        sink = MemorySink()
+        got = sink.records
+        opt.tracker.sinks.append(sink)
         _train(m, opt, 6)
         opt.close()
         tot = opt.tracker.totals()
