@@ -47,7 +47,7 @@ TERMS = ("measured", "decay", "first", "second", "residual")
 CUMULATIVE = TERMS[:4]  # the terms ``cumulative`` sums
 NONFINITE_POLICIES = ("raise", "warn", "skip")
 DRIFT_EVERY = 4  # default drift cadence (see Tracker)
-SNAPSHOT_BUDGET = 0.05  # default bytes copied before a drift step, as a fraction of the tracked bytes
+SNAPSHOT_BUDGET = 0.04  # default bytes copied before a drift step, as a fraction of the tracked bytes
 
 
 EAGER_REASON = ("conserve's tracking and fused optimizer steps run eagerly, outside torch.compile graphs: compile the "
@@ -67,6 +67,34 @@ def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
     return kernels.Plan([replace(t, sign=abs(t.sign)) for t in plan.grams],
                         [replace(t, sign=abs(t.sign)) for t in plan.norms],
                         [replace(t, sign=abs(t.sign)) for t in plan.sums], plan.vec_size, dict(plan.gram_slots))
+
+
+_MAX_RUNS = 16  # a tracker holds its vec entries' instances as stretches up to this many (``_index_runs``)
+
+
+def _index_runs(idx: np.ndarray, device) -> tuple[list | None, torch.Tensor | None]:
+    """``idx`` (an index array) as at most ``_MAX_RUNS`` stretches ``(start, length, first, each)``: entries
+    ``start..start+length`` index ``first, first+1, ...`` (``each``) or all ``first``; with the zero index the
+    longest stretch of one needs.  ``(None, None)`` when it takes more stretches, or a stretch of one is
+    longer than an eighth of ``idx`` (an index is then cheaper)."""
+    runs, k, n = [], 0, len(idx)
+    while k < n:
+        j = k + 1
+        if j < n and idx[j] == idx[k] + 1:
+            while j < n and idx[j] == idx[j - 1] + 1:
+                j += 1
+            runs.append((k, j - k, int(idx[k]), True))
+        else:
+            while j < n and idx[j] == idx[k]:
+                j += 1
+            runs.append((k, j - k, int(idx[k]), j - k == 1))
+        if len(runs) > _MAX_RUNS:
+            return None, None
+        k = j
+    longest = max([r[1] for r in runs if not r[3]], default=0)
+    if longest > max(1, n // 8):
+        return None, None
+    return runs, torch.zeros(longest, dtype=torch.int32, device=device)
 
 
 class Values:
@@ -169,7 +197,7 @@ class Tracker:
             budget each law is decomposed once every ``drift_every * len(sampler.groups)`` steps; use
             ``drift_every=1`` (and ``snapshot_budget=None``) for every law on every step.
         snapshot_budget: bytes copied right before a drift step, as a fraction of the tracked bytes
-            (default 0.05; ``None``: every law on every drift step, whole tensors copied, 1x the
+            (default 0.04, ``SNAPSHOT_BUDGET``; ``None``: every law on every drift step, whole tensors copied, 1x the
             tracked bytes while the step runs).  With a budget, a drift step decomposes one group of
             laws (round robin, ``conserve.tracking.drift.Sampler``): its ``drift/<family>/*`` columns are
             norms over the family's decomposed entries only (NaN for a family with none that step), and
@@ -316,6 +344,7 @@ class Tracker:
         self.h = self.h0.clone()
         self._h_own = self.h  # h's buffers are the tracker's own: later evaluations write into them (_eval_into_h)
         h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
+        del mag  # (the magnitudes' law values: only their instance norms are kept)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
         # the mean over each family's instances of |h_0| / magnitude (``totals()["balance"]``): per family, held
@@ -384,12 +413,18 @@ class Tracker:
         # per output entry (vec entries, then each D's Gram slots: the ``flat`` layout of record_step),
         # its instance and family, int32 (index_add_ takes them); the per-layout indices are views
         self._gram_ds = list(c.plan.gram_slots)
-        self._inst_all = torch.cat([vec_inst] + [gram_inst[d] for d in self._gram_ds]).to(dev, torch.int32)
+        inst_all = torch.cat([vec_inst] + [gram_inst[d] for d in self._gram_ds]).to(dev, torch.int32)
+        self._n_flat = inst_all.numel()
         fam_all = torch.cat([vec_fam] + [gram_fam[d] for d in self._gram_ds]).to(dev, torch.int32)
         offs = np.cumsum([c.plan.vec_size] + [c.plan.gram_slots[d] for d in self._gram_ds]).tolist()
         self._flat_at = dict(zip(self._gram_ds, offs[:-1]))  # D -> first flat index of its slots
-        self._vec_inst = self._inst_all[: c.plan.vec_size]
-        self._gram_inst = {d: self._inst_all[o: o + c.plan.gram_slots[d]] for d, o in self._flat_at.items()}
+        # the vec entries' instances: as a few stretches (``_vec_runs``) when they form at most ``_MAX_RUNS``
+        # (``conserve run``'s model: 688 entries, 11 stretches; no 4 bytes per entry held), else the int32 index
+        self._vec_runs, self._zero_idx = _index_runs(vec_inst.numpy(), dev)
+        self._vec_inst_held = None if self._vec_runs is not None else inst_all[: c.plan.vec_size]
+        gram_part = inst_all[c.plan.vec_size:].clone()  # one int32 per Gram slot (few)
+        self._gram_inst = {d: gram_part[o - c.plan.vec_size: o - c.plan.vec_size + c.plan.gram_slots[d]]
+                           for d, o in self._flat_at.items()}
         spans, at = [], fam_all.numel()  # the scratch layout of record_step: [vec | slot sums | Grams]
         for d in self._gram_ds:
             n = c.plan.gram_slots[d]
@@ -411,10 +446,39 @@ class Tracker:
         # the family of each (family, layer) group (an instance's is expanded from the runs when needed, an
         # entry's gathered from that, unless an entry belongs to no law)
         self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
-        self._fam_all_held = None if torch.equal(self._inst_fam[self._inst_all], fam_all) else fam_all
+        self._fam_all_held = None if torch.equal(self._inst_fam[inst_all], fam_all) else fam_all
+        del inst_all
         self.metric_names = ([f"eps/{f}" for f in fams]
                              + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
                              + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
+
+    @property
+    def _vec_inst(self) -> torch.Tensor:
+        """(vec entries,) int32: the instance of each vec entry (formed from ``_vec_runs`` when held as runs)."""
+        if self._vec_inst_held is not None:
+            return self._vec_inst_held
+        out = torch.empty(self.compiled.plan.vec_size, dtype=torch.int32, device=self.device)
+        for a, n, i0, each in self._vec_runs:
+            out[a: a + n] = torch.arange(i0, i0 + n, dtype=torch.int32, device=self.device) if each else i0
+        return out
+
+    @property
+    def _inst_all(self) -> torch.Tensor:
+        """(entries,) int32: the instance of each output entry, flat layout (vec, then each D's slots)."""
+        return torch.cat([self._vec_inst] + [self._gram_inst[d] for d in self._gram_ds])
+
+    def _vec_add(self, out: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``out.index_add_(0, _vec_inst, v)`` (the same bits: each instance gets its entries' additions in
+        entry order), over the stretches when held as runs: a slice addition per stretch of consecutive
+        instances, one ``index_add_`` into its instance per stretch of one."""
+        if self._vec_runs is None:
+            return out.index_add_(0, self._vec_inst_held, v)
+        for a, n, i0, each in self._vec_runs:
+            if each:
+                out[i0: i0 + n].add_(v[a: a + n])
+            else:
+                out[i0: i0 + 1].index_add_(0, self._zero_idx[:n], v[a: a + n])
+        return out
 
     @property
     def _inst_group(self) -> torch.Tensor:
@@ -451,8 +515,8 @@ class Tracker:
             d = self._inst_norm(self.h0)
         else:
             h0 = self.h0
-            d = torch.zeros(self._n_inst, dtype=h0.vec.dtype, device=self.device).index_add_(
-                0, self._vec_inst, torch.mul(h0.vec, h0.vec, out=sv))
+            d = self._vec_add(torch.zeros(self._n_inst, dtype=h0.vec.dtype, device=self.device),
+                              torch.mul(h0.vec, h0.vec, out=sv))
             for k, g in h0.grams.items():
                 d.index_add_(0, self._gram_inst[k], torch.mul(g, g, out=sg[k]).sum((1, 2)))
             d.sqrt_()
@@ -488,13 +552,15 @@ class Tracker:
         return {d: fam[o: o + self.compiled.plan.gram_slots[d]] for d, o in self._flat_at.items()}
 
     def _sq_bins(self, v: Values, vec_ids, gram_ids, n) -> torch.Tensor:
-        out = torch.zeros(n, dtype=v.vec.dtype, device=self.device).index_add_(0, vec_ids, v.vec.square())
+        """(n,) the sums of squares of ``v``'s entries per bin; ``vec_ids`` None: the instances (``_vec_add``)."""
+        out = torch.zeros(n, dtype=v.vec.dtype, device=self.device)
+        out = self._vec_add(out, v.vec.square()) if vec_ids is None else out.index_add_(0, vec_ids, v.vec.square())
         for d, g in v.grams.items():
             out.index_add_(0, gram_ids[d], g.square().sum((1, 2)))
         return out
 
     def _inst_norm(self, v: Values) -> torch.Tensor:
-        return self._sq_bins(v, self._vec_inst, self._gram_inst, self._n_inst).sqrt()
+        return self._sq_bins(v, None, self._gram_inst, self._n_inst).sqrt()
 
     def _fam_norm(self, v: Values) -> torch.Tensor:
         return self._sq_bins(v, self._vec_fam, self._gram_fam, len(self.families)).sqrt()
@@ -766,7 +832,7 @@ class Tracker:
         """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
         returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
         (``at``: of its ``families``)."""
-        flat_at, n_flat = (self._flat_at, self._inst_all.numel()) if at is None else (at.flat_at, at.size)
+        flat_at, n_flat = (self._flat_at, self._n_flat) if at is None else (at.flat_at, at.size)
         vec.mul_(vec)  # x * x: the bits of square()
         for d in self._gram_ds:
             g, o = grams[d], flat_at[d]
@@ -808,7 +874,7 @@ class Tracker:
             sv = torch.empty(h1.vec.shape, dtype=dt, device=dev)
             sg = {d: torch.empty(g.shape, dtype=dt, device=dev) for d, g in h1.grams.items()}
             dv, g = torch.sub(h1.vec, self.h0.vec, out=sv), None
-            rel = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._vec_inst, dv.mul_(dv))
+            rel = self._vec_add(torch.zeros(self._n_inst, dtype=dt, device=dev), dv.mul_(dv))
             for d, g in h1.grams.items():  # x * x: the bits of square()
                 g = torch.sub(g, self.h0.grams[d], out=sg[d])
                 rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))

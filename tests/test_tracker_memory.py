@@ -613,3 +613,27 @@ def test_eps_denominators_formed_from_h0_hold_only_the_guarded_ones():
     assert torch.equal(tr.denom, other) and tr._guard_at.numel() == len(other[::3])
     assert tr.totals()  # (guarded read from the held ones)
     tr.close()
+
+
+def test_vec_instances_held_as_stretches_add_with_the_bits_of_index_add():
+    """The default model's vec entries map to their instances in a few stretches (no per-entry index held);
+    ``_vec_add`` gives the bits of ``index_add_`` over the materialised index, and an index of many
+    stretches (or a long stretch of one instance) stays an index."""
+    from conserve.tracker import _MAX_RUNS, _index_runs
+    from bench.track_overhead import run_model
+
+    torch.manual_seed(0)
+    tr = conserve.track(torch.optim.SGD((m := run_model("tiny")).parameters(), lr=0.1), m).tracker
+    assert tr._vec_runs is not None and tr._vec_inst_held is None and len(tr._vec_runs) <= _MAX_RUNS
+    idx = tr._vec_inst
+    for dt in (torch.float32, torch.float64):
+        v = torch.randn(idx.numel(), dtype=dt)
+        want = torch.zeros(tr._n_inst, dtype=dt).index_add_(0, idx, v)
+        assert torch.equal(tr._vec_add(torch.zeros(tr._n_inst, dtype=dt), v), want)
+    assert _index_runs(np.random.default_rng(0).integers(0, 50, 200), "cpu") == (None, None)
+    assert _index_runs(np.zeros(100, dtype=np.int64), "cpu") == (None, None)  # one instance over all: an index
+    runs, zero = _index_runs(np.array([0, 1, 2, 3, 3, 3, 4, 5, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9,
+                                       9, 9, 10, 11]), "cpu")
+    assert runs is None or all(r[1] >= 1 for r in runs)
+    runs, zero = _index_runs(np.array([0, 1, 2, 5, 5, 6, 7] * 1 + list(range(8, 40))), "cpu")
+    assert runs == [(0, 3, 0, True), (3, 2, 5, False), (5, 34, 6, True)] and zero.numel() == 2

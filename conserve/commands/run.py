@@ -87,7 +87,7 @@ def add_arguments(p) -> None:
     o.add_argument("--drift-every", type=int, default=None, metavar="N",
                    help="decompose the drift on every N-th step (default: conserve.track's, 4; 1 = every step)")
     o.add_argument("--snapshot-budget", type=_budget, default=None, metavar="FRACTION",
-                   help="bytes copied before a drift step, as a fraction of the tracked bytes (default 0.05: "
+                   help="bytes copied before a drift step, as a fraction of the tracked bytes (default 0.04: "
                         "one group of laws per drift step, round robin); 'none': every law on every drift step")
     o.add_argument("--cumulative", action="store_true",
                    help="keep the per-entry cumulative drift sums, for the summary's total and prediction columns "
