@@ -394,16 +394,16 @@ class Tracker:
         fams = sorted({l.family for l in c.laws})
         groups = sorted({(l.family, -1 if l.layer is None else l.layer) for l in c.laws})
         self.families, self.groups = fams, groups
-        vec_inst = torch.zeros(c.plan.vec_size, dtype=torch.long)
-        vec_fam = torch.zeros(c.plan.vec_size, dtype=torch.long)
-        gram_inst = {d: torch.zeros(n, dtype=torch.long) for d, n in c.plan.gram_slots.items()}
-        gram_fam = {d: torch.zeros(n, dtype=torch.long) for d, n in c.plan.gram_slots.items()}
+        vec_inst = torch.zeros(c.plan.vec_size, dtype=torch.long, device="cpu")  # host-built (even under torch.device('meta'))
+        vec_fam = torch.zeros(c.plan.vec_size, dtype=torch.long, device="cpu")
+        gram_inst = {d: torch.zeros(n, dtype=torch.long, device="cpu") for d, n in c.plan.gram_slots.items()}
+        gram_fam = {d: torch.zeros(n, dtype=torch.long, device="cpu") for d, n in c.plan.gram_slots.items()}
         inst_fam, inst_group = [], []
         for law, (kind, a, b) in zip(c.laws, c.where):
             f, g = fams.index(law.family), groups.index((law.family, -1 if law.layer is None else law.layer))
             if kind == "vec":
                 n = b if law.per == "entry" else 1
-                ids = torch.arange(len(inst_fam), len(inst_fam) + n)
+                ids = torch.arange(len(inst_fam), len(inst_fam) + n, device="cpu")
                 vec_inst[a: a + b] = ids if law.per == "entry" else ids[0]
                 vec_fam[a: a + b] = f
             else:
