@@ -311,6 +311,11 @@ class Tracker:
         if not kept:
             raise ValueError("no law to track: the model has no detected law on trainable parameters "
                              f"(declined: {[d.reason for d in self.declined][:3]})")
+        meta = sorted({p for law in kept for p in law.params if p in named and named[p].is_meta})
+        if meta:
+            raise ValueError(f"cannot track {meta[0]}" + (f" (and {len(meta) - 1} more)" if len(meta) > 1 else "")
+                             + ": it is on the meta device (shapes, no values); materialise the model first "
+                             "(model.to_empty(device=...) then load or initialise its weights), then build the tracker")
         self.compiled: Compiled = compile_laws(kept, {k: tuple(v.shape) for k, v in named.items()})
         self.laws = kept
         self.params = [named[n] for n in self.compiled.names]
@@ -357,7 +362,7 @@ class Tracker:
                                               if self.keep_cumulative else CumulativeNotKept())
         # per term (CUMULATIVE) and family, the sum over the booked drift steps of the step's family norm: on
         # the host, summed from the rows at each flush (``totals()["sum_step_<term>"]``); no per-step cost
-        self._step_sums = torch.zeros(len(CUMULATIVE), len(self.families), dtype=torch.float64)
+        self._step_sums = torch.zeros(len(CUMULATIVE), len(self.families), dtype=torch.float64, device="cpu")
         self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
         self._versions = self._tensor_versions()  # the weights h_0 was evaluated on (``check_outside``)
         _LIVE.add(self)
@@ -431,17 +436,18 @@ class Tracker:
             spans.append((d, at, at + n * d * d, (n, d, d)))
             at += n * d * d
         self._layout = (at, c.plan.vec_size, spans)
-        inst_fam, inst_group = torch.tensor(inst_fam, dtype=torch.long), torch.tensor(inst_group, dtype=torch.long)
+        inst_fam, inst_group = (torch.tensor(inst_fam, dtype=torch.long, device="cpu"),
+                                torch.tensor(inst_group, dtype=torch.long, device="cpu"))
         self._n_inst = len(inst_fam)
         self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
         self._group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
         # the (family, layer) group of each instance, held as runs: the instances of a group lie side by side
         # in law order (``conserve run``'s model: 634 instances, 15 groups, 21 runs), so the per-step group
         # sums are one segment sum per run (``_group_sum``) and no 4 bytes per instance are held
-        new_run = torch.ones(len(inst_group), dtype=torch.bool)
+        new_run = torch.ones(len(inst_group), dtype=torch.bool, device="cpu")
         new_run[1:] = inst_group[1:] != inst_group[:-1]
         starts = torch.nonzero(new_run).flatten()
-        self._run_len = torch.diff(starts, append=torch.tensor([len(inst_group)])).to(dev, torch.int32)
+        self._run_len = torch.diff(starts, append=torch.tensor([len(inst_group)], device="cpu")).to(dev, torch.int32)
         self._run_group = inst_group[starts].to(dev, torch.int32)
         # the family of each (family, layer) group (an instance's is expanded from the runs when needed, an
         # entry's gathered from that, unless an entry belongs to no law)
@@ -1045,7 +1051,7 @@ class Tracker:
         if rows is None:
             rows = torch.stack(self._rows) if self._rows else None
         if rows is None or not self.drift or rows.shape[0] == 0:
-            return torch.zeros(len(CUMULATIVE), nf, dtype=torch.float64)
+            return torch.zeros(len(CUMULATIVE), nf, dtype=torch.float64, device="cpu")
         at = nf + len(self.groups)  # the drift columns: drift/<family>/<term>, term-major (TERMS order)
         cols = rows[:, at: at + len(CUMULATIVE) * nf].to(torch.float64)
         return cols.nansum(0).view(len(CUMULATIVE), nf).cpu()
@@ -1074,7 +1080,7 @@ class Tracker:
         for m in self.monitors:  # one device->host copy per monitor, not one per key
             got = m.metrics()
             if got:
-                vals = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()).to(self.device)
+                vals = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device).reshape(())
                                     for v in got.values()]).cpu().tolist()
                 mon.update(zip(got.keys(), vals))
         if self._dropped_rows:  # rows a failing sink never got (``max_unwritten``), as of this flush

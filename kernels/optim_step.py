@@ -459,7 +459,7 @@ class Fold:
         order = torch.sort(line, stable=True).indices
         entry, line, sign = entry[order].long(), line[order], sign[order]
         P = entry.numel()
-        ident = P == n_lines and bool(torch.equal(line, torch.arange(n_lines, dtype=line.dtype)))
+        ident = P == n_lines and bool(torch.equal(line, torch.arange(n_lines, dtype=line.dtype, device=line.device)))
         starts = [0] + ((sign[1:] != sign[:-1]).nonzero().flatten() + 1).tolist() if P else []
         per_pair = len(starts) > _MAX_SEGMENTS
         if per_pair:
@@ -763,9 +763,9 @@ def _layout(shapes, reqs: Sequence[StatsRequest], fresh: Sequence[bool], device,
                 n_part += B * nrb * C
         table[t, ST.R:ST.FRESH + 1] = [R, C, B * R, nrb, *cols, int(bool(fresh[t])) if fresh else 0]
     ph = np.asarray(progs, dtype=np.int64).reshape(-1, STEP_PROG.COLS)
-    fn = torch.as_tensor(np.asarray(fin, dtype=np.int64).reshape(-1, STEP_FINISH.COLS)).to(device) if fin else None
+    fn = torch.as_tensor(np.asarray(fin, dtype=np.int64).reshape(-1, STEP_FINISH.COLS), device="cpu").to(device) if fin else None
     max_F = max([f[STEP_FINISH.F] for f in fin] + [1])
-    return _Layout(torch.as_tensor(ph).to(device), ph, table, fn, n_part, max_F, RB, BR, CB,
+    return _Layout(torch.as_tensor(ph, device="cpu").to(device), ph, table, fn, n_part, max_F, RB, BR, CB,
                    cols=any(r.col_q >= 0 or r.col_l >= 0 for r in reqs),
                    lin=any(r.row_l >= 0 or r.col_l >= 0 for r in reqs))
 
@@ -783,7 +783,7 @@ def _launches(lay: _Layout, table: np.ndarray, base: torch.Tensor, vec: int):
     if bad not in lay.subsets:
         sel = np.isin(lay.progs_host[:, STEP_PROG.TENSOR], list(bad))
         dev = lay.progs.device
-        lay.subsets[bad] = [(torch.as_tensor(lay.progs_host[k]).to(dev), al)
+        lay.subsets[bad] = [(torch.as_tensor(lay.progs_host[k], device="cpu").to(dev), al)
                             for k, al in ((~sel, vec), (sel, 1)) if k.any()]
     return lay.subsets[bad]
 

@@ -90,7 +90,7 @@ class Prepared:
 
     # ---- device tables -------------------------------------------------------------------------
     def _dev(self, a, dtype=torch.int64):
-        t = torch.as_tensor(np.asarray(a), dtype=dtype)
+        t = torch.as_tensor(np.asarray(a), dtype=dtype, device="cpu")  # host-built, whatever the default device
         if self.device.type == "cuda" and t.numel():  # staged through pinned memory: no host wait (a pageable copy
             # synchronises its stream, and a side stream still waiting on its fork event with it)
             return t.pin_memory().to(self.device, non_blocking=True)

@@ -99,6 +99,74 @@ def test_garbage_collected_tracker_is_flushed(tmp_path):
     assert [r["step"] for r in sink.records] == [1, 2, 3, 4]
 
 
+def test_garbage_collected_inside_a_meta_device_block_is_flushed():
+    # the collection can run anywhere, e.g. while the next model is built on the meta device: the flush
+    # (its monitors' values included) must not make its tensors on the ambient default device
+    from conserve.tracking.breakers import BrokenMonitor
+
+    sink = conserve.MemorySink()
+
+    def train():
+        m = _model()
+        opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=50, sinks=[sink])
+        opt.tracker.monitors.append(BrokenMonitor(opt.tracker))
+        for i in range(3):
+            _step(m, opt, i)
+        return opt.tracker
+
+    t = train()
+    with torch.device("meta"):
+        t._close_at_exit()  # what the garbage collector's __del__ runs
+    assert [r["step"] for r in sink.records] == [1, 2, 3]
+    assert all(math.isfinite(v) for k, v in sink.records[-1].items() if k.startswith("broken/"))
+    assert any(k.startswith("broken/") for k in sink.records[-1])
+
+
+@pytest.mark.parametrize("kind", ["track", "fused"])
+def test_a_default_device_other_than_the_weights_changes_nothing(kind):
+    # every tensor conserve builds on the host says so (device="cpu"): under a default-device context
+    # (torch.set_default_device("cuda"), or here the meta device, which fails at the first host read) the
+    # tracker builds, steps, drifts and flushes exactly as without it
+    from conserve.models import DecoderLM, LMConfig
+    from conserve.optim import FusedAdamW
+
+    cfg = LMConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=64)
+
+    def run(ctx):
+        torch.manual_seed(0)
+        m, sink = DecoderLM(cfg), conserve.MemorySink()
+        x = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+        with ctx:
+            kw = dict(every=3, sinks=[sink], drift_every=2)
+            opt = (conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-3), m, **kw) if kind == "track"
+                   else FusedAdamW(m.parameters(), lr=1e-3, track=m, **kw))
+            for _ in range(7):
+                opt.zero_grad()
+                F.cross_entropy(m(x[:, :-1]).reshape(-1, 50), x[:, 1:].reshape(-1)).backward()
+                opt.step()
+            opt.close()
+        return sink.records
+
+    import contextlib
+    ref, got = run(contextlib.nullcontext()), run(torch.device("meta"))
+    assert len(ref) == 7 and any(k.startswith("drift/") for k in ref[-1])
+    assert [r.keys() for r in got] == [r.keys() for r in ref]
+    for r, q in zip(ref, got):
+        assert all(r[k] == q[k] or (r[k] != r[k] and q[k] != q[k]) for k in r)  # NaN: not decomposed
+
+
+def test_meta_device_model_is_refused_naming_the_fix():
+    from conserve.optim import FusedAdamW
+
+    with torch.device("meta"):
+        m = _model()
+    with pytest.raises(ValueError, match=r"meta device .*\(model\.to_empty\(device=\.\.\.\)"):
+        conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    with pytest.raises(ValueError, match="meta device"):
+        FusedAdamW(m.parameters(), track=m)
+
+
 def _poison(m):
     with torch.no_grad():
         m.layers[0].weight[0, 0] = float("nan")

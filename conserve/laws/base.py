@@ -165,7 +165,7 @@ def compile_laws(laws: Iterable[Law], shapes: Mapping[str, Sequence[int]]) -> Co
                 plan.sums.append(SumTerm(v, t.sign, first + t.offset))
             else:  # pragma: no cover - programming error
                 raise ValueError(t.kind)
-    mask = torch.zeros(plan.vec_size, dtype=torch.bool)
+    mask = torch.zeros(plan.vec_size, dtype=torch.bool, device="cpu")
     for first, size, lin in linear:
         mask[first : first + size] = lin
     return Compiled(laws, names, plan, where, mask)

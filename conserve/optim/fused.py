@@ -343,7 +343,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 group.setdefault(k, v)
         for s in self.state.values():
             if "step" in s and not torch.is_tensor(s["step"]):
-                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
+                s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32, device="cpu")
 
     # ---- state dict -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -843,7 +843,7 @@ class FusedAdam(_FusedOptimizer):
         for p in params:
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             grads.append(p.grad)

@@ -110,7 +110,7 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
         eta = opt.state.get(param, {}).get("eta") if param is not None else None
         rate = (group.get("lambd", 0.0) or 0.0) + wd
         if eta is None:  # before its first step: the state ASGD will make from lr (a float32 scalar by default)
-            eta = torch.tensor(_num(lr), dtype=_get_scalar_dtype())
+            eta = torch.tensor(_num(lr), dtype=_get_scalar_dtype(), device="cpu")
         eta = eta.double() if torch.is_tensor(eta) else eta  # torch reads the float32 state as a double
         return 1.0 - eta * rate if rate else 1.0
     from ..optim.fused import FusedAdam, FusedSGD

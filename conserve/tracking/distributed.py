@@ -205,7 +205,7 @@ class DistributedTracker(Tracker):
         vo, go = sched.vec_owner.to(dev), {d: o.to(dev) for d, o in sched.gram_owner.items()}
         self._own = (vo == self.rank, {d: (o == self.rank)[:, None, None] for d, o in go.items()})
         self._split = _Entries(torch.nonzero(vo < 0).flatten(), {d: torch.nonzero(o < 0).flatten() for d, o in go.items()}, dev)
-        self._all = _Entries(torch.arange(self.compiled.plan.vec_size), {d: torch.arange(n) for d, n in
+        self._all = _Entries(torch.arange(self.compiled.plan.vec_size, device="cpu"), {d: torch.arange(n, device="cpu") for d, n in
                                                                         self.compiled.plan.gram_slots.items()}, dev)
         # per split scalar: its instance, family and weight in a sum of squares over the full D x D matrix
         grams = self.compiled.plan.gram_slots

@@ -179,12 +179,12 @@ class _Entries:
 
 def _touched(p: kernels.Plan):
     """Vector entries and Gram slots (by D) that the terms of ``p`` add to."""
-    vec = [t.index + torch.arange(t.view.rows) * t.index_stride for t in p.norms]
-    vec += [t.index + torch.arange(t.view.cols) for t in p.sums]
+    vec = [t.index + torch.arange(t.view.rows, device="cpu") * t.index_stride for t in p.norms]
+    vec += [t.index + torch.arange(t.view.cols, device="cpu") for t in p.sums]
     slots: dict[int, list[int]] = {}
     for t in p.grams:
         slots.setdefault(t.view.rows, []).append(t.slot)
-    return (torch.cat(vec) if vec else torch.zeros(0, dtype=torch.long)), slots
+    return (torch.cat(vec) if vec else torch.zeros(0, dtype=torch.long, device="cpu")), slots
 
 
 def _entry_owners(compiled: Compiled, plans, straddles):
@@ -199,15 +199,16 @@ def _entry_owners(compiled: Compiled, plans, straddles):
         multi |= hit & (first >= 0) & (first != r)
         first[hit & (first < 0)] = r
 
-    vf, vm = torch.full((plan.vec_size,), -1, dtype=torch.long), torch.zeros(plan.vec_size, dtype=torch.bool)
-    gf = {d: torch.full((n,), -1, dtype=torch.long) for d, n in plan.gram_slots.items()}
-    gm = {d: torch.zeros(n, dtype=torch.bool) for d, n in plan.gram_slots.items()}
+    vf = torch.full((plan.vec_size,), -1, dtype=torch.long, device="cpu")
+    vm = torch.zeros(plan.vec_size, dtype=torch.bool, device="cpu")
+    gf = {d: torch.full((n,), -1, dtype=torch.long, device="cpu") for d, n in plan.gram_slots.items()}
+    gm = {d: torch.zeros(n, dtype=torch.bool, device="cpu") for d, n in plan.gram_slots.items()}
     for r, p in enumerate(plans):
         vec, slots = _touched(p)
         if vec.numel():
             mark(vf, vm, vec, r)
         for d, s in slots.items():
-            mark(gf[d], gm[d], torch.tensor(s, dtype=torch.long), r)
+            mark(gf[d], gm[d], torch.tensor(s, dtype=torch.long, device="cpu"), r)
     for s in straddles:
         gm[s.term.view.rows][s.term.slot] = True
     vec_owner = torch.where(vm, -1, vf.clamp_min(0))
