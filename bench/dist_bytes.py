@@ -47,6 +47,7 @@ import time
 import torch
 
 from conserve.distributed import comm_schedule, shard_layouts
+from conserve.tracker import SNAPSHOT_BUDGET
 from conserve.tracking.drift import Sampler
 from conserve.tracking.shard_plan import sampler_shards
 from conserve.laws import compile_laws
@@ -94,7 +95,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=LLAMA3_70B["num_hidden_layers"])
     ap.add_argument("--max-pending", type=int, default=256 << 20, help="max_pending_bytes (both implementations)")
     ap.add_argument("--drift-every", type=int, default=1, help="drift terms on every N-th step (the new tracker)")
-    ap.add_argument("--budget", type=float, default=0.05, help="snapshot_budget of the drift columns")
+    ap.add_argument("--budget", type=float, default=SNAPSHOT_BUDGET, help="snapshot_budget of the drift columns "
+                    "(default: the library's)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     with torch.device("meta"):

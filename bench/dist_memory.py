@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conserve.tracker import SNAPSHOT_BUDGET
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -84,7 +86,7 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--budgets", type=lambda s: None if s == "none" else float(s), nargs="+", default=[0.05, None])
+    ap.add_argument("--budgets", type=lambda s: None if s == "none" else float(s), nargs="+", default=[SNAPSHOT_BUDGET, None])
     args = ap.parse_args(argv)
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
