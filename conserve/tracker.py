@@ -346,14 +346,16 @@ class Tracker:
         self._setup()
         with torch.no_grad():
             self.h0, mag = self._initial_values()
-        self.h = self.h0.clone()
-        self._h_own = self.h  # h's buffers are the tracker's own: later evaluations write into them (_eval_into_h)
-        h0n, magn = self._inst_norm(self.h0), self._inst_norm(mag)
+        magn = self._inst_norm(mag, in_place=True)  # (squared in place: no second law-sized buffer)
         del mag  # (the magnitudes' law values: only their instance norms are kept)
+        h0n = self._inst_norm(self.h0)
         self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
         self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
         # the mean over each family's instances of |h_0| / magnitude (``totals()["balance"]``): per family, held
         self.h0_balance = self._fam_mean(h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny))
+        del h0n, magn
+        self.h = self.h0.clone()  # (once the norms' temporaries are freed: h_0, h and one of them at most)
+        self._h_own = self.h  # h's buffers are the tracker's own: later evaluations write into them (_eval_into_h)
         # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
         # (only where kept: ``cumulative``)
         self.keep_cumulative = (bool(drift) and drift_every == 1 and snapshot_budget is None) if cumulative is None \
@@ -557,16 +559,18 @@ class Tracker:
         fam = self._fam_all
         return {d: fam[o: o + self.compiled.plan.gram_slots[d]] for d, o in self._flat_at.items()}
 
-    def _sq_bins(self, v: Values, vec_ids, gram_ids, n) -> torch.Tensor:
-        """(n,) the sums of squares of ``v``'s entries per bin; ``vec_ids`` None: the instances (``_vec_add``)."""
+    def _sq_bins(self, v: Values, vec_ids, gram_ids, n, in_place: bool = False) -> torch.Tensor:
+        """(n,) the sums of squares of ``v``'s entries per bin; ``vec_ids`` None: the instances (``_vec_add``);
+        ``in_place``: ``v``'s tensors are squared in place (the same bits; ``v`` is then spent)."""
+        sq = (lambda x: x.square_()) if in_place else (lambda x: x.square())  # noqa: E731
         out = torch.zeros(n, dtype=v.vec.dtype, device=self.device)
-        out = self._vec_add(out, v.vec.square()) if vec_ids is None else out.index_add_(0, vec_ids, v.vec.square())
+        out = self._vec_add(out, sq(v.vec)) if vec_ids is None else out.index_add_(0, vec_ids, sq(v.vec))
         for d, g in v.grams.items():
-            out.index_add_(0, gram_ids[d], g.square().sum((1, 2)))
+            out.index_add_(0, gram_ids[d], sq(g).sum((1, 2)))
         return out
 
-    def _inst_norm(self, v: Values) -> torch.Tensor:
-        return self._sq_bins(v, None, self._gram_inst, self._n_inst).sqrt()
+    def _inst_norm(self, v: Values, in_place: bool = False) -> torch.Tensor:
+        return self._sq_bins(v, None, self._gram_inst, self._n_inst, in_place).sqrt()
 
     def _fam_norm(self, v: Values) -> torch.Tensor:
         return self._sq_bins(v, self._vec_fam, self._gram_fam, len(self.families)).sqrt()

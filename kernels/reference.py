@@ -232,6 +232,7 @@ class _Structure:
     rows: list  # vector terms NOT in ``lines``, grouped into strided blocks
     vterms: list  # the vector terms, ids of ``_RowGroup.row_term``
     lines: _Lines | None = None
+    gram_stack: int = 0  # a Gram group with fewer output elements is stacked into one buffer (``_run``)
 
 
 def _clean(n, s):
@@ -321,7 +322,7 @@ def _build(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = Tr
                                 None if decay else torch.as_tensor(np.concatenate([np.full(e[5], e[8]) for e in ents]),
                                                                    dtype=acc, device=device),
                                 torch.as_tensor(shift, dtype=acc, device=device) if shift.any() and not decay else None))
-    return _Structure(grams, groups, vterms, lines)
+    return _Structure(grams, groups, vterms, lines, _gram_stack(plan, xs, acc))
 
 
 def _line(t, x, square: bool):
@@ -562,7 +563,8 @@ def _clip(out, k: int, a: int, c0: int, c1: int):
 
 
 _CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
-_GRAM_STACK = 1 << 14  # a Gram group with fewer output elements is stacked (one cat); larger, block by block
+_GRAM_STACK = 1 << 14  # a Gram group with fewer output elements (and within ``_temp_cap``) is stacked (one
+# buffer); larger, block by block (the same bits: ``index_add_`` adds the views in order either way)
 _TEMP_SHARE = 16  # ... and at most 1/_TEMP_SHARE of the bytes of the tensors the plan reads
 _TEMP_MIN = 1 << 10  # (but never fewer elements than this: a chunk costs ~5 us of dispatch)
 _SMALL = 1 << 14  # a strided "sq" above the cap and of at most this many elements: one vector_norm
@@ -574,6 +576,13 @@ def _temp_cap(plan: Plan, xs, acc) -> int:
     elements; at least ``_TEMP_MIN``), so no reduction's temporary is a large share of small weights."""
     nbytes = sum(xs[i].numel() * xs[i].element_size() for i in used_tensors(plan) if 0 <= i < len(xs) and xs[i] is not None)
     return int(min(_CHUNK, max(_TEMP_MIN, nbytes // (_TEMP_SHARE * acc.itemsize))))
+
+
+def _gram_stack(plan: Plan, xs, acc) -> int:
+    """Output elements below which a Gram group's products are stacked into one buffer (``_run``):
+    ``_GRAM_STACK``, and within ``_temp_cap`` (small weights with many heads: that buffer would be a
+    large share of them, e.g. 2x the law values of a Q/K pair)."""
+    return min(_GRAM_STACK, _temp_cap(plan, xs, acc))
 
 
 def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -834,7 +843,7 @@ def _run(plan: Plan, xs, ys, fp64: bool, gram_coef: Callable | None = None, row_
                                            for b in g.blocks):  # under autograd: no in-place writes
             grams[g.D].index_add_(0, g.slot, _grams(g.blocks, xs, ys, acc) * coef[:, None, None])
             continue
-        if len(g.slot) * g.D * g.D < _GRAM_STACK:  # one buffer of the group's Grams, scaled in place
+        if len(g.slot) * g.D * g.D < s.gram_stack:  # one buffer of the group's Grams, scaled in place
             grams[g.D].index_add_(0, g.slot, _grams(g.blocks, xs, ys, acc, stack=True).mul_(coef[:, None, None]))
             continue
         r = 0  # large Grams: block by block, scaled in place (the block's own output alive, no stacked copies)

@@ -237,13 +237,35 @@ def test_large_gram_groups_block_by_block_bit_equal_to_stacked(monkeypatch):
     ys = [torch.randn(t.shape, generator=g) for t in ts]
     out = {}
     for stack in (1 << 30, 0):
-        monkeypatch.setattr(R, "_GRAM_STACK", stack)
+        monkeypatch.setattr(R, "_gram_stack", lambda *args, stack=stack: stack)
         R.clear_cache()
         out[stack] = (evaluate_reference(plan, ts), bilinear_reference(plan, ts, ys),
                       R.decay_reference(plan, ts, [0.9] * len(ts)))
     R.clear_cache()
     for a, b in zip(out[0], out[1 << 30]):
         assert _bits(a, b)
+    monkeypatch.undo()  # the stacked buffer stays within the temporaries' cap (a share of the weights read)
+    assert R._gram_stack(plan, ts, torch.float32) == min(R._GRAM_STACK, R._temp_cap(plan, ts, torch.float32))
+
+
+def test_small_weights_with_many_heads_evaluate_their_grams_within_the_temporaries_cap():
+    """A ViT of 50k parameters (head_dim 16, hidden 64: its Q/K and V/O Grams are 8% of its weights):
+    the twin's evaluation creates its outputs and temporaries of at most ``1 / _TEMP_SHARE`` of the bytes
+    it reads, not one stacked buffer of every Q and K product (2x the Gram values, 16% of the weights)."""
+    from conserve.models import ViT, ViTConfig
+
+    torch.manual_seed(0)
+    tr = Tracker(ViT(ViTConfig()), drift=False)
+    plan, ts = tr.compiled.plan, tr.tensors
+    tracked = sum(t.numel() * t.element_size() for t in ts)
+    R.clear_cache()
+    with torch.no_grad():  # (as the tracker evaluates)
+        evaluate_reference(plan, ts)  # the structure built and cached outside the count
+        with LiveBytes() as mode:
+            vec, grams = evaluate_reference(plan, ts)
+    out = vec.numel() * 4 + sum(g.numel() * 4 for g in grams.values())
+    assert out > 0.08 * tracked  # many heads on small weights
+    assert mode.peak - out <= tracked / R._TEMP_SHARE, ((mode.peak - out) / tracked)
 
 
 def test_twin_evaluation_under_autograd_keeps_its_gradient():
@@ -510,8 +532,11 @@ def test_assembly_correct_from_the_held_table_bit_equal_to_per_entry_factors(fp6
     for layout, hh in ((asm, h), (sub, hs)):
         for _ in range(2):  # the second call reads the held table
             first, second = rnd(hh), rnd(hh)
-            got, want = layout.correct(hh, first, second, a), per_entry(layout, hh, first, second)
+            want = per_entry(layout, hh, first, second)
+            copies = [(v.clone(), {d: x.clone() for d, x in g.items()}) for v, g in (first, second)]
+            got = layout.correct(hh, *copies, a)
             assert _bits(got[0], want[0]) and _bits(got[1], want[1])
+            assert got[0][0] is copies[0][0] and got[1][0] is copies[1][0]  # in place
             assert not _bits(got[0], first)  # the factors are not fp32 numbers: a correction was made
         mixed |= bool(np.isnan(layout._factors(a)[0][0]).any())
     assert mixed and asm._ccache is not None and asm._ccache[1][0].shape == (4, asm._n_sets)

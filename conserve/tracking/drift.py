@@ -252,7 +252,8 @@ class Assembly:
 
     def correct(self, h_old, first, second, a: Sequence[float]):
         """``first``/``second`` (``(vec, {D: grams})``) computed with the fp32-rounded ``a`` (the kernels'
-        ``Delta_f``) turned into those of the true ``a`` (see ``terms``); unchanged where they agree.
+        ``Delta_f``) turned IN PLACE into those of the true ``a`` (see ``terms``; returned; unchanged where
+        they agree), with one temporary of each part's size (the bits of the out-of-place formula).
         The per-entry factors are the per-set ones (``_correction_table``, held per ``a``) expanded on
         the device: nothing law-sized is uploaded per step."""
         hv, hg = h_old
@@ -262,24 +263,30 @@ class Assembly:
 
         def fix(first, second, h, part, lin_mask):
             if not nonzero[runs.sets[part]].any():  # d = 0 at every entry of this part
-                return first, second
+                return
             shape = (-1,) + (1,) * (h.dim() - 1)
             # (4, entries): d, a / a_f, a, a_f per entry (1 where an entry's tensors have different a)
             sets, lengths = runs.on_device(part)
             e = torch.repeat_interleave(table[:, sets], lengths, dim=1, output_size=h.shape[0])
             dd, ratio, tt, rr = (x.view(shape) for x in e.unbind(0))
-            f_quad = ratio * (first - 2 * dd * rr * h)
-            s_quad = second - (dd / tt) * f_quad - dd * dd * h
-            if lin_mask is None:
-                return f_quad, s_quad
-            lm = lin_mask.view(shape)
-            return torch.where(lm, first - dd * h, f_quad), torch.where(lm, second, s_quad)
+            coef = 2 * dd * rr  # first = ratio (first - 2 d a_f h); linear entries: first - d h
+            if lin_mask is not None:
+                lm = lin_mask.view(shape)
+                coef, ratio = torch.where(lm, dd, coef), torch.where(lm, 1, ratio)
+            t = torch.mul(coef, h)
+            first.sub_(t).mul_(ratio)
+            del coef
+            # second -= (d / a) first + d^2 h (nothing at linear entries)
+            for k, x in ((dd / tt, first), (dd * dd, h)):
+                torch.mul(k, x, out=t)
+                if lin_mask is not None:
+                    t.masked_fill_(lm, 0)
+                second.sub_(t)
 
-        fv, sv = fix(first[0], second[0], hv, "vec", self._lin)
-        fg, sg = {}, {}
+        fix(first[0], second[0], hv, "vec", self._lin)
         for d in first[1]:
-            fg[d], sg[d] = fix(first[1][d], second[1][d], hg[d], d, None)
-        return (fv, fg), (sv, sg)
+            fix(first[1][d], second[1][d], hg[d], d, None)
+        return first, second
 
     def _correction_table(self, a: Sequence[float], dt):
         """Per tensor set, for ``correct``: ``(4, sets)`` tensor of ``d = a - a_f``, ``a / a_f``, ``a``,
@@ -352,11 +359,7 @@ class Assembly:
                 torch.mul(bg[d].to(dt), 2, out=fg[d])
                 sg[d].copy_(dg[d])
             del bv, bg, dv, dg
-        (cfv, cfg), (csv, csg) = self.correct(h_old, (fv, fg), (sv, sg), a)
-        for o, r in [(fv, cfv), (sv, csv)] + [(fg[d], cfg[d]) for d in hg] + [(sg[d], csg[d]) for d in hg]:
-            if r is not o:
-                o.copy_(r)
-        del cfv, cfg, csv, csg
+        self.correct(h_old, (fv, fg), (sv, sg), a)  # in place
         if sampled is not None:  # the corrections touch every entry: mask again
             sampled.restrict_((fv, fg), (sv, sg))
         if stats is not None and stats.decay is not None:  # the statistics' per-term decay (+ the pass's)
