@@ -23,8 +23,9 @@ Prints, with one intra-op thread and the library defaults everywhere:
    ids, the assembly's entry tables) are added.  The line also splits the total: held from the
    construction, created inside steps at the peak, numpy.
 
-Steps are timed in interleaved blocks (untracked, tracked, untracked, ...) and the medians compared,
-so a slow phase of the shared machine hits both sides.
+Steps are timed in interleaved blocks (untracked, tracked, untracked, ...); each ratio is the median
+over the blocks of tracked / untracked within a block (adjacent in time, so a slow phase of the shared
+machine hits both sides); the medians of the times are printed beside it.
 """
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ def vit50k():
     return ViT(ViTConfig())
 
 
-def interleaved(fns: dict, blocks: int, per_block: int) -> dict:
-    """Median ms per call of each function, timed in alternating blocks."""
+def interleaved(fns: dict, blocks: int, per_block: int, base: str) -> tuple[dict, dict]:
+    """Median ms per call of each function, timed in alternating blocks, and each function's median over
+    the blocks of its time / ``base``'s time in the same block (the two are adjacent in time, so a slow
+    phase of the shared machine hits both: steadier than the ratio of the medians)."""
     times = {k: [] for k in fns}
     for _ in range(blocks):
         for k, f in fns.items():
@@ -72,15 +75,17 @@ def interleaved(fns: dict, blocks: int, per_block: int) -> dict:
             for _ in range(per_block):
                 f()
             times[k].append((time.perf_counter() - t) / per_block * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    ratios = {k: statistics.median(a / b for a, b in zip(v, times[base])) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, ratios
 
 
 VARIANTS = {"tracked": {}, "drift_every=1": {"drift_every": 1}, "drift=False": {"drift": False}}
 
 
-def training_step_ratio(size: str, blocks: int, tmp: str) -> dict[str, float]:
+def training_step_ratio(size: str, blocks: int, tmp: str) -> tuple[dict, dict]:
     """Median ms per training step: untracked, tracked with the defaults, and the cadence trade-off
-    (``drift_every=1``, ``drift=False``), timed in the same interleaved run."""
+    (``drift_every=1``, ``drift=False``), timed in the same interleaved run; and the paired ratios to
+    the untracked step (``interleaved``)."""
     tokens, _ = load_tokens(None)
     fns = {}
     for name in ("untracked", *VARIANTS):
@@ -100,7 +105,7 @@ def training_step_ratio(size: str, blocks: int, tmp: str) -> dict[str, float]:
         for _ in range(10):
             step()
         fns[name] = step
-    return interleaved(fns, blocks, 10)
+    return interleaved(fns, blocks, 10, "untracked")
 
 
 def lm14m() -> DecoderLM:
@@ -126,8 +131,8 @@ def fused_ratio(blocks: int) -> tuple[int, float, float, float]:
         for _ in range(3):
             opt.step()
         fns[name] = opt.step
-    t = interleaved(fns, blocks, 5)
-    return n, t["torch"], t["fused"], t["fused"] / t["torch"]
+    t, r = interleaved(fns, blocks, 5, "torch")
+    return n, t["torch"], t["fused"], r["fused"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -263,20 +268,19 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     torch.set_num_threads(1)
-    blocks = 5 if args.quick else 11
+    blocks = 5 if args.quick else 15
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread; defaults: drift_every="
           f"{conserve.tracker.DRIFT_EVERY}, snapshot_budget={conserve.tracker.SNAPSHOT_BUDGET}")
     with tempfile.TemporaryDirectory() as tmp:
         for size, target in (("tiny", 1.10), ("base", 1.05)) if "step" in parts else ():
-            t = training_step_ratio(size, blocks, tmp)
-            u = t["untracked"]
-            print(f"conserve.track step / untracked, conserve run --size {size}: {t['tracked']:.2f} ms / {u:.2f} ms = "
-                  f"{t['tracked'] / u:.3f} (target <= {target}); trade-off: "
-                  + ", ".join(f"{k} {t[k] / u:.3f}" for k in VARIANTS if k != "tracked"))
+            t, r = training_step_ratio(size, blocks, tmp)
+            print(f"conserve.track step / untracked, conserve run --size {size}: {t['tracked']:.2f} ms / "
+                  f"{t['untracked']:.2f} ms (medians); paired ratio {r['tracked']:.3f} (target <= {target}); "
+                  "trade-off: " + ", ".join(f"{k} {r[k]:.3f}" for k in VARIANTS if k != "tracked"))
     if "fused" in parts:
         n, u, t, r = fused_ratio(blocks)
-        print(f"FusedAdamW tracked step / torch AdamW step, {n / 1e6:.1f}M parameters: {t:.1f} ms / {u:.1f} ms = {r:.2f} "
-              "(target <= 1.5)")
+        print(f"FusedAdamW tracked step / torch AdamW step, {n / 1e6:.1f}M parameters: {t:.1f} ms / {u:.1f} ms "
+              f"(medians); paired ratio {r:.2f} (target <= 1.5)")
     # the default model is tiny (62k parameters): its law values (a D x D Gram per kv group, one entry
     # per unit) are a large fraction of its weights; the ~14M model shows the ratio at a realistic shape
     # the 50k-parameter ViT (head_dim 16 = hidden / 4, 4 heads, biases): its Q/K and V/O Grams are 8% of its
