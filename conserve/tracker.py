@@ -778,11 +778,9 @@ class Tracker:
 
         ``pieces``: ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` over the entries of ``mask`` (a
         list is emptied once read), or None (no DRIFT pass this step); ``a``: decay factor per tracked
-        tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``; no
-        ``stats`` then, they are in the full layout); ``h_old``: then ``(vec, {D: grams})`` of ``h_k`` at those
+        tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``; ``stats``
+        then at those vec entries too: the fused optimizers' ``_compact_terms``); ``h_old``: then ``(vec, {D: grams})`` of ``h_k`` at those
         entries (default: taken from ``h``; copied into the scratch either way)."""
-        if compact and stats is not None:
-            raise ValueError("assemble: step statistics are in the full law layout; compact=True takes none")
         asm = self.assembly
         # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
         at = self._entries(mask) if compact else None

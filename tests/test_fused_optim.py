@@ -678,3 +678,52 @@ def test_drift_terms_at_the_exact_decay_factor_as_track(fused_cls, torch_cls, kw
         assert f.vec.abs().max() <= 1e-9 * last["fused"]["decay"].vec.abs().max()
         for d, g in f.grams.items():
             assert g.abs().max() <= 1e-9 * last["fused"]["decay"].grams[d].abs().max()
+
+
+@pytest.mark.parametrize("cls, kw", [(FusedAdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                     (FusedSGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2))])
+def test_compact_drift_steps_equal_the_full_layout_bit_for_bit(cls, kw):
+    """A 50k-parameter ViT (head_dim 16 = hidden / 4: its Gram entries are 10x its vec entries) takes its
+    budgeted drift steps in the compact layout of the step's entries (``_compact_pays``); the rows, the
+    cumulative totals and the last step's terms are those of the full-layout path, bit for bit, and a
+    drift step holds less.  ``conserve run``'s default model keeps the full layout (it would not pay)."""
+    import math
+    from bench.track_overhead import LiveBytes
+    from conserve.models import ViT, ViTConfig
+
+    def run(compact):
+        torch.manual_seed(0)
+        m = ViT(ViTConfig())
+        sink = conserve.MemorySink()
+        o = cls(m.parameters(), **kw, track=m, every=5, sinks=[sink], drift_every=2, cumulative=True, keep_last=True)
+        assert o._sampler.compact and len(o._sampler.groups) > 2  # (the decision, then forced for the reference)
+        o._sampler.compact = compact
+        g = torch.Generator().manual_seed(3)
+        peak = 0
+        for k in range(2 * 2 * len(o._sampler.groups)):  # every group decomposed twice
+            for p in m.parameters():
+                p.grad = torch.randn(p.shape, generator=g) * 1e-2
+            with LiveBytes() as mode:
+                o.step()
+            peak = max(peak, mode.peak)
+        out = (sink.records, o.tracker.last, o.tracker.totals())
+        o.close()
+        return out, peak
+
+    (rows, last, tot), peak = run(True)
+    (rows0, last0, tot0), peak0 = run(False)
+    same = lambda x, y: x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))  # noqa: E731
+    assert len(rows) == len(rows0) and all(r.keys() == q.keys() and all(same(r[k], q[k]) for k in r)
+                                           for r, q in zip(rows, rows0))
+    assert any(not math.isnan(r[k]) for r in rows for k in r if k.startswith("drift/qk/"))
+    for t in last0:
+        assert torch.equal(last[t].vec, last0[t].vec) and all(torch.equal(last[t].grams[d], g) for d, g in last0[t].grams.items())
+    for fam, v in tot0.items():
+        for k, x in v.items():
+            y = tot[fam][k]
+            assert (torch.equal(x, y) or bool(((x == y) | (x.isnan() & y.isnan())).all())) if torch.is_tensor(x) \
+                else str(x) == str(y), (fam, k)
+    assert peak < peak0 - 0.1 * sum(p.numel() * 4 for p in ViT(ViTConfig()).parameters())
+    m = DecoderLM(LMConfig(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64))
+    assert not cls(m.parameters(), **kw, track=m)._sampler.compact

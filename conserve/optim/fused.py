@@ -302,6 +302,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         rest = self._fp.rest if self._fp.rest is not None else Plan(vec_size=self.tracker.compiled.plan.vec_size,
                                                                       gram_slots=dict(self.tracker.compiled.plan.gram_slots))
         self._sampler = Sampler(rest, self.tracker.tensors, self.tracker.snapshot_budget, self.tracker.device)
+        self._sampler.compact = _compact_pays(self._sampler, rest)  # (``_compact_terms``)
+        self._compact_pos: dict = {}  # Mask.key -> the group's vec entries among the drift step's (``_compact_terms``)
 
     # ---- param groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -599,6 +601,25 @@ class _FusedOptimizer(torch.optim.Optimizer):
             return job.pieces
         return _pass(snap, news, self._sampler.factors(snap, a), tr, decay)
 
+    def _compact_terms(self, pieces, a, mask: Mask, group: Mask, vals: torch.Tensor):
+        """A drift step's terms in the compact layout of ``mask``'s entries (``Tracker._entries``: every
+        entry the statistics cover, and the group's Gram slots; no law-sized buffer over the other
+        groups' slots), from the group's compact DRIFT pieces (``group``: the snapshot's mask, whose
+        entries they hold) and the statistics taken at those entries."""
+        tr = self.tracker
+        at = tr._entries(mask)
+        pos = self._compact_pos.get(mask.key) if mask.key is not None else None
+        if pos is None:
+            mine, ours = np.flatnonzero(group.vec_np), np.flatnonzero(mask.vec_np)
+            same = len(mine) == len(ours)  # (then the same entries: the group's are among the step's)
+            pos = (None if same else torch.from_numpy(np.searchsorted(ours, mine)).to(tr.device),)
+            if mask.key is not None:
+                self._compact_pos[mask.key] = pos
+        n = at.layout[1]
+        pieces = [None] + [_expand(x, pos[0], n) for x in pieces[1:]]
+        take = lambda x: None if x is None else x[at.vec]  # noqa: E731
+        return tr.assemble(pieces, a, mask, compact=True, stats=StepStats(take(vals[1]), take(vals[2]), take(vals[3])))
+
     def _scratch(self, scratch, p: torch.Tensor):
         """Two flat buffers (old weights, Delta) of one block (``self._chunk`` elements at most)."""
         if scratch is None or scratch[0].dtype != p.dtype or scratch[0].device != p.device:
@@ -665,6 +686,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         mask = self._mask(snap)
         pieces = None  # no DRIFT pass: every term this step comes from the step statistics
+        compact = snap.mask if snap is not None and snap.compact else None  # the pieces hold its entries only
         if snap is not None:
             news = self._sampler.news(snap, tr.tensors)
             pieces = list(self._drift_pass(snap, news, a, mask))  # computed in step() under overlap=True
@@ -672,10 +694,38 @@ class _FusedOptimizer(torch.optim.Optimizer):
             del snap, news
         # the one assembly (Tracker.assemble -> Assembly.terms): the statistics' terms (rows 1, 2; their
         # per-term decay, row 3) join the pass's, at the exact a (the statistics use a rounded to fp32)
-        terms = tr.assemble(pieces, a, mask, stats=StepStats(vals[1], vals[2], vals[3]))
+        if pieces is not None and compact:
+            terms = self._compact_terms(pieces, a, mask, compact, vals)
+        else:
+            terms = tr.assemble(pieces, a, mask, stats=StepStats(vals[1], vals[2], vals[3]))
         h1 = h_new()
         del pieces, vals
         tr.record_step(h1, terms, mask)
+
+
+def _compact_pays(sampler: Sampler, plan: Plan) -> bool:
+    """Whether the partial groups' drift steps are cheaper in memory in the compact layout
+    (``_compact_terms``; same bits) than in the full one: it saves the 8 law-layout rows (3 DRIFT pieces,
+    5 scratch rows) over the Gram entries of the other groups, and adds about 6 vec-sized rows (the
+    pieces' and the statistics' vec parts at the step's entries) and, held per group, two int32 indices
+    of those entries.  Counted in entries; e.g. a ViT of 50k parameters (head_dim 16, hidden 64: 4096
+    Gram entries, 385 vec entries, 16 groups) pays, ``conserve run``'s model (768 / 433, 4 groups) does not."""
+    n, vec = len(sampler.groups), plan.vec_size
+    if n < 2:
+        return False
+    grams = sum(k * d * d for d, k in plan.gram_slots.items())
+    return 8 * (grams - max(sampler.gram_entries())) > (6 + 2 * n) * vec
+
+
+def _expand(piece, pos, n: int):
+    """A compact piece ``(vec, {D: grams})`` over a group's entries as one over the drift step's
+    (``pos``: the group's vec entries among the step's; the Gram slots are the same): zeros elsewhere."""
+    if piece is None:
+        return None
+    v, g = piece
+    if pos is not None:
+        v = torch.zeros(n, dtype=v.dtype, device=v.device).index_copy_(0, pos, v)
+    return v, g
 
 
 class _Folds:

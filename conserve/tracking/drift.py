@@ -608,7 +608,8 @@ class Sampler:
     ``compact``: a partial group's sub-plan writes only the group's entries, renumbered in order
     (``vec_size`` = its vec entries, ``gram_slots[D]`` = its D x D slots: ``Snapshot.compact``; the
     entries are ``np.flatnonzero`` of the mask's host arrays), so the DRIFT pass's outputs are the
-    group's size, not the law layout's; default False: every sub-plan writes the full layout.
+    group's size, not the law layout's; default False: every sub-plan writes the full layout.  An
+    attribute: it may be set before the first snapshot (the fused optimizers decide from ``gram_entries``).
     """
 
     def __init__(self, plan: Plan, tensors: Sequence[torch.Tensor], budget: float | None, device,
@@ -654,6 +655,11 @@ class Sampler:
         self._gid_dev = None if host else (torch.from_numpy(gv).to(self.device),
                                            {d: torch.from_numpy(m).to(self.device) for d, m in gg.items()})
         self._full = [bool((gv == g).all() and all((m == g).all() for m in gg.values())) for g in range(n)]
+
+    def gram_entries(self) -> list[int]:
+        """Per group, the Gram-matrix entries (slots x D x D) it decomposes."""
+        gg = self._gid[1]
+        return [sum(int((m == g).sum()) * d * d for d, m in gg.items()) for g in range(len(self.groups))]
 
     # ------------------------------------------------------------------ units and groups
     def _units(self, cap: np.ndarray, costs: Sequence[tuple]) -> list[_Unit]:
