@@ -191,8 +191,9 @@ class Tracker:
             the other steps log ``eps`` and NaN drift columns.  Default ``DRIFT_EVERY`` = 4: a drift
             step has a fixed CPU cost (snapshot, one DRIFT pass over its group, the assembly: ~0.8 ms
             inside a training step of ``conserve run``'s 62k-parameter model, whatever the group's size),
-            so every step would cost that model ~1.09-1.11x the untracked step, every 4th ~1.04-1.06x, ``eps``
-            alone ~1.01-1.04x (``OMP_NUM_THREADS=1 python -m bench.track_overhead`` prints all three); on
+            so every step would cost that model ~1.10-1.15x the untracked step, every 4th ~1.04-1.11x, ``eps``
+            alone ~1.03-1.07x on a noisy 2-core machine (``OMP_NUM_THREADS=1 python -m bench.track_overhead``
+            prints all three); on
             larger models the drift pass follows the bytes and the ratio shrinks.  With the snapshot
             budget each law is decomposed once every ``drift_every * len(sampler.groups)`` steps; use
             ``drift_every=1`` (and ``snapshot_budget=None``) for every law on every step.
