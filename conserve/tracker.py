@@ -193,8 +193,7 @@ class Tracker:
             inside a training step of ``conserve run``'s 62k-parameter model, whatever the group's size),
             so every step would cost that model ~1.10-1.15x the untracked step, every 4th ~1.04-1.11x, ``eps``
             alone ~1.03-1.07x on a noisy 2-core machine (``OMP_NUM_THREADS=1 python -m bench.track_overhead``
-            prints all three); on
-            larger models the drift pass follows the bytes and the ratio shrinks.  With the snapshot
+            prints all three); on larger models the drift pass follows the bytes and the ratio shrinks.  With the snapshot
             budget each law is decomposed once every ``drift_every * len(sampler.groups)`` steps; use
             ``drift_every=1`` (and ``snapshot_budget=None``) for every law on every step.
         snapshot_budget: bytes copied right before a drift step, as a fraction of the tracked bytes
@@ -779,9 +778,10 @@ class Tracker:
 
         ``pieces``: ``(h_new, decay, bil, h_delta)`` of ``drift_pieces`` over the entries of ``mask`` (a
         list is emptied once read), or None (no DRIFT pass this step); ``a``: decay factor per tracked
-        tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``; ``stats``
-        then at those vec entries too: the fused optimizers' ``_compact_terms``); ``h_old``: then ``(vec, {D: grams})`` of ``h_k`` at those
-        entries (default: taken from ``h``; copied into the scratch either way)."""
+        tensor; ``compact``: the pieces hold ``mask``'s entries only, in order (``Snapshot.compact``;
+        ``stats`` then at those vec entries too: the fused optimizers' ``_compact_terms``); ``h_old``: then
+        ``(vec, {D: grams})`` of ``h_k`` at those entries (default: taken from ``h``; copied into the scratch
+        either way)."""
         asm = self.assembly
         # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
         at = self._entries(mask) if compact else None
