@@ -471,3 +471,31 @@ def test_jsonl_unwritable_path_names_the_path_argument_not_a_cli_flag(tmp_path):
     with pytest.raises(UsageError, match="pass JSONLSink a path in a writable directory") as e:
         JSONLSink(blocker / "m" / "metrics.jsonl")
     assert "--out" not in str(e.value) and str(blocker / "m" / "metrics.jsonl") in str(e.value)
+
+
+@pytest.mark.parametrize("what", ["file", "directory", "replaced"])
+def test_jsonl_file_deleted_or_replaced_mid_run_is_reopened_not_written_into_the_void(tmp_path, what):
+    """A cleanup script deletes the metrics file (or the run directory, or log rotation moves it and puts
+    a new file there) while the run writes it: the rows after that go into a file at the path, with a
+    warning naming the step it starts at; before, every later row went into the unlinked file, silently."""
+    import shutil
+
+    run = tmp_path / "run"
+    path = run / "m.jsonl"
+    sink = JSONLSink(path)
+    for step in (1, 2, 3):
+        sink.write(step, {"step": step})
+    if what == "file":
+        path.unlink()
+    elif what == "directory":
+        shutil.rmtree(run)
+    else:
+        path.rename(run / "m.jsonl.1")
+        path.write_text("")
+    with pytest.warns(RuntimeWarning, match=r"deleted, moved or replaced .* its rows start at step 4"):
+        sink.write(4, {"step": 4})
+    sink.write(5, {"step": 5})
+    sink.close()
+    assert [r["step"] for r in _lines(path)] == [4, 5]
+    if what == "replaced":
+        assert [r["step"] for r in _lines(run / "m.jsonl.1")] == [1, 2, 3]

@@ -52,7 +52,10 @@ class JSONLSink:
     (or at ``resume(step)``) rows left by an earlier run at or after that step are cut off, with a
     warning naming how many. A failed write leaves no partial line (the file is cut back to its
     previous length), so the tracker's retry writes each row exactly once. A closed sink reopens at its
-    next row (a new series: as a re-run, it cuts the rows from that row's step on).
+    next row (a new series: as a re-run, it cuts the rows from that row's step on). A file deleted,
+    moved or replaced while open (a cleanup script, log rotation, the run directory removed) is
+    reopened at ``path`` (its directory created again) before the next row, with a warning naming the
+    step the new file starts at: rows are never written into a file nobody can read.
 
     Args:
         path: the ``.jsonl`` file (its directory is created).
@@ -139,6 +142,11 @@ class JSONLSink:
         if self._superseded:
             raise RuntimeError(f"{self.path} is written by a newer JSONLSink of this process; this sink's rows are "
                                "kept by its tracker: give each tracker its own file")
+        if self._fd is not None and not self._same_file():
+            self.close()
+            warnings.warn(f"conserve: {self.path} was deleted, moved or replaced while this JSONLSink had it open; "
+                          f"reopened it at that path: its rows start at step {step} (the earlier ones are wherever "
+                          "the old file went)", RuntimeWarning, stacklevel=3)
         if self._fd is None:
             self._open()
         if not self._started:
@@ -156,6 +164,14 @@ class JSONLSink:
             except OSError:
                 pass
             raise
+
+    def _same_file(self) -> bool:
+        """The open file is still the one at ``path`` (two ``stat`` calls per row)."""
+        try:
+            at, held = os.stat(self.path), os.fstat(self._fd)
+        except OSError:
+            return False
+        return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
 
     def close(self) -> None:
         if getattr(self, "_fd", None) is not None:
