@@ -87,7 +87,7 @@ def training_step_ratio(size: str, blocks: int, tmp: str) -> tuple[dict, dict]:
     (``drift_every=1``, ``drift=False``), timed in the same interleaved run; and the paired ratios to
     the untracked step (``interleaved``)."""
     tokens, _ = load_tokens(None)
-    fns = {}
+    fns, opts = {}, []
     for name in ("untracked", *VARIANTS):
         model = run_model(size)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -105,7 +105,11 @@ def training_step_ratio(size: str, blocks: int, tmp: str) -> tuple[dict, dict]:
         for _ in range(10):
             step()
         fns[name] = step
-    return interleaved(fns, blocks, 10, "untracked")
+        opts.append(opt)
+    out = interleaved(fns, blocks, 10, "untracked")
+    for opt in opts[1:]:  # the rows flushed while ``tmp`` exists
+        opt.close()
+    return out
 
 
 def lm14m() -> DecoderLM:
