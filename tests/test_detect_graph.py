@@ -410,9 +410,10 @@ def test_untraceable_or_unprobeable_models_are_declined_per_module():
                 return self.b(F.relu(self.a(x)))
             return self.b(F.relu(self.a(-x)))
 
-    d = detect_graph(Branchy(), torch.ones(2, 4))
-    assert d.laws == [] and {x.module for x in d.declined} == {"a", "b"}
-    assert all("could not run" in x.reason for x in d.declined)
+    d = detect_graph(Branchy(), torch.ones(2, 4))  # the whole forward declined once, each Linear analysed alone
+    assert d.laws == [] and {x.module for x in d.declined} == {"<forward>", "a", "b"} and d.undetected == []
+    why = reasons(d)
+    assert "could not run" in why["<forward>"] and all("analysed on its own" in why[k] for k in "ab")
     big = detect_graph(MyMLP(), max_probe_params=10)
     assert "max_probe_params" in big.declined[0].reason
     with pytest.raises(UnsupportedModelError, match="no detector recognises"):

@@ -13,9 +13,17 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
 2. Trace: ``torch.fx.symbolic_trace`` (``nn.Linear``, norms, ``nn.Embedding``, GPT-2 ``Conv1D`` are
    leaves); when that fails (data-dependent Python control flow, e.g. an ``assert`` on a shape), the
    probe is traced with ``torch.export`` on the example input. Casts to float32/16 in the graph are made
-   float64 (precision choices, not part of the function) and the trace must reproduce the model's output
-   (rtol 1e-4) or nothing is claimed. Every intermediate value of one run is recorded.
-3. Blocks, found from the graph and the recorded values:
+   float64 (precision choices, not part of the function), export's metadata assertions are dropped and its
+   autocast / set_grad_enabled regions inlined (``_to64``); the trace must reproduce the model's output (rtol
+   1e-4, compared in float64: a cast of the output such as ``logits.float()`` is a precision choice too) or
+   nothing is claimed from it. Every intermediate value of one run is recorded.
+   When the whole probe cannot be run or traced (an op with no float64 kernel, routing that decides which code
+   runs, an untraceable module), ``conserve.detection.blocks`` takes over: the failing modules become opaque
+   (kept as one call, or replaced by a stand-in when they cannot run in float64) and each of them, or each child
+   when the model's own forward fails, is detected on its own from the input it received in one concrete
+   forward of the original model (see that module). A module that yields nothing is declined by name.
+3. Blocks, found from the graph and the recorded values. Linear maps are ``nn.Linear``, GPT-2 ``Conv1D``,
+   ``F.linear`` of a parameter (through casts), ``x @ W.t()``, ``x @ W`` (W stored ``(in, out)``) and ``addmm``.
 
    * attention: every ``softmax(f(X @ Y))`` followed by ``@ V`` (any element-wise f: scale, mask, ALiBi,
      soft-capping) and every ``scaled_dot_product_attention``. The nearest linear projections of X, Y, V and
@@ -26,7 +34,10 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
      dims are rotated together: RoPE by rotate_half (pairs ``{p, p + R/2}``) or by complex multiplication
      of adjacent pairs (``view_as_complex``, pairs ``{2p, 2p+1}``), partial rotary (pass-through dims).
      Laws: QK Gram per kv group (no RoPE) or RoPE pairs (+ pass-through Gram), VO Gram per kv group.
-     Attention written with ``einsum`` is rewritten as permute -> matmul -> permute first, ``baddbmm`` (BLOOM's
+     GQA's kv head of each query head is read the same way, whatever the convention (``i // (nH / nKV)`` by
+     ``repeat_interleave`` / ``expand``, ``i % nKV`` by tiling with ``repeat``).
+     Attention written with ``einsum`` (``torch.einsum`` or export's ``aten.einsum``; one kv head kept 3-D, MQA's
+     ``'bhid,bjd->bhij'``, broadcast) is rewritten as permute -> matmul -> permute first, ``baddbmm`` (BLOOM's
      ALiBi scores) as ``beta * input + alpha * b1 @ b2`` (both re-checked). Softmax's stabiliser ``s - max(s)``,
      extra logits concatenated beside the scores and a slice of the probabilities (GPT-OSS attention sinks) keep
      the scores recognised.
@@ -44,7 +55,9 @@ How it works (spec ``shared/spec/laws.md``; each law's row is named in its note)
    * gains: every per-feature scale ``g * x (+ beta)`` (LayerNorm / RMSNorm modules, ``F.layer_norm``,
      hand-written RMSNorms, Gemma's ``(1 + w)``) whose output is read only by linear maps (through
      dropout, casts, reshapes, token indexing or pooling): gain law with every reader. A scale whose
-     output also feeds anything else (the residual stream: post-LN) is declined.
+     output also feeds anything else (the residual stream: post-LN; a weight computed from parameters, e.g. a
+     rearranged ``[heads, d_model, d_head]`` weight; an opaque block) is declined, the reason naming each other
+     reader and the linear readers seen.
    * LayerScale: a per-feature scale of a linear's output (``gamma * (W x + b)``) whose result feeds
      anything (the residual): ``gamma_c^2 - ||W[c,:]||^2 - b_c^2`` (family ``layer_scale``).
    * fused experts: transformers' experts run as ``batched_mm`` in the probe (the eager loop over routed experts
@@ -70,6 +83,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import operator
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -89,7 +103,7 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 ALIAS = {"_softmax": "softmax", "bmm": "matmul", "mm": "matmul", "scaled_dot_product_attention": "sdpa",
          "truediv": "div", "relu_": "relu", "mul_": "mul", "add_": "add", "leaky_relu_": "leaky_relu",
          "gelu_": "gelu", "silu_": "silu", "native_dropout": "dropout", "dropout_": "dropout",
-         "_to_copy": "to", "type_as": "to", "float": "to", "double": "to", "half": "to", "bfloat16": "to",
+         "_to_copy": "to", "type_as": "to", "type": "to", "float": "to", "double": "to", "half": "to", "bfloat16": "to",
          "_unsafe_view": "view", "masked_fill_": "masked_fill", "__getitem__": "getitem", "rms_norm": "rms_norm"}
 POSITIVE = {"relu", "leaky_relu"}
 NO_LAW = {"gelu", "silu", "tanh", "sigmoid", "elu", "selu", "celu", "mish", "softplus", "hardswish", "hardsigmoid",
@@ -117,14 +131,38 @@ _TORCH_CONTAINERS = (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecode
 
 class _Tracer(fx.Tracer):
     """fx tracer that keeps norms, embeddings and GPT-2 ``Conv1D`` as leaves (plus torch.nn's own leaves, except
-    the transformer containers ``_TORCH_CONTAINERS``, traced through)."""
+    the transformer containers ``_TORCH_CONTAINERS``, traced through), and the modules in ``leaves`` or marked
+    ``_conserve_opaque``. When tracing fails, ``failed`` names the innermost module whose forward it failed in."""
+
+    def __init__(self, leaves=()):
+        super().__init__()
+        self.leaves = set(leaves)  # module paths kept opaque (traced as one call: their forward runs as it is)
+        self.failed: str | None = None  # the innermost module whose forward the trace failed in ("" : the root's)
 
     def is_leaf_module(self, m, qualname):
+        if qualname in self.leaves or getattr(m, "_conserve_opaque", False):
+            return True
         if type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers"):
             return True
         if isinstance(m, _TORCH_CONTAINERS):
             return False
         return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed is None:
+                self.failed = self.path_of_module(m)
+            raise
+
+    def trace(self, root, concrete_args=None):
+        try:
+            return super().trace(root, concrete_args)
+        except Exception:
+            if self.failed is None:
+                self.failed = ""
+            raise
 
 
 @dataclass
@@ -149,7 +187,11 @@ class Lin:
 
     @property
     def module(self):
-        return self.w.rsplit(".", 1)[0] if "." in self.w else ""
+        """The owning module's path: "" when the root is the linear module itself (its ``weight``), the parameter's
+        own name for another parameter of the root (``x @ self.W_in``)."""
+        if "." in self.w:
+            return self.w.rsplit(".", 1)[0]
+        return "" if self.w == "weight" else self.w
 
     def reader(self):
         return builders.in_cols(self.w, self.shape, transposed=self.t)
@@ -258,6 +300,8 @@ class Graph:
     def op(self, n: fx.Node) -> str:
         if n.op == "call_module":
             m = self.gm.get_submodule(n.target)
+            if n.target in getattr(self.gm, "_conserve_opaque", ()) or getattr(m, "_conserve_opaque", False):
+                return "opaque"  # a block analysed on its own (``blocks``): an unknown function of its inputs
             if isinstance(m, (nn.Dropout, nn.Identity)):
                 return "dropout"
             if isinstance(m, nn.ReLU):
@@ -314,6 +358,13 @@ class Graph:
             w = self.param_of(n.args[1].args[0]) if n.args[1].args else None
             if w is not None and self.params[w].dim() == 2:
                 return Lin(n, n.args[0], w, None, tuple(self.params[w].shape))
+        if o == "matmul" and len(n.args) == 2 and self.param_of(n.args[1]) is not None \
+                and isinstance(n.args[0], fx.Node) and not self.param_of(n.args[0]):
+            w = self.param_of(n.args[1])  # x @ W with W stored (in, out): nanoGPT-style / TransformerLens MLPs
+            xv = self.env.get(n.args[0])
+            if self.params[w].dim() == 2 and isinstance(xv, torch.Tensor) and xv.dim() >= 2 \
+                    and xv.shape[-1] == self.params[w].shape[0]:
+                return Lin(n, n.args[0], w, None, tuple(self.params[w].shape), True)
         if o == "addmm" and len(n.args) >= 3:
             w, b = self.param_of(n.args[2]), self.param_of(n.args[0])
             if w is not None and self.params[w].dim() == 2:
@@ -554,14 +605,15 @@ def _traceable_experts(probe: nn.Module) -> None:
                 pass
 
 
-def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tuple:
-    """The probe's positional inputs: ``given`` (floats cast to float64), else synthesised from the first
-    parameterised module (see the module docstring). Raises ValueError naming the fix."""
+def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None, dtype=torch.float64, device=None) -> tuple:
+    """The probe's positional inputs: ``given`` (floats cast to ``dtype``), else synthesised from the first
+    parameterised module (see the module docstring), floats of ``dtype`` on ``device``. Raises ValueError naming
+    the fix."""
     g = torch.Generator().manual_seed(1)
     _decoder_inputs(model, kwargs, g, given)
     if given is not None:
         given = given if isinstance(given, tuple) else (given,)
-        return tuple(x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return tuple(x.detach().to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                      for x in given)
     cands = []
     emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -584,6 +636,7 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None) -> tu
                       (torch.randn(4, width, generator=g, dtype=torch.float64),)]
         if len(cands) >= 6:
             break
+    cands = [tuple(t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for t in x) for x in cands]
     errors = []
     for x in cands:
         try:
@@ -665,10 +718,14 @@ def _flat(out) -> list:
 
 
 def _to64(gm: fx.GraphModule) -> None:
-    """Make the graph's casts to float32/16 float64 and drop export's dtype assertions (precision only)."""
+    """Make the graph's casts to float32/16 float64 and drop export's metadata assertions (precision only).
+    torch.export's ``wrap_with_autocast`` regions (``with torch.autocast(..., enabled=False)`` around a float32
+    upcast, e.g. RoPE) and ``wrap_with_set_grad_enabled`` regions are inlined first (their outputs detached when
+    gradients are off there), so their casts and assertions are rewritten like the rest and their ops seen."""
+    _inline_regions(gm)
     for n in list(gm.graph.nodes):
         name = str(n.target)
-        if "_assert_tensor_metadata" in name or name == "_guards_fn":
+        if any(a in name for a in _ASSERTS) or name == "_guards_fn":
             n.args, n.kwargs = (), {}
             if not n.users:
                 gm.graph.erase_node(n)
@@ -681,12 +738,66 @@ def _to64(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _einsum_to_matmul(gm: fx.GraphModule) -> None:
-    """Rewrite two-operand einsums with one free index per operand and one contracted index (attention's
-    'bhqd,bhkd->bhqk' and 'bhqk,bhkd->bhqd', any index order) as permute -> matmul -> permute, so attention
-    written with einsum is found like ``q @ k.transpose``. The trace is then re-checked against the model."""
+_ASSERTS = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range")
+
+
+def _region(n: fx.Node):
+    """``(submodule get_attr node, operands, grad_enabled)`` of an export HOP region, else None."""
+    if n.op != "call_function":
+        return None
+    name = getattr(n.target, "__name__", str(n.target))
+    if name == "wrap_with_autocast" and len(n.args) >= 5:
+        return n.args[4], n.args[5:], True
+    if name == "wrap_with_set_grad_enabled" and len(n.args) >= 2:
+        return n.args[1], n.args[2:], bool(n.args[0])
+    return None
+
+
+def _inline_regions(gm: fx.GraphModule) -> None:
+    """Copy the body of every autocast / set_grad_enabled region of an exported graph into the graph itself
+    (outputs read by ``getitem``); a region with other users or attributes of its own stays as it is."""
+    changed = False
     for n in list(gm.graph.nodes):
-        if not (n.op == "call_function" and n.target is torch.einsum):
+        reg = _region(n)
+        if reg is None:
+            continue
+        sub_node, operands, grad = reg
+        sub = getattr(gm, sub_node.target, None) if isinstance(sub_node, fx.Node) and sub_node.op == "get_attr" else None
+        if not isinstance(sub, fx.GraphModule) or any(u.op != "call_function" or u.target is not operator.getitem
+                                                      for u in n.users):
+            continue
+        _inline_regions(sub)
+        if any(m.op == "get_attr" for m in sub.graph.nodes):
+            continue
+        phs = [m for m in sub.graph.nodes if m.op == "placeholder"]
+        if len(phs) != len(operands):
+            continue
+        with gm.graph.inserting_before(n):
+            outs = gm.graph.graph_copy(sub.graph, dict(zip(phs, operands)))
+            outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            if not grad:
+                outs = [gm.graph.call_method("detach", (o,)) if isinstance(o, fx.Node) else o for o in outs]
+        for u in list(n.users):
+            u.replace_all_uses_with(outs[u.args[1]])
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        if not any(m.op == "get_attr" and m.target == sub_node.target for m in gm.graph.nodes if m is not sub_node) \
+                and not sub_node.users:
+            gm.graph.erase_node(sub_node)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _einsum_to_matmul(gm: fx.GraphModule) -> None:
+    """Rewrite two-operand einsums (``torch.einsum`` in an fx graph, ``aten.einsum`` in an exported one) with one
+    free index per operand and one contracted index (attention's 'bhqd,bhkd->bhqk' and 'bhqk,bhkd->bhqd', any index
+    order, spaces allowed) as permute -> matmul -> permute, so attention written with einsum is found like
+    ``q @ k.transpose``. The trace is then re-checked against the model."""
+    aten = getattr(getattr(torch.ops.aten, "einsum", None), "default", None)
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_function" and (n.target is torch.einsum or (aten is not None and n.target is aten))):
             continue
         eq, *ops = n.args
         if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
@@ -697,16 +808,28 @@ def _einsum_to_matmul(gm: fx.GraphModule) -> None:
         xs, ys = ins.split(",")
         if any(len(set(t)) != len(t) for t in (xs, ys, out)):
             continue
-        batch = [i for i in xs if i in ys and i in out]
         xf = [i for i in xs if i in out and i not in ys]
         yf = [i for i in ys if i in out and i not in xs]
         cc = [i for i in xs if i in ys and i not in out]
-        if len(xf) != 1 or len(yf) != 1 or len(cc) != 1 or len(batch) + 2 != len(out) or \
-                len(xs) != len(batch) + 2 or len(ys) != len(batch) + 2:
+        # an index of the output only one operand has, besides its own free one (the free one: the last of them in
+        # the output), is a batch index the other operand broadcasts over (MQA's 'bhid,bjd->bhij': one kv head)
+        xf, yf = (sorted(f, key=out.index)[-1:] for f in (xf, yf))
+        batch = [i for i in out if i not in xf + yf]
+        if len(xf) != 1 or len(yf) != 1 or len(cc) != 1 or any(i not in xs + ys for i in batch) or \
+                any(i not in out + cc[0] for i in xs + ys):
             continue
+
+        def arrange(op, have, order):
+            """``op`` (indices ``have``) permuted to ``order``, size-1 dims where it lacks a batch index."""
+            node = gm.graph.call_method("permute", (op, *[have.index(i) for i in order if i in have]))
+            for pos, i in enumerate(order):
+                if i not in have:
+                    node = gm.graph.call_method("unsqueeze", (node, pos))
+            return node
+
         with gm.graph.inserting_before(n):
-            xp = gm.graph.call_method("permute", (ops[0], *[xs.index(i) for i in batch + xf + cc]))
-            yp = gm.graph.call_method("permute", (ops[1], *[ys.index(i) for i in batch + cc + yf]))
+            xp = arrange(ops[0], xs, batch + xf + cc)
+            yp = arrange(ops[1], ys, batch + cc + yf)
             mm = gm.graph.call_function(torch.matmul, (xp, yp))
             mid = batch + xf + yf
             res = gm.graph.call_method("permute", (mm, *[mid.index(i) for i in out]))
@@ -754,20 +877,32 @@ def _swap(a):
     return a
 
 
-def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[fx.GraphModule, str]:
+class TraceError(ValueError):
+    """Neither torch.fx nor torch.export gave a graph that runs like the probe; ``culprit``: the innermost module
+    whose forward torch.fx failed in ("" : the root's own forward; None: unknown)."""
+
+    culprit: str | None = None
+
+
+def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()) -> tuple[fx.GraphModule, str]:
     """fx symbolic trace, else torch.export on ``inputs``; checked to reproduce the probe's output.
-    ``kwargs``: constant keyword arguments of ``forward`` (e.g. ``use_cache=False``), baked into the graph."""
+    ``kwargs``: constant keyword arguments of ``forward`` (e.g. ``use_cache=False``), baked into the graph.
+    ``leaves``: module paths fx keeps as one opaque call (recorded as ``gm._conserve_opaque``); torch.export, which
+    has no leaves, is tried only without them. Raises ``TraceError``."""
     errors = []
     gm = None
     kwargs = dict(kwargs or {})
+    tracer = _Tracer(leaves)
     try:
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):  # fx bakes kwargs in as constants
             raise ValueError("tensor keyword arguments are inputs, not constants")
-        graph = _Tracer().trace(probe, concrete_args=kwargs or None)
+        graph = tracer.trace(probe, concrete_args=kwargs or None)
         gm = fx.GraphModule(probe, graph)
+        gm._conserve_opaque = frozenset(leaves)
         how = "torch.fx"
     except Exception as e:  # noqa: BLE001 - any trace failure falls back to export
-        errors.append(f"torch.fx: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        errors.append(f"torch.fx: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                      + (f" (in {tracer.failed})" if tracer.failed else ""))
     if gm is not None:
         try:
             _einsum_to_matmul(gm)
@@ -779,6 +914,8 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
             gm = None
     if gm is None:
         try:
+            if leaves:
+                raise ValueError("not tried with opaque blocks")
             gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
             how = "torch.export"
             _einsum_to_matmul(gm)
@@ -787,7 +924,9 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
             _same(probe, gm, inputs, kwargs, export=True)
         except Exception as e:  # noqa: BLE001
             errors.append(f"torch.export: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            raise ValueError("; ".join(errors)) from None
+            err = TraceError("; ".join(errors))
+            err.culprit = tracer.failed
+            raise err from None
     return gm, how
 
 
@@ -795,8 +934,10 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None) -> tuple[
 def _same(probe, gm, inputs, kwargs, export=False):
     a = _flat(probe(*inputs, **kwargs))
     b = _flat(gm(*inputs, **kwargs) if export else gm(*inputs))
-    a = [t for t in a if t.is_floating_point()]
-    b = [t for t in b if t.is_floating_point()]
+    # compared in float64: a cast of the output (``logits.float()``) runs float32 in the probe and float64 in the
+    # graph (``_to64``), the same function at another precision
+    a = [t.to(torch.float64) for t in a if t.is_floating_point()]
+    b = [t.to(torch.float64) for t in b if t.is_floating_point()]
     # the graph computes in float64 where the model's code downcasts to float32 (precision only, ``_to64``): entries
     # near zero then differ by float32 rounding of the output's scale, so the absolute tolerance follows that scale
     if len(a) != len(b) or not a or any(x.shape != y.shape or not torch.allclose(
@@ -816,6 +957,7 @@ class _Found:
         self.cands: list[tuple[Law, str]] = []  # (law, block description)
         self.heads: dict[str, fx.Node] = {}  # translation law name -> head output node
         self.explained: set = set()  # parameters of candidate laws (claimed or declined with a reason)
+        self.gates: dict = {}  # module of a gated MLP's gate -> the module of its up projection
 
     def add(self, law: Law | None, what: str):
         if law is not None:
@@ -1236,6 +1378,7 @@ def _mlps(f: _Found):
         elif o != "mul" and _generic_act(f, n, down):
             continue
         elif o == "mul":
+            u = _peel_scale(g, u)  # (up x * g) * c: a constant or per-unit parameter c (x-transformers' mult_bias)
             ops = [a for a in u.args if isinstance(a, fx.Node)]
             if len(ops) != 2:
                 continue
@@ -1259,7 +1402,20 @@ def _mlps(f: _Found):
                     continue
                 c.know(down.b)
                 f.used.update({src} | {x for x in g.nearest_lins(other)})
+                for x in g.nearest_lins(other):
+                    if x in g.lins and g.lins[x].module != up.module:
+                        f.gates[g.lins[x].module] = up.module
                 break
+
+
+def _peel_scale(g: Graph, u: fx.Node) -> fx.Node:
+    """The inner product of ``(a * b) * c`` when c is a constant or a parameter (repeatedly); ``u`` otherwise."""
+    while g.op(u) == "mul" and len(u.args) == 2:
+        t = [a for a in u.args if isinstance(a, fx.Node) and g.param_of(g.back_pass(a)) is None]
+        if len(t) != 1 or g.op(g.back_pass(t[0])) != "mul" or len(t[0].users) != 1:
+            break
+        u = g.back_pass(t[0])
+    return u
 
 
 def _unit_laws(f: _Found, cls, name: str, up: Lin, down: Lin, units, note: str, what: str) -> bool:
@@ -1483,10 +1639,13 @@ def _gains(f: _Found):
         if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
             continue
         if bad or not readers:
-            uses = sorted({g.op(u) for u in bad}) or ["nothing"]
-            c.decline(path, what_, f"the scaled output is also read by {uses}, not only by linear maps (the residual "
-                      "stream in a post-LN block, attention scores after a QK-norm, or an unrecognised module): no gain "
-                      "law (spec: pre-norm gain row; breakers: post-LN)")
+            uses = list(dict.fromkeys(_use(g, u, n) for u in bad)) or ["nothing"]
+            by = ", ".join(dict.fromkeys(r.module or r.w for r in readers))
+            seen_ = "; ".join(uses) + (f" (besides the linear map(s) {by})" if readers else "")
+            c.decline(path, what_, f"the scaled output is read by {seen_}: not only by linear maps with stored weights, "
+                      "as a gain law needs (the residual stream in a post-LN block, attention scores after a QK-norm, "
+                      "a weight computed from parameters, or an unrecognised module): no gain law (spec: pre-norm gain "
+                      "row; breakers: post-LN)")
             continue
         maps = [g.feature_map(n, r.x) for r in readers]
         if any(m != list(range(h)) for m in maps):
@@ -1496,6 +1655,30 @@ def _gains(f: _Found):
                                 shift=shift, note="structural: readers " + ", ".join(dict.fromkeys(r.module for r in readers))
                                 + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
               "gain")
+
+
+def _use(g: Graph, u: fx.Node, src: fx.Node) -> str:
+    """What the graph node ``u`` reading ``src``'s value is, in words (for a decline reason)."""
+    o = g.op(u)
+    hops = []
+    while o in PASS and len(u.users) == 1 and len(hops) < 4:  # a layout change on the way to the real reader
+        hops.append(o)
+        u = next(iter(u.users))
+        o = g.op(u)
+    if hops:
+        return f"{' -> '.join(map(repr, hops))} then {_use(g, u, src)}"
+    if o == "opaque":
+        return f"the opaque block {u.target!r} (analysed on its own)"
+    if u.op == "call_module":
+        return f"{o} module {u.target!r}"
+    if o in ("linear", "matmul", "einsum", "addmm", "baddbmm", "conv1d", "conv2d"):
+        down = g.descendants([src])
+        ps = sorted({a.target for a in g.ancestors([a for a in u.all_input_nodes if a not in down])
+                     if a.op == "get_attr" and a.target in g.params})
+        if ps:
+            return f"{o} with a weight computed from {ps} (not the parameter as stored: its rows / columns unknown)"
+        return f"{o} with another activation (not a parameter)"
+    return repr(o)
 
 
 def _layer_scale(f: _Found, n: fx.Node, w: str, h: int) -> bool:
@@ -1659,8 +1842,9 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
                  skip_params: Iterable[str] = (), **options) -> Detection:
     """Structural detection (module docstring): every catalogue law the graph of ``model`` computes, each
     passing the spec's first-order check in float64, and every other parameterised block declined with the
-    reason. Never raises for an unknown block; a model that cannot be probed or traced gets one decline per
-    parameterised module naming the fix.
+    reason. Never raises for an unknown block; a model whose whole probe cannot be run or traced is analysed
+    block by block (``conserve.detection.blocks``); one that cannot be probed at all (too large, meta device, no
+    concrete forward) gets one decline per parameterised module naming the fix.
 
     Args:
         model: any ``nn.Module`` (wrappers removed by ``conserve.detect``); it is copied, never modified.
@@ -1673,10 +1857,17 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     Returns:
         ``Detection`` with ``detector='graph'``.
     """
+    depth = options.pop("_depth", 0)
     c = Collector(model, {**options, "loss": loss})
     skip = set(skip_params)
     try:
         probe = make_probe(model, max_probe_params)
+    except Exception as e:  # noqa: BLE001 - the reason is reported per module, nothing is claimed
+        reason = f"structural detection could not run: {e}"
+        for mod in _param_modules(model, skip):
+            c.decline(mod, "not analysed", reason)
+        return c.finish("graph")
+    try:
         kwargs = {k: (v.detach().to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                   for k, v in (forward_kwargs or {}).items()}  # tensors: inputs of the float64 probe, as example_inputs
         no_cache(model, kwargs)
@@ -1684,11 +1875,17 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         gm, how = trace(probe, inputs, kwargs)
         g = Graph(gm, inputs, dict(probe.named_parameters(remove_duplicate=False)),
                   kwargs if how == "torch.export" else {})
-    except Exception as e:  # noqa: BLE001 - the reason is reported per module, nothing is claimed
-        reason = f"structural detection could not run: {e}"
-        for mod in _param_modules(model, skip):
-            c.decline(mod, "not analysed", reason)
-        return c.finish("graph")
+    except Exception as e:  # noqa: BLE001 - the blocks are analysed one by one (``blocks``)
+        from .blocks import by_blocks
+
+        return by_blocks(model, c, e, example_inputs=example_inputs, forward_kwargs=forward_kwargs, loss=loss,
+                         max_probe_params=max_probe_params, skip=skip, options=options, depth=depth)
+    return detect_on(g, c, model, how, skip)
+
+
+def detect_on(g: Graph, c: Collector, model: nn.Module, how: str, skip: set) -> Detection:
+    """Steps 3 and 4 of the module docstring on the traced probe ``g``: candidate laws, the first-order check,
+    the declines; ``c.finish``. ``skip``: parameters not to build laws of or decline (explained elsewhere)."""
     f = _Found(g, c)
     for step in (_attention, _routers, _mlps, _gains, _output_layers):
         try:
@@ -1775,6 +1972,9 @@ def _decline_rest(f: _Found, model: nn.Module, skip, how: str):
                                          for k in names):
             c.decline(mod, type(m).__name__ if m is not None else "parameter",
                       f"not used by the traced forward ({how}): no law")
+        elif mod in f.gates:
+            c.decline(mod, "gated MLP gate", f"the gate of the gated units of {f.gates[mod]!r}: their unit law does not "
+                      "involve it (spec: SwiGLU row, gate NOT involved) and nothing else reads it with a law")
         else:
             kind = type(m).__name__ if m is not None else "parameter"
             op = used.get(mod)
@@ -1796,7 +1996,7 @@ def detect_graph_fallback(model: nn.Module, config, **options):
     finds no catalogue block at all (then ``detect`` raises UnsupportedModelError with the reasons)."""
     d = detect_graph(model, **options)
     if not d.laws and all(x.block in ("not analysed",) or "no catalogue block" in x.reason or "not used" in x.reason
-                          for x in d.declined):
+                          or "analysed on its own" in x.reason or "could not run" in x.reason for x in d.declined):
         detect_graph_fallback.last = d
         return None
     return d

@@ -1,0 +1,476 @@
+"""Structural detection block by block, for a model whose float64 probe cannot be run or traced as a whole.
+
+``by_blocks`` is what ``graph.detect_graph`` does when probing or tracing the whole model fails (an op with no
+float64 kernel such as ``torch._grouped_mm``, routing that decides which Python code runs, an untraceable module):
+
+1. One concrete forward of the original model, in its own dtype and device, on ``example_inputs`` (else inputs
+   synthesised as for the probe), with hooks on every module: the first input (args and kwargs) and output each
+   module gets, and every torch call that reads a parameter with the modules running at that moment (a
+   ``TorchFunctionMode``). A block's laws only hold for the model when its parameters are read inside its own
+   forward: a law reading a parameter also read elsewhere (``F.linear(h, self.block.weight)`` from outside) is
+   declined.
+2. The whole float64 probe again, with the failing modules made opaque: a module whose forward torch.fx cannot
+   trace is kept as one call (it runs as it is, in float64, in the graph and in the check); a module that cannot
+   run in float64 is replaced by a parameter-free stand-in (``_Opaque``: a fixed non-linear function of all its
+   floating inputs with the shapes of its recorded output). Both are an ``opaque`` op to the block finders, so
+   a law needing to know what reads a value (a gain, an MLP, a translation law) is declined where one of them
+   reads it; the parameters inside them are not part of the whole graph's laws. The rest of the model is
+   detected and checked as usual (``graph.detect_on``).
+3. Each opaque module, or, when the model's own forward is what fails, each child holding parameters (the
+   modules of a ``ModuleList`` / ``ModuleDict`` one by one), is detected on its own: ``detect_graph`` on the
+   module with the input it received in step 1 (floats made float64), recursively (depth <= 4), laws and
+   declines named under its path. A module that still yields nothing is declined by name with the reason.
+4. A module (not the model itself) whose own forward branches on data (Mixtral's expert loop: ``torch.where``,
+   ``if tok.numel()``) and runs in float64 is first traced with real tensors (``specialised``: ``make_fx``, the
+   branches the example input takes), provided that input reaches every parameter of the module (else a value's
+   readers could be missed); the laws found there are checked again on graphs specialised to three other random
+   inputs (other routings, other branches) and a law failing any of them is declined. A branch on a value read
+   with ``item()`` (``if x.sum() > 0``) cannot be traced even so: its children are analysed one by one.
+
+Every law claimed passes the first-order check of the graph it was found in (the whole model with stand-ins, or
+the block alone). A law of a block alone holds for the model because the block's function is unchanged by the
+law's symmetry for every input and the model reads the block's parameters only through it (step 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..laws import Declined
+from .core import Collector, Detection, _prefixed
+from .torchnn import layer_index
+
+MAX_DEPTH = 4
+MAX_OPAQUE = 12
+
+
+def _short(e: BaseException | str, n: int = 240) -> str:
+    s = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+class _Opaque(nn.Module):
+    """Stand-in for a module that cannot run in float64: no parameters; each floating output, with the shape the
+    module's output had in the concrete forward, is ``tanh`` of the input of that shape (else a constant) times
+    ``1 + tanh(s)``, ``s`` the sum of ``mean(tanh(x))`` over every floating input x: every input reaches every
+    output through a non-linear function, so no block finder takes the stand-in for a linear or index map."""
+
+    _conserve_opaque = True
+
+    def __init__(self, template):
+        super().__init__()
+        self.template = template
+
+    def forward(self, *args, **kwargs):
+        xs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        s = sum(torch.tanh(x.to(torch.float64)).mean() for x in xs) if xs else torch.zeros((), dtype=torch.float64)
+        scale = 1 + torch.tanh(s)
+
+        def fill(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if not t.is_floating_point():
+                return t.clone()
+            for x in xs:
+                if tuple(x.shape) == tuple(t.shape):
+                    return torch.tanh(x.to(torch.float64)) * scale
+            return torch.full(tuple(t.shape), 0.5, dtype=torch.float64) * scale
+
+        return tree_map(fill, self.template)
+
+
+@dataclasses.dataclass
+class Record:
+    """One concrete forward: first ``(args, kwargs)`` and output per module path, and for every parameter name
+    the module stacks (tuples of paths) that were running when a torch call read it."""
+
+    calls: dict
+    outs: dict
+    reads: dict
+
+    def outside(self, block: str, names) -> list[str]:
+        """Parameters among ``names`` (full names) read at least once while ``block`` was not running."""
+        return [k for k in names if any(block not in st for st in self.reads.get(k, ()))]
+
+
+def _detached(tree):
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _to64(tree):
+    """Floating tensors float64, complex ones complex128, all on CPU (the probe's inputs)."""
+
+    def cast(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach().cpu()
+        if t.is_floating_point():
+            return t.to(torch.float64)
+        if t.is_complex():
+            return t.to(torch.complex128)
+        return t
+
+    return tree_map(cast, tree)
+
+
+class _Reads(TorchFunctionMode):
+    def __init__(self, names: dict, stack: list, reads: dict):
+        super().__init__()
+        self.names, self.stack, self.reads = names, stack, reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, nn.Parameter) and id(a) in self.names:
+                for k in self.names[id(a)]:
+                    self.reads.setdefault(k, set()).add(tuple(self.stack))
+        return func(*args, **kwargs)
+
+
+def record(model: nn.Module, example_inputs, forward_kwargs: dict | None) -> tuple[Record, tuple, dict]:
+    """Step 1 of the module docstring. Returns the record and the inputs it ran on (the model's dtype)."""
+    from .graph import no_cache, synth_inputs
+
+    p0 = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype = p0.dtype if p0 is not None else torch.float32
+    device = p0.device if p0 is not None else torch.device("cpu")
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        raise ValueError("the model is on the meta device: no concrete forward can run (build it on CPU)")
+    kwargs = {k: (v.detach().to(device=device, dtype=dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                  else v) for k, v in (forward_kwargs or {}).items()}
+    no_cache(model, kwargs)
+    inputs = synth_inputs(model, example_inputs, kwargs, dtype=dtype, device=device)
+    inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    rec = Record({}, {}, {})
+    names: dict = {}
+    for k, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(k)
+    stack: list = []
+    handles = []
+    paths = {id(m): path for path, m in model.named_modules()}
+
+    def pre(m, args, kw):
+        path = paths.get(id(m))
+        stack.append(path)
+        if path not in rec.calls:
+            rec.calls[path] = _detached((args, kw))
+
+    def post(m, args, kw, out):
+        path = paths.get(id(m))
+        if stack and stack[-1] == path:
+            stack.pop()
+        if path not in rec.outs:
+            rec.outs[path] = _detached(out)
+
+    for path, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    was = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), _Reads(names, stack, rec.reads):
+            model(*inputs, **kwargs)
+    finally:
+        model.train(was)
+        for h in handles:
+            h.remove()
+    return rec, inputs, kwargs
+
+
+def failing_module(probe: nn.Module, inputs: tuple, kwargs: dict) -> tuple[str | None, Exception | None]:
+    """Run the float64 probe; on an error, the innermost module running when it was raised ("" : the root)."""
+    stack: list = []
+    handles = []
+    paths = {id(m): path for path, m in probe.named_modules()}
+    def pre(m, args):
+        stack.append(paths.get(id(m)))
+
+    def post(m, args, out):
+        if stack:
+            stack.pop()
+
+    for m in probe.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            probe(*inputs, **kwargs)
+        return None, None
+    except Exception as e:  # noqa: BLE001
+        return (stack[-1] if stack else ""), e
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Tensor keyword arguments moved to positions where ``forward``'s signature allows (torch.fx takes tensors
+    as positional inputs only; the other keyword arguments are constants of the trace)."""
+    try:
+        sig = inspect.signature(module.forward)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return tuple(args), dict(kwargs)
+    return tuple(bound.args), dict(bound.kwargs)
+
+
+def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, new)
+
+
+def _under(names, path: str) -> list[str]:
+    return [k for k in names if k.startswith(path + ".")]
+
+
+def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs, forward_kwargs, loss,
+              max_probe_params, skip: set, options: dict, depth: int = 0) -> Detection:
+    """``graph.detect_graph`` when the whole probe cannot be run or traced (module docstring). ``c``: the
+    model's collector; ``err``: why the whole model failed. Returns ``c.finish('graph')``."""
+    from .graph import Graph, TraceError, _param_modules, detect_on, make_probe, trace
+
+    what = "the model" if depth == 0 else "this block"
+    whole = f"structural detection could not run on {what} as a whole ({_short(err, 200)})"
+    try:
+        rec, x0, kw0 = record(model, example_inputs, forward_kwargs)
+    except Exception as e:  # noqa: BLE001 - nothing can be read: one decline per module, naming the fix
+        reason = (f"structural detection could not run: {_short(err, 400)}; a concrete forward to analyse its blocks "
+                  f"one by one failed too ({_short(e)}): pass example_inputs=(...) that forward takes")
+        for mod in _param_modules(model, skip):
+            c.decline(mod, "not analysed", reason)
+        return c.finish("graph")
+    params = [k for k, _ in model.named_parameters()]
+    args64, kw64 = _to64(_positional(model, x0, kw0))
+    opaque: dict = {}  # path -> why it is opaque
+    g = how = None
+    if depth < MAX_DEPTH:
+        try:
+            probe = make_probe(model, max_probe_params)
+            leaves: set = set()
+            for _ in range(MAX_OPAQUE):
+                path, e = failing_module(probe, args64, kw64)
+                if e is not None:
+                    if not path or path in opaque or path not in rec.outs:
+                        break
+                    _set_module(probe, path, _Opaque(_to64(rec.outs[path])))
+                    opaque[path] = f"cannot run in float64 ({_short(e)})"
+                    leaves.add(path)
+                    continue
+                try:
+                    gm, how = trace(probe, args64, kw64, leaves=leaves)
+                    g = Graph(gm, args64, dict(probe.named_parameters(remove_duplicate=False)),
+                              kw64 if how == "torch.export" else {})
+                    break
+                except TraceError as te:
+                    cul = te.culprit
+                    if not cul or cul in leaves:
+                        break
+                    opaque[cul] = f"torch.fx cannot trace its forward ({_short(te)})"
+                    leaves.add(cul)
+        except Exception:  # noqa: BLE001 - the children are analysed one by one below
+            g = None
+    sub_opts = {k: v for k, v in options.items() if k not in ("example_inputs", "forward_kwargs", "loss")}
+    if g is None and not opaque and depth > 0:  # a block whose own forward branches on values: specialise it
+        try:
+            probe = make_probe(model, max_probe_params)
+            gm = specialised(probe, args64, kw64, every=True)
+            g, how = Graph(gm, args64, dict(probe.named_parameters(remove_duplicate=False))), "specialised"
+        except Exception as e:  # noqa: BLE001 - the children are analysed one by one below
+            whole += f"; specialised to the example input's control flow: {_short(e)}"
+            g = None
+        if g is not None:
+            d = detect_on(g, c, model, "specialised torch.fx (real tensors)", skip)
+            return _recheck(d, probe, args64, kw64, loss)
+    if g is not None:  # (no opaque module: the whole model runs on the concrete input where synthesis failed)
+        for path, why in opaque.items():
+            _one_block(model, c, rec, path, f"{path}: {why}", skip, max_probe_params, sub_opts, depth, declare=why)
+        inner = {k for p in opaque for k in _under(params, p)}
+        return detect_on(g, c, model, how, skip | inner)
+    # the model's own forward is what fails (or nothing made it traceable): each child on its own
+    own = [name for name, _ in model.named_parameters(recurse=False) if name not in skip]
+    note = f"{whole}; its submodules holding parameters are analysed one by one"
+    if own:
+        note += f"; its own parameters {own} are read by that forward itself: no law"
+    # one decline for the forward ("": the block's own path in its parent; "<forward>": the model's)
+    c.declined.append(Declined("<forward>" if depth == 0 else "", "forward", note))
+    c.know(*own)
+    short = f"the {'model' if depth == 0 else 'block holding it'} cannot be traced as a whole"
+    for path in _children(model, rec, ""):
+        _one_block(model, c, rec, path, short, skip, max_probe_params, sub_opts, depth)
+    return c.finish("graph")
+
+
+def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = False):
+    """The probe traced with real tensors (``make_fx``, pre-dispatch): Python control flow that depends on values
+    (a routed expert loop) runs as it does for ``inputs``, so the graph is the function at and near them (the
+    branch taken is locally constant). Parameters become ``get_attr`` nodes under their names. ``every``: raise
+    unless the input reaches every parameter (a law reading a value must see every reader of it)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import functional_call
+    from torch import fx
+
+    from .graph import _baddbmm_to_matmul, _einsum_to_matmul, _same, _to64 as to64
+
+    named = dict(probe.named_parameters())
+    names = list(named)
+
+    def run(ps, *args):
+        return functional_call(probe, dict(zip(names, ps)), args, kwargs)
+
+    with torch.no_grad():
+        gm0 = make_fx(run, tracing_mode="real", pre_dispatch=True)([named[k] for k in names], *inputs)
+    graph = gm0.graph
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    root: dict = {n.target: getattr(gm0, n.target) for n in graph.nodes if n.op == "get_attr"}
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with warnings.catch_warnings():  # (the attributes are on the GraphModule built below, not yet on make_fx's)
+        warnings.simplefilter("ignore")
+        for k, ph in zip(names, phs):
+            with graph.inserting_before(first):
+                ga = graph.get_attr(k)
+            ph.replace_all_uses_with(ga)
+            graph.erase_node(ph)
+            root[k] = named[k]
+    unused = [k for k in names if not any(n.op == "get_attr" and n.target == k and n.users for n in graph.nodes)]
+    if every and unused:
+        raise ValueError(f"the example input does not reach {unused[:3]} (e.g. an expert no token is routed to): "
+                         "a value's readers would be missed")
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs (make_fx's pytree codegen expects (params, *inputs))
+    gm = fx.GraphModule(root, graph)
+    gm._conserve_opaque = frozenset()
+    _einsum_to_matmul(gm)
+    _baddbmm_to_matmul(gm)
+    to64(gm)
+    _same(probe, gm, inputs, kwargs)
+    return gm
+
+
+def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, n: int = 3) -> Detection:
+    """Laws found on a graph specialised to one input's control flow, checked again (spec check 1) on graphs
+    specialised to ``n`` other random inputs of the same shapes (other branches: other experts, other tokens);
+    a law failing any of them is declined."""
+    from ..analysis.verify import TOL
+    from .graph import Graph, check_laws
+
+    gen = torch.Generator().manual_seed(11)
+    bad: dict = {}
+
+    def other(t):
+        if not isinstance(t, torch.Tensor) or t.is_complex():
+            return t
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype) * (t.std() if t.numel() > 1 else 1.0)
+        if t.dtype == torch.bool:
+            return t
+        hi = int(t.max()) + 1 if t.numel() else 1
+        return torch.randint(0, max(hi, 1), t.shape, generator=gen, dtype=t.dtype)
+
+    for _ in range(n):
+        xs = tree_map(other, inputs)
+        try:
+            gm = specialised(probe, xs, kwargs)
+            g = Graph(gm, xs, dict(probe.named_parameters(remove_duplicate=False)))
+            viol = check_laws(g, d.laws, {})
+        except Exception:  # noqa: BLE001 - this input does not run: it checks nothing
+            continue
+        for law in d.laws:
+            v = viol.get(law.name, 0.0)
+            if v == v and v > TOL:
+                bad[law.name] = max(bad.get(law.name, 0.0), v)
+    if bad:
+        d.declined += [Declined(law.name, f"{law.family} law (specialised graph)",
+                                f"holds where the example input's control flow goes, but fails the first-order check "
+                                f"on another input's (relative violation {bad[law.name]:.2e}): not claimed")
+                       for law in d.laws if law.name in bad]
+        d.laws = [law for law in d.laws if law.name not in bad]
+    return d
+
+
+def _children(model: nn.Module, rec: Record, prefix: str) -> list[str]:
+    out = []
+    for name, ch in model.named_children():
+        path = prefix + name
+        if not any(True for _ in ch.parameters()):
+            continue
+        if path in rec.calls or not any(True for _ in ch.children()):
+            out.append(path)
+        else:  # a container (ModuleList / ModuleDict) or a module the forward does not call: its children
+            out += _children(ch, rec, path + ".")
+    return out
+
+
+def _one_block(model: nn.Module, c: Collector, rec: Record, path: str, context: str, skip: set, max_probe_params,
+               options: dict, depth: int, declare: str | None = None) -> None:
+    """Detect ``path`` alone on the input it got in the concrete forward; merge its laws and declines into ``c``
+    under its path. ``declare``: why the block is opaque in its parent's graph (declined by name with it)."""
+    from .graph import detect_graph
+
+    block = model.get_submodule(path)
+    names = _under([k for k, _ in model.named_parameters()], path)
+    if path not in rec.calls:
+        c.decline(path, type(block).__name__, f"{context}; not called by the model's forward on the example input: "
+                                              "not analysed")
+        return
+    if depth + 1 > MAX_DEPTH:
+        c.decline(path, type(block).__name__, f"{context}; nested too deep to analyse further: no law")
+        return
+    args, kwargs = rec.calls[path]
+    args, kwargs = _to64(_positional(block, args, kwargs))
+    inner_skip = [k[len(path) + 1:] for k in names if k in skip]
+    try:
+        d = detect_graph(block, args, forward_kwargs=kwargs, loss=None, max_probe_params=max_probe_params,
+                         skip_params=inner_skip, _depth=depth + 1, **options)
+    except Exception as e:  # noqa: BLE001
+        c.decline(path, type(block).__name__, f"{context}; analysing it on its own failed ({_short(e)}): no law")
+        return
+    outside = set(rec.outside(path, names))
+    kept = 0
+    for law in d.laws:
+        law = _prefixed(law, path + ".")
+        law = dataclasses.replace(law, layer=layer_index(path) if law.layer is None else law.layer)
+        bad = [p for p in law.params if p in outside]
+        if bad:
+            c.decline(law.name, f"{law.family} law (block alone)",
+                      f"holds for {path} alone, but the model also reads {bad[:3]} outside {path}'s forward: that use "
+                      "breaks the law's symmetry: not claimed")
+            continue
+        c.add(law)
+        kept += 1
+    own = ""
+    in_laws = {p for law in d.laws for p in law.params}
+    for x in d.declined:
+        reason, block_ = x.reason, x.block
+        if x.block == "output layer":  # the block's output is not the model's: no translation law to consider
+            mod_params = [k for k, _ in block.named_parameters()
+                          if (k.rsplit(".", 1)[0] if "." in k else "") == x.module]
+            if mod_params and all(k in in_laws for k in mod_params):
+                continue  # (e.g. the down projection of a unit law)
+            reason, block_ = ("a linear map whose output leaves the block (what reads it outside is not seen when "
+                              "the block is analysed alone): no law"), "linear"
+        if not x.module:  # the block's own forward (and parameters): one decline under its path
+            if declare is not None:
+                own = f"; {reason}"
+            else:
+                c.declined.append(Declined(path, block_, reason if x.block == "forward" else
+                                           f"{reason} (analysed on its own: {context})"))
+            c.know(*[k for k in names if "." not in k[len(path) + 1:]])
+            continue
+        if declare is None:
+            reason = f"{reason} (analysed on its own: {context})"
+        c.decline(f"{path}.{x.module}", block_, reason)
+    undetected = {f"{path}.{u}" for u in d.undetected}
+    for k in names:  # understood by the block's own detection (e.g. an output bias): not undetected here either
+        owner = k.rsplit(".", 1)[0]
+        if owner not in undetected and not c.covered(k):
+            c.know(k)
+    if declare is not None:
+        c.declined.append(Declined(path, f"opaque block ({type(block).__name__})",
+                                   f"{declare}: an opaque function of its inputs in the model's graph (laws that "
+                                   f"depend on what reads a value it reads are declined there); its own parameters "
+                                   f"analysed on its own: {kept} law(s){own}"))
