@@ -196,7 +196,7 @@ def test_a_locked_run_directory_is_refused_before_anything_in_it_is_touched(tmp_
 def test_report_names_damaged_lines_and_steps_that_go_back(tmp_path):
     """A corrupt line inside the file (not a crash's torn last line) and a second run appended to the
     same file are said, not silently skipped/mixed; float steps written by other tools (2.0) are steps."""
-    from conserve.report import read_metrics
+    from conserve.report import read_metrics, truncated_note
 
     rows = [json.dumps({"step": s, "eps/vo": 0.1 * s}) for s in (1, 2, 3)]
     path = tmp_path / "m.jsonl"
@@ -209,8 +209,10 @@ def test_report_names_damaged_lines_and_steps_that_go_back(tmp_path):
         assert len(read_metrics(path)) == 5
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        path.write_text("\n".join(rows) + "\n" + rows[0][:9])  # a crash's torn last line: no warning
-        assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+        path.write_text("\n".join(rows) + "\n" + rows[0][:9])  # a crash's torn last line: kept for the summary
+        recs = read_metrics(path)
+        assert [r["step"] for r in recs] == [1, 2, 3] and recs.truncated == 9
+    assert truncated_note(recs) == "the last line of m.jsonl is truncated (9 bytes): ignored"
 
 
 def test_report_beside_a_damaged_or_foreign_summary_and_config(tmp_path, capsys):
@@ -225,7 +227,8 @@ def test_report_beside_a_damaged_or_foreign_summary_and_config(tmp_path, capsys)
     said = sorted(str(x.message) for x in w if "ignored" in str(x.message))
     assert len(said) == 2 and "config.json is a JSON list, not an object" in said[0]
     assert "summary.json is unreadable (UnicodeDecodeError)" in said[1]
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    assert json.loads((tmp_path / "report" / "summary.json").read_text())["steps"] == 3
+    assert (tmp_path / "summary.json").read_bytes() == b"\xff\xfe\x00garbage"  # the damaged original is left alone
 
 
 def test_report_of_a_callback_run_names_the_laws_its_param_groups_break(tmp_path, capsys):
@@ -235,7 +238,7 @@ def test_report_of_a_callback_run_names_the_laws_its_param_groups_break(tmp_path
             for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     assert main(["report", str(tmp_path)]) == 0
-    fams = json.loads((tmp_path / "summary.json").read_text())["families"]
+    fams = json.loads((tmp_path / "report" / "summary.json").read_text())["families"]
     assert fams["gain"]["verdict_key"] == "broken_by" and "5 law(s) broken by the optimizer's param_groups" in \
         fams["gain"]["verdict"]
     assert fams["vo"]["verdict_key"] != "broken_by"
@@ -249,6 +252,6 @@ def test_report_leaves_out_law_values_that_are_not_numbers(tmp_path):
         '{"step": 3, "eps/vo": 0.3, "eps/qk": 0.5, "drift/vo/measured": "NaN"}\n')
     with pytest.warns(RuntimeWarning, match=r"5 value\(s\) are not numbers \(e.g. eps/vo = '0.1' at step 1\)"):
         assert main(["report", str(tmp_path)]) == 0
-    fams = json.loads((tmp_path / "summary.json").read_text())["families"]
+    fams = json.loads((tmp_path / "report" / "summary.json").read_text())["families"]
     assert fams["vo"]["verdict_key"] != "nonfinite" and fams["vo"]["eps_final"] == pytest.approx(0.3)
     assert fams["qk"]["eps_final"] == pytest.approx(0.5)
