@@ -26,7 +26,6 @@ import copy
 import math
 import numbers
 import sys
-import warnings
 import weakref
 from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .errors import NonFiniteError, StaleParameterError
+from .errors import NonFiniteError, StaleParameterError, warn
 from .laws import Compiled, Declined, Law, compile_laws
 from .tracking.breakers import (check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
                                  per_param_decay)
@@ -46,8 +45,10 @@ GUARD = 1e-4
 TERMS = ("measured", "decay", "first", "second", "residual")
 CUMULATIVE = TERMS[:4]  # the terms ``cumulative`` sums
 NONFINITE_POLICIES = ("raise", "warn", "skip")
-DRIFT_EVERY = 4  # default drift cadence (see Tracker)
-SNAPSHOT_BUDGET = 0.04  # default bytes copied before a drift step, as a fraction of the tracked bytes
+DRIFT_EVERY = 4  # drift cadence of the sampled mode (see Tracker)
+SNAPSHOT_BUDGET = 0.04  # bytes copied before a drift step in the sampled mode, as a fraction of the tracked bytes
+EXACT_MAX_BYTES = 16 * 2**20  # tracked weights up to this size get the exact mode by default (see Tracker)
+AUTO = "auto"  # ``drift_every`` / ``snapshot_budget`` chosen from the tracked bytes (see Tracker)
 
 
 EAGER_REASON = ("conserve's tracking and fused optimizer steps run eagerly, outside torch.compile graphs: compile the "
@@ -188,21 +189,27 @@ class Tracker:
         drift: compute the three drift terms (False: never; ``eps`` and the law values are still
             evaluated every step).
         drift_every: decompose the drift on every ``drift_every``-th step (steps 1, 1 + N, 1 + 2N, ...);
-            the other steps log ``eps`` and NaN drift columns.  Default ``DRIFT_EVERY`` = 4: a drift
-            step has a fixed CPU cost (snapshot, one DRIFT pass over its group, the assembly: ~0.8 ms
-            inside a training step of ``conserve run``'s 62k-parameter model, whatever the group's size),
-            so every step would cost that model ~1.10-1.15x the untracked step, every 4th ~1.04-1.11x, ``eps``
-            alone ~1.03-1.07x on a noisy 2-core machine (``OMP_NUM_THREADS=1 python -m bench.track_overhead``
-            prints all three); on larger models the drift pass follows the bytes and the ratio shrinks.  With the snapshot
-            budget each law is decomposed once every ``drift_every * len(sampler.groups)`` steps; use
-            ``drift_every=1`` (and ``snapshot_budget=None``) for every law on every step.
+            the other steps log ``eps`` and NaN drift columns.  Default ``"auto"``: the exact mode (1, with
+            ``snapshot_budget=None`` and the cumulative sums kept: every law decomposed on every step) when the
+            tracked weights (``tracked_bytes``: the parameters the laws read, whole) are at most
+            ``EXACT_MAX_BYTES`` = 16 MiB, else the sampled mode (``DRIFT_EVERY`` = 4, ``SNAPSHOT_BUDGET`` = 0.04).
+            The step time is not what bounds the exact mode (the drift pass and the training step both follow
+            the bytes: ``python -m bench.exact_threshold`` prints exact / sampled step ratios, figures in the
+            README); the memory is: the exact mode holds a copy of the whole tracked weights while each step
+            runs (the sampled mode 0.04 of them) and 4 law-sized cumulative copies for the run, so the default
+            keeps it to small models.  With the snapshot budget each law is decomposed
+            once every ``drift_every * len(sampler.groups)`` steps.  An explicit value always wins: giving
+            ``drift_every`` or ``snapshot_budget`` chooses the cadence, and the other one, left at ``"auto"``,
+            takes the sampled mode's value (``drift_every=1`` alone: every step, one group of laws per step).
         snapshot_budget: bytes copied right before a drift step, as a fraction of the tracked bytes
-            (default 0.04, ``SNAPSHOT_BUDGET``; ``None``: every law on every drift step, whole tensors copied, 1x the
-            tracked bytes while the step runs).  With a budget, a drift step decomposes one group of
-            laws (round robin, ``conserve.tracking.drift.Sampler``): its ``drift/<family>/*`` columns are
-            norms over the family's decomposed entries only (NaN for a family with none that step), and
-            ``totals()`` says how many (with ``cumulative=True``, it also sums the terms per entry over the
-            decomposed (entry, step) pairs).  No weight-sized buffer is held between steps.
+            (``None``: every law on every drift step, whole tensors copied, 1x the tracked bytes while the step
+            runs; default ``"auto"``: ``None`` in the exact mode (``drift_every`` not given either, at most
+            ``EXACT_MAX_BYTES`` of tracked weights), else 0.04, ``SNAPSHOT_BUDGET``).  With a budget, a drift
+            step decomposes one group of laws (round robin, ``conserve.tracking.drift.Sampler``): its
+            ``drift/<family>/*`` columns are norms over the family's decomposed entries only (NaN for a
+            family with none that step), and ``totals()`` says how many (with ``cumulative=True``, it also
+            sums the terms per entry over the decomposed (entry, step) pairs).  No weight-sized buffer is held
+            between steps.
         fp64: accumulate in float64.
         keep_last: keep the last drift step's per-entry terms in ``last`` (``{"measured", "decay", "first",
             "second", "residual"}``, each a ``Values``; 5 law-sized copies held between steps).  Default
@@ -273,15 +280,18 @@ class Tracker:
     def __init__(self, model: nn.Module | None = None, laws: Sequence[Law] | None = None, *, every: int = 50,
                  sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
                  monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None,
-                 on_nonfinite: str = "raise", drift_every: int = DRIFT_EVERY,
-                 snapshot_budget: float | None = SNAPSHOT_BUDGET, keep_last: bool = False,
+                 on_nonfinite: str = "raise", drift_every: int | str = AUTO,
+                 snapshot_budget: float | None | str = AUTO, keep_last: bool = False,
                  cumulative: bool | None = None):
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
-        if isinstance(drift_every, bool) or not (isinstance(drift_every, numbers.Integral) and drift_every >= 1):
+        if isinstance(drift_every, str) and drift_every == AUTO:
+            pass
+        elif isinstance(drift_every, bool) or not (isinstance(drift_every, numbers.Integral) and drift_every >= 1):
             raise ValueError(f"drift_every={drift_every!r} must be an int >= 1 (use drift=False for no drift terms)")
-        drift_every = int(drift_every)
-        if snapshot_budget is not None:
+        else:
+            drift_every = int(drift_every)
+        if snapshot_budget is not None and not (isinstance(snapshot_budget, str) and snapshot_budget == AUTO):
             if isinstance(snapshot_budget, bool) or not (isinstance(snapshot_budget, numbers.Real)
                                                          and math.isfinite(snapshot_budget) and snapshot_budget > 0):
                 raise ValueError(f"snapshot_budget={snapshot_budget!r} must be a finite fraction > 0 of the tracked "
@@ -324,6 +334,15 @@ class Tracker:
         self._bound = weakref.ref(_unwrap(model)) if params is None and model is not None else None
         self._bound_shapes = [tuple(p.shape) for p in self.params]
         self.tensors = self._local_tensors(self.params)
+        # the bytes of the tracked weights (whole tensors, the same on every rank): what chooses the mode
+        self.tracked_bytes = sum(math.prod(p.shape) * p.dtype.itemsize for p in self.params)
+        # neither given: the exact mode for small tracked weights; a cadence given: the other is the sampled mode's
+        exact = isinstance(drift_every, str) and isinstance(snapshot_budget, str) \
+            and self.tracked_bytes <= EXACT_MAX_BYTES
+        if isinstance(drift_every, str):
+            drift_every = 1 if exact else DRIFT_EVERY
+        if isinstance(snapshot_budget, str):
+            snapshot_budget = None if exact else SNAPSHOT_BUDGET
         self.every, self.drift, self.fp64, self.backend = every, drift, fp64, backend
         self.sinks, self.monitors = list(sinks), list(monitors)
         self.device = self.tensors[0].device
@@ -653,11 +672,11 @@ class Tracker:
             self._warned_outside = True
             more = f" (and {len(moved) - 2} more)" if len(moved) > 2 else ""
             when = "the tracker was built" if self.step_count == 0 else f"step {self.step_count}"
-            warnings.warn(f"conserve: {', '.join(moved[:2])}{more} changed in place since {when}, outside the tracked "
+            warn(f"conserve: {', '.join(moved[:2])}{more} changed in place since {when}, outside the tracked "
                           "optimizer step (load_state_dict, a second optimizer, an EMA/LoRA merge?): eps jumps with "
                           "it (still measured against the weights the tracker was built on) and a drift step's residual "
                           "holds it; build the tracker after loading weights, and change them only through the "
-                          "tracked optimizer", RuntimeWarning, stacklevel=4)
+                          "tracked optimizer", RuntimeWarning)
 
     def _accept_weights(self) -> None:
         """The weights as they are now are those the next step starts from, without a warning: after an
@@ -701,9 +720,9 @@ class Tracker:
             return True
         if not self.__dict__.get("_warned_closed"):
             self._warned_closed = True
-            warnings.warn("conserve: the tracker is closed (close() or the end of its `with` block): steps after it "
+            warn("conserve: the tracker is closed (close() or the end of its `with` block): steps after it "
                           "are not tracked; build a new tracker (conserve.track, or a fused optimizer's track=) to "
-                          "track them", RuntimeWarning, stacklevel=3)
+                          "track them", RuntimeWarning)
         return False
 
     @eager
@@ -1072,8 +1091,8 @@ class Tracker:
         why = self.stale()
         if why and not self.__dict__.get("_warned_stale"):  # an explicit flush / close: write, and say so once
             self._warned_stale = True
-            warnings.warn(f"{self._stale_message(why)} (steps {first_step}..{self.step_count} are written; those after "
-                          "the change describe the old tensors)", RuntimeWarning, stacklevel=2)
+            warn(f"{self._stale_message(why)} (steps {first_step}..{self.step_count} are written; those after "
+                          "the change describe the old tensors)", RuntimeWarning)
         host = torch.stack(self._rows).cpu()
         self._step_sums = self._step_sums + self._pending_step_sums(host)  # (a new tensor: a state's copy is not aliased)
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
@@ -1114,13 +1133,13 @@ class Tracker:
             if self.on_nonfinite == "warn":
                 written.append(rec)
                 if not self._warned_nonfinite:
-                    warnings.warn(f"conserve: {what} (on_nonfinite='warn': rows are written, NaN as null)",
-                                  RuntimeWarning, stacklevel=2)
+                    warn(f"conserve: {what} (on_nonfinite='warn': rows are written, NaN as null)",
+                                  RuntimeWarning)
             else:
                 self.nonfinite_skipped += 1
                 if not self._warned_nonfinite:
-                    warnings.warn(f"conserve: {what} (on_nonfinite='skip': such rows are not written; count in "
-                                  "tracker.nonfinite_skipped)", RuntimeWarning, stacklevel=2)
+                    warn(f"conserve: {what} (on_nonfinite='skip': such rows are not written; count in "
+                                  "tracker.nonfinite_skipped)", RuntimeWarning)
             self._warned_nonfinite = True
         self._write(written)
         if written:
@@ -1158,11 +1177,11 @@ class Tracker:
                     self._unwritten[id(s)] = self._bounded(s, todo[i:])
                     if id(s) not in self._failing:
                         self._failing.add(id(s))
-                        warnings.warn(f"conserve: sink {s!r} failed at step {r['step']} ({type(e).__name__}: {e}); its "
+                        warn(f"conserve: sink {s!r} failed at step {r['step']} ({type(e).__name__}: {e}); its "
                                       f"rows are kept in memory (tracker.unwritten, up to tracker.max_unwritten="
                                       f"{self.max_unwritten}) and retried at the next flush, the other sinks are "
                                       "written; fix the sink (disk space, permissions, network)",
-                                      RuntimeWarning, stacklevel=3)
+                                      RuntimeWarning)
                     break
             else:
                 self._unwritten.pop(id(s), None)
@@ -1179,11 +1198,11 @@ class Tracker:
         dropped[id(s)] = dropped.get(id(s), 0) + n
         if id(s) not in self._warned_dropped:
             self._warned_dropped.add(id(s))
-            warnings.warn(f"conserve: sink {s!r} still fails and owes more than tracker.max_unwritten={cap} rows: the "
+            warn(f"conserve: sink {s!r} still fails and owes more than tracker.max_unwritten={cap} rows: the "
                           f"oldest are dropped for it, from step {left[0]['step']} on (counted in tracker.dropped and "
                           "the rows' sinks/dropped_rows; the other sinks keep every row); fix the sink (disk space, "
                           "permissions, network), or raise tracker.max_unwritten to keep more in memory",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning)
         return left[n:]
 
     @property
@@ -1215,12 +1234,11 @@ class Tracker:
                             "in tracker.unwritten") if left else "wrote every row it kept"
                     more = (f"; {lost} older row(s) were dropped for it (tracker.dropped; max_unwritten="
                             f"{self.max_unwritten})") if lost else ""
-                    warnings.warn(f"conserve: sink {s!r} {kept}{more}", RuntimeWarning, stacklevel=2)
+                    warn(f"conserve: sink {s!r} {kept}{more}", RuntimeWarning)
                 try:
                     s.close()
                 except Exception as e:  # noqa: BLE001
-                    warnings.warn(f"conserve: closing sink {s!r} failed ({type(e).__name__}: {e})", RuntimeWarning,
-                                  stacklevel=2)
+                    warn(f"conserve: closing sink {s!r} failed ({type(e).__name__}: {e})", RuntimeWarning)
 
     # ------------------------------------------------------------------------------- lifecycle
     on_nonfinite = property(lambda self: self.__dict__.get("_on_nonfinite", "raise"), doc="NaN/Inf row policy")
@@ -1264,8 +1282,8 @@ class Tracker:
         try:  # keep what was recorded, without hiding the error that ends the block
             self.close()
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"conserve: closing the tracker after {exc_type.__name__} failed too "
-                          f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
+            warn(f"conserve: closing the tracker after {exc_type.__name__} failed too "
+                          f"({type(e).__name__}: {e})", RuntimeWarning)
 
     def _close_at_exit(self) -> None:
         """Flush and close a tracker its user never closed (garbage collection, interpreter exit)."""
@@ -1378,10 +1396,10 @@ class Tracker:
             self.cumulative = {k: Values.from_state(v, dev).clone() for k, v in state["cumulative"].items()}
             self.cumulative.setdefault("measured", self.h0.map(torch.zeros_like))  # states saved before v2
         elif state["cumulative"]:
-            warnings.warn("conserve: the tracker state holds per-entry cumulative drift sums, which this tracker does "
+            warn("conserve: the tracker state holds per-entry cumulative drift sums, which this tracker does "
                           "not keep (sampled drift, or cumulative=False): they are dropped and totals() reports no "
                           "per-entry decomposition; build the tracker with cumulative=True to continue them",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning)
         sums = state.get("step_sums")  # states saved before it: unknown (NaN), never restarted from 0
         self._step_sums = (sums.detach().to("cpu", torch.float64).clone() if sums is not None
                            else torch.full_like(self._step_sums, float("nan")))

@@ -41,12 +41,16 @@ def worst_eps(record: dict) -> tuple[str, float]:
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable, steps: int, *,
           loss_fn: Callable = lm_loss, device: str | torch.device = "cpu", progress: bool = True,
           log_every: int = 10, scheduler=None, start_step: int = 0, description: str = "training",
-          max_eps: float | None = None, max_loss_ratio: float | None = None) -> list[float]:
-    """Run ``steps`` optimizer steps. Returns the losses at the progress points (host floats).
+          max_eps: float | None = None, max_loss_ratio: float | None = None, first_loss: float | None = None,
+          on_step: Callable[[int, float | None], None] | None = None) -> list[float]:
+    """Run ``steps`` optimizer steps, numbered ``start_step + 1`` on. Returns the losses at the progress
+    points (host floats).
 
     ``optimizer`` may be a ``TrackedOptimizer`` (its tracker gets ``loss`` per step and flushes on its
     own period). Every ``log_every`` steps (one host sync) the loss and the current worst ``eps`` are
-    read, shown, and checked.
+    read, shown, and checked. ``first_loss``: the loss the divergence check compares with (default: the
+    first one read here; a resumed run passes the one its first part read). ``on_step(k, first_loss)`` is
+    called after each step ``k`` and its checks (``conserve run`` saves its resume checkpoints there).
 
     Raises:
         NonFiniteError: naming the first step whose loss is NaN/Inf; the tracker rows of earlier steps
@@ -58,7 +62,6 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable,
     it: Iterator = iter(batches)
     bad_step = torch.full((), -1, dtype=torch.long, device=device)
     losses: list[float] = []
-    first_loss = None
     show = _progress(progress, description, steps)
     with show:
         for k in range(start_step + 1, start_step + steps + 1):
@@ -78,10 +81,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable,
                 if first_bad >= 0:
                     _stop(tracker, first_bad)
                 losses.append(float(loss.detach()))
-                first_loss = losses[0] if first_loss is None else first_loss
+                first_loss = losses[-1] if first_loss is None else first_loss
                 worst = worst_eps(tracker.latest() or {}) if tracker is not None and hasattr(tracker, "latest") else None
                 show.update(k - start_step, losses[-1], worst)
                 _check_divergence(tracker, k, losses[-1], first_loss, worst, max_eps, max_loss_ratio)
+            if on_step is not None:
+                on_step(k, first_loss)
     return losses
 
 

@@ -59,7 +59,7 @@ def _hf_trainer(out, callbacks, max_steps=10, report_to="none", **args):
 def test_hf_trainer_logs_checkpoints_and_resumes(tmp_path):
     from conserve.integrations.hf import ConserveCallback
 
-    cb = ConserveCallback()
+    cb = ConserveCallback(drift_every=4)
     trainer = _hf_trainer(tmp_path, [cb], report_to=["tensorboard"])
     trainer.train()
     logged = [h for h in trainer.state.log_history if "conserve/eps/vo" in h]
@@ -88,7 +88,7 @@ def test_hf_trainer_logs_checkpoints_and_resumes(tmp_path):
     assert cb.tracker._closed
 
     # resume from step 5: the series continues, no step is written twice, values match the first run
-    cb2 = ConserveCallback()
+    cb2 = ConserveCallback(drift_every=4)
     trainer2 = _hf_trainer(tmp_path, [cb2])
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -235,7 +235,7 @@ def test_lightning_logs_checkpoints_and_resumes(tmp_path):
     from conserve.integrations.lightning import ConserveCallback
 
     ckpt = L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=5, save_top_k=-1)
-    cb = ConserveCallback()
+    cb = ConserveCallback(drift_every=4)
     trainer = _lit_trainer(L, tmp_path, cb, 10, ckpt)
     trainer.fit(_lit_module(L))
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as f:
@@ -248,7 +248,7 @@ def test_lightning_logs_checkpoints_and_resumes(tmp_path):
     assert [r["step"] for r in full] == list(range(1, 11))  # flushed at the end
     assert cb.tracker._closed
 
-    cb2 = ConserveCallback()
+    cb2 = ConserveCallback(drift_every=4)
     trainer2 = _lit_trainer(L, tmp_path, cb2, 10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -340,14 +340,14 @@ def test_lightning_gradient_accumulation_logs_drift_and_resumes(tmp_path):
                      if r.get("conserve/step")]
         return trainer, table
 
-    cb = ConserveCallback()
+    cb = ConserveCallback(drift_every=4)
     trainer, table = fit(cb)
     assert cb.tracker.step_count == trainer.global_step == 6
     assert table == [(2, "1.0"), (4, ""), (6, "5.0")]
     jsonl = Path(trainer.log_dir) / "conserve" / "metrics.jsonl"
     full = _rows(jsonl)
     assert [r["step"] for r in full] == list(range(1, 7))
-    cb2 = ConserveCallback()
+    cb2 = ConserveCallback(drift_every=4)
     _, table2 = fit(cb2, ckpt_path=str(tmp_path / "ck" / "epoch=0-step=3.ckpt"))
     assert table2 == [(4, ""), (6, "5.0")] and cb2.tracker.step_count == 6
     again = _rows(jsonl)
@@ -570,7 +570,7 @@ def test_logged_drift_columns_come_from_the_latest_decomposition():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    run = TrackedRun(model, opt, every=3)
+    run = TrackedRun(model, opt, every=3, drift_every=4)
     assert run.tracker.drift_every > 1
     x = torch.randn(16, 6)
     logs = []

@@ -22,7 +22,8 @@ def _run(tmp_path, *extra, out="run"):
 
 @pytest.mark.skipif(not PTB.exists(), reason="../shared/data/ptb is not laid beside the repository")
 def test_run_on_ptb_writes_every_file(tmp_path, capsys):
-    assert _run(tmp_path, "--data", str(PTB), "--steps", "5") == 0
+    # the sampled cadence (the default above conserve.tracker.EXACT_MAX_BYTES), passed explicitly
+    assert _run(tmp_path, "--data", str(PTB), "--steps", "5", "--drift-every", "4", "--snapshot-budget", "0.04") == 0
     out = tmp_path / "run"
     for f in ("config.json", "metrics.jsonl", "summary.md", "summary.json", "eps.png", "drift.png"):
         assert (out / f).stat().st_size > 0, f
@@ -32,7 +33,7 @@ def test_run_on_ptb_writes_every_file(tmp_path, capsys):
     fams = set(summary["families"])
     assert {"swiglu", "qk", "vo", "rope_pair", "router_sum", "gain", "translation"} <= fams
     assert summary["config"]["data_source"].endswith("ptb.train.txt.gz")
-    # the default cadence (sampled drift) keeps no per-entry cumulative sums: the total decomposition is
+    # the sampled cadence keeps no per-entry cumulative sums: the total decomposition is
     # absent (never estimated) and the summary says how to get it; the measured total is still there
     for f, row in summary["families"].items():
         assert row["total_decomposition"] is False and row["total_drift_predicted"] is None, f
@@ -45,6 +46,25 @@ def test_run_on_ptb_writes_every_file(tmp_path, capsys):
     assert "total decomposition not kept (sampled drift): pass cumulative=True" in md
     assert main(["report", str(out), "--out", str(tmp_path / "again")]) == 0  # rebuilt from summary.json alike
     assert "total decomposition not kept (sampled drift)" in (tmp_path / "again" / "summary.md").read_text()
+
+
+def test_the_default_run_is_exact_and_fills_the_total_columns(tmp_path, capsys):
+    """By default every law is decomposed on every step and the cumulative sums are kept: each row has every
+    family's drift terms, and the summary's measured and predicted totals are filled in (equal by the identity)."""
+    assert _run(tmp_path, "--steps", "6") == 0
+    out = tmp_path / "run"
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    fams = json.loads((out / "summary.json").read_text())["families"]
+    assert all(r[f"drift/{f}/second"] is not None for r in recs for f in fams)
+    for f, row in fams.items():
+        assert row["total_decomposition"] is True, f
+        assert row["total_drift_predicted"] == pytest.approx(row["total_drift_measured_sampled"], rel=1e-3,
+                                                             abs=1e-6), f
+    drift = (out / "summary.md").read_text().split("## Drift")[1].split("How to read it")[0]
+    rows = [line for line in drift.splitlines() if line.startswith("| ") and not line.startswith("| family")]
+    assert len(rows) == len(fams) and not any("| - |" in line or line.endswith("| - |") for line in rows), drift
+    assert json.loads((out / "config.json").read_text())["status"] == "finished"
+    assert not list(out.glob(".*.lock"))  # the lock files go with the run
 
 
 def test_default_corpus_and_tensorboard(tmp_path):

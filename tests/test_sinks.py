@@ -121,7 +121,7 @@ def test_wandb_keeps_every_row_when_the_user_logs_too(tmp_path, monkeypatch):
     hist = _wandb_history(Path(run.dir).parent)
     conserve_steps = [h["conserve/step"] for h in hist if "conserve/step" in h]
     assert conserve_steps == list(range(1, 11))
-    assert all("conserve/eps/relu" in h for h in hist if "conserve/step" in h)
+    assert all("conserve_relu/eps" in h for h in hist if "conserve/step" in h)
     assert sum("user/loss" in h for h in hist) == 10
 
 
@@ -227,7 +227,7 @@ def test_jsonl_and_tensorboard_resume_to_the_checkpoint_step(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
     acc = EventAccumulator(str(tb))
     acc.Reload()
-    events = acc.Scalars("conserve/eps/relu")
+    events = acc.Scalars("conserve_relu/eps")
     assert [e.step for e in events] == list(range(1, 9))  # one series: the first run's 6..8 purged
     assert [e.value for e in events] == pytest.approx([r["eps/relu"] for r in again], rel=1e-5, abs=1e-9)
     assert len(list(tb.glob("events.out.tfevents.*"))) == 2
@@ -413,7 +413,7 @@ def test_tensorboard_sink_beside_the_users_own_writer_keeps_the_users_events(tmp
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 11))
     own = EventAccumulator(str(tb / "conserve"))  # conserve's run, beside the user's
     own.Reload()
-    assert [e.step for e in own.Scalars("conserve/eps/relu")] == list(range(1, 9))
+    assert [e.step for e in own.Scalars("conserve_relu/eps")] == list(range(1, 9))
 
 
 def test_a_sink_that_keeps_failing_owes_at_most_max_unwritten_rows(tmp_path, monkeypatch):
@@ -499,3 +499,60 @@ def test_jsonl_file_deleted_or_replaced_mid_run_is_reopened_not_written_into_the
     assert [r["step"] for r in _lines(path)] == [4, 5]
     if what == "replaced":
         assert [r["step"] for r in _lines(run / "m.jsonl.1")] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------- lock files
+def test_lock_files_are_removed_when_released(tmp_path):
+    sink = JSONLSink(tmp_path / "m.jsonl")
+    assert (tmp_path / ".m.jsonl.lock").exists()
+    sink.close()
+    assert not (tmp_path / ".m.jsonl.lock").exists()
+    outer = RunDirLock(tmp_path).acquire()
+    with RunDirLock(tmp_path):  # counted: the file stays while a holder is left
+        pass
+    assert (tmp_path / ".conserve.lock").exists()
+    outer.release()
+    assert not (tmp_path / ".conserve.lock").exists()
+    # a process that opened the file before its holder removed it locks the new file, not the removed one
+    first = RunDirLock(tmp_path).acquire()
+    stale = os.open(tmp_path / ".conserve.lock", os.O_RDWR)
+    try:
+        first.release()
+        with RunDirLock(tmp_path) as again:
+            assert again.held and (tmp_path / ".conserve.lock").exists()
+            assert os.fstat(stale).st_ino != os.stat(tmp_path / ".conserve.lock").st_ino
+    finally:
+        os.close(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
+
+
+# ------------------------------------------------------------------------------- dashboard sections
+def test_tensorboard_groups_a_32_layer_model_by_family(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conserve.tracking.sinks import section_tag
+
+    fams = ("vo", "qk", "swiglu", "gain", "rope_pair")
+    row = {"step": 1, "loss": 2.0, **{f"eps/{f}": 0.1 for f in fams}, "eps/gain/global": 0.1,
+           **{f"eps/{f}/layer{i}": 0.1 for f in fams for i in range(32)},
+           **{f"drift/{f}/{t}": 0.1 for f in fams for t in ("measured", "decay", "first", "second", "residual")},
+           "continuity/gram/q/3-4": 0.5, "continuity/gram/q": 0.5}
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write(1, row)
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert len(tags) == len(row) - 1
+    sections: dict[str, list[str]] = {}
+    for t in tags:
+        head, tail = t.split("/", 1)
+        sections.setdefault(head, []).append(tail)
+    assert sorted(sections["conserve_vo_layers"]) == [f"layer{i:02d}" for i in range(32)]
+    assert sorted(sections["conserve_vo"]) == ["drift_decay", "drift_first", "drift_measured", "drift_residual",
+                                               "drift_second", "eps"]
+    assert "eps_global" in sections["conserve_gain"] and sections["conserve"] == ["loss"]
+    assert sections["conserve_continuity_gram_layers"] == ["q_03-04"] and sections["conserve_continuity"] == ["gram_q"]
+    assert max(len(v) for v in sections.values()) <= 32  # no section holds every series of the model
+    assert section_tag("sinks/dropped_rows") == "conserve/sinks/dropped_rows"

@@ -17,6 +17,7 @@ from conserve.tracker import CUMULATIVE, CumulativeNotKept, Tracker
 
 PER_ENTRY = {"decay", "first", "second", "predicted", "predicted_no_first", "measured_sampled"}
 EXACT = {"drift_every": 1, "snapshot_budget": None}
+SAMPLED = {"drift_every": 4, "snapshot_budget": 0.04}  # the sampled mode (these small models are exact by default)
 
 
 def _model():
@@ -25,8 +26,9 @@ def _model():
 
 
 def _track(m, lr=0.1, **kw):
+    """Tracked in the sampled mode unless ``kw`` says otherwise."""
     opt = torch.optim.SGD(m.parameters(), lr=lr, weight_decay=0.01)
-    return conserve.track(opt, m, every=3, fp64=True, **kw)
+    return conserve.track(opt, m, every=3, fp64=True, **{**SAMPLED, **kw})
 
 
 def _train(m, opt, steps, seed=0):

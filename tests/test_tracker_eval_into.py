@@ -56,7 +56,8 @@ def test_tracked_run_equals_fresh_evaluations_and_hands_out_copies(kw):
     for fresh in (False, True):
         torch.manual_seed(0)
         m = DecoderLM(LMConfig(**CFG))
-        opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=100, **kw)
+        opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=100,
+                             **{"drift_every": 4, "snapshot_budget": 0.04, **kw})  # sampled unless kw says
         tr = opt.tracker
         g = torch.Generator().manual_seed(1)
         held, reused = [], 0

@@ -173,6 +173,9 @@ def detect_checkpoint(ck: Checkpoint, args):
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - a config transformers refuses (its validators raise several types)
+        broken = _optional_import_error(e)
+        if broken is not None:  # another installed package failed to import, not the config
+            raise UsageError(broken) from None
         raise UsageError(f"{where}: transformers cannot build a model from this config ({_last_line(e)}); fix "
                          "config.json so it matches the weights, or re-save the checkpoint with save_pretrained") from None
     try:
@@ -186,6 +189,32 @@ def detect_checkpoint(ck: Checkpoint, args):
     names = resolve(ck, found.shapes, found.rename)
     _check_fits(found.laws, names, ck)
     return found, names
+
+
+def _optional_import_error(e: BaseException) -> str | None:
+    """The message for an ``ImportError`` (in ``e`` or the exceptions it wraps: transformers re-raises the
+    import error of a modelling module as a ``RuntimeError``) that comes from a package other than transformers
+    and conserve (an optional dependency of the modelling code, e.g. an incompatible ``torchao``); None for
+    any other error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ImportError):
+            module = e.name or ""
+            if not module:
+                m = re.search(r"from '?([A-Za-z_][\w.]*)'?", str(e))
+                module = m.group(1) if m else ""
+            top = module.split(".")[0]
+            if top == "torch":  # transformers and torch of versions that do not go together
+                return (f"transformers {getattr(sys.modules.get('transformers'), '__version__', '')} failed to import "
+                        f"from torch {torch.__version__}: {module}: {_last_line(e)}; install versions of transformers "
+                        "and torch that go together")
+            if top and top not in ("transformers", "conserve"):
+                return (f"an installed optional package failed to import: {module}: {_last_line(e)}; fix or "
+                        f"uninstall it (pip install -U {top}, or pip uninstall {top})")
+            return None
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _last_line(e: BaseException) -> str:

@@ -7,7 +7,15 @@ TensorBoard events with ``--tensorboard``. A run that diverges (NaN/Inf or explo
 Every input is checked before the run directory is touched (a failed start writes nothing); a directory
 holding an earlier run is refused unless ``--overwrite``; the memory a size needs is estimated before the
 model is built (exit 2). A disk that fails mid-run saves every row kept, the config and the summary to a
-fallback directory under ``tempfile.gettempdir()``, named in one line with the fix (exit 4).
+fallback directory under ``tempfile.gettempdir()``, named in one line with the fix (exit 4); a disk that is
+full when the run starts is one line too (exit 4), and the start's files are removed.
+``config.json`` holds ``status``: ``running`` while the run goes (and after a kill), then ``finished``,
+``interrupted`` (Ctrl-C), ``diverged`` or ``failed`` (out of memory). At each flush (``--every``) the whole
+state (model, optimizer, tracker, data position, RNG states) is saved atomically to ``checkpoint.pt``;
+``--resume OUT`` continues a stopped run from it, with the rows an uninterrupted run writes.
+The drift is exact by default (every law on every step, the per-entry cumulative sums kept, so the summary
+has its total and prediction columns): ``conserve.track``'s default up to ``conserve.tracker.EXACT_MAX_BYTES``
+of tracked weights, which every ``--size`` and preset is below.
 The default model covers every law family of the paper: RoPE pairs (layers 0, 2), a NoPE layer with MHA
 QK Gram laws (layer 1), VO Grams, SwiGLU units, an MoE layer (router sum and experts' units), pre-norm
 gains and the untied output translation law.
@@ -64,8 +72,14 @@ def add_arguments(p) -> None:
                    "earlier run is refused unless --overwrite")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the earlier run in --out (its metrics, summary and TensorBoard events)")
+    g.add_argument("--resume", default=None, metavar="OUT",
+                   help="continue the stopped run in OUT (killed, interrupted, out of memory) from its last checkpoint "
+                        "(OUT/checkpoint.pt, saved at each flush): its own options are used (those given here are "
+                        "ignored, except --no-progress and --threads) and its rows continue as if it had not stopped")
+    g.add_argument("--kill-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: SIGKILL after a checkpoint
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to OUT/tb")
-    g.add_argument("--every", type=int, default=10, help="flush metrics every N steps (default 10)")
+    g.add_argument("--every", type=int, default=10,
+                   help="flush metrics (and save the resume checkpoint) every N steps (default 10)")
     g.add_argument("--continuity", action="store_true",
                    help="also log geometric continuity across layers (Jeong, Paeng, Suh 2026) at each flush")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -85,13 +99,17 @@ def add_arguments(p) -> None:
     add_threads_argument(o)
     o.add_argument("--fp64-laws", action="store_true", help="accumulate law values in float64")
     o.add_argument("--drift-every", type=int, default=None, metavar="N",
-                   help="decompose the drift on every N-th step (default: conserve.track's, 4; 1 = every step)")
+                   help="decompose the drift on every N-th step (default: conserve.track's exact mode, every law "
+                        "on every step, up to 16 MiB of tracked weights, which covers every --size and preset; "
+                        "given, the drift is sampled: --snapshot-budget then defaults to 0.04)")
     o.add_argument("--snapshot-budget", type=_budget, default=None, metavar="FRACTION",
-                   help="bytes copied before a drift step, as a fraction of the tracked bytes (default 0.04: "
-                        "one group of laws per drift step, round robin); 'none': every law on every drift step")
+                   help="bytes copied before a drift step, as a fraction of the tracked bytes (e.g. 0.04: one group "
+                        "of laws per drift step, round robin); 'none': every law on every drift step (default: "
+                        "'none' in the exact mode, see --drift-every; 0.04 when sampled)")
     o.add_argument("--cumulative", action="store_true",
-                   help="keep the per-entry cumulative drift sums, for the summary's total and prediction columns "
-                        "(4 law-sized copies held; default: kept only with --drift-every 1 --snapshot-budget none)")
+                   help="keep the per-entry cumulative drift sums, for the summary's total and prediction columns, in "
+                        "sampled mode too (4 law-sized copies held; kept by default in the exact mode, every law "
+                        "on every step)")
     m = p.add_argument_group("model")
     m.add_argument("--size", choices=tuple(SIZES), default="tiny",
                    help=", ".join(f"{k} (hidden {v['hidden_size']}, {v['num_hidden_layers']} layers, "
@@ -162,7 +180,10 @@ def _out_path(arg) -> Path:
 
 
 def out_dir(arg) -> Path:
-    """The run directory (default ``runs/<timestamp>``), created and checked writable (``UsageError``)."""
+    """The run directory (default ``runs/<timestamp>``), created and checked writable (``UsageError``; a full
+    disk raises its ``OSError``: exit 4, as a disk that fills mid-run)."""
+    import errno
+
     out = _out_path(arg)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -170,11 +191,14 @@ def out_dir(arg) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
+        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise
         raise UsageError(f"cannot write to the output directory {out}: {e.strerror}; pass --out to a writable directory") from None
     return out
 
 
-_RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "summary.md", "eps.png", "drift.png", "layers.png")
+_RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "summary.md", "eps.png", "drift.png", "layers.png",
+              "checkpoint.pt")
 
 
 def earlier_run(out: Path) -> str | None:
@@ -337,6 +361,9 @@ def main(args) -> int:
 def _main(args) -> int:
     import torch
 
+    resumed = _resume_point(args) if getattr(args, "resume", None) else None
+    if resumed is not None:
+        args = resumed["args"]
     apply_preset(args)
     from .. import JSONLSink, track
     from ..data import Batches, load_tokens
@@ -353,13 +380,17 @@ def _main(args) -> int:
         raise UsageError(f"--drift-every must be >= 1 (every N-th step), got {args.drift_every}")
     device = resolve_device(args.device)
     tokens, source = load_tokens(args.data)
+    if resumed is not None and int(tokens.numel()) != resumed["config"].get("tokens"):
+        raise UsageError(f"{args.out}: the run's data ({source}) now has {int(tokens.numel())} tokens, not the "
+                         f"{resumed['config'].get('tokens')} it was trained on; restore that data to resume it")
     cfg = build_config(args)
     _check_memory(cfg, args, device)
     path = _out_path(args.out)
-    held = earlier_run(path)
+    held = None if resumed is not None else earlier_run(path)
     if held and not getattr(args, "overwrite", False):
-        raise UsageError(f"{path} holds an earlier run ({held}); pass --overwrite to replace it, or another --out to "
-                         "keep both")
+        resumable = f", --resume {path} to continue it" if _stopped(path) else ""
+        raise UsageError(f"{path} holds an earlier run ({held}); pass --overwrite to replace it{resumable}, or another "
+                         "--out to keep both")
     tb = TensorBoardSink(path / "tb") if args.tensorboard else None  # not installed: refused here, nothing written
     torch.manual_seed(args.seed)
     try:
@@ -373,8 +404,15 @@ def _main(args) -> int:
         raise oom from None
     opt, lr = make_optimizer(args.optimizer, model.parameters(), args.lr, args.weight_decay, args.momentum)
     batches = Batches(tokens, args.batch_size, args.seq_len, seed=args.seed, fixed=args.optimizer == "gd")
+    if resumed is not None:  # the weights before the tracker is built: it starts from them
+        model.load_state_dict(resumed["checkpoint"]["model"])
     created = not path.exists()
-    out = out_dir(path)  # created only once the inputs are known to be good
+    try:
+        out = out_dir(path)  # created only once the inputs are known to be good
+    except OSError as e:  # the disk is full
+        _undo_start(path, created)
+        print(f"conserve run: error: {_disk_line(path, e)}", file=sys.stderr)
+        return 4
     from ..tracking.lock import RunDirLock
 
     # one writer per run directory, taken before anything in it is touched (a second process is refused)
@@ -384,11 +422,17 @@ def _main(args) -> int:
         if held:  # --overwrite
             _clear_earlier_run(out)
             print(f"conserve run: --overwrite: replaced the earlier run in {out} ({held})", file=sys.stderr)
-        config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()),
-                  "optimizer": args.optimizer, "lr": lr, "weight_decay": args.weight_decay,
-                  "momentum": args.momentum if args.optimizer == "momentum" else 0.0, "steps": args.steps,
-                  "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed, "device": device,
-                  "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters())}
+        if resumed is not None:
+            config = {**resumed["config"], "status": "running",
+                      "resumed_at": [*resumed["config"].get("resumed_at", []), resumed["step"]]}
+        else:
+            config = {"command": "conserve run", "data_source": source, "tokens": int(tokens.numel()),
+                      "optimizer": args.optimizer, "lr": lr, "weight_decay": args.weight_decay,
+                      "momentum": args.momentum if args.optimizer == "momentum" else 0.0, "steps": args.steps,
+                      "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed, "device": device,
+                      "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters()),
+                      "param_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                      "fp64_laws": bool(args.fp64_laws), "status": "running"}
         metrics = out / "metrics.jsonl"
         sinks = [JSONLSink(metrics)] + ([tb] if tb is not None else [])
         monitors = []
@@ -402,20 +446,177 @@ def _main(args) -> int:
         if args.cumulative:
             cadence["cumulative"] = True
         tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors, **cadence)
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-    except BaseException:
+        config.update(drift_every=tracked.tracker.drift_every, snapshot_budget=tracked.tracker.snapshot_budget)
+        from ..tracking.control import ControlMonitor
+
+        tracked.tracker.monitors.append(ControlMonitor(tracked.tracker.laws, dict(model.named_parameters()),
+                                                       fp64=args.fp64_laws))
+        if resumed is not None:  # the optimizer, the tracker (its sinks drop the rows after the checkpoint), data, RNG
+            ck = resumed["checkpoint"]
+            tracked.load_state_dict(ck["optimizer"])
+            batches.load_state_dict(ck["batches"])
+            _set_rng(ck["rng"])
+            print(f"conserve run: --resume: continuing {out} from step {resumed['step']} of {args.steps}",
+                  file=sys.stderr)
+        write_config(out, config)
+    except BaseException as e:
         for s in sinks:
             try:
                 s.close()
             except Exception:  # noqa: BLE001 - the start's own error is the one to report
                 pass
-        _undo_start(out, created)
+        if resumed is None:
+            _undo_start(out, created)
         lock.release()
+        if isinstance(e, OSError):  # the disk (full, failing): the same exit code as a disk that fails mid-run
+            print(f"conserve run: error: {_disk_line(out, e)}", file=sys.stderr)
+            return 4
         raise
     try:
-        return _train_and_report(args, model, tracked, batches, device, lr, source, out, config, sinks, lock)
+        return _train_and_report(args, model, tracked, batches, device, lr, source, out, config, sinks, lock,
+                                 resumed)
     finally:
         lock.release()
+
+
+def _disk_line(out: Path, e: OSError) -> str:
+    """One line for a run directory the disk cannot take (full, quota, I/O error): what failed and the fix."""
+    what = f" writing {Path(e.filename).name}" if getattr(e, "filename", None) else ""
+    return (f"cannot write the run directory {out}{what} ({e.strerror or e}); free disk space there or pass --out "
+            "on another disk, then run again")
+
+
+def write_config(out: Path, config: dict) -> None:
+    """``config.json``, written atomically (a temporary file, then ``os.replace``)."""
+    _atomic_write(out / "config.json", json.dumps(config, indent=2).encode())
+
+
+def _atomic_write(path: Path, data: bytes | None = None, save=None) -> None:
+    """Write ``path`` through ``<dir>/.<name>.tmp`` and ``os.replace``: a reader (or a kill) sees the old file
+    or the new one, never a part. ``save(tmp_path)`` writes the temporary file when given, else ``data``."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        if save is not None:
+            save(tmp)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
+CHECKPOINT = "checkpoint.pt"
+
+
+def _stopped(out: Path) -> bool:
+    """``out`` holds a run that stopped before its end (killed or interrupted) and a checkpoint to resume it."""
+    try:
+        status = json.loads((out / "config.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return status in ("running", "interrupted", "failed") and (out / CHECKPOINT).is_file()
+_RESUME_KEEPS = ("no_progress", "threads")  # options of the resuming command line that apply to the resumed run
+
+
+def _saved_args(args) -> dict:
+    return {k: v for k, v in vars(args).items()
+            if not k.startswith("_") and k not in ("resume", "kill_after", "overwrite")}
+
+
+def _resume_point(args) -> dict:
+    """``--resume OUT``: the stopped run's options (the resuming line's ``--no-progress``/``--threads`` kept), config
+    and last checkpoint; ``UsageError`` naming the fix when there is nothing to resume."""
+    import torch
+
+    out = Path(args.resume)
+    ck_path, cfg_path = out / CHECKPOINT, out / "config.json"
+    if not cfg_path.is_file():
+        raise UsageError(f"--resume {out}: no conserve run there (no config.json); pass the run directory of a stopped "
+                         "`conserve run`")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--resume {out}: cannot read config.json ({e}); start a new run with --overwrite") from None
+    status = config.get("status")
+    if status == "finished":
+        raise UsageError(f"--resume {out}: the run finished its {config.get('steps')} steps; nothing to resume "
+                         "(start a new run with another --out, or --overwrite)")
+    if status == "diverged":
+        raise UsageError(f"--resume {out}: the run diverged; resuming it would diverge again: start a new run with "
+                         "a lower --lr (--overwrite or another --out)")
+    if not ck_path.is_file():
+        raise UsageError(f"--resume {out}: no checkpoint (the run stopped before its first flush, or was written by "
+                         "a conserve without --resume); start it again with --overwrite")
+    try:
+        ck = torch.load(ck_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one line
+        raise UsageError(f"--resume {out}: cannot read {CHECKPOINT} ({type(e).__name__}: {e}); start the run again "
+                         "with --overwrite") from None
+    saved = argparse.Namespace(**{k: tuple(v) if k in ("nope_layers", "moe_layers") else v
+                                  for k, v in ck["args"].items()})
+    for k in _RESUME_KEEPS:
+        setattr(saved, k, getattr(args, k))
+    saved.out, saved.resume, saved.overwrite, saved.kill_after = str(out), str(out), False, args.kill_after
+    saved._preset_defaults = getattr(args, "_preset_defaults", {})
+    saved.preset = None  # (applied when the run started: its values are in the saved options)
+    return {"args": saved, "config": config, "checkpoint": ck, "step": int(ck["step"])}
+
+
+def _rng_state(device: str) -> dict:
+    import torch
+
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if device.startswith("cuda") and torch.cuda.is_available() else []}
+
+
+def _set_rng(state: dict) -> None:
+    import torch
+
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda"):
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _Checkpointer:
+    """``train``'s ``on_step``: at each flush step (every ``--every`` steps) the whole state of the run --
+    model, optimizer and tracker (``state_dict``: the tracker flushes its rows first), the data position,
+    the RNG states, the divergence check's first loss and the options -- saved atomically to
+    ``OUT/checkpoint.pt``. A save the disk refuses is told once (the rows are what counts; the run goes on)."""
+
+    def __init__(self, args, model, tracked, batches, device: str, out: Path):
+        self.args, self.model, self.tracked, self.batches, self.device, self.out = \
+            args, model, tracked, batches, device, out
+        self.failed = False
+
+    def __call__(self, step: int, first_loss) -> None:
+        import os
+        import signal
+
+        import torch
+
+        if step % self.args.every:
+            return
+        state = {"step": step, "args": _saved_args(self.args), "model": self.model.state_dict(),
+                 "optimizer": self.tracked.state_dict(), "batches": self.batches.state_dict(),
+                 "rng": _rng_state(self.device), "first_loss": first_loss}
+        try:
+            _atomic_write(self.out / CHECKPOINT, save=lambda tmp: torch.save(state, tmp))
+        except (OSError, RuntimeError) as e:  # (torch.save reports a failed write as RuntimeError)
+            if not self.failed:
+                self.failed = True
+                print(f"conserve run: warning: cannot save the resume checkpoint {self.out / CHECKPOINT} at step "
+                      f"{step} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); the run goes on",
+                      file=sys.stderr)
+            return
+        if self.args.kill_after is not None and step >= self.args.kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # (tests: a run killed right after a checkpoint)
 
 
 def _undo_start(out: Path, created: bool) -> None:
@@ -477,14 +678,12 @@ def _save_elsewhere(out: Path, records: list[dict], config: dict, summary_args: 
     return f"{why}; no fallback directory could be written either ({len(records)} metric rows lost): free disk space"
 
 
-def _train_and_report(args, model, tracked, batches, device, lr, source, out, config, sinks, lock) -> int:
+def _train_and_report(args, model, tracked, batches, device, lr, source, out, config, sinks, lock,
+                      resumed=None) -> int:
     from ..report import plot_all, read_metrics, write_summary
     from ..train import train
 
     tracker = tracked.tracker
-    from ..tracking.control import ControlMonitor
-
-    tracker.monitors.append(ControlMonitor(tracker.laws, dict(model.named_parameters()), fp64=args.fp64_laws))
     declined = [asdict(d) for d in tracker.declined]
     metrics = out / "metrics.jsonl"
     print(f"conserve run: {config['parameters']:,} parameters, {len(tracker.laws)} laws in "
@@ -492,9 +691,12 @@ def _train_and_report(args, model, tracked, batches, device, lr, source, out, co
     stopped, code = None, 0
     t0 = time.time()
     try:
-        train(model, tracked, batches, args.steps, device=device, progress=not args.no_progress,
+        start = resumed["step"] if resumed is not None else 0
+        train(model, tracked, batches, args.steps - start, device=device, progress=not args.no_progress,
               log_every=max(1, min(args.every, 10)), description=f"{args.optimizer} lr={lr:g}",
-              max_eps=args.max_eps or None, max_loss_ratio=3.0)
+              max_eps=args.max_eps or None, max_loss_ratio=3.0, start_step=start,
+              first_loss=resumed["checkpoint"]["first_loss"] if resumed is not None else None,
+              on_step=_Checkpointer(args, model, tracked, batches, device, out))
     except (NonFiniteError, DivergenceError) as e:  # exit 3: the run diverged (2: bad input)
         stopped, code = str(e), 3
     except KeyboardInterrupt:
@@ -520,6 +722,12 @@ def _train_and_report(args, model, tracked, batches, device, lr, source, out, co
                     pass
     dropped = tracker.dropped.get(sinks[0], 0)
     disk_error = None
+    # how the run ended, for `conserve report` (a run killed outright stays "running")
+    config["status"] = {0: "finished", 3: "diverged", 130: "interrupted"}.get(code, "failed")
+    try:
+        write_config(out, config)
+    except OSError as e:
+        disk_error = e
     try:
         records = read_metrics(metrics) if metrics.exists() else []
     except OSError as e:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 
 import torch
 
+from ..errors import warn
 from ..tracker import Tracker, eager
 from ..tracking.breakers import unwatch, unwrap_optimizer as _unwrap
 
@@ -103,10 +103,10 @@ class _OutsideStep:
         d["_warned_outside"] = True
         if d.get("tracker") is not None:  # the same change: the tracker's in-place check says no more
             d["tracker"].__dict__["_warned_outside"] = True
-        warnings.warn(f"conserve: {type(opt).__name__}.step() ran outside the optimizer conserve.track returned: "
+        warn(f"conserve: {type(opt).__name__}.step() ran outside the optimizer conserve.track returned: "
                       "that step is not tracked (no row; its change shows in the next tracked step's residual); "
                       "step the tracked optimizer (opt = conserve.track(opt, model), also in GradScaler.step(opt))",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning)
 
 
 def _check_trackable(optimizer) -> None:
@@ -136,9 +136,9 @@ def record_once(owner, tracker, steps: int, scalars: dict) -> None:
     if again:
         if not owner.__dict__.get("_warned_skip"):
             owner.__dict__["_warned_skip"] = True
-            warnings.warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
+            warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
                           "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
-                          "the later ones are not booked", RuntimeWarning, stacklevel=3)
+                          "the later ones are not booked", RuntimeWarning)
         scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
         if not scalars:
             return
@@ -397,11 +397,27 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
     return handle
 
 
+# keyword arguments of ``track`` that go to ``conserve.detect`` (the model's laws detected with them)
+DETECT_OPTIONS = ("example_inputs", "forward_kwargs", "loss", "rope_layout")
+
+
 def make_tracker(model=None, laws=None, **tracker_kwargs) -> Tracker:
     """The tracker ``track`` builds: a ``DistributedTracker`` for DTensor/FSDP/DDP models under
-    ``torch.distributed``, else a ``Tracker`` (keyword arguments as ``Tracker``)."""
+    ``torch.distributed``, else a ``Tracker`` (keyword arguments as ``Tracker``, and the detection options
+    ``DETECT_OPTIONS``, given to ``conserve.detect(model, ...)``)."""
     if model is None and laws is None:
         raise ValueError("track() needs the model (or explicit laws) to know which laws to evaluate")
+    options = {k: tracker_kwargs.pop(k) for k in DETECT_OPTIONS if k in tracker_kwargs}
+    if options:  # detection options: the laws are detected with them
+        if laws is not None:
+            raise ValueError(f"{', '.join(f'{k}=' for k in options)} are options of the laws' detection, but "
+                             "laws= is given: pass them to conserve.detect(model, ...) and its result as laws=, or "
+                             "drop laws=")
+        if model is None:
+            raise ValueError(f"{', '.join(f'{k}=' for k in options)} need the model, to detect its laws")
+        from ..detection import detect
+
+        laws = detect(model, **options)
     from ..tracking.distributed import DistributedTracker, wants_distributed
 
     policy = tracker_kwargs.pop("on_nonfinite", "raise")
@@ -424,10 +440,16 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
             only under softmax cross-entropy).
         **tracker_kwargs: ``every``, ``sinks``, ``drift``, ``drift_every``, ``snapshot_budget``, ``fp64``,
             ``backend``, ``monitors``, ``on_nonfinite``, ``keep_last``, ``cumulative`` (see
-            ``conserve.tracker.Tracker``).  ``cumulative``: keep the per-entry cumulative drift sums that
+            ``conserve.tracker.Tracker``).  ``drift_every``/``snapshot_budget`` default to the exact mode (every
+            law on every step) when the tracked weights are at most ``conserve.tracker.EXACT_MAX_BYTES`` (16 MiB),
+            to the sampled mode (4, 0.04) above; an explicit value wins (one given: the other takes the sampled
+            mode's value).  ``cumulative``: keep the per-entry cumulative drift sums that
             ``totals()``'s decomposition (``decay``/``first``/``second``/``predicted``) needs: 4 law-sized copies
             held for the run; by default (None) only in exact mode (``drift_every=1, snapshot_budget=None``),
             else ``totals()`` gives the sums of per-step norms ``sum_step_<term>`` instead.
+            Detection options (without ``laws``): ``example_inputs`` (what ``forward`` takes, for a model whose
+            input cannot be synthesised), ``forward_kwargs``, ``loss`` (``'ce'``), ``rope_layout``: the laws are
+            ``conserve.detect(model, **options)``.
 
     Returns:
         a ``TrackedOptimizer`` (a ``torch.optim.Optimizer``).

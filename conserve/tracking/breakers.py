@@ -24,12 +24,13 @@ wrapped optimizers get their decay, never a class-name match.
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Mapping
 
 import numpy as np
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
+
+from ..errors import warn
 
 # (module, class, attribute holding the wrapped optimizer); checked only when the module is imported
 _WRAPPERS = (("conserve.optim.wrapper", "TrackedOptimizer", "optimizer"),
@@ -299,9 +300,9 @@ def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str,
     if new:
         warned.update(new)
         shown = "; ".join(f"{n}: {r}" for n, r in new[:3]) + (f"; ... ({len(new) - 3} more)" if len(new) > 3 else "")
-        warnings.warn(f"conserve: {len(new)} law(s) broken by the optimizer's param_groups (still tracked, marked "
+        warn(f"conserve: {len(new)} law(s) broken by the optimizer's param_groups (still tracked, marked "
                       f"broken_by; put each law's parameters in one group to conserve it): {shown}",
-                      BrokenLawWarning, stacklevel=3)
+                      BrokenLawWarning)
         _monitor(tracker)
     return found
 
@@ -335,8 +336,8 @@ def mark_broken(tracker, reason: str, laws=None) -> None:
         marks[n] = reason
     tracker.broken_by = _with_marks(tracker, tracker.__dict__.get("_optimizer_broken") or {})
     _monitor(tracker)
-    warnings.warn(f"conserve: {len(new)} law(s) broken by {reason} (still tracked, marked broken_by)",
-                  BrokenLawWarning, stacklevel=3)
+    warn(f"conserve: {len(new)} law(s) broken by {reason} (still tracked, marked broken_by)",
+                  BrokenLawWarning)
 
 
 def _not_held(tracker, optimizer) -> tuple[int, ...]:
@@ -399,7 +400,7 @@ def check_frozen(tracker) -> None:
     if rest:
         shown.append(f"{', '.join(names[i] for i in rest[:3])}{f' (and {len(rest) - 3} more)' if len(rest) > 3 else ''}"
                      ": only in laws frozen whole (constant from now on) or marked already")
-    warnings.warn(f"conserve: parameter(s) frozen (requires_grad=False) after the tracker was built, seen at step {step}: "
+    warn(f"conserve: parameter(s) frozen (requires_grad=False) after the tracker was built, seen at step {step}: "
                   f"{'; '.join(shown)}; freeze whole laws (every parameter a law reads) to keep the others conserved, "
                   "or build the tracker after freezing (frozen parameters' laws are then declined)",
-                  BrokenLawWarning, stacklevel=4)
+                  BrokenLawWarning)

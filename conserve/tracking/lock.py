@@ -5,7 +5,9 @@ on ``path/.conserve.lock``. A second process asking for the same directory is re
 a ``UsageError`` naming the holder's pid and the fix; the OS drops the lock when the holder exits,
 crashes or is killed, so a stale lock file never blocks a later run. Within one process a path
 may be locked again (nested ``with`` blocks, a CLI that locks the directory and a sink inside it):
-the lock is counted and released with its last holder.
+the lock is counted and released with its last holder, which removes the lock file (POSIX: unlinked
+while still locked; a process that locked the unlinked file meanwhile sees that the path no longer
+names it and locks the new file instead, so two holders never coexist).
 
 Example::
 
@@ -45,6 +47,15 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
+def _names(path: str, fd: int) -> bool:
+    """``path`` still names the file open as ``fd``."""
+    try:
+        at, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
+
+
 class RunDirLock:
     """Exclusive lock on a run directory; a context manager (``acquire()``/``release()`` also work).
 
@@ -81,18 +92,25 @@ class RunDirLock:
                 _held[key][1] += 1
                 self._key = key
                 return self
-            try:
-                fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise UsageError(f"cannot create the lock file {self.file}: {e.strerror}; "
-                                 "choose a writable directory") from None
-            if not _try_lock(fd):
+            for _ in range(100):  # a holder that removes the file as it releases: lock the new file
                 try:
-                    pid = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-                finally:
-                    os.close(fd)
-                raise UsageError(f"{self.path} is in use by another conserve process (pid {pid}): wait for it to "
-                                 f"finish or {self.hint}")
+                    fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError as e:
+                    raise UsageError(f"cannot create the lock file {self.file}: {e.strerror}; "
+                                     "choose a writable directory") from None
+                if not _try_lock(fd):
+                    try:
+                        pid = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                    finally:
+                        os.close(fd)
+                    raise UsageError(f"{self.path} is in use by another conserve process (pid {pid}): wait for it "
+                                     f"to finish or {self.hint}")
+                if _names(key, fd):
+                    break
+                os.close(fd)  # the file was removed by its last holder after we opened it
+            else:  # pragma: no cover - the file removed under us again and again
+                raise UsageError(f"cannot lock {self.file}: it is removed each time it is opened; "
+                                 f"wait for the other conserve processes on {self.path} to finish or {self.hint}")
             try:  # the holder's pid, for the message above (best effort: the lock is what counts)
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())
@@ -113,6 +131,12 @@ class RunDirLock:
             entry[1] -= 1
             if entry[1] == 0:
                 del _held[key]
+                if fcntl is not None:  # removed while still locked (a waiting process then re-checks the path)
+                    try:
+                        if _names(key, entry[0]):
+                            os.unlink(key)
+                    except OSError:
+                        pass
                 os.close(entry[0])  # closing the descriptor drops the OS lock
 
     def __enter__(self) -> "RunDirLock":

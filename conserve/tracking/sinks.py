@@ -15,15 +15,15 @@ import json
 import math
 import os
 import re
-import warnings
 import weakref
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, warn
 from ..report import json_safe
 from .lock import RunDirLock
 
-__all__ = ["JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "RunDirLock", "tensorboard_available"]
+__all__ = ["JSONLSink", "MemorySink", "TensorBoardSink", "WandbSink", "RunDirLock", "section_tag",
+           "tensorboard_available"]
 
 _TB_SUFFIX = ".conserve"  # conserve's TensorBoard event files (``filename_suffix``)
 _OPEN: dict[str, "weakref.ref[JSONLSink]"] = {}  # realpath -> the JSONLSink of this process writing it
@@ -99,9 +99,9 @@ class JSONLSink:
         other = other() if other is not None else None
         if other is not None and getattr(other, "_fd", None) is not None:
             other._superseded = True
-            warnings.warn(f"conserve: {self.path} was still open in another JSONLSink of this process (another "
+            warn(f"conserve: {self.path} was still open in another JSONLSink of this process (another "
                           "tracker, or an earlier one not closed): that one stops writing, its rows stay in its "
-                          "tracker (tracker.unwritten); give each tracker its own file", RuntimeWarning, stacklevel=4)
+                          "tracker (tracker.unwritten); give each tracker its own file", RuntimeWarning)
         _OPEN[key] = weakref.ref(self)
         self._key = key
 
@@ -133,9 +133,8 @@ class JSONLSink:
                 offset += len(line)
         if cut is not None:
             os.ftruncate(self._fd, cut)
-            warnings.warn(f"conserve: {self.path} held {dropped} row(s) from step {first_new} on, left by an earlier "
-                          f"run; they were cut off so the series continues from step {first_new}", RuntimeWarning,
-                          stacklevel=3)
+            warn(f"conserve: {self.path} held {dropped} row(s) from step {first_new} on, left by an earlier "
+                          f"run; they were cut off so the series continues from step {first_new}", RuntimeWarning)
         self._started = True
 
     def write(self, step: int, metrics: dict) -> None:
@@ -144,9 +143,9 @@ class JSONLSink:
                                "kept by its tracker: give each tracker its own file")
         if self._fd is not None and not self._same_file():
             self.close()
-            warnings.warn(f"conserve: {self.path} was deleted, moved or replaced while this JSONLSink had it open; "
+            warn(f"conserve: {self.path} was deleted, moved or replaced while this JSONLSink had it open; "
                           f"reopened it at that path: its rows start at step {step} (the earlier ones are wherever "
-                          "the old file went)", RuntimeWarning, stacklevel=3)
+                          "the old file went)", RuntimeWarning)
         if self._fd is None:
             self._open()
         if not self._started:
@@ -207,8 +206,48 @@ class MemorySink:
         pass
 
 
+_FAMILY_KINDS = ("eps", "drift", "control", "broken")  # ``<kind>/<family>[/...]`` metric keys
+_LAYER = re.compile(r"^(.*?)(\d+)(?:-(\d+))?$")
+
+
+def _pad(part: str) -> str:
+    """``layer3`` -> ``layer03``, ``2-3`` -> ``02-03``: layer series sort in layer order up to 99 layers."""
+    m = _LAYER.match(part)
+    if not m:
+        return part
+    head, a, b = m.groups()
+    return f"{head}{int(a):02d}" + (f"-{int(b):02d}" if b is not None else "")
+
+
+def section_tag(key: str, prefix: str = "conserve") -> str:
+    """The dashboard tag of a metric key, one section per law family and one per family's layer series, so
+    a 32-layer model stays browsable (TensorBoard and W&B group panels by the part before the first ``/``):
+
+    ``eps/<family>`` -> ``conserve_<family>/eps``; ``drift/<family>/<term>`` -> ``conserve_<family>/drift_<term>``;
+    ``control/<family>``, ``broken/<family>``, ``eps/<family>/global`` -> ``conserve_<family>/control`` (...,
+    ``eps_global``); ``eps/<family>/layer3`` -> ``conserve_<family>_layers/layer03`` (another kind per layer:
+    ``<kind>_layer03``); ``continuity/<metric>/<type>/<a>-<b>`` -> ``conserve_continuity_<metric>_layers/<type>_<a>-<b>``,
+    ``continuity/<metric>/<type>`` -> ``conserve_continuity/<metric>_<type>``; anything else (``loss``, your
+    ``record`` scalars, ``sinks/dropped_rows``) -> ``conserve/<key>``."""
+    parts = key.split("/")
+    kind = parts[0]
+    if kind in _FAMILY_KINDS and len(parts) >= 2:
+        fam, rest = parts[1], parts[2:]
+        if rest and _LAYER.match(rest[-1]) and rest[-1] != "global":
+            tag = "_".join(([] if kind == "eps" else [kind]) + rest[:-1] + [_pad(rest[-1])])
+            return f"{prefix}_{fam}_layers/{tag}"
+        return f"{prefix}_{fam}/" + "_".join([kind, *rest])
+    if kind == "continuity" and len(parts) >= 3:
+        if len(parts) >= 4:
+            return f"{prefix}_continuity_{parts[1]}_layers/" + "_".join(parts[2:-1] + [_pad(parts[-1])])
+        return f"{prefix}_continuity/" + "_".join(parts[1:])
+    return f"{prefix}/{key}"
+
+
 class TensorBoardSink:
-    """Scalars under the same keys, prefixed ``conserve/``. Needs ``tensorboard`` (pip extra ``tensorboard``).
+    """Scalars in one section per law family (``section_tag``: ``conserve_<family>/eps``,
+    ``conserve_<family>/drift_second``, ``conserve_<family>_layers/layer03``, ``conserve/loss``). Needs
+    ``tensorboard`` (pip extra ``tensorboard``).
 
     The event writer opens at the first row (or ``resume``) with ``purge_step`` at that step, so
     events an earlier run left at or after it are discarded by TensorBoard: one series per tag,
@@ -242,7 +281,7 @@ class TensorBoardSink:
         w = self._open(step)
         for k, v in metrics.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                w.add_scalar(f"conserve/{k}", v, step)
+                w.add_scalar(section_tag(k), v, step)
 
     def close(self) -> None:
         w, self._w = self._w, None
@@ -256,6 +295,10 @@ class TensorBoardSink:
 
 class WandbSink:
     """Logs to the active W&B run (``wandb.init`` first). Needs ``wandb`` (pip extra ``wandb``).
+
+    Keys as TensorBoard's, one section per law family (``section_tag``: ``conserve_<family>/eps``,
+    ``conserve_<family>_layers/layer03``, ``conserve/loss``), with ``prefix="conserve/"`` (the default; another
+    prefix ending in ``/`` names the sections alike; any other prefix is put before each metric key as it is).
 
     Rows are logged against their own x-axis ``conserve/step`` (``run.define_metric("conserve/*",
     step_metric="conserve/step")``), never with ``step=``: W&B drops a row whose ``step=`` is below
@@ -272,9 +315,11 @@ class WandbSink:
         if self._run is None:
             raise UsageError("no active W&B run: call wandb.init(...) before creating WandbSink")
         self.prefix = prefix
+        # "conserve/" (a section name and "/"): one section per family (section_tag); any other prefix: prefix + key
+        self._base = prefix[:-1] if prefix.endswith("/") and len(prefix) > 1 else None
         self.step_metric = f"{prefix}step"
         self._run.define_metric(self.step_metric, hidden=True)
-        self._run.define_metric(f"{prefix}*", step_metric=self.step_metric)
+        self._run.define_metric(f"{self._base or prefix}*", step_metric=self.step_metric)
 
     def __repr__(self) -> str:
         return f"WandbSink(run={getattr(self._run, 'id', None)!r})"
@@ -283,7 +328,8 @@ class WandbSink:
         if getattr(self._run, "_is_finished", False):  # W&B would only say "the call to `log` will be ignored"
             raise RuntimeError(f"the W&B run {getattr(self._run, 'id', '')} is finished: close the tracker "
                                "(tracker.close()) before wandb.finish(), or pass a live run")
-        row = {f"{self.prefix}{k}": v for k, v in metrics.items() if k != "step"}
+        row = {section_tag(k, self._base) if self._base else f"{self.prefix}{k}": v
+               for k, v in metrics.items() if k != "step"}
         row[self.step_metric] = step
         self._run.log(row)
 
