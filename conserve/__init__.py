@@ -6,10 +6,6 @@ The path: model -> laws (``model.conservation_laws()`` or ``conserve.detect``) -
 The public names below are imported on first use (PEP 562), so ``import conserve`` and the command
 line's ``--help`` do not pay for importing torch until a name that needs it is touched.
 """
-from __future__ import annotations
-
-import importlib
-
 __version__ = "0.1.0"
 
 # public name -> (module, attribute)
@@ -22,6 +18,7 @@ _EXPORTS = {
     "compile_laws": ("conserve.laws", "compile_laws"),
     "evaluate_laws": ("conserve.laws", "evaluate_laws"),
     "verify": ("conserve.analysis.verify", "verify"),
+    "check_gradients": ("conserve.analysis.gradcheck", "check_gradients"),
     "JSONLSink": ("conserve.sinks", "JSONLSink"),
     "MemorySink": ("conserve.sinks", "MemorySink"),
     "TensorBoardSink": ("conserve.sinks", "TensorBoardSink"),
@@ -29,12 +26,20 @@ _EXPORTS = {
     "detect": ("conserve.detection", "detect"),
     "count": ("conserve.counting", "count_laws"),
     "discover": ("conserve.analysis.discover", "discover"),
+    # the errors a user can catch (conserve.errors; importing it does not import torch)
+    "UsageError": ("conserve.errors", "UsageError"),
+    "UnsupportedModelError": ("conserve.errors", "UnsupportedModelError"),
+    "NonFiniteError": ("conserve.errors", "NonFiniteError"),
+    "DivergenceError": ("conserve.errors", "DivergenceError"),
+    "StaleParameterError": ("conserve.errors", "StaleParameterError"),
 }
 
 __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
+    import importlib
+
     if name in _EXPORTS:
         module, attr = _EXPORTS[name]
         value = getattr(importlib.import_module(module), attr)
@@ -52,4 +57,5 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    """The public names (``__all__``), the submodules imported so far and the module's dunders."""
+    return sorted({k for k in globals() if not k.startswith("_") or k.startswith("__")} | set(_EXPORTS))
