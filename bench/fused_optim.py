@@ -11,11 +11,13 @@ Prints, in one run (median of CUDA-event timings):
   whole training step (forward+backward in bf16 autocast + optimizer) tracked vs untracked (goal: within
   0.2%).  Also a GPU parity check: 20 steps of FusedAdamW vs torch foreach AdamW (fp32 max relative
   error, bf16 fraction of bitwise-equal elements) and the overlap parity (``overlap=True`` vs serial: bitwise
-equal weights, state and rows; ``overlap_parity`` lines).  Appends one CSV row per figure to --csv.
+equal weights, optimizer and tracker state, last terms and rows, with a serial-vs-serial control;
+``overlap_parity`` lines).  Appends one CSV row per figure to --csv.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import datetime
 import gc
@@ -128,54 +130,96 @@ def parity(device, lines):
     lines.append(("tracked_triton_vs_twin", f"max rel diff of law terms {worst:.2e}, residual/|h| {res:.2e}"))
 
 
-def overlap_parity(device, lines):
-    """``overlap=True`` vs the serial ordering on the GPU: the same bits (weights, optimizer state with
-    the tracker's h / cumulative, every metric row), Triton kernels, fp32 accumulation (the DRIFT pass
-    itself), drift on every step and every 2nd, the whole snapshot and the round-robin budget, and the
-    uncapped DRIFT grid.  A 2-layer model with D = 128 heads large enough that the pass has more items
-    than the device has SMs (the one-program-per-SM cap splits its launches)."""
-    import copy
-
+def _overlap_run(device, cfg, x, every, budget, overlap, uncapped, steps):
+    """One tracked FusedAdamW run: weights, optimizer state (tracker state apart), tracker state, the
+    last h and terms, the metric rows, whether a side stream was used."""
     from conserve.kernels import Config
-    from conserve.models.lm import DecoderLM, LMConfig
+    from conserve.models.lm import DecoderLM
     from conserve.optim import FusedAdamW
 
-    cfg = LMConfig(vocab_size=256, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                   head_dim=128, intermediate_size=2048)
-    x = torch.randint(0, 256, (2, 64), device=device, generator=torch.Generator(device).manual_seed(0))
-    worst = []
-    for every, budget, uncapped in ((1, None, False), (2, 0.05, False), (1, None, True)):
-        runs = []
-        for overlap in (False, True):
-            with torch.device(device):
-                torch.manual_seed(0)
-                m = DecoderLM(cfg)
-            opt = FusedAdamW(m.parameters(), lr=1e-3, weight_decay=0.1, track=m, every=1000, drift_every=every,
-                             snapshot_budget=budget, overlap=overlap)
-            if uncapped:
-                opt._drift_config = Config()
-            for _ in range(4):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
-                opt.step()
-            rows = opt.tracker.flush()
-            runs.append(([p.detach().clone() for p in m.parameters()], copy.deepcopy(opt.state_dict()), rows,
-                         opt._side is not None))
-            opt.close()
-            free(opt, m)
-        (pa, sa, ra, _), (pb, sb, rb, side) = runs
-        bad = [i for i, (a, b) in enumerate(zip(pa, pb)) if not torch.equal(a, b)]
-        flat = lambda sd: [t for t in _tensors(sd)]  # noqa: E731
-        bad_state = sum(1 for a, b in zip(flat(sa), flat(sb)) if not torch.equal(a, b))
-        bad_rows = sum(1 for a, b in zip(ra, rb) for k in a
-                       if not (a[k] == b[k] or (a[k] != a[k] and b[k] != b[k])))
-        ok = not bad and not bad_state and not bad_rows and len(ra) == len(rb) == 4 and side
-        worst.append(ok)
-        lines.append((f"overlap_parity every={every} budget={budget}{' uncapped' if uncapped else ''}",
-                      "bitwise equal weights, state, rows" if ok else
-                      f"FAILED: {len(bad)} weights, {bad_state} state tensors, {bad_rows} row values differ"
-                      f"{'' if side else ' (no side stream was used)'}"))
-    return all(worst)
+    with torch.device(device):
+        torch.manual_seed(0)
+        m = DecoderLM(cfg)
+    opt = FusedAdamW(m.parameters(), lr=1e-3, weight_decay=0.1, track=m, every=1000, drift_every=every,
+                     snapshot_budget=budget, overlap=overlap, keep_last=True)
+    if uncapped:
+        opt._drift_config = Config()
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+    last = {k: (v.vec.clone(), {d: g.clone() for d, g in v.grams.items()}) for k, v in opt.tracker.last.items()}
+    rows = opt.tracker.flush()
+    sd = copy.deepcopy(opt.state_dict())
+    out = dict(weights=[p.detach().clone() for p in m.parameters()], tracker=sd.pop("conserve", {}), state=sd,
+               last=last, rows=rows, side=opt._side is not None)
+    opt.close()
+    free(opt, m)
+    return out
+
+
+def _overlap_diff(a, b) -> dict:
+    """Counts of differing weights, optimizer state tensors, tracker state tensors, last h / terms
+    tensors and metric row values between two ``_overlap_run`` results (bitwise)."""
+    eq = lambda u, v: u.shape == v.shape and u.dtype == v.dtype and torch.equal(u, v)  # noqa: E731
+    cnt = lambda u, v: sum(1 for s, t in zip(_tensors(u), _tensors(v)) if not eq(s, t))  # noqa: E731
+    rows = sum(1 for ra, rb in zip(a["rows"], b["rows"]) for k in ra
+               if not (ra[k] == rb.get(k) or (ra[k] != ra[k] and rb.get(k) != rb.get(k))))
+    rows += abs(len(a["rows"]) - len(b["rows"]))
+    return dict(weights=cnt(a["weights"], b["weights"]), state=cnt(a["state"], b["state"]),
+                tracker=cnt(a["tracker"], b["tracker"]), last=cnt(a["last"], b["last"]), rows=rows)
+
+
+def _fmt_diff(d: dict) -> str:
+    return (f"{d['weights']} weights, {d['state']} optimizer state tensors, {d['tracker']} tracker state tensors, "
+            f"{d['last']} last h/term tensors, {d['rows']} row values differ")
+
+
+OVERLAP_CASES = ((1, None, False), (2, 0.05, False), (1, None, True))  # (drift_every, snapshot_budget, uncapped)
+
+
+def overlap_parity(device, lines, cfg=None, steps=4, cases=OVERLAP_CASES, deterministic=True):
+    """``overlap=True`` vs the serial ordering: the same bits (weights, optimizer state, the tracker's
+    state, its last h and drift terms, every metric row), Triton kernels, fp32 accumulation (the DRIFT
+    pass itself), drift on every step and every 2nd, the whole snapshot and the round-robin budget,
+    and the uncapped DRIFT grid.  Default model: 2 layers with D = 128 heads large enough that the
+    pass has more items than an H100/H200 has SMs (the one-program-per-SM cap splits its launches).
+
+    Control: a second serial run of each case.  Where two serial runs already differ, a difference of
+    the overlap run is not attributable to the ordering (the line says so).  ``deterministic``: the
+    runs use ``torch.use_deterministic_algorithms(True, warn_only=True)`` (CUDA ``index_add_`` -- the
+    tracker's per-family sums of the metric rows -- otherwise adds with atomics in no fixed order).
+    Appends ``(name, result)`` lines; returns True when every case is bitwise equal with a side stream."""
+    from conserve.models.lm import LMConfig
+
+    cfg = cfg or LMConfig(vocab_size=256, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=128, intermediate_size=2048)
+    device = torch.device(device)
+    x = torch.randint(0, cfg.vocab_size, (2, 64), device=device, generator=torch.Generator(device).manual_seed(0))
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    ok_all = True
+    try:
+        for every, budget, uncapped in cases:
+            name = f"overlap_parity every={every} budget={budget}{' uncapped' if uncapped else ''}"
+            serial = _overlap_run(device, cfg, x, every, budget, False, uncapped, steps)
+            control = _overlap_run(device, cfg, x, every, budget, False, uncapped, steps)
+            over = _overlap_run(device, cfg, x, every, budget, True, uncapped, steps)
+            dc, do = _overlap_diff(serial, control), _overlap_diff(serial, over)
+            ok = not any(do.values()) and over["side"]
+            ok_all &= ok
+            if ok:
+                msg = "bitwise equal weights, state, tracker state, last terms, rows"
+            else:
+                msg = f"FAILED: {_fmt_diff(do)}" + ("" if over["side"] else " (no side stream was used)")
+            if any(dc.values()):
+                msg += f"; CONTROL serial vs serial also differs ({_fmt_diff(dc)}): not attributable to overlap"
+            lines.append((name, msg))
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+    return ok_all
 
 
 def _tensors(obj):

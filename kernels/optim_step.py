@@ -21,7 +21,7 @@ within one batch entry (axis ``col``: ``B*C`` slots).  A NormTerm over whole row
 Triton path (``step_triton``): ONE launch of ``_step_kernel`` per (group, dtype): a program per
 ``(tensor, batch, row block RB, column block CB)`` reads ``param, grad, state`` once, writes the new
 ``param, state`` and per-program partial row sums (one per CB columns) and column sums (one per RB
-rows) into a buffer; ``_finish_kernel`` sums the partials in a fixed order (no atomics:
+rows) into a buffer; ``_finish_kernel`` sums the partials in float64 in a fixed order (no atomics:
 deterministic).  Torch twin (``step_reference``): the same math op by op, as ``torch.optim`` does it
 (``_single_tensor_adam`` / ``_single_tensor_sgd``; on CPU the ``foreach`` path runs the same ops), and
 the same statistics with torch reductions (``stats_reference``); ``step_stats_reference`` runs both on
@@ -226,12 +226,31 @@ def _view3(t: torch.Tensor | None, B: int, R: int, C: int) -> torch.Tensor | Non
 
 
 def _sumsq(x: torch.Tensor, axis: int, chunk: int = _CHUNK) -> torch.Tensor:
-    """``(x * x).sum(axis)`` of a ``(B, R, C)`` tensor without a full-size temporary: rows (axis 2) by
-    ``vector_norm`` (one pass), columns (axis 1) over row chunks of at most ``chunk`` elements (one row
-    of each entry at least)."""
-    if axis == 2:
-        return torch.linalg.vector_norm(x, dim=2).square()
+    """``(x * x).sum(axis)`` of a ``(B, R, C)`` tensor without a full-size temporary: the squares of at
+    most ``chunk`` elements at a time (one row of each entry at least for columns, axis 1), each summed
+    by ``torch.sum`` (cascade summation: its error does not grow with the length of the sum, whereas
+    ``vector_norm``'s running sums lose digits on long rows of near-equal values); the pieces of a row
+    longer than ``chunk`` (axis 2) or of a column (axis 1) are added in order."""
     B, R, C = x.shape
+    if axis == 2:
+        if B * R * C <= chunk:
+            return x.square().sum(2)
+        if C > chunk:  # long rows: column pieces of every row
+            acc = x[:, :, :chunk].square().sum(2)
+            for c0 in range(chunk, C, chunk):
+                acc += x[:, :, c0:c0 + chunk].square().sum(2)
+            return acc
+        out = torch.empty(B, R, dtype=x.dtype, device=x.device)
+        step = max(1, chunk // C)
+        if step >= R:  # whole entries at a time
+            nb = max(1, chunk // (R * C))
+            for b0 in range(0, B, nb):
+                torch.sum(x[b0:b0 + nb].square(), 2, out=out[b0:b0 + nb])
+            return out
+        for b in range(B):
+            for r0 in range(0, R, step):
+                torch.sum(x[b, r0:r0 + step].square(), 1, out=out[b, r0:r0 + step])
+        return out
     step = max(1, chunk // max(1, B * C))
     if step >= R:
         return x.square().sum(1)
@@ -672,7 +691,10 @@ def _kernels():
 
         @triton.jit
         def _finish_kernel(part, NP, stats, NS, table, BF: tl.constexpr, FP64: tl.constexpr):
-            """Row ``pid0`` of ``table`` = ``[off, nrows, F, out]``: ``stats[q, out + f] = sum_i part[q, off + i*F + f]``."""
+            """Row ``pid0`` of ``table`` = ``[off, nrows, F, out]``: ``stats[q, out + f] = sum_i part[q, off + i*F + f]``,
+            summed in float64 whatever the partials' dtype (a row of many column blocks, or a column of many
+            row blocks, has thousands of partials of similar size: an fp32 running sum loses digits), rounded
+            once to ``stats``' dtype; ``FP64`` is not read."""
             pid = tl.program_id(0).to(tl.int64)
             tr = table + pid * tables.STEP_FINISH.COLS
             off = tl.load(tr + tables.STEP_FINISH.OFF)
@@ -681,13 +703,12 @@ def _kernels():
             out = tl.load(tr + tables.STEP_FINISH.OUT)
             f = tl.program_id(1).to(tl.int64) * BF + tl.arange(0, BF)
             mf = f < F
-            ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
             src, dst = part, stats  # quantity q's rows: NP / NS added per q to the pointers (no int32 q * NP)
             for q in tl.static_range(4):
-                acc = tl.zeros([BF], dtype=ACC)
+                acc = tl.zeros([BF], dtype=tl.float64)
                 for i in range(0, nrows):
-                    acc += tl.load(src + off + i * F + f, mask=mf, other=0.0)
-                tl.store(dst + out + f, acc, mask=mf)
+                    acc += tl.load(src + off + i * F + f, mask=mf, other=0.0).to(tl.float64)
+                tl.store(dst + out + f, acc.to(dst.dtype.element_ty), mask=mf)
                 src += NP
                 dst += NS
 

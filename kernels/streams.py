@@ -18,7 +18,12 @@ again, on that stream, as soon as it is freed.  So
   outputs) are marked with ``record_stream(main)`` in ``join``: their blocks are not reused before the
   main stream's work queued so far has finished;
 * nothing is freed on the side stream that the main stream still uses: the side stream only allocates
-  and frees its own temporaries.
+  and frees its own temporaries;
+* nothing allocated on the side stream outlives the join but the outputs given to ``join``: a cache
+  filled on the side stream and read later on the main stream (e.g. the torch twin's per-plan index
+  structures, ``kernels.reference``) would hand its blocks back to the side stream's pool when dropped,
+  while the main stream may still read them (the fused optimizers run the torch twin's pass in place;
+  ``tests/test_fused_overlap.py`` checks these rules with a recording fake).
 
 The side stream is private to its owner and every use of it starts with ``fork`` (a wait on the main
 stream's progress so far), so a freed output block could be reused on the side stream only after the

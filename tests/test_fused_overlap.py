@@ -446,3 +446,216 @@ def test_stream_path_triton_no_host_copies_on_the_side_stream(monkeypatch):
     assert opt._fp.rest is not None and not opt._fp.rest.norms and not opt._fp.rest.sums  # Gram terms only
     assert sum(1 for e in api.log if e == ("enter", "side")) == 2
     assert on_side and not any(on_side)  # copies were made, none of them on the side stream
+
+
+# ------------------------------------------------------------- allocation / stream ownership (fake)
+_METADATA = frozenset({"__get__", "__set__", "data_ptr", "untyped_storage", "storage_offset", "stride", "size", "dim",
+                       "numel", "element_size", "is_contiguous", "record_stream", "__len__", "__hash__", "__eq__",
+                       "__repr__", "__format__", "dtype", "device", "shape"})
+
+
+class _OwnershipApi(_FakeApi):
+    """The recording fake plus the caching allocator's stream rules, checked on every torch call
+    (``TorchFunctionMode``) between a fork and the join and after it.  A storage belongs to the
+    stream current when it first appears as a new allocation (a tensor output whose storage is not
+    a live one seen before).  Violations (``self.violations``):
+
+    * ``freed-before-join``: a storage of the main stream used on the side stream and freed before the
+      join (the allocator hands its block out again on the main stream while the side still reads it);
+    * ``shared-in-window``: one storage used by both streams between the fork and the join (a race
+      unless both only read it; the overlap ordering gives the two streams disjoint tensors);
+    * ``side-alloc-used-on-main``: a storage allocated on the side stream used on the main stream after
+      the join without ``record_stream(main)`` (its block may be reused on the side stream while the
+      main stream still uses it), e.g. optimizer state or a cached table created inside the side context.
+
+    Triton launches are not torch calls: with the Triton backend only the allocations are seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.owner = {}  # storage key -> (stream name, StorageWeakRef)
+        self.side_used = {}  # storage key -> (StorageWeakRef, owner) used on the side stream this window
+        self.main_used = set()  # storage keys used on the main stream this window
+        self.recorded = set()  # storage keys given record_stream(main)
+        self.window = False
+        self.violations = []
+        self.windows = 0
+
+    @staticmethod
+    def _key(t):
+        return t.untyped_storage().data_ptr(), t.device.type
+
+    def _seen(self, ts, new):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        cur = self.cur.name
+        for t in ts:
+            if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+                continue
+            k = self._key(t)
+            own = self.owner.get(k)
+            if own is not None and own[1].expired():  # a freed storage's address given to a new one
+                was = self.side_used.pop(k, None)
+                if was is not None and was[1] == "main":
+                    self.violations.append(("freed-before-join", tuple(t.shape)))
+                self.main_used.discard(k)
+                self.recorded.discard(k)
+                own = None
+            if own is None:
+                if not new:  # an input never seen as an output (made before the check started): main's
+                    own = self.owner[k] = ("main", StorageWeakRef(t.untyped_storage()))
+                else:
+                    own = self.owner[k] = (cur, StorageWeakRef(t.untyped_storage()))
+            if self.window:
+                if cur == "side":
+                    self.side_used.setdefault(k, (own[1], own[0]))
+                    if k in self.main_used:
+                        self.violations.append(("shared-in-window", tuple(t.shape)))
+                else:
+                    self.main_used.add(k)
+                    if k in self.side_used:
+                        self.violations.append(("shared-in-window", tuple(t.shape)))
+            elif cur == "main" and own[0] == "side" and k not in self.recorded:
+                self.violations.append(("side-alloc-used-on-main", tuple(t.shape)))
+
+    def mode(self):
+        from torch.overrides import TorchFunctionMode
+
+        api = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if getattr(func, "__name__", "") in _METADATA:  # no access to the data
+                    return func(*args, **kwargs)
+                ins = list(streams.tensors_of((list(args), kwargs)))
+                api._seen(ins, new=False)
+                out = func(*args, **kwargs)
+                api._seen([t for t in streams.tensors_of(out) if isinstance(t, torch.Tensor)], new=True)
+                return out
+
+        return Mode()
+
+    def wait(self, stream, event):
+        super().wait(stream, event)
+        if stream.name == "side":  # the fork
+            self.window, self.windows = True, self.windows + 1
+            self.side_used, self.main_used = {}, set()
+        else:  # the join
+            for k, (ref, own) in self.side_used.items():
+                if own == "main" and ref.expired():
+                    self.violations.append(("freed-before-join", k))
+            self.window = False
+            self.side_used, self.main_used = {}, set()
+
+    def record_stream(self, t, stream):
+        super().record_stream(t, stream)
+        if stream.name == "main":
+            self.recorded.add(self._key(t))
+
+
+def _ownership_run(backend, every, budget, spy_extra=None):
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    mk = None if backend == "torch" else dict(hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=1)
+    tk = dict(drift_every=every, snapshot_budget=budget, backend=backend)
+    steps = 4 if backend == "torch" else 2
+    api = _OwnershipApi()
+
+    def spy(o):
+        o._stream_api = api
+
+    with api.mode():
+        got, _ = _run(FusedAdamW, kw, True, steps, model_kw=mk, spy=spy, **tk)
+    return got, api, (kw, mk, tk, steps)
+
+
+@pytest.mark.parametrize("backend,every,budget", [("torch", 2, 0.05), ("triton", 1, None)])
+def test_stream_ownership_on_a_fake_stream(backend, every, budget):
+    """The overlap ordering through the stream path under ``_OwnershipApi``: no storage of the main
+    stream freed while the side stream uses it, no storage used by both streams between the fork and
+    the join, no side-stream allocation used on the main stream without ``record_stream`` -- and the
+    serial ordering's bits."""
+    got, api, (kw, mk, tk, steps) = _ownership_run(backend, every, budget)
+    ref, _ = _run(FusedAdamW, kw, False, steps, model_kw=mk, **tk)
+    _same(got, ref)
+    assert api.windows == len(range(0, steps, every))
+    assert not api.violations, api.violations[:5]
+
+
+def test_torch_twin_pass_stays_on_the_callers_stream():
+    """The torch twin's pass over the whole snapshot, put on the (fake) side stream, builds the index
+    structures of ``kernels.reference`` that the every-step evaluation then reuses on the main stream
+    (``side-alloc-used-on-main``: freed later, their blocks would go back to the side stream's pool while
+    the main stream may still read them).  So without a test's api (CUDA) only a Triton pass is given
+    the side stream; the twin's runs in place."""
+    _, api, _ = _ownership_run("torch", 1, None)
+    assert api.violations and {v[0] for v in api.violations} == {"side-alloc-used-on-main"}
+    for backend, wants in (("torch", False), ("triton", True)):
+        asked = []
+        mk = None if backend == "torch" else dict(hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+                                                  num_attention_heads=2, num_key_value_heads=1)
+
+        def spy(o):
+            real = o._side_stream
+            o._side_stream = lambda: asked.append(1) or real()
+
+        _run(FusedAdamW, dict(lr=1e-2, weight_decay=0.1), True, 1, model_kw=mk, spy=spy, drift_every=1,
+             snapshot_budget=None, backend=backend)
+        assert bool(asked) == wants, backend
+
+
+def test_ownership_fake_catches_the_hazards():
+    """``_OwnershipApi`` itself: each of its three rules fires on a minimal breach."""
+    api = _OwnershipApi()
+    side = streams.SideStream("cpu", api)
+    with api.mode():
+        x = torch.ones(4)  # main
+        main = side.fork()
+        with side.on_side():
+            y = x * 2  # side reads x; y: a side allocation
+        x.add_(1)  # main writes x meanwhile
+        del x  # and frees it before the join
+        side.join(main)
+        z = y + 1  # main uses a side allocation that was not recorded
+    kinds = {v[0] for v in api.violations}
+    assert kinds == {"shared-in-window", "freed-before-join", "side-alloc-used-on-main"}, api.violations
+    del z
+    api = _OwnershipApi()
+    side = streams.SideStream("cpu", api)
+    with api.mode():
+        x = torch.ones(4)
+        main = side.fork()
+        with side.on_side():
+            y = x * 2
+        side.join(main, [y])
+        z = y + x
+    assert not api.violations, api.violations
+
+
+def test_overlap_warns_once_on_cuda(monkeypatch):
+    """``overlap=True`` with the CUDA stream api warns once (``RuntimeWarning``) that the ordering is not
+    shown bit-identical on CUDA and not faster; a test's fake api does not warn."""
+    import warnings
+
+    class _Side:
+        def __init__(self, device, api):
+            self.api = api
+
+    monkeypatch.setattr(F, "_OVERLAP_WARNED", False)
+    monkeypatch.setattr(F.streams, "SideStream", _Side)
+    m = lm()
+    o1 = FusedAdamW(m.parameters(), lr=1e-2, track=m, overlap=True)
+    o2 = FusedAdamW(m.parameters(), lr=1e-2, track=m, overlap=True)
+    o1._stream_api = o2._stream_api = streams.CUDA
+    with pytest.warns(RuntimeWarning, match="not shown bit-identical") as rec:
+        o1._side_stream()
+        o2._side_stream()
+    assert sum(issubclass(w.category, RuntimeWarning) and "overlap=True" in str(w.message) for w in rec) == 1
+    o3 = FusedAdamW(m.parameters(), lr=1e-2, track=m, overlap=True)
+    o3._stream_api = _FakeApi()
+    monkeypatch.setattr(F, "_OVERLAP_WARNED", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        o3._side_stream()
+    for o in (o1, o2, o3):
+        o.close()

@@ -49,18 +49,24 @@ Without ``track``/``laws`` they are plain (fused) optimizers.  What one tracked 
   ``step`` runs outside ``torch.compile`` graphs (``torch.compiler.disable``): compiling
   it, or a training step that calls it, gives the eager update.
 
-Overlap (``overlap=True``; default False): on a drift step the tensors the DRIFT pass reads (the
-snapshot's Gram-law views: ``q/k/v/o_proj``) are stepped first, then the pass runs, then the other
-tensors are stepped.  On CUDA the pass goes to a side stream (``conserve.kernels.streams``: high
+Overlap (``overlap=True``; default False, keep it off on CUDA): on a drift step the tensors the DRIFT
+pass reads (the snapshot's Gram-law views: ``q/k/v/o_proj``) are stepped first, then the pass runs, then
+the other tensors are stepped.  On CUDA a Triton pass goes to a side stream (the torch twin's pass runs
+in place: its cached index structures would be side-stream allocations read on the caller's stream;
+``_drift_early``) (``conserve.kernels.streams``: high
 priority, waiting on an event recorded after those tensors' step; its host->device copies are made
 first, on the caller's stream, ``kernels.prepare_drift``) while the caller's stream steps the rest
 (memory-bound: the MLP and embedding weights), and the caller's stream waits on the side stream
 before ``_record`` assembles the terms; the snapshot copies stay referenced until then and the pass's
-outputs are ``record_stream``-ed on the caller's stream.  Everywhere the weights, optimizer state and
-every tracker row and cumulative are the very bits of the serial ordering (same kernels, same inputs;
-``tests/test_fused_overlap.py`` on CPU, ``bench/fused_optim.py``'s overlap parity on a GPU).  Off by
-default until a GPU run has measured it (``bash bench/gpu_check.sh``: parity and the A/B of (d)).  If
-the pass raises, the rest of the weights are still stepped, then the error propagates (no row).
+outputs are ``record_stream``-ed on the caller's stream.  On CPU (no streams: the pass runs in place)
+the weights, optimizer state and every tracker row and cumulative are the very bits of the serial
+ordering (``tests/test_fused_overlap.py``, with a recording fake of the stream api that also checks
+which stream allocates, reads and frees each tensor).  On CUDA it is NOT shown bit-identical to the
+serial ordering (the GPU parity check, ``bench.overlap_check`` / ``bench.fused_optim``'s
+``overlap_parity``, found law values and rows that differ, weights equal) and it was not faster than
+the serial ordering (measured on an H200): the first overlapped drift step on CUDA warns once
+(``RuntimeWarning``); use the default ``overlap=False``.  If the pass raises, the rest of the weights
+are still stepped, then the error propagates (no row).
 
 The three drift terms are computed directly (not as residuals), so the tracker's ``residual`` checks
 the identity at run time.  GradScaler: these optimizers do not set ``_step_supports_amp_scaling``,
@@ -71,6 +77,7 @@ needs ``TRITON_INTERPRET=1`` on CPU).
 """
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
@@ -103,6 +110,21 @@ FUSED_DRIFT_EVERY = 10
 # large model folds few groups (few ops: the per-op cost of a fold after a tensor's step, ~10-20 us,
 # is paid per group), a small one tensor by tensor (its buffer of every line would be ~14% of it)
 STATS_BUDGET = 0.01
+
+
+_OVERLAP_WARNED = False
+OVERLAP_CUDA_WARNING = (
+    "overlap=True on CUDA: the overlap ordering of the fused optimizers' drift steps is not shown bit-identical "
+    "to the serial ordering (the GPU parity check found law values and metric rows that differ; weights equal) "
+    "and it was not faster than the serial ordering when measured; use overlap=False (the default)")
+
+
+def _warn_overlap_cuda() -> None:
+    """The one-time ``RuntimeWarning`` of ``overlap=True`` on CUDA (module docstring, "Overlap")."""
+    global _OVERLAP_WARNED
+    if not _OVERLAP_WARNED:
+        _OVERLAP_WARNED = True
+        warnings.warn(OVERLAP_CUDA_WARNING, RuntimeWarning, stacklevel=4)
 
 
 # --------------------------------------------------------------------------- term -> stats map
@@ -538,17 +560,21 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _drift_early(self, snap, a_of: dict) -> "_EarlyDrift":
         """The DRIFT pass of ``snap``, started once its tensors are stepped: the arguments ``_record``
-        would pass (same ``a``, same decay flag), so the pieces are the same bits.  CUDA (or a stream
-        api set for a test): the host-to-device copies of the pass (table binding, factors) are done
-        here on the main stream, then the launches go to the side stream after a fork; elsewhere it
-        runs here, before the rest of the step.  An exception is kept (raised after the rest is stepped)."""
+        would pass (same ``a``, same decay flag), so the pieces are the same bits.  CUDA with the Triton
+        pass (or a stream api set for a test): the host-to-device copies of the pass (table binding,
+        factors) are done here on the main stream, then the launches go to the side stream after a fork;
+        elsewhere (CPU, the torch twin) it runs here, before the rest of the step.  An exception is kept (raised after the rest is stepped)."""
         tr = self.tracker
         a = [float(a_of.get(i, 1.0)) for i in range(len(tr.tensors))]
         decay = tr.assembly.needs_kernel_decay(a, self._mask_host(snap))
         fa = self._sampler.factors(snap, a)
         news = self._sampler.news(snap, tr.tensors)
         job = _EarlyDrift(snap, (tuple(a), decay))
-        side = self._side_stream()
+        # on CUDA only a Triton pass goes to the side stream: the torch twin caches per-plan index
+        # structures (``reference``) that the every-step evaluation on the caller's stream reuses, so
+        # built on the side stream their blocks would return to its pool while the caller's stream may
+        # still read them (``tests/test_fused_overlap.py``, ownership checks); a test's fake api keeps both
+        side = self._side_stream() if self._stream_api is not None or _choose(tr.backend, news) == "triton" else None
         try:
             if side is None:
                 job.pieces = _pass(snap, news, fa, tr, decay)
@@ -579,6 +605,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 api = streams.CUDA
             if api is None:
                 return None
+            if api is streams.CUDA:
+                _warn_overlap_cuda()
             self._side = streams.SideStream(self.tracker.device, api)
             if self._drift_config == "auto":
                 # grid of the pass beside the step kernel: at most one DRIFT program per SM at a time
@@ -845,6 +873,10 @@ class FusedAdam(_FusedOptimizer):
     Raises ``ValueError`` at construction (or ``add_param_group`` / ``load_state_dict``) for
     ``amsgrad``, ``capturable``, ``differentiable`` or ``fused`` set to True: use ``torch.optim.Adam``
     with ``conserve.track`` for those.  ``foreach`` is accepted and ignored.
+
+    ``overlap`` (tracking only; default False): keep it off on CUDA, where the overlap ordering is not
+    shown bit-identical to the serial one and was not faster; it warns once there (module docstring,
+    "Overlap").
     """
 
     _algo = "adam"
@@ -931,6 +963,9 @@ class FusedSGD(_FusedOptimizer):
     the same pass.  Same arguments, defaults, state (``momentum_buffer``) and math as
     ``torch.optim.SGD``, plus the tracking arguments (module docstring).  ``differentiable`` and
     ``fused`` set to True are refused (``ValueError``); ``foreach`` is accepted and ignored.
+    ``overlap`` (tracking only; default False): keep it off on CUDA, where the overlap ordering is not
+    shown bit-identical to the serial one and was not faster; it warns once there (module docstring,
+    "Overlap").
 
     Decay factor of the drift decomposition: ``1 - lr*weight_decay`` without momentum (the step is
     exactly ``(1 - lr wd) theta - lr g``), 1 with momentum (the decay is inside ``Delta``), as
