@@ -44,6 +44,49 @@ def _load_test_helpers():
     return mod
 
 
+def _bf16_repeat(T, dev) -> int:
+    """bf16 Gram tiles on the tensor cores: an asynchronous wgmma reads its operands from the cp.async
+    ring of the pipelined k loop (tests/test_gram_sm90_pipeline.py checks the compiled ring offline).
+    Diagonal output tiles with the sign folded (Llama D = 128: BT 128, BK 32; ViT D = 64: BT 64, BK 64)
+    and, as the control, a slot with a non-unit sign (no fold): against float64 at the bf16 tolerance,
+    then 5 more calls on the same tensors, which must give the same bits (the kernel has no atomics: a
+    difference is a race).  Returns the number of failed cases."""
+    from bench.kernels import Shape, vit_plan, vit_tensors
+    from conserve.kernels import bilinear, evaluate
+
+    g = torch.Generator().manual_seed(3)
+    cases = [("llama D=128", *T.llama_block(dtype=torch.bfloat16, nH=4, nKV=2, D=128, H=1024, I=2816, seed=1))]
+    s = Shape("vit-b16 x 2", 2, 768, 12, 12, 64, 3072)
+    cases.append(("vit D=64", vit_plan(s), vit_tensors(s, "cpu", torch.bfloat16, seed=2)))
+    p = T.Plan()
+    slot = p.new_gram(128)
+    p.grams += [T.GramTerm(T.View(0, (0, 0), 0, 128, 1, 1024), 1.0, slot),
+                T.GramTerm(T.View(0, (128, 0), 0, 128, 1, 1024), -0.5, slot)]
+    cases.append(("sign -0.5 (no fold)", p, [T.randn(256, 1024, dtype=torch.bfloat16, gen=g)]))
+    failed = 0
+    for name, plan, ts in cases:
+        t = time.perf_counter()
+        ts = [x.to(dev) for x in ts]
+        ys = [torch.randn(x.shape, generator=g).to(x.dtype).to(dev) for x in ts]
+        try:
+            T.check(plan, ts, ys)
+            for what, run in (("evaluate", lambda: evaluate(plan, ts, backend="triton")),
+                              ("bilinear", lambda: bilinear(plan, ts, ys, backend="triton"))):
+                first = run()[1]
+                for rep in range(5):
+                    again = run()[1]
+                    for d in first:
+                        diff = (again[d] - first[d]).abs().max().item()
+                        assert torch.equal(again[d], first[d]), f"{what} D={d} call {rep + 2}: max diff {diff:.3e}"
+            status = "ok"
+        except AssertionError as e:
+            status, failed = f"FAIL {e}", failed + 1
+        torch.cuda.synchronize()
+        print(f"parity bf16 {name} (+bilinear, 6 calls bitwise): {status} ({time.perf_counter() - t:.1f} s)",
+              flush=True)
+    return failed
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_parity: no CUDA device; the CPU suite (pytest tests/test_kernels.py) covers the interpreter")
@@ -87,6 +130,7 @@ def main() -> int:
         print(f"parity {name}: {status} ({time.perf_counter() - t:.1f} s incl. compile)", flush=True)
     from conserve.kernels import drift, drift_reference
 
+    failed += _bf16_repeat(T, dev)
     for D, dtype in ((128, torch.float32), (192, torch.float32), (128, torch.bfloat16)):
         t = time.perf_counter()
         p, olds, news = T.drift_case(D, dtype, seed=D)

@@ -91,8 +91,8 @@ def _dot(a, b, acc, PREC: tl.constexpr):
 def _pair_dot(a, b, c, d, acc, sign, BILINEAR: tl.constexpr, UPCAST: tl.constexpr, APPLY_SIGN: tl.constexpr,
               PREC: tl.constexpr):
     """``acc + s a b^T`` (evaluate) or ``acc + s (a b^T + c d^T)`` (bilinear); ``s = sign`` if
-    APPLY_SIGN (folded into the left operands: exact for |sign| == 1, one fp32 rounding for fp32
-    inputs -- launch.py decides) else 1.
+    APPLY_SIGN (folded into the left operands: one fp32 rounding of ``sign*x``; ``_slot_terms`` sets it
+    for fp32 inputs only) else 1.
 
     bf16/fp16 tiles go to the tensor cores as they are (fp32 accumulate: products of half inputs are
     exact in fp32).  UPCAST (set only under TRITON_INTERPRET=1 for bf16, whose interpreter dot
@@ -281,11 +281,23 @@ def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: t
         kfull = k0 + (kend - k0) // BK * BK
         if FP64:
             acc = _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, BILINEAR)
-        elif FOLD:
+        elif FOLD and (xb.dtype.element_ty == tl.float32):
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign, acc,
                         BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, False, LAY, PREC)
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign, acc,
                         BK, ALIGN, SINGLE, BILINEAR, UPCAST, True, True, LAY, PREC)
+        elif FOLD:
+            # |sign| == 1 (launch.py folds inputs other than fp32 only then): the sign goes on the
+            # accumulator, acc + s X Y^T = s (s acc + X Y^T) exactly, and the dots take the loaded tiles
+            # as they are.  A sign-multiplied copy of a diagonal tile (SINGLE: the same tile is the
+            # other operand) made the sm_90 pipeliner (triton 3.6, 3.8) give the tile's cp.async ring
+            # 2 buffers for 2 prefetched blocks while a pending wgmma still read the current one from
+            # shared memory: the next copy overwrote it (tests/test_gram_sm90_pipeline.py)
+            acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign, acc * sign,
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY, PREC)
+            acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign, acc,
+                        BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, True, LAY, PREC)
+            acc = acc * sign
         else:
             tacc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign,
                          tl.zeros([BT, BT], dtype=ACC), BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY,
@@ -323,9 +335,10 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
                  SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
                  UPCAST: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr = "ieee",
                  DRIFT: tl.constexpr = False, DECAY: tl.constexpr = False):
-    """FOLD (launch.py: every sign is +-1, or fp32 inputs): the sign is applied to the left operands
-    and every term accumulates into ONE register tile; otherwise each term gets its own tile that is
-    scaled and added (twice the accumulator registers).
+    """FOLD (launch.py: every sign is +-1, or fp32 inputs): every term accumulates into ONE register
+    tile, the sign applied to the left operands (fp32 inputs) or to the accumulator around the term
+    (others: ``_slot_terms``); otherwise each term gets its own tile that is scaled and added (twice
+    the accumulator registers).
 
     DRIFT (fp32 accumulation only; ``xb`` old, ``yb`` new weights): ``factors`` holds per term
     ``[a_t, sign_t*(a_t^2-1)]`` in fp32, four accumulators (h_new, decay, bil, h_delta) are written

@@ -193,15 +193,13 @@ class Prepared:
         st, fp64 = self.st, self.fp64
         for b, bs, lb in zip(st.gram, self.gram_static, self.gram_bound):
             part = self.part[b.D]
-            warps = 8 if b.BT >= 128 else 4
             for l, ls, (terms, align) in zip(b.launches, bs["launches"], lb):
                 if len(l.items) == 0:
                     continue
                 xb, yb = self.bases[l.group]
                 _gram_kernel[(len(l.items),)](
                     xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], ls["signs"], 0,
-                    D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=bil, FP64=fp64,
-                    UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, num_warps=warps)
+                    ALIGN=align, **gram_meta(b, l, bil, fp64, self.cfg.precision))
             if len(b.groups):
                 _gram_finish[(len(b.groups), 1)](part, bs["order"], bs["groups"], grams[b.D], 0, 0,
                                                  D=b.D, BT=b.BT, FP64=fp64, SKIP1=False, num_warps=4)
@@ -257,9 +255,7 @@ class Prepared:
                 for s0 in range(0, n, cap):
                     _gram_kernel[(min(cap, n - s0),)](
                         xb, yb, terms, ls["signs"], ls["items"][s0:], part[(l.item_base + s0) * b.BT * b.BT:], f,
-                        plane, D=b.D, BT=b.BT, BK=l.BK, ALIGN=align, SINGLE=l.single, BILINEAR=True, FP64=False,
-                        UPCAST=_upcast(l.group), FOLD=l.fold, PREC=self.cfg.precision, DRIFT=True, DECAY=dec,
-                        num_warps=DRIFT_WARPS)
+                        plane, ALIGN=align, **gram_meta(b, l, True, False, self.cfg.precision, drift=True, decay=dec))
             i += len(b.launches)
             if len(b.groups):  # planes h_new, [decay], bil, h_delta
                 _gram_finish[(len(b.groups), 4 if bucket_decay else 3)](
@@ -294,11 +290,26 @@ class Prepared:
         return vec
 
 
-def _upcast(group) -> bool:
-    """fp32 dots for bf16 tiles under the interpreter (its dot multiplies raw bits), mixed x/y dtypes and
-    fp64 inputs (of an fp32 accumulation: ``tl.dot`` compiles no fp64 operands into an fp32 accumulator;
-    fp64 accumulation never reaches ``tl.dot``, ``gram._fp64_term``)."""
-    return (interpreting() and torch.bfloat16 in group) or group[0] != group[1] or torch.float64 in group
+def _upcast(group, interpret: bool | None = None) -> bool:
+    """fp32 dots for bf16 tiles under the interpreter (its dot multiplies raw bits; ``interpret``: None
+    asks ``TRITON_INTERPRET``), mixed x/y dtypes and fp64 inputs (of an fp32 accumulation: ``tl.dot``
+    compiles no fp64 operands into an fp32 accumulator; fp64 accumulation never reaches ``tl.dot``,
+    ``gram._fp64_term``)."""
+    interpret = interpreting() if interpret is None else interpret
+    return (interpret and torch.bfloat16 in group) or group[0] != group[1] or torch.float64 in group
+
+
+def gram_meta(b: L.GramBucket, l: L.GramLaunch, bil: bool, fp64: bool, precision: str, drift: bool = False,
+              decay: bool = False, interpret: bool | None = None) -> dict:
+    """Constexprs and ``num_warps`` of the ``gram._gram_kernel`` launch of ``l`` (bucket ``b``) except
+    ``ALIGN``, which depends on the bound addresses: evaluate/bilinear (``bil``), or the DRIFT pass
+    (``drift``; ``decay``: its DECAY).  ``interpret`` as in ``_upcast`` (False: what a GPU compiles;
+    tests/test_gram_sm90_pipeline.py compiles these for sm_90)."""
+    meta = dict(D=b.D, BT=b.BT, BK=l.BK, SINGLE=l.single, FOLD=l.fold, UPCAST=_upcast(l.group, interpret),
+                PREC=precision)
+    if drift:
+        return dict(meta, BILINEAR=True, FP64=False, DRIFT=True, DECAY=decay, num_warps=DRIFT_WARPS)
+    return dict(meta, BILINEAR=bil, FP64=fp64, num_warps=8 if b.BT >= 128 else 4)
 
 
 def clear_cache():
