@@ -41,7 +41,7 @@ class Report:
     config: str
     warps: int
     regs: int
-    spill: int  # local memory bytes per thread
+    spill: int  # local memory bytes per thread (spills and stack frame)
     shared: int  # bytes per program (dynamic + static)
     ops: dict
 
@@ -71,6 +71,8 @@ def _tools():
 def compile_kernel(fn, sig: dict, constexprs: dict, warps: int, arch: int = 90, stages: int = 3,
                    aligned=None) -> tuple:
     """``(regs, spill bytes, shared bytes, SASS op counts, SASS text)`` of ``fn`` compiled for ``sm_{arch}``.
+    Spill bytes: local memory per thread, the stack frame included (ptxas can report a kernel that keeps
+    its accumulator in local memory as 32 registers, a stack frame of kilobytes and ``LOCAL:0``).
 
     ``sig``: every argument name -> Triton type (``"*fp32"``, ``"i64"``, ``"fp32"``, ``"constexpr"``), in
     the kernel's order; ``aligned``: the argument names the JIT would mark divisible by 16 (default:
@@ -90,9 +92,9 @@ def compile_kernel(fn, sig: dict, constexprs: dict, warps: int, arch: int = 90, 
         tool = _tools()
         res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", res, re.S)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", res)
     ops = dict(collections.Counter(_OPS.findall(sass)))
-    return int(m[1]), int(m[3]), int(k.metadata.shared) + int(m[2]), ops, sass
+    return int(m[1]), int(m[2]) + int(m[4]), int(k.metadata.shared) + int(m[3]), ops, sass
 
 
 def _sig(fn, types: dict, constexprs: dict) -> dict:
@@ -120,8 +122,8 @@ def cases(kernels):
     out = []
     if "norm" in kernels:
         for dt, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            BF, warps = cfg.norm_tile((tdt, tdt))
             for bil in (False, True):
+                BF, warps = cfg.norm_tile((tdt, tdt), bil)
                 types = {"xb": t[dt], "yb": t[dt], "regions": "*i64", "shifts": "*fp32", "items": "*i64",
                          "part": "*fp32"}
                 ce = dict(BS=cfg.BS, BF=BF, ALIGN=16, BILINEAR=bil, FP64=False, STAGES=cfg.norm_stages)

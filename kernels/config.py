@@ -28,7 +28,9 @@ class Config:
         gram_bt: cap of the Gram output tile (16, 32, 64 or 128; 64 gives D = 128 three 64 x 64
             upper-triangular tiles instead of one 128 x 128).  The DRIFT pass caps it at 64.
         norm_stages: row tiles in flight per norm program (1-4; > 1 pipelines the loads through
-            shared memory with ``cp.async`` on a GPU).
+            shared memory with ``cp.async`` on a GPU; where that many tiles would not fit in the shared
+            memory, e.g. fp64 or a bilinear form with 4 stages, the tile is narrowed instead,
+            ``launch.Tiles.norm_tile``).
         overlap: on CUDA, run the Gram launches on a side stream concurrently with the norm launches.
         drift_programs: at most this many programs per DRIFT-pass Gram launch (0, the default: one
             launch of every item).  A larger grid is issued as consecutive launches of at most this

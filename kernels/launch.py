@@ -33,6 +33,7 @@ from .tables import FACTOR, FINISH_BLOCK, FINISH_ROW, GRAM_GROUP, GRAM_ITEM, GRA
 
 MAX_ALIGN = 16
 FIN_BC = 256  # columns per finishing program (norms._finish_rows)
+SM90_SMEM = 232448  # shared memory a program may use on sm_90 (bytes, the opt-in maximum per block)
 
 
 def next_pow2(n: int) -> int:
@@ -54,11 +55,15 @@ class Tiles:
     """Block sizes (constexpr), work split and dot precision of one prepared plan.
 
     ``target_items``: aim for at least this many Gram programs (GPU: 4 per SM).  Norm items: one
-    column tile of ``BF`` columns (doubled for 2-byte dtypes, so a row segment is always ``4*BF``
-    bytes) times ``slow_rows`` rows if > 0, else enough rows to stream ``item_bytes`` if > 0, else
-    the whole region.  ``BS``: rows per loaded tile; ``norm_warps``: warps of a norm program for
-    4-byte inputs (doubled with ``BF``).  ``precision``, ``overlap``, ``drift_programs``: ``config.Config``'s
-    ``input_precision``, ``overlap`` and ``drift_programs``."""
+    column tile of ``BF`` columns for 4-byte inputs (doubled for 2-byte dtypes, halved for 8-byte ones,
+    so a row segment is always ``4*BF`` bytes; narrower for an fp64 accumulation and where a program's
+    pipelined row tiles would not fit in ``norm_smem``: ``norm_tile``) times ``slow_rows`` rows if > 0,
+    else enough rows to stream ``item_bytes`` if > 0, else the whole region.  ``BS``: rows per loaded tile; ``norm_warps``: warps
+    of a norm program for 4-byte inputs (doubled for 2-byte ones).  ``norm_smem``: shared memory a
+    program may use (bytes; a GPU's opt-in maximum per block, sm_90: 232,448).  ``BT_FP64``: cap of
+    the Gram output tile with fp64 accumulation (GPU: 32; 0: ``BT_MAX``).  ``precision``,
+    ``overlap``, ``drift_programs``: ``config.Config``'s ``input_precision``, ``overlap`` and
+    ``drift_programs``."""
 
     target_items: int = 1
     slow_rows: int = 0
@@ -67,9 +72,11 @@ class Tiles:
     BF: int = 128
     norm_warps: int = 4
     norm_stages: int = 1  # software-pipelined (cp.async) row tiles in flight per norm program
+    norm_smem: int = SM90_SMEM
     BK_BIG: int = 32  # contracted block for output tiles of 128
     BK_SMALL: int = 64
     BT_MAX: int = 128
+    BT_FP64: int = 0  # Gram output tile cap with fp64 accumulation (0: BT_MAX)
     precision: str = "ieee"  # tl.dot input_precision of fp32 Gram dots
     overlap: bool = True
     drift_programs: int = 0  # cap of programs per DRIFT Gram launch (0: none; runner.Prepared.run_drift)
@@ -79,29 +86,56 @@ class Tiles:
         """The tiles of ``device`` for the choices of ``config`` (default ``Config()``)."""
         config = config or Config()
         if device.type == "cuda":
-            return Tiles.gpu(torch.cuda.get_device_properties(device).multi_processor_count, config)
+            props = torch.cuda.get_device_properties(device)
+            return Tiles.gpu(props.multi_processor_count, config,
+                             getattr(props, "shared_memory_per_block_optin", SM90_SMEM))
         return Tiles(BT_MAX=config.gram_bt, BK_SMALL=16 if config.gram_bt < 128 else Tiles.BK_SMALL,
                      precision=config.input_precision, overlap=config.overlap, drift_programs=config.drift_programs)
 
     @staticmethod
-    def gpu(sms: int = 132, config: Config | None = None) -> "Tiles":
-        """The GPU tiles for a device with ``sms`` multiprocessors (H100/H200: 132)."""
+    def gpu(sms: int = 132, config: Config | None = None, smem: int = SM90_SMEM) -> "Tiles":
+        """The GPU tiles for a device with ``sms`` multiprocessors (H100/H200: 132) and ``smem`` bytes
+        of shared memory per program."""
         config = config or Config()
         # norm tiles [32, 128] fp32 = 16 KiB per load step, one warp per row (32 lanes x one 16-byte
         # vector: the row sums of fused regions are warp shuffles); 256 KiB per item keeps the last
         # wave short.  Norm loads pipelined through shared memory (config.norm_stages, default 3:
         # 16-byte cp.async, several tiles in flight per SM); gram_bt 64 gives D = 128 three 64 x 64
-        # tiles (fewer registers, 3/4 of the FLOPs) -- both A/B switches of bench/gpu_check.sh.
+        # tiles (fewer registers, 3/4 of the FLOPs) -- both A/B switches of bench/gpu_check.sh.  fp64
+        # accumulation (a verification mode: rank-1 fp64 updates, gram._fp64_term) takes 32 x 32 Gram
+        # tiles: a 64 x 64 fp64 accumulator of a bilinear form spills on sm_90, a 128 x 128 one lives in
+        # local memory (bench.compile_launches).
         bt = config.gram_bt
-        return Tiles(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt,
-                     BK_SMALL=16 if bt < 128 else Tiles.BK_SMALL, norm_stages=config.norm_stages,
+        return Tiles(target_items=4 * sms, item_bytes=256 << 10, BS=32, BF=128, norm_warps=4, BT_MAX=bt, BT_FP64=32,
+                     BK_SMALL=16 if bt < 128 else Tiles.BK_SMALL, norm_stages=config.norm_stages, norm_smem=smem,
                      precision=config.input_precision, overlap=config.overlap, drift_programs=config.drift_programs)
 
-    def norm_tile(self, group) -> tuple[int, int]:
-        """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group: 16-byte vectors per thread."""
+    def norm_tile(self, group, bilinear: bool = False, fp64: bool = False) -> tuple[int, int]:
+        """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group (``bilinear``: y is read too;
+        ``fp64``: fp64 accumulation): 16-byte vectors per thread (``BF * 4 // esize`` columns), halved
+        for an fp64 accumulation of 2- or 4-byte inputs (the fp64 ``[BS, BF]`` accumulator then takes
+        the registers of an fp32 one), then halved while ``norm_smem_bytes`` exceeds ``norm_smem``."""
         esize = min(torch.empty(0, dtype=d).element_size() for d in group)
-        k = max(1, 4 // esize)
-        return self.BF * k, self.norm_warps * k
+        BF, warps = max(1, self.BF * 4 // esize), self.norm_warps * max(1, 4 // esize)
+        if fp64 and esize < 8:
+            BF //= 2
+        while BF > 16 and self.norm_smem_bytes(group, bilinear, BF) > self.norm_smem:
+            BF //= 2
+        return BF, warps
+
+    def norm_smem_bytes(self, group, bilinear: bool, BF: int) -> int:
+        """Upper bound of the shared memory of a ``norms._rowcol_kernel`` program with ``[BS, BF]``
+        tiles on sm_90 (checked by ``bench.compile_launches``): ``norm_stages - 1`` row tiles of x (and
+        y) in flight per streaming loop, each loop with its own buffers; the kernel has three loops (full
+        and masked column tile of a contiguous region, strided region), each of which the compiler may
+        pipeline for 4- and 8-byte inputs, and only the full-tile one for 2-byte inputs (``cp.async``
+        copies 4, 8 or 16 bytes: a masked or strided 2-byte element is loaded directly); plus 1 KiB for
+        the reductions."""
+        tile = 0
+        for d in group[:2 if bilinear else 1]:
+            e = torch.empty(0, dtype=d).element_size()
+            tile += self.BS * BF * e * (3 if e >= 4 else 1)
+        return (max(1, self.norm_stages) - 1) * tile + 1024
 
 
 def _layout(rows, cols, strides) -> int:
@@ -219,7 +253,7 @@ def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | N
     if bil and len(ys) != len(xs):
         raise ValueError(f"bilinear: got {len(xs)} xs but {len(ys)} ys; pass one y per x")
     st = Structure(bilinear=bil, fp64=fp64, cfg=cfg, vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
-    _build_gram(st, plan, xs, ys, cfg)
+    _build_gram(st, plan, xs, ys, cfg, bt_max=min(cfg.BT_MAX, cfg.BT_FP64) if fp64 and cfg.BT_FP64 else None)
     _build_norm(st, plan, xs, ys, cfg)
     return st
 
@@ -413,7 +447,7 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
             reg["slow_elem"] = elem
             elem += F
     for g in sorted(per_group, key=str):
-        BF, warps = cfg.norm_tile(g)
+        BF, warps = cfg.norm_tile(g, bil, st.fp64)
         esize = min(torch.empty(0, dtype=d).element_size() for d in g)
         if cfg.slow_rows > 0:
             rows_per_item = max(cfg.BS, cfg.slow_rows // cfg.BS * cfg.BS)

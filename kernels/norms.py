@@ -13,7 +13,8 @@ every program streams the same amount of memory.  The inner loop over row tiles 
 pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v = (x + shift)^2``
 (func 0), ``x`` (func 1, SumTerm) or ``x*y`` (bilinear), and an elementwise add into a
 ``[BS, BF]`` register accumulator -- no reduction and no branch on the layout inside the loop.  The
-column (slow) sums are reduced ONCE per item and written as one partial row; the row (fast) sums of a
+column (slow) sums are reduced ONCE per item (under the interpreter once per block of ``SWEEP_BLOCK``
+row tiles) and written as one partial row; the row (fast) sums of a
 tile are reduced per tile and written as a partial for this column tile (a region with fast sums and
 ``F`` columns has ``ceil(F / BF)`` fast partials per row).  ``_finish_rows`` sums partial rows in a
 fixed order into the element buffer ``elem``; ``_gather`` then forms
@@ -31,45 +32,71 @@ import triton
 import triton.language as tl
 
 from . import tables
+from .config import interpreting
 from .gram import widen
 
+# Accumulation of ``_sweep`` in blocks of SWEEP_BLOCK row tiles under the interpreter, whose CPU tiles
+# stream a whole region in one item (``launch.Tiles``, item_bytes 0): thousands of row tiles in one fp32
+# running sum lose digits on near-equal values.  A GPU item (item_bytes) is at most SWEEP_BLOCK tiles of
+# the default tiles, so the compiled kernel keeps one accumulator (a second [BS, BF] block accumulator
+# costs registers: spills on sm_90).
+SWEEP_BLOCK: tl.constexpr = tl.constexpr(16)
+SWEEP_BLOCKED: tl.constexpr = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
+          ACC: tl.constexpr, MASK_F: tl.constexpr, BILINEAR: tl.constexpr):
+    """``v`` of the row tile starting at ``s0`` (its row sums stored as fast partials if wanted)."""
+    s = s0 + sr
+    ms = s < s_end
+    if MASK_F:
+        m = ms[:, None] & mf[None, :]
+    else:
+        m = ms[:, None]  # broadcast by tl.load: constant along the contiguous axis
+    x = widen(tl.load(xb + xo + s[:, None].to(tl.int64) * ss + fo, mask=m, other=0.0), ACC)
+    if BILINEAR:
+        y = tl.load(yb + yo + s[:, None].to(tl.int64) * yss + yfo, mask=m, other=0.0)
+        v = x * widen(y, ACC)
+    else:
+        xs = x + shift
+        v = tl.where(is_sq, xs * xs, x)
+        v = tl.where(m, v, 0.0)  # masked entries would give shift^2
+    if fast_off >= 0:
+        tl.store(part + fast_off + s, tl.sum(v, axis=1), mask=ms)
+    return v
 
 
 @triton.jit
 def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
            BS: tl.constexpr, BF: tl.constexpr, ACC: tl.constexpr, CONTIG: tl.constexpr,
            MASK_F: tl.constexpr, BILINEAR: tl.constexpr, STAGES: tl.constexpr):
-    """Stream rows [s_start, s_end) of one column tile ``f``; returns the ``[BS, BF]`` accumulator
-    of ``v`` (its column sums are the slow sums).  CONTIG: the column stride is the literal 1 (the
+    """Stream rows [s_start, s_end) of one column tile ``f``; returns the ``[BF]`` column sums of
+    ``v`` (the slow sums).  CONTIG: the column stride is the literal 1 (the
     compiler then vectorises along it); MASK_F: the tile crosses the region's last column (otherwise
     only the row mask, constant along the contiguous axis, is applied, so loads stay vectorised)."""
     sr = tl.arange(0, BS)
-    acc = tl.zeros([BS, BF], dtype=ACC)
     if CONTIG:
         fo = f[None, :]
         yfo = f[None, :]
     else:
         fo = f[None, :].to(tl.int64) * fs
         yfo = f[None, :].to(tl.int64) * yfs
-    for s0 in tl.range(s_start, s_end, BS, num_stages=STAGES):
-        s = s0 + sr
-        ms = s < s_end
-        if MASK_F:
-            m = ms[:, None] & mf[None, :]
-        else:
-            m = ms[:, None]  # broadcast by tl.load: constant along the contiguous axis
-        x = widen(tl.load(xb + xo + s[:, None].to(tl.int64) * ss + fo, mask=m, other=0.0), ACC)
-        if BILINEAR:
-            y = tl.load(yb + yo + s[:, None].to(tl.int64) * yss + yfo, mask=m, other=0.0)
-            v = x * widen(y, ACC)
-        else:
-            xs = x + shift
-            v = tl.where(is_sq, xs * xs, x)
-            v = tl.where(m, v, 0.0)  # masked entries would give shift^2
-        acc += v
-        if fast_off >= 0:
-            tl.store(part + fast_off + s, tl.sum(v, axis=1), mask=ms)
-    return acc
+    if SWEEP_BLOCKED:  # blocks of SWEEP_BLOCK tiles, each reduced to column sums once and added to acc
+        acc = tl.zeros([BF], dtype=ACC)
+        for s1 in range(s_start, s_end, BS * SWEEP_BLOCK):
+            blk = tl.zeros([BS, BF], dtype=ACC)
+            for s0 in range(s1, tl.minimum(s1 + BS * SWEEP_BLOCK, s_end), BS):
+                blk += _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
+                             ACC, MASK_F, BILINEAR)
+            acc += tl.sum(blk, axis=0)
+        return acc
+    else:
+        acc2 = tl.zeros([BS, BF], dtype=ACC)
+        for s0 in tl.range(s_start, s_end, BS, num_stages=STAGES):
+            acc2 += _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
+                          ACC, MASK_F, BILINEAR)
+        return tl.sum(acc2, axis=0)
 
 
 @triton.jit
@@ -112,7 +139,7 @@ def _rowcol_kernel(xb, yb, regions, shifts, items, part,
         acc = _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
                      BS, BF, ACC, False, True, BILINEAR, STAGES)
     if slow_off >= 0:
-        tl.store(part + slow_off + f, tl.sum(acc, axis=0), mask=mf)
+        tl.store(part + slow_off + f, acc, mask=mf)
 
 
 @triton.jit
@@ -130,13 +157,14 @@ def _finish_rows(part, table, blocks, elem, RB: tl.constexpr, BC: tl.constexpr, 
     c = c0 + tl.arange(0, BC)
     mc = c < length
     rr = tl.arange(0, RB)
-    ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
-    acc = tl.zeros([RB, BC], dtype=ACC)
+    # summed in float64 whatever FP64 (an fp32 running sum over thousands of near-equal partials of a long
+    # row or column loses digits), rounded once to elem's dtype
+    acc = tl.zeros([RB, BC], dtype=tl.float64)
     for i0 in range(0, nrows, RB):
         i = i0 + rr
         m = (i < nrows)[:, None] & mc[None, :]
-        acc += tl.load(part + off + i[:, None].to(tl.int64) * length + c[None, :], mask=m, other=0.0)
-    tl.store(elem + base + c, tl.sum(acc, axis=0), mask=mc)
+        acc += tl.load(part + off + i[:, None].to(tl.int64) * length + c[None, :], mask=m, other=0.0).to(tl.float64)
+    tl.store(elem + base + c, tl.sum(acc, axis=0).to(elem.dtype.element_ty), mask=mc)
 
 
 @triton.jit
