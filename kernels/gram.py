@@ -289,10 +289,10 @@ def _slot_terms(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, BT: t
         elif FOLD:
             # |sign| == 1 (launch.py folds inputs other than fp32 only then): the sign goes on the
             # accumulator, acc + s X Y^T = s (s acc + X Y^T) exactly, and the dots take the loaded tiles
-            # as they are.  A sign-multiplied copy of a diagonal tile (SINGLE: the same tile is the
-            # other operand) made the sm_90 pipeliner (triton 3.6, 3.8) give the tile's cp.async ring
-            # 2 buffers for 2 prefetched blocks while a pending wgmma still read the current one from
-            # shared memory: the next copy overwrote it (tests/test_gram_sm90_pipeline.py)
+            # as they are.  With a sign-multiplied copy of a diagonal tile (SINGLE: the same tile is the
+            # other operand) the sm_90 pipeliner (triton 3.6, 3.8) gives the tile's cp.async ring 2
+            # buffers for 2 prefetched blocks while a pending wgmma still reads the current one from
+            # shared memory, and the next copy overwrites it (tests/test_gram_sm90_pipeline.py)
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign, acc * sign,
                         BK, ALIGN, SINGLE, BILINEAR, UPCAST, False, False, LAY, PREC)
             acc = _term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend, sign, acc,
