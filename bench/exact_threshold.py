@@ -16,13 +16,12 @@ import argparse
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 import conserve
-from conserve.data import Batches, load_tokens
+from conserve.data import load_tokens
 from conserve.models import DecoderLM, LMConfig
 
-from .track_overhead import interleaved, run_model
+from .track_overhead import interleaved, lm_step, run_model
 
 MODES = {"sampled": {"drift_every": 4, "snapshot_budget": 0.04, "cumulative": False},
          "exact": {"drift_every": 1, "snapshot_budget": None, "cumulative": True}}
@@ -50,17 +49,7 @@ def measure(build, blocks: int, tmp: str, tag: str) -> tuple[int, int, dict, dic
             opt = conserve.track(opt, model, every=10, sinks=[conserve.JSONLSink(f"{tmp}/{tag}-{name}.jsonl")],
                                  **MODES[name])
             nbytes = opt.tracker.tracked_bytes
-        it = iter(Batches(tokens, 16, 64, seed=0))
-
-        def step(model=model, opt=opt, it=it):
-            x, y = next(it)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        for _ in range(8):
-            step()
-        fns[name] = step
+        fns[name] = lm_step(model, opt, tokens, warmup=8)
         opts.append(opt)
     times, ratios = interleaved(fns, blocks, 4, "untracked")
     _, vs_sampled = interleaved({"sampled": fns["sampled"], "exact": fns["exact"]}, blocks, 4, "sampled")

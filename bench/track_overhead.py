@@ -79,6 +79,22 @@ def interleaved(fns: dict, blocks: int, per_block: int, base: str) -> tuple[dict
     return {k: statistics.median(v) for k, v in times.items()}, ratios
 
 
+def lm_step(model, opt, tokens, warmup: int):
+    """One training step of ``conserve run``'s loop (batch 16 x 64, cross-entropy) as a closure over its
+    own batch iterator, after ``warmup`` steps (state built, caches warm)."""
+    it = iter(Batches(tokens, 16, 64, seed=0))
+
+    def step():
+        x, y = next(it)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    for _ in range(warmup):
+        step()
+    return step
+
+
 VARIANTS = {"tracked": {}, "drift_every=1": {"drift_every": 1}, "drift=False": {"drift": False}}
 
 
@@ -94,17 +110,7 @@ def training_step_ratio(size: str, blocks: int, tmp: str) -> tuple[dict, dict]:
         if name != "untracked":  # as conserve run builds it
             opt = conserve.track(opt, model, every=10, sinks=[conserve.JSONLSink(f"{tmp}/{size}-{len(fns)}.jsonl")],
                                  **VARIANTS[name])
-        it = iter(Batches(tokens, 16, 64, seed=0))
-
-        def step(model=model, opt=opt, it=it):
-            x, y = next(it)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        for _ in range(10):
-            step()
-        fns[name] = step
+        fns[name] = lm_step(model, opt, tokens, warmup=10)
         opts.append(opt)
     out = interleaved(fns, blocks, 10, "untracked")
     for opt in opts[1:]:  # the rows flushed while ``tmp`` exists
@@ -273,8 +279,10 @@ def main(argv=None) -> None:
     parts = set(args.parts.split(","))
     torch.set_num_threads(1)
     blocks = 5 if args.quick else 15
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread; defaults: drift_every="
-          f"{conserve.tracker.DRIFT_EVERY}, snapshot_budget={conserve.tracker.SNAPSHOT_BUDGET}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread; defaults: the exact mode (drift "
+          f"every step, whole snapshot) up to {conserve.tracker.EXACT_MAX_BYTES >> 20} MiB of tracked weights, else "
+          f"drift_every={conserve.tracker.DRIFT_EVERY}, snapshot_budget={conserve.tracker.SNAPSHOT_BUDGET}; the "
+          "targets were set for the sampled mode")
     with tempfile.TemporaryDirectory() as tmp:
         for size, target in (("tiny", 1.10), ("base", 1.05)) if "step" in parts else ():
             t, r = training_step_ratio(size, blocks, tmp)

@@ -89,8 +89,11 @@ class Tiles:
             props = torch.cuda.get_device_properties(device)
             return Tiles.gpu(props.multi_processor_count, config,
                              getattr(props, "shared_memory_per_block_optin", SM90_SMEM))
+        # items of at most 16 row tiles, as a GPU item is (item_bytes): each program's fp32 running sum
+        # stays short and the partials are summed in fp64 by _finish_rows
         return Tiles(BT_MAX=config.gram_bt, BK_SMALL=16 if config.gram_bt < 128 else Tiles.BK_SMALL,
-                     precision=config.input_precision, overlap=config.overlap, drift_programs=config.drift_programs)
+                     slow_rows=16 * Tiles.BS, precision=config.input_precision, overlap=config.overlap,
+                     drift_programs=config.drift_programs)
 
     @staticmethod
     def gpu(sms: int = 132, config: Config | None = None, smem: int = SM90_SMEM) -> "Tiles":

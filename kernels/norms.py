@@ -13,8 +13,8 @@ every program streams the same amount of memory.  The inner loop over row tiles 
 pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v = (x + shift)^2``
 (func 0), ``x`` (func 1, SumTerm) or ``x*y`` (bilinear), and an elementwise add into a
 ``[BS, BF]`` register accumulator -- no reduction and no branch on the layout inside the loop.  The
-column (slow) sums are reduced ONCE per item (under the interpreter once per block of ``SWEEP_BLOCK``
-row tiles) and written as one partial row; the row (fast) sums of a
+column (slow) sums are reduced ONCE per item (at most 16 row tiles on both the GPU and the CPU tiles:
+a short fp32 running sum) and written as one partial row; the row (fast) sums of a
 tile are reduced per tile and written as a partial for this column tile (a region with fast sums and
 ``F`` columns has ``ceil(F / BF)`` fast partials per row).  ``_finish_rows`` sums partial rows in a
 fixed order into the element buffer ``elem``; ``_gather`` then forms
@@ -32,17 +32,7 @@ import triton
 import triton.language as tl
 
 from . import tables
-from .config import interpreting
 from .gram import widen
-
-# Accumulation of ``_sweep`` in blocks of SWEEP_BLOCK row tiles under the interpreter, whose CPU tiles
-# stream a whole region in one item (``launch.Tiles``, item_bytes 0): thousands of row tiles in one fp32
-# running sum lose digits on near-equal values.  A GPU item (item_bytes) is at most SWEEP_BLOCK tiles of
-# the default tiles, so the compiled kernel keeps one accumulator (a second [BS, BF] block accumulator
-# costs registers: spills on sm_90).
-SWEEP_BLOCK: tl.constexpr = tl.constexpr(16)
-SWEEP_BLOCKED: tl.constexpr = tl.constexpr(interpreting())
-
 
 @triton.jit
 def _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
@@ -82,21 +72,11 @@ def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift
     else:
         fo = f[None, :].to(tl.int64) * fs
         yfo = f[None, :].to(tl.int64) * yfs
-    if SWEEP_BLOCKED:  # blocks of SWEEP_BLOCK tiles, each reduced to column sums once and added to acc
-        acc = tl.zeros([BF], dtype=ACC)
-        for s1 in range(s_start, s_end, BS * SWEEP_BLOCK):
-            blk = tl.zeros([BS, BF], dtype=ACC)
-            for s0 in range(s1, tl.minimum(s1 + BS * SWEEP_BLOCK, s_end), BS):
-                blk += _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
-                             ACC, MASK_F, BILINEAR)
-            acc += tl.sum(blk, axis=0)
-        return acc
-    else:
-        acc2 = tl.zeros([BS, BF], dtype=ACC)
-        for s0 in tl.range(s_start, s_end, BS, num_stages=STAGES):
-            acc2 += _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
-                          ACC, MASK_F, BILINEAR)
-        return tl.sum(acc2, axis=0)
+    acc = tl.zeros([BS, BF], dtype=ACC)
+    for s0 in tl.range(s_start, s_end, BS, num_stages=STAGES):
+        acc += _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
+                     ACC, MASK_F, BILINEAR)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
