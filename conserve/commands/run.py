@@ -761,7 +761,9 @@ def _train_and_report(args, model, tracked, batches, device, lr, source, out, co
     if not records:
         raise UsageError(f"no metrics were recorded in {out}/metrics.jsonl (the summary is empty); check that the disk "
                          "is writable and run again")
-    print(f"wrote {out}/: config.json metrics.jsonl summary.md summary.json eps.png drift.png layers.png")
+    written = [f for f in ("config.json", "metrics.jsonl", "summary.md", "summary.json", "eps.png", "drift.png",
+                           "layers.png", CHECKPOINT, "tb") if (out / f).exists()]
+    print(f"wrote {out}/: {' '.join(written)}" + (f" ({CHECKPOINT}: for --resume)" if CHECKPOINT in written else ""))
     text = (out / "summary.md").read_text()
     print(text.split("\n## Drift")[0].rstrip())
     if code == 130:
