@@ -196,3 +196,17 @@ def test_a_missing_gradient_is_one_clear_error(setup):
     with pytest.raises(ValueError, match="no gradient to check"):
         m.zero_grad()
         check_gradients(m, laws=laws)
+
+
+def test_a_compiled_model_is_checked_under_the_names_of_the_model_inside():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def ce(model, b):
+        return F.cross_entropy(model(b[0]), b[1])
+
+    plain = check_gradients(m, ce, (x, y))
+    compiled = check_gradients(torch.compile(m, backend="eager"), ce, (x, y))
+    assert plain.ok and compiled.ok and [c.name for c in compiled.laws] == [c.name for c in plain.laws]
+    assert {c.family for c in plain.laws} == {"gain", "relu"}

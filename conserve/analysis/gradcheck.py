@@ -223,7 +223,8 @@ def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=Non
     with it must be at rounding level (module docstring; spec "Gradient integrity").
 
     Args:
-        model: the module whose parameters the laws read (names as ``model.named_parameters()``).
+        model: the module whose parameters the laws read (names as ``model.named_parameters()`` of the
+            model inside a ``torch.compile`` / DDP wrapper; ``loss_fn`` gets ``model`` as given).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``; its ``backward()`` produces the gradient
             checked (the model's own dtype, autocast, custom autograd functions and hooks included).  The
             parameters' ``.grad`` are restored afterwards.  ``None``: check ``grads`` if given, else the
@@ -249,7 +250,9 @@ def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=Non
         ValueError: no gradient for a parameter a checked law reads (pass ``ignore=`` for it, or run a
             backward pass that reaches it), or ``loss_fn`` did not return a scalar.
     """
-    named = dict(model.named_parameters())
+    from ..detection.core import unwrap
+
+    named = dict(unwrap(model).named_parameters())  # the laws' names: torch.compile / DDP wrappers stripped
     if laws is None:
         from ..detection import detect
 
