@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import kernels
+from .wrappers import unwrap
 from .errors import NonFiniteError, StaleParameterError, warn
 from .laws import Compiled, Declined, Law, compile_laws
 from .tracking.breakers import (check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
@@ -1607,15 +1608,7 @@ def _close_live_trackers() -> None:
         t._close_at_exit()
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """Strip torch.compile / DDP / FSDP-style wrappers (``_orig_mod``, ``module``)."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(model, "module"):
-            model = model.module
-        else:
-            return model
+_unwrap = unwrap  # the name the tracker's methods use
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:

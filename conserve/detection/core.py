@@ -8,6 +8,7 @@ from typing import Callable
 from torch import nn
 
 from ..laws import Declined, Law
+from ..wrappers import unwrap  # noqa: F401  (re-exported: conserve.detection.unwrap)
 
 # detector modules, imported lazily in this order (each calls @register at import)
 _MODULES = ("conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models",
@@ -67,11 +68,6 @@ def _ordered() -> list[tuple[str, Callable]]:
     return sorted(_DETECTORS, key=lambda d: rank.get(d[1].__module__, len(rank)))
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """Strip torch.compile (``_orig_mod``) and DDP/DataParallel (``module``) wrappers."""
-    from ..tracker import _unwrap
-
-    return _unwrap(model)
 
 
 def detect(model: nn.Module, config=None, *, structural: bool = False, **options) -> Detection:

@@ -105,7 +105,8 @@ class ConserveCallback(Callback):
     def _split_laws(self, pl_module, opts) -> list[tuple[int, object]]:
         """``[(optimizer index, laws)]``: each law goes to the one optimizer that holds its parameters (a law
         no optimizer moves is left out)."""
-        from ..tracker import _model_laws, _unwrap
+        from ..tracker import _model_laws
+        from ..wrappers import unwrap as _unwrap
         from ..tracking.breakers import unwrap_optimizer
 
         if self.laws is None:
