@@ -138,13 +138,9 @@ def _resolve(module: str, name: str):
     import importlib
 
     mod = importlib.import_module(module)
-    if hasattr(mod, name):
-        return getattr(mod, name)
-    # optim_step defines its kernels on first use (``_kernels()`` returns them)
-    found = [k for k in (mod._kernels() if hasattr(mod, "_kernels") else ()) if k.fn.__name__ == name]
-    if not found:
+    if not hasattr(mod, name):
         raise LookupError(f"no kernel {name} in {module}")
-    return found[0]
+    return getattr(mod, name)
 
 
 # Shared memory a program may use (bytes, dynamic + static): the opt-in maximum per block of the
@@ -177,7 +173,7 @@ EXCEPTIONS: list = [
      "registers of the fp16 -> fp32 conversion"),
     ("_step_kernel", dict(FP64=True, STATS=True), dict(spill=512),
      "fp64 statistics: seven [BR, CB] fp64 column-sum accumulators (COLS and LIN) of 4 warps beside the "
-     "update; the step tiles are optim_step._tiles'"),
+     "update; the step tiles are step_runner._tiles'"),
 ]
 
 
@@ -391,7 +387,7 @@ def _run_drift(D, dtype, fp64, config, seed=0, both=True):
 
 
 def _run_step(dtype, algo: str, stats, seed=0):
-    """``optim_step.step_triton`` with its GPU tiles (``interpret=False``: ``_tiles`` of a GPU) against
+    """``optim_step.step_triton`` with its GPU tiles (``interpret=False``: ``step_runner._tiles`` of a GPU) against
     ``step_reference`` and ``stats_reference`` (float64): tensors with several row and column blocks, a
     masked tail, a 3-D tensor, a vector, and one whose column count is not a multiple of a 16-byte
     vector (the ALIGN=1 launch); every stats kind, or rows only, or none."""

@@ -13,7 +13,7 @@ optimizer step kernel (offsets without alignment hints), cross-warp row reductio
 with ``bench/kernels.py`` / ``bench/fused_optim.py`` on the GPU.
 
 The kernels are compiled as Triton's JIT would for 16-byte aligned pointer arguments, with the
-block sizes ``conserve.kernels`` picks on a 132-SM GPU (``launch.Tiles.gpu``, ``optim_step._tiles``).
+block sizes ``conserve.kernels`` picks on a 132-SM GPU (``launch.Tiles.gpu``, ``step_runner._tiles``).
 Uses triton's bundled ``ptxas`` and ``cuobjdump`` (``triton/backends/nvidia/bin``).
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _sig(fn, types: dict, constexprs: dict) -> dict:
 
 def cases(kernels):
     """``(name, config, fn, types, constexprs, warps)`` for the kernels the Llama plans launch."""
-    from conserve.kernels import gram, norms, optim_step
+    from conserve.kernels import gram, norms, step, step_runner
     from conserve.kernels.launch import Tiles
 
     import torch
@@ -154,9 +154,8 @@ def cases(kernels):
                 out.append(("gram drift", f"{dt} D=128 BT={DRIFT_BT} BK={DRIFT_BK} {what}", gram._gram_kernel,
                             dict(gtypes, xb=t[dt], yb=t[dt]), ce, DRIFT_WARPS))
     if "step" in kernels:
-        step, _ = optim_step._kernels()
         for dt, lowp, es in (("fp32", 0, 4), ("bf16", 1, 2)):
-            CB, BR, RB = optim_step._tiles(4096, es, interpret=False)
+            CB, BR, RB = step_runner._tiles(4096, es, interpret=False)
             for stats, cols in ((False, False), (True, False), (True, True)):
                 types = {"base": t[dt], "tensors": "*i64", "scal": "*fp32", "progs": "*i64", "part": "*fp32",
                          "NP": "i64"}
@@ -166,7 +165,7 @@ def cases(kernels):
                           LOWP=lowp, STATS=stats, COLS=cols, LIN=False, FP64=False, RB=RB, BR=BR, CB=CB,
                           ALIGN=16 // es)
                 what = "untracked" if not stats else ("row stats" if not cols else "row+col stats")
-                out.append(("adamw step", f"{dt} [{BR},{CB}] {what}", step, types, ce, 4))
+                out.append(("adamw step", f"{dt} [{BR},{CB}] {what}", step._step_kernel, types, ce, 4))
     return out
 
 

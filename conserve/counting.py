@@ -38,13 +38,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 
-__all__ = ["LawCount", "count_laws", "lie_bracket", "numerical_rank", "gap_rank"]
+from .analysis.firstorder import flat_output, to_float64
+
+__all__ = ["LawCount", "count_laws", "lie_bracket", "numerical_rank", "gap_rank", "as_tuple", "block_function"]
 
 
 @dataclass
@@ -152,32 +154,13 @@ def lie_bracket(
     return jw_u - ju_w, jw_u.norm() + ju_w.norm()
 
 
-def _as_tuple(inputs: Any) -> tuple:
+def as_tuple(inputs: Any) -> tuple:
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs)
     return (inputs,)
 
 
-def _to64(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return x.detach().to(torch.float64)
-    return x
-
-
-def _flat_out(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out.reshape(-1)
-    if isinstance(out, (tuple, list)):
-        parts = [o.reshape(-1) for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        if parts:
-            return torch.cat(parts)
-    raise TypeError(
-        f"count_laws: the block returned {type(out).__name__}; return a tensor (or a tuple of tensors) "
-        "of outputs"
-    )
-
-
-def _setup(block, params) -> tuple[Callable[[dict, tuple], Any], dict[str, torch.Tensor]]:
+def block_function(block, params) -> tuple[Callable[[dict, tuple], Any], dict[str, torch.Tensor]]:
     """Return ``call(param_dict, inputs)`` and the float64 parameters to differentiate."""
     if isinstance(block, nn.Module):
         module = block
@@ -197,8 +180,8 @@ def _setup(block, params) -> tuple[Callable[[dict, tuple], Any], dict[str, torch
                     f"count_laws: {missing} are not parameters of the block; choose from {list(named)}"
                 )
         theta = {n: named[n].detach().to(torch.float64) for n in chosen}
-        fixed = {n: _to64(p) for n, p in named.items() if n not in theta}
-        fixed.update({n: _to64(b) for n, b in module.named_buffers()})
+        fixed = {n: to_float64(p) for n, p in named.items() if n not in theta}
+        fixed.update({n: to_float64(b) for n, b in module.named_buffers()})
 
         def call(p: dict, inputs: tuple) -> Any:
             return functional_call(module, {**fixed, **p}, inputs)
@@ -210,7 +193,7 @@ def _setup(block, params) -> tuple[Callable[[dict, tuple], Any], dict[str, torch
                 "count_laws: a plain callable needs params={name: tensor}; it is called as "
                 "block(params, *inputs)"
             )
-        theta = {n: _to64(torch.as_tensor(p)) for n, p in params.items()}
+        theta = {n: to_float64(torch.as_tensor(p)) for n, p in params.items()}
 
         def call(p: dict, inputs: tuple) -> Any:
             return block(p, *inputs)
@@ -269,7 +252,7 @@ def count_laws(
     res = _count(block, inputs, params, depth, seed, patience, margin, chunk_size)
     if not sample_check:
         return res
-    tensors = [x for x in _as_tuple(inputs) if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    tensors = [x for x in as_tuple(inputs) if isinstance(x, torch.Tensor) and x.dim() >= 1]
     rows = int(tensors[0].shape[0]) if tensors else 0
     if rows < 2:
         raise ValueError(
@@ -280,7 +263,7 @@ def count_laws(
     def half(start: int) -> tuple:
         return tuple(
             x[start::2] if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == rows else x
-            for x in _as_tuple(inputs)
+            for x in as_tuple(inputs)
         )
 
     halves = [_count(block, half(i), params, depth, seed, patience, margin, chunk_size).rank for i in (0, 1)]
@@ -297,7 +280,7 @@ def _count(block, inputs, params, depth, seed, patience, margin, chunk_size) -> 
     """:func:`count_laws` on one batch, without the sample-size check."""
     if depth < 1:
         raise ValueError(f"count_laws: depth must be >= 1, got {depth}")
-    call, theta_dict = _setup(block, params)
+    call, theta_dict = block_function(block, params)
     if not theta_dict:
         raise ValueError("count_laws: no parameters to count over; pass params or unfreeze some")
     names = list(theta_dict)
@@ -305,12 +288,15 @@ def _count(block, inputs, params, depth, seed, patience, margin, chunk_size) -> 
     sizes = [theta_dict[n].numel() for n in names]
     theta0 = torch.cat([theta_dict[n].reshape(-1) for n in names])
     P = theta0.numel()
-    inputs = tuple(_to64(x) for x in _as_tuple(inputs))
+    inputs = tuple(to_float64(x) for x in as_tuple(inputs))
 
     def f(theta: torch.Tensor) -> torch.Tensor:
         parts = torch.split(theta, sizes)
         p = {n: t.reshape(s) for n, t, s in zip(names, parts, shapes)}
-        return _flat_out(call(p, inputs))
+        try:
+            return flat_output(call(p, inputs))
+        except TypeError as e:
+            raise TypeError(f"count_laws: {e}") from None
 
     # depth 1: the Jacobian, one column per output coordinate of the batch
     with torch.no_grad():

@@ -7,7 +7,7 @@ import torch
 
 from .optim.wrapper import TrackedOptimizer
 from .tracking.distributed import DistributedTracker, flush_bytes, wants_distributed
-from .tracking.shard_plan import CommSchedule, _Layout, _localize, comm_schedule, shard_layouts
+from .tracking.shard_plan import CommSchedule, ShardLayout, localize, comm_schedule, shard_layouts
 
 __all__ = ["DistributedTracker", "track", "wants_distributed", "flush_bytes", "comm_schedule", "shard_layouts",
            "CommSchedule"]

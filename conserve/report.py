@@ -629,7 +629,8 @@ def summarize(records: list[dict], totals: dict | None = None, broken_by: dict[s
                         "total_decay": t.get("decay"), "predicted_gd": t.get("predicted_no_first"),
                         "guarded": t.get("guarded"), "balance": t.get("balance"),
                         # the change over the decomposed (law, step) pairs: what decay+1st+2nd predicts
-                        # (totals saved before measured_sampled existed: the measured total)
+                        # (totals without a measured_sampled key: the measured total, if they kept the
+                        # decomposition)
                         "total_drift_measured_sampled": t.get("measured_sampled", t.get("measured") if kept else None),
                         "total_decomposition": kept})
             if _real(t.get("sampled_pairs")):
@@ -700,7 +701,7 @@ NOT_KEPT = ("total decomposition not kept (sampled drift): pass cumulative=True 
 def decomposition_kept(totals_of_family: Mapping) -> bool:
     """Whether ``Tracker.totals()`` of one family holds the per-entry decomposition (``decay``, ``first``,
     ``second``, ``predicted``...): False for a tracker built without ``cumulative`` (its ``cumulative`` key
-    is False); totals saved before the key existed always had it."""
+    is False); totals without the key hold it."""
     return bool(totals_of_family.get("cumulative", True))
 
 

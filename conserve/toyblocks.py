@@ -161,7 +161,7 @@ class Instance:
     why: str
 
 
-def _seeded(seed: int, make: Callable[[], nn.Module]) -> nn.Module:
+def seeded(seed: int, make: Callable[[], nn.Module]) -> nn.Module:
     torch.manual_seed(seed)
     return make().double()
 
@@ -175,50 +175,50 @@ def instances(seed: int = 0) -> list[Instance]:
 
     out = []
     out.append(Instance(
-        "gelu_ffn", _seeded(seed, lambda: FFN(3, 4, 2, F.gelu)), x(40, 3), 0,
+        "gelu_ffn", seeded(seed, lambda: FFN(3, 4, 2, F.gelu)), x(40, 3), 0,
         "GELU FFN with biases: no law (spec: none beyond constants)"))
     out.append(Instance(
-        "silu_ffn", _seeded(seed, lambda: FFN(3, 4, 2, F.silu)), x(40, 3), 0,
+        "silu_ffn", seeded(seed, lambda: FFN(3, 4, 2, F.silu)), x(40, 3), 0,
         "SiLU FFN with biases: no law"))
     out.append(Instance(
-        "relu_ffn_bias", _seeded(seed, lambda: FFN(3, 5, 2, F.relu)), x(240, 3), 5,
+        "relu_ffn_bias", seeded(seed, lambda: FFN(3, 5, 2, F.relu)), x(240, 3), 5,
         "ReLU FFN, width I=5, with biases: one law per unit ||w_in,u||^2 + b_in,u^2 - ||w_out[:,u]||^2"))
     out.append(Instance(
-        "relu_ffn", _seeded(seed, lambda: FFN(3, 4, 2, F.relu, bias=False)), x(60, 3), 4,
+        "relu_ffn", seeded(seed, lambda: FFN(3, 4, 2, F.relu, bias=False)), x(60, 3), 4,
         "ReLU FFN, width I=4, no bias: one law per unit"))
     out.append(Instance(
-        "linear2", _seeded(seed, lambda: FFN(4, 2, 3, lambda t: t, bias=False)), x(30, 4), 3,
+        "linear2", seeded(seed, lambda: FFN(4, 2, 3, lambda t: t, bias=False)), x(30, 4), 3,
         "two-layer linear 4->2->3: W1 W1^T - W2^T W2, n1(n1+1)/2 = 3 (Marcotte et al. 2023)"))
     out.append(Instance(
-        "swiglu", _seeded(seed, lambda: SwiGLU(3, 3)), x(40, 3), 3,
+        "swiglu", seeded(seed, lambda: SwiGLU(3, 3)), x(40, 3), 3,
         "SwiGLU H=3, I=3: one law per unit (up/down scaling), gate free"))
     out.append(Instance(
-        "swiglu_upbias", _seeded(seed, lambda: SwiGLU(3, 2, up_bias=True)), x(40, 3), 2,
+        "swiglu_upbias", seeded(seed, lambda: SwiGLU(3, 2, up_bias=True)), x(40, 3), 2,
         "SwiGLU H=3, I=2 with up bias: one law per unit"))
     out.append(Instance(
-        "mha", _seeded(seed, lambda: Attention(4, 2, 2)), x(8, 4, 4), 12,
+        "mha", seeded(seed, lambda: Attention(4, 2, 2)), x(8, 4, 4), 12,
         "MHA nH=2, D=2, H=4: per head D(D+1)/2 (QK) + D(D+1)/2 (VO) -> nH*D(D+1) = 12"))
     out.append(Instance(
-        "mha_qkv_bias", _seeded(seed, lambda: Attention(4, 2, 2, q_bias=True, k_bias=True, v_bias=True)),
+        "mha_qkv_bias", seeded(seed, lambda: Attention(4, 2, 2, q_bias=True, k_bias=True, v_bias=True)),
         x(8, 4, 4), 16,
         "MHA nH=2, D=2 with q/k/v biases: 12 Gram laws (q,v biases inside them) + the key bias "
         "gets zero gradient, nH*D = 4 frozen entries -> 16"))
     out.append(Instance(
-        "rope", _seeded(seed, lambda: Attention(4, 2, 4, rotary_dim=4)), x(6, 5, 4), 24,
+        "rope", seeded(seed, lambda: Attention(4, 2, 4, rotary_dim=4)), x(6, 5, 4), 24,
         "RoPE nH=2, D=4 (full rotary): per head D/2 pair laws + D(D+1)/2 VO = 2 + 10 -> 24"))
     out.append(Instance(
-        "rope_partial", _seeded(seed, lambda: Attention(4, 1, 4, rotary_dim=2)), x(6, 5, 4), 14,
+        "rope_partial", seeded(seed, lambda: Attention(4, 1, 4, rotary_dim=2)), x(6, 5, 4), 14,
         "partial RoPE nH=1, D=4, R=2: 1 pair law + D'(D'+1)/2 = 3 pass-through Gram + 10 VO = 14"))
     out.append(Instance(
-        "gqa", _seeded(seed, lambda: Attention(4, 4, 2, num_key_value_heads=2)), x(8, 4, 4), 12,
+        "gqa", seeded(seed, lambda: Attention(4, 4, 2, num_key_value_heads=2)), x(8, 4, 4), 12,
         "GQA nH=4, nKV=2, D=2, H=4: one GL(D) per kv group, nKV*D(D+1) = 12"))
     out.append(Instance(
-        "moe_softmax_top2", _seeded(seed, lambda: MoE(3, 2, 3, 2, "softmax")), x(60, 3), 3 * 2 + 3,
+        "moe_softmax_top2", seeded(seed, lambda: MoE(3, 2, 3, 2, "softmax")), x(60, 3), 3 * 2 + 3,
         "MoE E=3 SwiGLU experts (I=2), softmax top-2 renorm, H=3: E*I unit laws + H router sum = 9"))
     return out
 
 
-def _violation(block: nn.Module, x: torch.Tensor, direction: dict[str, torch.Tensor]) -> float:
+def violation(block: nn.Module, x: torch.Tensor, direction: dict[str, torch.Tensor]) -> float:
     """Relative first-order violation max_o |<grad h, grad f_o>| / (||grad h|| ||grad f_o||) of a
     linear law with gradient ``direction`` (spec check 1), by forward mode over the whole batch."""
     from torch.func import functional_call, jvp
@@ -252,9 +252,9 @@ def router_study(seed: int = 0, num_experts: int = 4, hidden: int = 3, inter: in
     configs = [(kind, k, True) for kind in ("softmax", "sigmoid") for k in range(1, num_experts + 1)]
     configs += [("softmax", 1, False), ("sigmoid", 2, False)]
     for kind, k, renorm in configs:
-        moe = _seeded(seed, lambda: MoE(hidden, inter, num_experts, k, kind, renorm))
+        moe = seeded(seed, lambda: MoE(hidden, inter, num_experts, k, kind, renorm))
         res = count_laws(moe, x)
-        viol = _violation(moe, x, {"router.weight": c.expand(num_experts, hidden).clone()})
+        viol = violation(moe, x, {"router.weight": c.expand(num_experts, hidden).clone()})
         rows.append((kind, k, renorm, num_experts * inter, res, viol))
     return rows
 

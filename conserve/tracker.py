@@ -27,7 +27,6 @@ import math
 import numbers
 import sys
 import weakref
-from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -35,16 +34,18 @@ import torch
 from torch import nn
 
 from . import kernels
+from .detection import detect
 from .wrappers import unwrap
 from .errors import NonFiniteError, StaleParameterError, warn
 from .laws import Compiled, Declined, Law, compile_laws
-from .tracking.breakers import (check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
+from .tracking.breakers import (BreakerState, check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
                                  per_param_decay)
+from .tracking.gradients import GradientWatch
+from .tracking.book import GUARD, Book, Layout  # noqa: F401  (GUARD: re-exported)
 from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
+from .tracking.values import (CUMULATIVE, TERMS, CumulativeNotKept, Deferred, DriftTerms, NotKept,  # noqa: F401
+                              Values, abs_plan)
 
-GUARD = 1e-4
-TERMS = ("measured", "decay", "first", "second", "residual")
-CUMULATIVE = TERMS[:4]  # the terms ``cumulative`` sums
 NONFINITE_POLICIES = ("raise", "warn", "skip")
 DRIFT_EVERY = 4  # drift cadence of the sampled mode (see Tracker)
 SNAPSHOT_BUDGET = 0.04  # bytes copied before a drift step in the sampled mode, as a fraction of the tracked bytes
@@ -63,91 +64,6 @@ def eager(fn):
         return torch.compiler.disable(fn, reason=EAGER_REASON)
     except TypeError:  # torch without the reason argument
         return torch.compiler.disable(fn)
-
-
-def _abs_plan(plan: kernels.Plan) -> kernels.Plan:
-    return kernels.Plan([replace(t, sign=abs(t.sign)) for t in plan.grams],
-                        [replace(t, sign=abs(t.sign)) for t in plan.norms],
-                        [replace(t, sign=abs(t.sign)) for t in plan.sums], plan.vec_size, dict(plan.gram_slots))
-
-
-_MAX_RUNS = 16  # a tracker holds its vec entries' instances as stretches up to this many (``_index_runs``)
-
-
-def _index_runs(idx: np.ndarray, device) -> tuple[list | None, torch.Tensor | None]:
-    """``idx`` (an index array) as at most ``_MAX_RUNS`` stretches ``(start, length, first, each)``: entries
-    ``start..start+length`` index ``first, first+1, ...`` (``each``) or all ``first``; with the zero index the
-    longest stretch of one needs.  ``(None, None)`` when it takes more stretches, or a stretch of one is
-    longer than an eighth of ``idx`` (an index is then cheaper)."""
-    runs, k, n = [], 0, len(idx)
-    while k < n:
-        j = k + 1
-        if j < n and idx[j] == idx[k] + 1:
-            while j < n and idx[j] == idx[j - 1] + 1:
-                j += 1
-            runs.append((k, j - k, int(idx[k]), True))
-        else:
-            while j < n and idx[j] == idx[k]:
-                j += 1
-            runs.append((k, j - k, int(idx[k]), j - k == 1))
-        if len(runs) > _MAX_RUNS:
-            return None, None
-        k = j
-    longest = max([r[1] for r in runs if not r[3]], default=0)
-    if longest > max(1, n // 8):
-        return None, None
-    return runs, torch.zeros(longest, dtype=torch.int32, device=device)
-
-
-class Values:
-    """Law values in the plan layout: ``vec`` (entries) and ``grams`` ({D: (slots, D, D)})."""
-
-    __slots__ = ("vec", "grams")
-
-    def __init__(self, vec: torch.Tensor, grams: Mapping[int, torch.Tensor]):
-        self.vec, self.grams = vec, dict(grams)
-
-    def map(self, f, *others: "Values") -> "Values":
-        return Values(f(self.vec, *(o.vec for o in others)),
-                      {d: f(g, *(o.grams[d] for o in others)) for d, g in self.grams.items()})
-
-    def clone(self) -> "Values":
-        return self.map(torch.clone)
-
-    def state(self) -> dict:
-        return {"vec": self.vec, **{f"gram{d}": g for d, g in self.grams.items()}}
-
-    @classmethod
-    def from_state(cls, s: Mapping, device) -> "Values":
-        return cls(s["vec"].to(device), {int(k[4:]): v.to(device) for k, v in s.items() if k.startswith("gram")})
-
-
-class CumulativeNotKept(dict):
-    """``Tracker.cumulative`` of a tracker that keeps no per-entry cumulative sums (``cumulative=False``, or
-    the default in sampled drift mode): empty, and reading a term raises a ``KeyError`` that names the fix."""
-
-    def __repr__(self) -> str:
-        return ("CumulativeNotKept(): the per-entry cumulative drift sums are not kept; build the tracker with "
-                "cumulative=True")
-
-    def __missing__(self, key):
-        raise KeyError(f"tracker.cumulative[{key!r}]: the tracker keeps no per-entry cumulative drift sums (sampled "
-                       "drift: drift_every > 1 or a snapshot_budget); build it with cumulative=True "
-                       "(conserve.track(..., cumulative=True) or the fused optimizer's cumulative=True), or "
-                       "drift_every=1, snapshot_budget=None")
-
-
-class NotKept(dict):
-    """``Tracker.last`` of a tracker built without ``keep_last``: empty, and reading a term raises a
-    ``KeyError`` that names the fix (no stale terms are ever returned)."""
-
-    def __repr__(self) -> str:
-        return "NotKept(): the per-entry drift terms are not kept; build the tracker with keep_last=True"
-
-    def __missing__(self, key):
-        raise KeyError(f"tracker.last[{key!r}]: the tracker does not keep the per-entry drift terms; build it "
-                       "with keep_last=True (conserve.track(..., keep_last=True) or the fused optimizer's "
-                       "keep_last=True)")
 
 
 def record_value(key: str, v):
@@ -173,6 +89,27 @@ def record_value(key: str, v):
         return float(v)
     raise TypeError(f"record({key}=...): {type(v).__name__} is not a number; record a float, an int or a "
                     "one-element tensor")
+
+
+def record_once(owner, tracker, steps: int, scalars: dict) -> None:
+    """``tracker.record(**scalars)``, except keys already recorded since step ``steps`` (the count of steps
+    ``owner`` booked): the step in between was skipped (GradScaler), so the later values are not booked
+    (one ``RuntimeWarning`` per ``owner``) and the row keeps the values of the step it belongs to."""
+    seen = owner.__dict__.get("_recorded")
+    if seen is None or seen[0] != steps:
+        seen = owner.__dict__["_recorded"] = (steps, set())
+    again = [k for k in scalars if k in seen[1]]
+    if again:
+        if not owner.__dict__.get("_warned_skip"):
+            owner.__dict__["_warned_skip"] = True
+            warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
+                          "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
+                          "the later ones are not booked", RuntimeWarning)
+        scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
+        if not scalars:
+            return
+    tracker.record(**scalars)
+    seen[1].update(scalars)
 
 
 class Tracker:
@@ -227,6 +164,23 @@ class Tracker:
             the drift steps of each step's family norm (a sum of norms: an upper bound of the norm of
             the summed term, not that norm), with ``cumulative: False``; ``cumulative`` is then an empty
             ``CumulativeNotKept`` dict whose items raise a ``KeyError`` naming this option.
+        check_gradients: on the drift cadence, check that the gradient the optimizer is about to apply
+            (after unscaling, clipping and the DDP/FSDP2 reduction) is a gradient of the model's output:
+            every exact law's first-order product with it must be at the rounding floor of its dtype
+            (spec "Gradient integrity", ``conserve.analysis.gradcheck``).  The rows get
+            ``grad_check/<family>`` and ``grad_check/<family>/layer<i>`` (the step's worst ratio; NaN on
+            steps not checked); a flush warns once per newly flagged law (``GradientCheckWarning``);
+            ``gradient_check()`` gives the whole result.  Cost per checked step: two passes over the
+            checked laws' weights and gradients.
+        grad_check_ignore: law names, families or ``fnmatch`` patterns of law or parameter names the check
+            leaves out (e.g. ``["translation"]`` for a loss other than softmax cross-entropy).
+        loss: the training loss, for the check's loss-dependent laws: ``"ce"`` (softmax cross-entropy of the
+            logits) checks the translation laws; None: they are checked when the laws were given as a list or
+            by a ``Detection`` made with ``loss="ce"``, and with a note in the warning when detection
+            assumed the loss.
+        grad_dtype: the dtype the gradients are computed in, which sets the floors: ``"bfloat16"`` under
+            bf16 autocast (the parameters' ``.grad`` are float32, their rounding bf16's); default the
+            parameters' dtype.
         backend: 'auto' (Triton on CUDA, torch on CPU), 'torch' or 'triton' (see ``conserve.kernels``).
         monitors: extra metric sources with ``update()`` (after each step) and ``metrics() -> dict``.
         on_nonfinite: what a flush does with a row whose law values are NaN/Inf (the parameters
@@ -278,12 +232,32 @@ class Tracker:
     ``copy.deepcopy`` gives an independent tracker without sinks (a snapshot: set ``sinks`` to write).
     """
 
+    world = 1  # the ranks whose shares make one row (DistributedTracker: its world size)
+    rank = 0  # this process's rank among them (warnings that every rank would repeat come from rank 0)
+
     def __init__(self, model: nn.Module | None = None, laws: Sequence[Law] | None = None, *, every: int = 50,
                  sinks: Iterable = (), drift: bool = True, fp64: bool = False, backend: str = "auto",
                  monitors: Iterable = (), params: Mapping[str, torch.Tensor] | None = None,
                  on_nonfinite: str = "raise", drift_every: int | str = AUTO,
                  snapshot_budget: float | None | str = AUTO, keep_last: bool = False,
-                 cumulative: bool | None = None):
+                 cumulative: bool | None = None, check_gradients: bool = False, grad_check_ignore: Iterable[str] = (),
+                 grad_dtype=None, loss: str | None = None):
+        # the lifecycle and the sink isolation (first: a tracker whose construction raises is collected too)
+        self._closed = False  # close() ran: later steps are not booked
+        self._warned_closed = self._warned_outside = self._warned_stale = self._warned_nonfinite = False
+        self._on_nonfinite = "raise"
+        self.nonfinite_skipped = 0  # non-finite rows not written
+        self._nonfinite_reported = 0  # steps up to this one were covered by a NonFiniteError already raised
+        self.max_unwritten = 10_000  # rows a failing sink may owe (``_write``): beyond it the oldest are dropped
+        self._unwritten: dict = {}  # id(sink) -> rows it still owes
+        self._failing: set = set()  # id(sink) of the sinks failing now
+        self._dropped_rows: dict = {}  # id(sink) -> rows dropped for it (``max_unwritten``)
+        self._warned_dropped: set = set()  # id(sink) of the sinks whose drops were told
+        self._idle_sinks: list = []  # sinks held but not written (a DistributedTracker's other ranks)
+        self._built = False  # __init__ finished (a tracker whose construction raised has nothing to flush)
+        self._bound = None  # a weak reference to the model whose parameters are tracked (``stale``)
+        self._versions: list[int] | None = None  # the tracked tensors' version counters (``check_outside``)
+        self._h_own = None  # ``h`` when its buffers are the tracker's own (``_eval_into_h``)
         if every < 1:
             raise ValueError(f"every={every} must be >= 1")
         if isinstance(drift_every, str) and drift_every == AUTO:
@@ -306,9 +280,12 @@ class Tracker:
         self.on_nonfinite = on_nonfinite
         named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
         self.declined: list[Declined] = []
+        detection = None  # the Detection the laws come from, when given one (its loss: named or assumed)
+        given_laws = laws is not None
         if laws is None:
-            laws, self.declined = _model_laws(_unwrap(model))
+            laws, self.declined = model_laws(_unwrap(model))
         elif hasattr(laws, "laws") and hasattr(laws, "declined"):  # a Detection (conserve.detect(model, loss="ce"))
+            detection = laws
             laws, self.declined = laws.laws, list(laws.declined)
         laws = list(laws)
         kept = []
@@ -347,7 +324,8 @@ class Tracker:
         self.every, self.drift, self.fp64, self.backend = every, drift, fp64, backend
         self.sinks, self.monitors = list(sinks), list(monitors)
         self.device = self.tensors[0].device
-        self._build_index()
+        self.layout = Layout(self.compiled, self.device, drift, grad_check=bool(check_gradients))
+        self.families, self.groups, self.metric_names = self.layout.families, self.layout.groups, self.layout.metric_names
         self.step_count = 0
         self._rows: list[torch.Tensor] = []
         self._extras: list[dict[str, torch.Tensor]] = []
@@ -359,34 +337,30 @@ class Tracker:
         self._assembly: Assembly | None = None
         self.keep_last = bool(keep_last)
         self.last: dict[str, Values] = {} if self.keep_last else NotKept()
-        self._hits: dict = {}  # Mask.key -> (families,) bool: the families a sampler group decomposes
-        self._entries_of: dict = {}  # Mask.key -> _Entries: a sampler group's compact layout
         self.last_record: dict | None = None
         self.broken_by: dict[str, str] = {}  # law name -> why the optimizer breaks it (check_optimizer)
+        self.breakers = BreakerState()  # what the breaker checks keep (conserve.tracking.breakers)
+        # the gradient check (``check_gradients``): its accumulator, and the columns of the step being booked
+        self.grad_watch = None
+        if check_gradients:
+            # a loss-dependent law (translation: softmax cross-entropy) is checked when the user named the loss
+            # (laws given as a list, or a Detection made with loss=...), and with a note when detection assumed it
+            explicit = loss is not None or (detection is None and given_laws)
+            named = loss if loss is not None else ("ce" if explicit else getattr(detection, "loss", None))
+            self.grad_watch = GradientWatch(kept, dict(zip(self.compiled.names, self.params)), self.families,
+                                            self.groups, ignore=grad_check_ignore, dtype=grad_dtype, loss=named,
+                                            loss_assumed=not explicit and named is None)
+        self._grad_row: torch.Tensor | None = None
         self._setup()
         with torch.no_grad():
             self.h0, mag = self._initial_values()
-        magn = self._inst_norm(mag, in_place=True)  # (squared in place: no second law-sized buffer)
+        keep = (bool(drift) and drift_every == 1 and snapshot_budget is None) if cumulative is None else cumulative
+        self.book = Book(self.layout, self.h0, mag, drift=drift, keep_cumulative=keep)
         del mag  # (the magnitudes' law values: only their instance norms are kept)
-        h0n = self._inst_norm(self.h0)
-        self.denom = torch.where(h0n > GUARD * magn, h0n, magn).clamp_min(torch.finfo(h0n.dtype).tiny)
-        self._fam_count_f, self._group_count_f = (c.to(self.h0.vec.dtype) for c in (self._fam_count, self._group_count))
-        # the mean over each family's instances of |h_0| / magnitude (``totals()["balance"]``): per family, held
-        self.h0_balance = self._fam_mean(h0n / magn.clamp_min(torch.finfo(h0n.dtype).tiny))
-        del h0n, magn
         self.h = self.h0.clone()  # (once the norms' temporaries are freed: h_0, h and one of them at most)
         self._h_own = self.h  # h's buffers are the tracker's own: later evaluations write into them (_eval_into_h)
-        # each term summed over the decomposed (entry, step) pairs since step 0, in place at each drift step
-        # (only where kept: ``cumulative``)
-        self.keep_cumulative = (bool(drift) and drift_every == 1 and snapshot_budget is None) if cumulative is None \
-            else cumulative
-        self.cumulative: dict[str, Values] = ({k: self.h0.map(torch.zeros_like) for k in CUMULATIVE}
-                                              if self.keep_cumulative else CumulativeNotKept())
-        # per term (CUMULATIVE) and family, the sum over the booked drift steps of the step's family norm: on
-        # the host, summed from the rows at each flush (``totals()["sum_step_<term>"]``); no per-step cost
-        self._step_sums = torch.zeros(len(CUMULATIVE), len(self.families), dtype=torch.float64, device="cpu")
-        self.sampled_steps = torch.zeros(len(self.families), dtype=torch.long, device=self.device)
         self._versions = self._tensor_versions()  # the weights h_0 was evaluated on (``check_outside``)
+        self._built = True
         _LIVE.add(self)
 
     def check_optimizer(self, optimizer) -> dict[str, str]:
@@ -412,188 +386,52 @@ class Tracker:
 
     def _initial_values(self) -> tuple["Values", "Values"]:
         """``h(theta_0)`` and the magnitudes (every sign +) used by the ``eps`` guard."""
-        mag = Values(*kernels.evaluate(_abs_plan(self.compiled.plan), self.tensors, fp64=self.fp64, backend=self.backend))
+        mag = Values(*kernels.evaluate(abs_plan(self.compiled.plan), self.tensors, fp64=self.fp64, backend=self.backend))
         return self._eval(self.tensors), mag
 
     # ------------------------------------------------------------------------------------ layout
-    def _build_index(self):
-        c, dev = self.compiled, self.device
-        fams = sorted({l.family for l in c.laws})
-        groups = sorted({(l.family, -1 if l.layer is None else l.layer) for l in c.laws})
-        self.families, self.groups = fams, groups
-        vec_inst = torch.zeros(c.plan.vec_size, dtype=torch.long, device="cpu")  # host-built (even under torch.device('meta'))
-        vec_fam = torch.zeros(c.plan.vec_size, dtype=torch.long, device="cpu")
-        gram_inst = {d: torch.zeros(n, dtype=torch.long, device="cpu") for d, n in c.plan.gram_slots.items()}
-        gram_fam = {d: torch.zeros(n, dtype=torch.long, device="cpu") for d, n in c.plan.gram_slots.items()}
-        inst_fam, inst_group = [], []
-        for law, (kind, a, b) in zip(c.laws, c.where):
-            f, g = fams.index(law.family), groups.index((law.family, -1 if law.layer is None else law.layer))
-            if kind == "vec":
-                n = b if law.per == "entry" else 1
-                ids = torch.arange(len(inst_fam), len(inst_fam) + n, device="cpu")
-                vec_inst[a: a + b] = ids if law.per == "entry" else ids[0]
-                vec_fam[a: a + b] = f
-            else:
-                gram_inst[a][b], gram_fam[a][b], n = len(inst_fam), f, 1
-            inst_fam += [f] * n
-            inst_group += [g] * n
-        # per output entry (vec entries, then each D's Gram slots: the ``flat`` layout of record_step),
-        # its instance and family, int32 (index_add_ takes them); the per-layout indices are views
-        self._gram_ds = list(c.plan.gram_slots)
-        inst_all = torch.cat([vec_inst] + [gram_inst[d] for d in self._gram_ds]).to(dev, torch.int32)
-        self._n_flat = inst_all.numel()
-        fam_all = torch.cat([vec_fam] + [gram_fam[d] for d in self._gram_ds]).to(dev, torch.int32)
-        offs = np.cumsum([c.plan.vec_size] + [c.plan.gram_slots[d] for d in self._gram_ds]).tolist()
-        self._flat_at = dict(zip(self._gram_ds, offs[:-1]))  # D -> first flat index of its slots
-        # the vec entries' instances: as a few stretches (``_vec_runs``) when they form at most ``_MAX_RUNS``
-        # (``conserve run``'s model: 688 entries, 11 stretches; no 4 bytes per entry held), else the int32 index
-        self._vec_runs, self._zero_idx = _index_runs(vec_inst.numpy(), dev)
-        self._vec_inst_held = None if self._vec_runs is not None else inst_all[: c.plan.vec_size]
-        gram_part = inst_all[c.plan.vec_size:].clone()  # one int32 per Gram slot (few)
-        self._gram_inst = {d: gram_part[o - c.plan.vec_size: o - c.plan.vec_size + c.plan.gram_slots[d]]
-                           for d, o in self._flat_at.items()}
-        spans, at = [], fam_all.numel()  # the scratch layout of record_step: [vec | slot sums | Grams]
-        for d in self._gram_ds:
-            n = c.plan.gram_slots[d]
-            spans.append((d, at, at + n * d * d, (n, d, d)))
-            at += n * d * d
-        self._layout = (at, c.plan.vec_size, spans)
-        inst_fam, inst_group = (torch.tensor(inst_fam, dtype=torch.long, device="cpu"),
-                                torch.tensor(inst_group, dtype=torch.long, device="cpu"))
-        self._n_inst = len(inst_fam)
-        self._fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
-        self._group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
-        # the (family, layer) group of each instance, held as runs: the instances of a group lie side by side
-        # in law order (``conserve run``'s model: 634 instances, 15 groups, 21 runs), so the per-step group
-        # sums are one segment sum per run (``_group_sum``) and no 4 bytes per instance are held
-        new_run = torch.ones(len(inst_group), dtype=torch.bool, device="cpu")
-        new_run[1:] = inst_group[1:] != inst_group[:-1]
-        starts = torch.nonzero(new_run).flatten()
-        self._run_len = torch.diff(starts, append=torch.tensor([len(inst_group)], device="cpu")).to(dev, torch.int32)
-        self._run_group = inst_group[starts].to(dev, torch.int32)
-        # the family of each (family, layer) group (an instance's is expanded from the runs when needed, an
-        # entry's gathered from that, unless an entry belongs to no law)
-        self._group_fam = torch.tensor([fams.index(f) for f, _ in groups], dtype=torch.int32, device=dev)
-        self._fam_all_held = None if torch.equal(self._inst_fam[inst_all], fam_all) else fam_all
-        del inst_all
-        self.metric_names = ([f"eps/{f}" for f in fams]
-                             + [f"eps/{f}/" + ("global" if l < 0 else f"layer{l}") for f, l in groups]
-                             + (([f"drift/{f}/{t}" for t in TERMS for f in fams]) if self.drift else []))
-
-    @property
-    def _vec_inst(self) -> torch.Tensor:
-        """(vec entries,) int32: the instance of each vec entry (formed from ``_vec_runs`` when held as runs)."""
-        if self._vec_inst_held is not None:
-            return self._vec_inst_held
-        out = torch.empty(self.compiled.plan.vec_size, dtype=torch.int32, device=self.device)
-        for a, n, i0, each in self._vec_runs:
-            out[a: a + n] = torch.arange(i0, i0 + n, dtype=torch.int32, device=self.device) if each else i0
-        return out
-
-    @property
-    def _inst_all(self) -> torch.Tensor:
-        """(entries,) int32: the instance of each output entry, flat layout (vec, then each D's slots)."""
-        return torch.cat([self._vec_inst] + [self._gram_inst[d] for d in self._gram_ds])
-
-    def _vec_add(self, out: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``out.index_add_(0, _vec_inst, v)`` (the same bits: each instance gets its entries' additions in
-        entry order), over the stretches when held as runs: a slice addition per stretch of consecutive
-        instances, one ``index_add_`` into its instance per stretch of one."""
-        if self._vec_runs is None:
-            return out.index_add_(0, self._vec_inst_held, v)
-        for a, n, i0, each in self._vec_runs:
-            if each:
-                out[i0: i0 + n].add_(v[a: a + n])
-            else:
-                out[i0: i0 + 1].index_add_(0, self._zero_idx[:n], v[a: a + n])
-        return out
-
-    @property
-    def _inst_group(self) -> torch.Tensor:
-        """(instances,) int32: the (family, layer) group of each instance (expanded from the runs when read:
-        not held)."""
-        return torch.repeat_interleave(self._run_group, self._run_len)
-
-    @property
-    def _inst_fam(self) -> torch.Tensor:
-        """(instances,) int32: the family of each instance (expanded when read: not held; the per-step
-        family sums add the (family, layer) group sums instead)."""
-        return torch.repeat_interleave(self._group_fam.index_select(0, self._run_group), self._run_len)
-
-    def _group_sum(self, per_inst: torch.Tensor) -> torch.Tensor:
-        """(groups,): the sum of a per-instance quantity over each (family, layer) group's instances (one
-        segment sum per run of ``_run_len``, then the runs added into their groups)."""
-        runs = torch.segment_reduce(per_inst, "sum", lengths=self._run_len)
-        return torch.zeros(len(self.groups), dtype=per_inst.dtype, device=per_inst.device).index_add_(
-            0, self._run_group, runs)
-
     @property
     def denom(self) -> torch.Tensor:
-        """(instances,) the ``eps`` denominators: ``||h_i(theta_0)||``, or for a guarded instance (``|h_0|``
-        below ``GUARD`` times its magnitude) that magnitude, at least the dtype's ``tiny``; dtype of ``h_0``.
-        Formed when read from the held ``h_0`` (one evaluation of the instance norms): only the guarded
-        instances' values are held (``_guard_at``, ``_guard_val``: 12 bytes each; none on a model whose
-        laws all start unbalanced).  Setting it (construction, ``load_state_dict``) keeps those."""
-        return self._denominators()
-
-    def _denominators(self, sv: torch.Tensor | None = None, sg: Mapping[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """``denom`` (see there); ``sv``, ``sg``: scratch of ``h_0``'s vec and Gram shapes and dtype the squares
-        are written into (overwritten; the bits of ``_inst_norm``: ``x * x`` is ``square()``)."""
-        if sv is None:
-            d = self._inst_norm(self.h0)
-        else:
-            h0 = self.h0
-            d = self._vec_add(torch.zeros(self._n_inst, dtype=h0.vec.dtype, device=self.device),
-                              torch.mul(h0.vec, h0.vec, out=sv))
-            for k, g in h0.grams.items():
-                d.index_add_(0, self._gram_inst[k], torch.mul(g, g, out=sg[k]).sum((1, 2)))
-            d.sqrt_()
-        if self._guard_at.numel():
-            d.index_copy_(0, self._guard_at, self._guard_val)
-        return d.clamp_min_(torch.finfo(d.dtype).tiny)
+        """(instances,) the ``eps`` denominators (``conserve.tracking.book.guarded_denominators``): formed when
+        read from ``h_0``; only the guarded instances' values are held.  Setting it (construction,
+        ``load_state_dict``) keeps those."""
+        return self.book.denominators(self.h0)
 
     @denom.setter
     def denom(self, value: torch.Tensor) -> None:
-        h0n = self._inst_norm(self.h0)
-        value = value.to(device=h0n.device, dtype=h0n.dtype)
-        at = torch.nonzero(value != h0n).flatten()  # (a denominator clamped to tiny too)
-        self._guard_at, self._guard_val = at, value.index_select(0, at)
-
-    def _fam_mean(self, per_inst: torch.Tensor) -> torch.Tensor:
-        """(families,): the mean of a per-instance quantity over each family's instances."""
-        return torch.zeros(len(self.families), dtype=per_inst.dtype, device=per_inst.device).index_add_(
-            0, self._inst_fam, per_inst) / self._fam_count
+        self.book.set_denominators(self.h0, value)
 
     @property
-    def _fam_all(self) -> torch.Tensor:
-        """(entries,) int32: the family of each output entry, flat layout (vec, then each D's slots)."""
-        held = self.__dict__.get("_fam_all_held")
-        return held if held is not None else self._inst_fam.index_select(0, self._inst_all)
+    def cumulative(self) -> dict:
+        """Per ``CUMULATIVE`` term, its per-entry sum over the decomposed (entry, step) pairs (``Values``), when
+        kept (``cumulative=``); else an empty ``CumulativeNotKept``."""
+        return self.book.cumulative
+
+    @cumulative.setter
+    def cumulative(self, value: dict) -> None:
+        self.book.cumulative = value
 
     @property
-    def _vec_fam(self) -> torch.Tensor:
-        return self._fam_all[: self.compiled.plan.vec_size]
+    def keep_cumulative(self) -> bool:
+        return self.book.keep_cumulative
 
     @property
-    def _gram_fam(self) -> dict:
-        fam = self._fam_all
-        return {d: fam[o: o + self.compiled.plan.gram_slots[d]] for d, o in self._flat_at.items()}
+    def sampled_steps(self) -> torch.Tensor:
+        """(families,) int64: per family, the drift steps that decomposed some entry of it."""
+        return self.book.sampled_steps
 
-    def _sq_bins(self, v: Values, vec_ids, gram_ids, n, in_place: bool = False) -> torch.Tensor:
-        """(n,) the sums of squares of ``v``'s entries per bin; ``vec_ids`` None: the instances (``_vec_add``);
-        ``in_place``: ``v``'s tensors are squared in place (the same bits; ``v`` is then spent)."""
-        sq = (lambda x: x.square_()) if in_place else (lambda x: x.square())  # noqa: E731
-        out = torch.zeros(n, dtype=v.vec.dtype, device=self.device)
-        out = self._vec_add(out, sq(v.vec)) if vec_ids is None else out.index_add_(0, vec_ids, sq(v.vec))
-        for d, g in v.grams.items():
-            out.index_add_(0, gram_ids[d], sq(g).sum((1, 2)))
-        return out
+    @sampled_steps.setter
+    def sampled_steps(self, value: torch.Tensor) -> None:
+        self.book.sampled_steps = value
 
-    def _inst_norm(self, v: Values, in_place: bool = False) -> torch.Tensor:
-        return self._sq_bins(v, None, self._gram_inst, self._n_inst, in_place).sqrt()
+    @property
+    def h0_balance(self) -> torch.Tensor:
+        """(families,) the mean over each family's instances of ``|h_0|`` / magnitude."""
+        return self.book.balance
 
-    def _fam_norm(self, v: Values) -> torch.Tensor:
-        return self._sq_bins(v, self._vec_fam, self._gram_fam, len(self.families)).sqrt()
+    @h0_balance.setter
+    def h0_balance(self, value: torch.Tensor) -> None:
+        self.book.balance = value
 
     def _eval(self, tensors) -> Values:
         return Values(*kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend))
@@ -605,7 +443,7 @@ class Tracker:
         evaluation.  Only where the old ``h`` is no longer read (``after_step``).  The evaluation's checks
         that can raise (views outside their tensors, reserved slots, ``out``'s layout) run before the buffers
         are zeroed, so an error leaves ``h`` as it was."""
-        own = self.__dict__.get("_h_own")
+        own = self._h_own
         if own is None or own is not self.h:
             return self._eval(tensors)
         kernels.evaluate(self.compiled.plan, tensors, fp64=self.fp64, backend=self.backend, out=(own.vec, own.grams))
@@ -620,9 +458,9 @@ class Tracker:
         has another shape than the tracker was built for (``p.data = ...``).  ``[]`` when all are the
         model's, and for a tracker built from ``params=`` / a copy without its model (nothing to
         compare).  One dict look-up per tracked tensor."""
-        bound = self.__dict__.get("_bound")
+        bound = self._bound
         root = bound() if bound is not None else None
-        if root is None or getattr(self, "world", 1) > 1:  # (a distributed tracker: every rank would have to agree)
+        if root is None or self.world > 1:  # (a distributed tracker: every rank would have to agree)
             return []
         out, mods = [], {"": root}
         for name, t, shape in zip(self.compiled.names, self.params, self._bound_shapes):
@@ -654,7 +492,7 @@ class Tracker:
     def _tensor_versions(self) -> list[int] | None:
         """The in-place version counter of each tracked tensor (``Tensor._version``: every in-place write,
         ``copy_`` of ``load_state_dict`` included, bumps it; ``p.data = ...`` does not)."""
-        if getattr(self, "world", 1) > 1:
+        if self.world > 1:
             return None
         return [t._version for t in self.params]
 
@@ -665,8 +503,8 @@ class Tracker:
         weights.  That change is no step of the tracked optimizer: ``eps`` jumps with it (still measured
         against the ``theta_0`` the tracker was built on) and, before a drift step, the drift ``residual``
         holds it.  Reads one counter per tracked tensor (~0.1 us each)."""
-        was = self.__dict__.get("_versions")
-        if was is None or self._closed or self.__dict__.get("_warned_outside"):
+        was = self._versions
+        if was is None or self._closed or self._warned_outside:
             return
         moved = [n for n, t, v in zip(self.compiled.names, self.params, was) if t._version != v]
         if moved:
@@ -710,16 +548,22 @@ class Tracker:
             self._assembly = Assembly(self.compiled.plan, self.compiled.linear_mask, self.device)
         return self._assembly
 
+    @property
+    def steps_taken(self) -> int:
+        """The optimizer steps seen so far (booked, and pending a reduction on a ``DistributedTracker``)."""
+        return self.step_count
+
     def is_drift_step(self) -> bool:
-        """Whether the next step (``step_count + 1``) decomposes the drift (never once closed)."""
-        return self.drift and not self._closed and self.step_count % self.drift_every == 0
+        """Whether the next step (``steps_taken + 1``) decomposes the drift: steps 1, 1 + N, ... for
+        ``drift_every`` N (never once closed)."""
+        return self.drift and not self._closed and self.steps_taken % self.drift_every == 0
 
     def _books_after_close(self) -> bool:
         """False once ``close()`` ran: later steps are not booked (one warning names how to track them);
         before, a step after ``close()`` was booked and its flush failed in the closed sinks."""
         if not self._closed:
             return True
-        if not self.__dict__.get("_warned_closed"):
+        if not self._warned_closed:
             self._warned_closed = True
             warn("conserve: the tracker is closed (close() or the end of its `with` block): steps after it "
                           "are not tracked; build a new tracker (conserve.track, or a fused optimizer's track=) to "
@@ -734,6 +578,7 @@ class Tracker:
         self._snap = None
         self.check_bound()  # (a flush is due in this step: the tracked tensors must still be the model's)
         self.check_outside()
+        self.check_step_gradients()
         if not self.is_drift_step():
             return
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
@@ -758,7 +603,7 @@ class Tracker:
         pieces = self._drift_pass(snap, a)
         if snap.compact:  # a copy of the group's entries of h_k: then h_k's buffers take h_{k+1}, and the terms
             # scratch is formed after that evaluation (the pieces, smaller, are held through it instead)
-            hv, hg = self._entries(snap.mask).take(self.h)
+            hv, hg = self.layout.entries(snap.mask, self.assembly).take(self.h)
             h_old = (hv.clone(), {d: g.clone() for d, g in hg.items()})
             del hv, hg
             h1 = self._eval_into_h(self.tensors)
@@ -770,6 +615,31 @@ class Tracker:
             del pieces
         self.record_step(h1, terms, snap.mask)
         self._h_own = h1
+
+    def is_grad_check_step(self) -> bool:
+        """Whether the next step's gradient is checked (``check_gradients``: on the drift cadence)."""
+        return self.grad_watch is not None and not self._closed and self.steps_taken % self.drift_every == 0
+
+    @torch.no_grad()
+    def check_step_gradients(self) -> None:
+        """Right before the optimizer step applies the gradients: on a checked step (``is_grad_check_step``),
+        the first-order product of every checked law with the tracked parameters' ``.grad``, accumulated
+        and kept for the step's row (``conserve.tracking.gradients``).  Nothing otherwise."""
+        self._grad_row = self.grad_watch.update(dict(zip(self.compiled.names, self.params))) \
+            if self.is_grad_check_step() else None
+
+    def gradient_check(self):
+        """The gradient check over every checked step so far (``conserve.analysis.gradcheck.GradientCheck``:
+        per law ``worst`` and ``aggregate`` against the dtype's floors, ``str()`` reads it), or None without
+        ``check_gradients``.  One host copy."""
+        return self.grad_watch.result() if self.grad_watch is not None else None
+
+    def _grad_columns(self) -> torch.Tensor | None:
+        """The step's ``grad_check`` columns (NaN on a step not checked), taken once; None without the check."""
+        if self.grad_watch is None:
+            return None
+        got, self._grad_row = self._grad_row, None
+        return got if got is not None else torch.full((self.grad_watch.width,), float("nan"), device=self.device)
 
     def _drift_pass(self, snap, a: list[float]) -> list:
         """The DRIFT pass's ``[None, decay, bil, h_delta]`` over ``snap`` (its copies of theta_k are
@@ -804,12 +674,12 @@ class Tracker:
         either way)."""
         asm = self.assembly
         # the terms go straight into rows 1-3 of record_step's scratch (no copy, no temporary per term)
-        at = self._entries(mask) if compact else None
+        at = self.layout.entries(mask, self.assembly) if compact else None
         if at is None:
-            buf, wv, wg = self._scratch((len(TERMS),), self.h.vec.dtype)
+            buf, wv, wg = self.layout.scratch((len(TERMS),), self.h.vec.dtype)
             h_old, sampled = (self.h.vec, self.h.grams), mask
         else:  # a compact sub-plan: the pieces, terms and scratch hold the group's entries only
-            buf, wv, wg = self._views(torch.empty(len(TERMS), at.layout[0], dtype=self.h.vec.dtype, device=self.device),
+            buf, wv, wg = self.layout.views(torch.empty(len(TERMS), at.layout[0], dtype=self.h.vec.dtype, device=self.device),
                                       at.layout)
             h_old, sampled = (at.take(self.h) if h_old is None else h_old), None
             asm = at.assembly
@@ -823,55 +693,10 @@ class Tracker:
         terms.at, terms.buf, terms.h_old = at, buf, (h_old if at is not None else None)
         return terms
 
-    def _entries(self, mask: Mask) -> "_Entries":
-        """The compact layout of ``mask``'s entries (``_Entries``), cached per ``mask.key``: a sampler group
-        decomposes the same entries every time it comes round (held: see ``_Entries``)."""
-        got = self._entries_of.get(mask.key) if mask.key is not None else None
-        if got is None:
-            got = _Entries(self, mask)
-            if mask.key is not None:
-                self._entries_of[mask.key] = got
-        return got
-
-    def _family_hit(self, mask: Mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """(families,) bool: the family has a decomposed entry under ``mask``, and its negation (cached per ``mask.key``:
-        a sampler group decomposes the same entries every time it comes round)."""
-        hit = self._hits.get(mask.key) if mask.key is not None else None
-        if hit is None:
-            flat = torch.cat([mask.vec.reshape(-1)] + [mask.grams[d].reshape(-1) for d in self._gram_ds])
-            hit = torch.zeros(len(self.families), dtype=torch.int32, device=self.device)
-            hit = hit.index_add_(0, self._fam_all, flat.to(torch.int32)) > 0
-            hit = (hit, ~hit)
-            if mask.key is not None:
-                self._hits[mask.key] = hit
-        return hit
-
-    def _scratch(self, lead: tuple, dt) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """One buffer ``(*lead, V + slots + Gram entries)`` laid out ``[vec | per-slot sums | Gram
-        matrices]``: returns it, its vec part and its ``{D: (*lead, slots, D, D)}`` Gram parts (views)."""
-        return self._views(torch.empty(lead + (self._layout[0],), dtype=dt, device=self.device))
-
-    def _views(self, buf: torch.Tensor, layout: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """``(buf, vec part, {D: Gram part})`` of a ``_scratch`` buffer (``layout``: a compact one, ``_Entries``)."""
-        total, nv, spans = self._layout if layout is None else layout
-        return buf, buf[..., : nv], {d: buf[..., a: b].unflatten(-1, shape) for d, a, b, shape in spans}
-
-    def _squares(self, buf: torch.Tensor, vec: torch.Tensor, grams: Mapping[int, torch.Tensor],
-                 at: "_Entries | None" = None) -> torch.Tensor:
-        """Square ``_scratch`` values in place and sum each Gram slot's squares into its slot column:
-        returns ``buf[..., :flat entries]``, the per-entry squares in the flat layout of ``_fam_all``
-        (``at``: of its ``families``)."""
-        flat_at, n_flat = (self._flat_at, self._n_flat) if at is None else (at.flat_at, at.size)
-        vec.mul_(vec)  # x * x: the bits of square()
-        for d in self._gram_ds:
-            g, o = grams[d], flat_at[d]
-            torch.sum(g.mul_(g), (-2, -1), out=buf[..., o: o + g.shape[-3]])
-        return buf[..., : n_flat]
-
     def record_step(self, h1: Values, terms: Mapping[str, Values] | None = None, sampled: Mask | None = None) -> None:
         """Book one step given ``h(theta_{k+1})`` and optionally the drift terms (``decay``, ``first``,
         ``second``), e.g. computed by a fused optimizer kernel; ``sampled``: the entries they cover
-        (None: all).  Appends one metric row (on device).
+        (None: all).  Appends one metric row (on device), formed by ``Book.row``.
 
         Memory: the five per-entry terms of a drift step (``measured``, the three given, ``residual``)
         are formed in one stacked scratch buffer, summed into ``cumulative`` in place (when kept) and
@@ -881,123 +706,22 @@ class Tracker:
         given here are in the full layout.  Nothing is booked after ``close()`` (one warning)."""
         if not self._books_after_close():
             return
-        deferred = _Deferred()
+        deferred = Deferred()
         if len(self._rows) >= self.every:  # flush lazily, so record() can still reach the last row
             deferred.call(self.flush)  # a NonFiniteError is raised once this step is booked
         self.step_count += 1
-        nf, dev = len(self.families), self.device
-        dt = torch.promote_types(h1.vec.dtype, self.h0.vec.dtype)
-        norms = None
-        if self.drift:  # the terms first: their scratch is squared, reduced and freed before the eps scratch exists
-            norms = torch.empty(len(TERMS), nf, dtype=dt, device=dev)
-            if terms is None:
-                norms.fill_(float("nan"))
-            else:
-                self._drift_norms(h1, terms, sampled, norms)
-                if isinstance(terms, DriftTerms):  # consumed (documented): its views of the scratch go with it
-                    terms.clear()
-                    terms.buf = terms.h_old = None
-        # eps: per instance ||h1 - h0|| / denom, averaged per family and per (family, layer) group; the
-        # differences and the denominators' squares go through one vec-sized and one Gram-sized scratch
-        with torch.no_grad():  # (out= takes no autograd inputs; the row is a detached metric either way)
-            sv = torch.empty(h1.vec.shape, dtype=dt, device=dev)
-            sg = {d: torch.empty(g.shape, dtype=dt, device=dev) for d, g in h1.grams.items()}
-            dv, g = torch.sub(h1.vec, self.h0.vec, out=sv), None
-            rel = self._vec_add(torch.zeros(self._n_inst, dtype=dt, device=dev), dv.mul_(dv))
-            for d, g in h1.grams.items():  # x * x: the bits of square()
-                g = torch.sub(g, self.h0.grams[d], out=sg[d])
-                rel.index_add_(0, self._gram_inst[d], g.mul_(g).sum((1, 2)))
-            rel.sqrt_().div_(self._denominators(sv, sg) if dt == self.h0.vec.dtype else self.denom)
-            del dv, g, sv, sg
-        grp = self._group_sum(rel)
-        fam = torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._group_fam, grp)  # (a family: its groups)
-        parts = [fam.div_(self._fam_count_f), grp.div_(self._group_count_f)]
-        if norms is not None:
-            parts.append(norms.view(-1))
-        row = torch.cat(parts)
-        self._rows.append(row.float())
-        if self.__dict__.get("_h_own") is not h1:  # a caller's h1 (after_step marks its own once this returns)
+        row, last = self.book.row(h1, self.h0, self.h, terms, sampled, self.keep_last, self._grad_columns())
+        if last is not None:
+            self.last = last
+        self._rows.append(row)
+        if self._h_own is not h1:  # a caller's h1 (after_step marks its own once this returns)
             self._h_own = None
         self.h = h1
-        if not self.__dict__.get("_warned_outside"):  # (check_outside warns once: no counters read after that)
+        if not self._warned_outside:  # (check_outside warns once: no counters read after that)
             self._versions = self._tensor_versions()  # the weights as this step left them (``check_outside``)
         for m in self.monitors:
             m.update()
         deferred.raise_booked(self, self.step_count)  # this step was booked before the caller saw the error
-
-    def _drift_norms(self, h1: Values, terms: Mapping[str, Values], sampled: Mask | None, norms: torch.Tensor) -> None:
-        """The five terms of one drift step (stacked scratch), ``cumulative += `` the first four (when kept), and per
-        term and family the Euclidean norm into ``norms`` (``(len(TERMS), families)``, NaN for a family
-        without a decomposed entry)."""
-        dev = self.device
-        dec, fst, snd = terms["decay"], terms["first"], terms["second"]
-        dt = torch.promote_types(torch.promote_types(h1.vec.dtype, self.h.vec.dtype),
-                                 torch.promote_types(torch.promote_types(dec.vec.dtype, fst.vec.dtype), snd.vec.dtype))
-        partial = sampled is not None and not sampled.full
-        at = getattr(terms, "at", None)  # compact terms (drift_terms over a compact sub-plan): the group's entries
-        layout = self._layout if at is None else at.layout
-        buf = getattr(terms, "buf", None)  # assemble wrote the terms into rows 1-3 of it: taken (consumed) here
-        if buf is not None:
-            terms.buf = None
-        if buf is None or buf.dtype != dt or buf.shape[-1] != layout[0] \
-                or self._views(buf, layout)[1][1].data_ptr() != dec.vec.data_ptr():
-            buf = torch.empty(len(TERMS), layout[0], dtype=dt, device=dev)
-        buf, wv, wg = self._views(buf, layout)
-        if at is not None:  # the group's entries of h_{k+1} and h_k (taken by assemble); the terms need no mask
-            h_k = terms.h_old if terms.h_old is not None else at.take(self.h)
-            h1, partial_masks = at.take(h1), False
-        else:
-            h_k, partial_masks = (self.h.vec, self.h.grams), partial
-
-        def fill(w, hv, ov, parts, mask):
-            ws = w.unbind(0)
-            torch.sub(hv, ov, out=ws[0])  # measured
-            if mask is not None:
-                ws[0].mul_(mask)
-            for i, x in enumerate(parts, 1):
-                if x.data_ptr() != ws[i].data_ptr():
-                    ws[i].copy_(x)
-            torch.sub(ws[0], ws[1], out=ws[4]).sub_(ws[2]).sub_(ws[3])  # residual = m - d - f - s
-
-        h1v, h1g = (h1.vec, h1.grams) if at is None else h1
-        hkv, hkg = h_k
-        fill(wv, h1v, hkv, (dec.vec, fst.vec, snd.vec), sampled.vec if partial_masks else None)
-        for d, g in h1g.items():
-            fill(wg[d], g, hkg[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
-                 sampled.grams[d].view(-1, 1, 1) if partial_masks else None)
-        for i, k in enumerate(CUMULATIVE if self.keep_cumulative else ()):  # cumulative += measured, decay, ...
-            c = self.cumulative[k]
-            if at is None:
-                c.vec.add_(wv[i])
-                for d, g in c.grams.items():
-                    g.add_(wg[d][i])
-            else:  # at the group's entries only (the others would add zeros)
-                _add_at(c.vec, at.vec, wv[i])
-                for d, g in c.grams.items():
-                    _add_at(g, at.slots[d], wg[d][i])
-        if self.keep_last:  # a copy: ``buf`` is squared below (compact: scattered into the full layout)
-            if at is None:
-                _, kv, kg = self._views(buf.clone())
-            else:
-                _, kv, kg = self._scratch((len(TERMS),), dt)
-                kv.zero_()[:, at.vec] = wv
-                for d, g in kg.items():
-                    g.zero_()[:, at.slots[d]] = wg[d]
-            self.last = {t: Values(kv[i], {d: g[i] for d, g in kg.items()}) for i, t in enumerate(TERMS)}
-        sq = self._squares(buf, wv, wg, at)
-        fam = self._fam_all if at is None else at.families(self)
-        out = norms.zero_() if norms.dtype == dt else torch.zeros(norms.shape, dtype=dt, device=dev)
-        for i in range(len(TERMS)):
-            out[i].index_add_(0, fam, sq[i])
-        out.sqrt_()
-        if out is not norms:
-            norms.copy_(out)
-        if partial:
-            hit, miss = self._family_hit(sampled)
-            norms.masked_fill_(miss, float("nan"))
-            self.sampled_steps += hit
-        else:
-            self.sampled_steps += 1
 
     @eager
     def record(self, **scalars) -> None:
@@ -1043,41 +767,27 @@ class Tracker:
         (the GD/SGD prediction, where the first-order term vanishes).  Without them these keys are
         absent (never estimated).  Nothing is extrapolated to the steps or laws that were not
         decomposed.  Host floats (one sync)."""
-        parts = {"measured": self._fam_norm(self.h.map(torch.sub, self.h0))}
+        parts = {"measured": self.layout.fam_norm(self.h.map(torch.sub, self.h0))}
         if self.keep_cumulative:
             c = self.cumulative
-            parts.update({"measured_sampled": self._fam_norm(c["measured"]),
-                          "decay": self._fam_norm(c["decay"]), "first": self._fam_norm(c["first"]),
-                          "second": self._fam_norm(c["second"]),
-                          "predicted": self._fam_norm(c["decay"].map(torch.add, c["first"]).map(torch.add, c["second"])),
-                          "predicted_no_first": self._fam_norm(c["decay"].map(torch.add, c["second"]))})
-        parts.update({"scale": self._fam_norm(self.h0), "sampled_steps": self.sampled_steps,
+            parts.update({"measured_sampled": self.layout.fam_norm(c["measured"]),
+                          "decay": self.layout.fam_norm(c["decay"]), "first": self.layout.fam_norm(c["first"]),
+                          "second": self.layout.fam_norm(c["second"]),
+                          "predicted": self.layout.fam_norm(c["decay"].map(torch.add, c["first"]).map(torch.add, c["second"])),
+                          "predicted_no_first": self.layout.fam_norm(c["decay"].map(torch.add, c["second"]))})
+        parts.update({"scale": self.layout.fam_norm(self.h0), "sampled_steps": self.sampled_steps,
                       "steps": torch.full_like(self.sampled_steps, self.step_count)})
-        rel = self._inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
-        parts["eps"] = self._fam_mean(rel)
+        rel = self.layout.inst_norm(self.h.map(torch.sub, self.h0)) / self.denom
+        parts["eps"] = self.layout.fam_mean(rel)
         # fraction of a family's instances whose h_0 is ~0 (the eps guard divides by the magnitude instead)
-        guarded = torch.zeros(self._n_inst, dtype=rel.dtype, device=rel.device)
-        guarded[self._guard_at] = (self._guard_val > self._inst_norm(self.h0)[self._guard_at]).to(rel.dtype)
-        parts["guarded"] = self._fam_mean(guarded)
+        parts["guarded"] = self.book.guarded(self.h0, rel.dtype)
         parts["balance"] = self.h0_balance.to(device=self.device, dtype=rel.dtype)
         host = {k: v.double().cpu().tolist() for k, v in parts.items()}
-        sums = self._step_sums + self._pending_step_sums()  # (flushed rows + the rows still pending)
+        sums = self.book.step_sums + self.book.drift_sums(torch.stack(self._rows) if self._rows else None)  # (flushed rows + the rows still pending)
         for i, t in enumerate(CUMULATIVE):
             host[f"sum_step_{t}"] = sums[i].tolist()
         kept = self.keep_cumulative
         return {f: {**{k: host[k][i] for k in host}, "cumulative": kept} for i, f in enumerate(self.families)}
-
-    def _pending_step_sums(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """(len(CUMULATIVE), families) float64 on the host: per term and family the sum of the drift
-        columns of ``rows`` (default: the pending rows), NaN (not decomposed) skipped."""
-        nf = len(self.families)
-        if rows is None:
-            rows = torch.stack(self._rows) if self._rows else None
-        if rows is None or not self.drift or rows.shape[0] == 0:
-            return torch.zeros(len(CUMULATIVE), nf, dtype=torch.float64, device="cpu")
-        at = nf + len(self.groups)  # the drift columns: drift/<family>/<term>, term-major (TERMS order)
-        cols = rows[:, at: at + len(CUMULATIVE) * nf].to(torch.float64)
-        return cols.nansum(0).view(len(CUMULATIVE), nf).cpu()
 
     def flush(self) -> list[dict]:
         """Move the pending rows to the host (one sync) and write them to the sinks.
@@ -1090,15 +800,17 @@ class Tracker:
             return []
         first_step = self.step_count - len(self._rows) + 1
         why = self.stale()
-        if why and not self.__dict__.get("_warned_stale"):  # an explicit flush / close: write, and say so once
+        if why and not self._warned_stale:  # an explicit flush / close: write, and say so once
             self._warned_stale = True
             warn(f"{self._stale_message(why)} (steps {first_step}..{self.step_count} are written; those after "
                           "the change describe the old tensors)", RuntimeWarning)
         host = torch.stack(self._rows).cpu()
-        self._step_sums = self._step_sums + self._pending_step_sums(host)  # (a new tensor: a state's copy is not aliased)
+        self.book.step_sums = self.book.step_sums + self.book.drift_sums(host)  # (a new tensor: a state's copy is not aliased)
         extras = [{k: (float(v) if torch.is_tensor(v) else v) for k, v in e.items()} for e in self._extras]
         extras += [{}] * (len(self._rows) - len(extras))
         check_frozen(self)  # parameters frozen since the last flush: their laws' broken_by (before the monitors)
+        if self.grad_watch is not None and self.rank == 0:  # (one host copy of a few per-law values)
+            self.grad_watch.report()
         mon = {}
         for m in self.monitors:  # one device->host copy per monitor, not one per key
             got = m.metrics()
@@ -1242,36 +954,16 @@ class Tracker:
                     warn(f"conserve: closing sink {s!r} failed ({type(e).__name__}: {e})", RuntimeWarning)
 
     # ------------------------------------------------------------------------------- lifecycle
-    on_nonfinite = property(lambda self: self.__dict__.get("_on_nonfinite", "raise"), doc="NaN/Inf row policy")
+    @property
+    def on_nonfinite(self) -> str:
+        """NaN/Inf row policy (``"raise"``, ``"warn"`` or ``"skip"``; see ``Tracker``)."""
+        return self._on_nonfinite
 
     @on_nonfinite.setter
     def on_nonfinite(self, policy: str) -> None:
         if policy not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={policy!r}: use one of {', '.join(map(repr, NONFINITE_POLICIES))}")
-        self.__dict__["_on_nonfinite"] = policy
-
-    # state of the lifecycle and of the sink isolation (class defaults: no edit of __init__ needed)
-    _closed = False
-    _warned_nonfinite = False
-    nonfinite_skipped = 0
-    _nonfinite_reported = 0  # steps up to this one were covered by a NonFiniteError already raised
-    max_unwritten = 10_000  # rows a failing sink may owe (``_write``): beyond it the oldest are dropped (``dropped``)
-
-    @property
-    def _unwritten(self) -> dict:
-        return self.__dict__.setdefault("_unwritten_rows", {})
-
-    @property
-    def _failing(self) -> set:
-        return self.__dict__.setdefault("_failing_sinks", set())
-
-    @property
-    def _dropped_rows(self) -> dict:
-        return self.__dict__.setdefault("_dropped_by_sink", {})
-
-    @property
-    def _warned_dropped(self) -> set:
-        return self.__dict__.setdefault("_warned_dropped_sinks", set())
+        self._on_nonfinite = policy
 
     def __enter__(self) -> "Tracker":
         return self
@@ -1288,9 +980,9 @@ class Tracker:
 
     def _close_at_exit(self) -> None:
         """Flush and close a tracker its user never closed (garbage collection, interpreter exit)."""
-        if self._closed or "cumulative" not in self.__dict__:  # closed, or __init__ did not finish
+        if self._closed or not self._built:  # closed, or __init__ did not finish
             return
-        if getattr(self, "world", 1) > 1:  # a collective flush needs every rank: not at exit
+        if self.world > 1:  # a collective flush needs every rank: not at exit
             if self._rows or getattr(self, "_pend", None):
                 print(f"conserve: a DistributedTracker was not closed; its pending rows are lost "
                       "(call close() on every rank, or use `with`)", file=sys.stderr)
@@ -1316,7 +1008,7 @@ class Tracker:
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.copy(skip[k]) if k in skip else copy.deepcopy(v, memo)
         # the bindings follow a model copied in the same call (else the copy has none: nothing to check)
-        root = self.__dict__["_bound"]() if self.__dict__.get("_bound") is not None else None
+        root = self._bound() if self._bound is not None else None
         if root is not None and id(root) in memo:
             new._bound = weakref.ref(memo[id(root)])
         new._accept_weights()  # the copies' version counters start afresh
@@ -1333,7 +1025,7 @@ class Tracker:
         state = dict(state)
         denom = state.pop("denom", None)  # (pickled before the denominators were formed when read)
         self.__dict__.update(state)
-        if denom is not None and "_guard_at" not in state:
+        if denom is not None and "book" not in state:
             self.denom = denom
         if "params" in state:
             self._accept_weights()  # the unpickled tensors' version counters start afresh
@@ -1349,7 +1041,7 @@ class Tracker:
         return {"step": self.step_count, "h0": self.h0.state(), "h": self.h.clone().state(), "denom": self.denom,
                 # copies: the tracker sums into its buffers in place
                 "cumulative": {k: v.clone().state() for k, v in self.cumulative.items()} if self.keep_cumulative else {},
-                "step_sums": self._step_sums.clone(), "laws": [l.name for l in self.laws],
+                "step_sums": self.book.step_sums.clone(), "laws": [l.name for l in self.laws],
                 "sampled_steps": self.sampled_steps.clone(), "balance": self.h0_balance,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
@@ -1402,14 +1094,14 @@ class Tracker:
                           "per-entry decomposition; build the tracker with cumulative=True to continue them",
                           RuntimeWarning)
         sums = state.get("step_sums")  # states saved before it: unknown (NaN), never restarted from 0
-        self._step_sums = (sums.detach().to("cpu", torch.float64).clone() if sums is not None
-                           else torch.full_like(self._step_sums, float("nan")))
+        self.book.step_sums = (sums.detach().to("cpu", torch.float64).clone() if sums is not None
+                           else torch.full_like(self.book.step_sums, float("nan")))
         if state.get("sampled_steps") is not None:
             self.sampled_steps = state["sampled_steps"].to(dev).clone()  # summed into in place
         if state.get("balance") is not None:  # |h_0| / magnitude of the saved run's theta_0, per family
             self.h0_balance = state["balance"].to(dev)
         elif state.get("h0_balance") is not None:  # (states saved before: per instance)
-            self.h0_balance = self._fam_mean(state["h0_balance"].to(dev))
+            self.h0_balance = self.layout.fam_mean(state["h0_balance"].to(dev))
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []
         self._extras = copy.deepcopy(list(state.get("pending_extras", [])))
         for m, s in zip(self.monitors, state.get("monitors", [])):
@@ -1426,8 +1118,8 @@ class Tracker:
 
 # what a copy or an unpickled tracker starts afresh (a snapshot, not a second writer): each is copied
 # (``copy.copy``) into the new tracker, never shared
-_SNAPSHOT_RESET = {"sinks": [], "_idle_sinks": [], "_unwritten_rows": {}, "_failing_sinks": set(), "_dropped_by_sink": {},
-                   "_warned_dropped_sinks": set(), "_closed": False, "_bound": None}
+_SNAPSHOT_RESET = {"sinks": [], "_idle_sinks": [], "_unwritten": {}, "_failing": set(), "_dropped_rows": {},
+                   "_warned_dropped": set(), "_closed": False, "_bound": None}
 
 
 def _state_problem(state) -> str | None:
@@ -1465,105 +1157,8 @@ def _state_problem(state) -> str | None:
     return None
 
 
-class DriftTerms(dict):
-    """``Tracker.assemble``'s result: ``{"decay", "first", "second"}`` -> ``Values``, views of rows 1-3
-    of ``buf``, the step scratch ``record_step`` forms the five terms in (it takes ``buf`` and squares
-    it in place: pass them to one ``record_step``).  ``at``: the ``_Entries`` they hold when compact
-    (None: the full law layout), ``h_old``: then ``h_k`` at those entries (taken once per step)."""
-
-    __slots__ = ("at", "buf", "h_old")
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.at = self.buf = self.h_old = None
 
 
-class _Deferred:
-    """A ``NonFiniteError`` raised by a flush due while a step is being booked (inside
-    ``optimizer.step()``: the optimizer has applied the step): held by ``call`` until the step is
-    booked, then raised by ``raise_booked``, which first marks the steps booked so far as covered
-    by it (``Tracker._nonfinite_reported``), so a caller who catches it loses no step and gets one
-    error per divergence.  ``call`` keeps the first error of several."""
-
-    __slots__ = ("err",)
-
-    def __init__(self):
-        self.err: NonFiniteError | None = None
-
-    def call(self, fn, *args) -> None:
-        try:
-            fn(*args)
-        except NonFiniteError as e:
-            self.err = self.err or e
-
-    def raise_booked(self, tracker: "Tracker", booked: int | None) -> None:
-        """Raise the held error, if any, after setting ``tracker._nonfinite_reported = booked`` (None:
-        leave it to the caller that books the remaining steps)."""
-        if self.err is not None:
-            if booked is not None:
-                tracker._nonfinite_reported = booked
-            raise self.err
-
-
-def _selector(ids: np.ndarray, device):
-    """Sorted distinct indices ``ids`` as a ``slice`` when they are one run of consecutive integers (every
-    sampler group's are: a unit is a run of the layout, a group consecutive units), so selecting them
-    is a view and nothing is held; else an int32 index tensor on ``device`` (4 bytes per index)."""
-    if len(ids) == 0 or int(ids[-1]) - int(ids[0]) + 1 == len(ids):
-        return slice(int(ids[0]) if len(ids) else 0, int(ids[-1]) + 1 if len(ids) else 0)
-    return torch.from_numpy(ids).to(device, torch.int32)
-
-
-def _add_at(x: torch.Tensor, sel, y: torch.Tensor) -> None:
-    """``x[sel] += y`` in place (``sel``: a ``_selector``; each selected entry gets one addition)."""
-    if isinstance(sel, slice):
-        x[sel].add_(y)
-    else:
-        x.index_add_(0, sel, y)
-
-
-class _Entries:
-    """The entries of a partial drift step (``Mask``), for terms in the compact layout: ``vec`` / ``slots[D]``
-    / ``flat`` select them in the vec layout, each D's Gram slots and the flat layout of ``_fam_all``
-    (``_selector``: slices, or int32 index tensors when not one run); ``size`` of them; the compact
-    scratch layout ``[vec | per-slot sums | Gram matrices]`` of ``Tracker._views``; ``assembly``, the
-    drift assembly in this layout (``Assembly.restrict``).  Built once per sampler group from the
-    mask's host arrays and cached per ``Mask.key`` (``Tracker._entries``).  Held per group: a few
-    Python objects, the assembly's set-id runs (a few, 8 bytes each) and, for selections that are
-    not one run, 4 bytes per entry (index) + 1 (linear flag); none for the samplers' groups (every
-    group is one run of the layout: slices and views)."""
-
-    __slots__ = ("vec", "slots", "flat", "size", "flat_at", "layout", "assembly")
-
-    def __init__(self, tr: "Tracker", mask: Mask):
-        dev = tr.device
-        vi = np.flatnonzero(mask.vec_np)
-        si = {d: np.flatnonzero(mask.gram_np[d]) for d in tr._gram_ds}
-        self.vec, self.slots = _selector(vi, dev), {d: _selector(x, dev) for d, x in si.items()}
-        self.flat = _selector(np.concatenate([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds]), dev)
-        self.size = len(vi) + sum(len(x) for x in si.values())
-        nv, at, self.flat_at = len(vi), len(vi), {}
-        for d in tr._gram_ds:
-            self.flat_at[d] = at
-            at += len(si[d])
-        spans = []
-        for d in tr._gram_ds:
-            n = len(si[d])
-            spans.append((d, at, at + n * d * d, (n, d, d)))
-            at += n * d * d
-        self.layout = (at, nv, spans)
-        # the assembly in this layout (slices: its per-entry flags are views of the parent's)
-        host = lambda sel, ids: sel if isinstance(sel, slice) else ids  # noqa: E731
-        self.assembly = tr.assembly.restrict(host(self.vec, vi), {d: host(self.slots[d], si[d]) for d in si})
-
-    def families(self, tr: "Tracker") -> torch.Tensor:
-        """(size,) int32: the family of each of these entries (gathered per call: not held)."""
-        held = tr.__dict__.get("_fam_all_held")
-        return held[self.flat] if held is not None else tr._inst_fam.index_select(0, tr._inst_all[self.flat])
-
-    def take(self, v: "Values") -> tuple:
-        """``(vec, {D: grams})`` of ``v`` at these entries (views for slices, else gathered copies): read only."""
-        return v.vec[self.vec], {d: g[self.slots[d]] for d, g in v.grams.items()}
 
 
 def decay_factors(optimizer, tensors: Sequence[torch.Tensor]) -> list:
@@ -1621,10 +1216,10 @@ def _submodule(root: nn.Module, path: str) -> nn.Module | None:
     return mod
 
 
-def _model_laws(model: nn.Module):
+def model_laws(model: nn.Module) -> tuple[list[Law], list[Declined]]:
+    """``(laws, declined)`` of ``model``: ``model.conservation_laws()`` where it has one (conserve's reference
+    models), else ``conserve.detect(model)``'s."""
     if hasattr(model, "conservation_laws"):
         return model.conservation_laws()
-    from .detection import detect
-
     found = detect(model)
     return found.laws, found.declined

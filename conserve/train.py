@@ -117,7 +117,7 @@ def _stop(tracker, step: int):
                          "Lower --lr (or add gradient clipping) and run again")
 
 
-class _Progress:
+class Progress:
     """Progress at the log points: a rich bar on a terminal, a plain line per ~5% of the run otherwise
     (CI logs, pipes: no control codes, no truncation). Disabled: nothing."""
 
@@ -156,5 +156,5 @@ class _Progress:
         return False
 
 
-def _progress(enabled: bool, description: str, steps: int) -> _Progress:
-    return _Progress(enabled, description, steps)
+def _progress(enabled: bool, description: str, steps: int) -> Progress:
+    return Progress(enabled, description, steps)

@@ -29,9 +29,6 @@ def choose_backend(backend: str, tensors: Sequence[torch.Tensor]) -> str:
     return backend
 
 
-_choose = choose_backend  # the name conserve.optim.fused imports
-
-
 def check_out(plan: Plan, out, tensors: Sequence[torch.Tensor], fp64: bool) -> None:
     """``ValueError`` (one line) unless ``out`` is ``(vec, {D: grams})`` in the layout, accumulation dtype and
     device an evaluation of ``plan`` over ``tensors`` returns (``evaluate(..., out=)``)."""

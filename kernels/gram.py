@@ -29,9 +29,10 @@ GPT-2 Conv1D: tiles [BK, BT] loaded along the contiguous head dim), 2: general s
 ``t0, t1, k0, k1, ti, tj, ta, tb``: a slot's terms are sorted by layout, ``[t0, ta)`` layout 0,
 ``[ta, tb)`` 1, ``[tb, t1)`` 2, and each range runs its own term loop with the layout as a constexpr
 (``_slot_terms``); inside a term, full ``BK`` blocks load without a mask along k and the last partial
-block is masked.  Both choices exist for the loads: with a runtime layout branch or a k mask of
-unknown divisibility, ptxas emitted 4-byte copies; now the full blocks of layouts 0 and 1 are
-16-byte ``cp.async`` vectors (``python -m bench.sass --kernels gram``).
+block is masked.  Both choices exist for the loads: a runtime layout branch or a k mask of unknown
+divisibility makes the compiler fall back to 4-byte copies, while a constexpr layout and mask-free
+full blocks let it issue 16-byte ``cp.async`` vectors for layouts 0 and 1 (``python -m bench.sass
+--kernels gram`` shows the instructions; ``bench/NOTES.md``, "Gram kernel loads").
 """
 from __future__ import annotations
 
@@ -249,8 +250,8 @@ def _drift_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k
 @triton.jit
 def _strides(row, ALIGN: tl.constexpr, LAY: tl.constexpr):
     """``xo, rs, cs, n, yo, yrs, ycs, slow, yslow`` of a term-table row; ``slow``: the strided axis of
-    layout 0 (rows) / 1 (columns), hinted HERE right after its load -- ptxas then emits 16-byte vector
-    loads (a ``tl.multiple_of`` on a callee's argument is lost; bench/sass.py)."""
+    layout 0 (rows) / 1 (columns), hinted HERE right after its load, so the compiler can emit 16-byte
+    vector loads (a ``tl.multiple_of`` on a callee's argument is lost; ``bench/sass.py``)."""
     xo = tl.multiple_of(tl.load(row + tables.GRAM_TERM.X_OFF), ALIGN)
     rs = tl.load(row + tables.GRAM_TERM.X_RS)
     cs = tl.load(row + tables.GRAM_TERM.X_CS)

@@ -104,7 +104,8 @@ class Tiles:
         # vector: the row sums of fused regions are warp shuffles); 256 KiB per item keeps the last
         # wave short.  Norm loads pipelined through shared memory (config.norm_stages, default 3:
         # 16-byte cp.async, several tiles in flight per SM); gram_bt 64 gives D = 128 three 64 x 64
-        # tiles (fewer registers, 3/4 of the FLOPs) -- both A/B switches of bench/gpu_check.sh.  fp64
+        # tiles (smaller accumulators, 3/4 of the FLOPs).  Both are switches that bench/gpu_check.sh
+        # (EXTRA=1) compares (bench/NOTES.md, "Gram tile cap and norm pipelining").  fp64
         # accumulation (a verification mode: rank-1 fp64 updates, gram._fp64_term) takes 32 x 32 Gram
         # tiles: a 64 x 64 fp64 accumulator of a bilinear form spills on sm_90, a 128 x 128 one lives in
         # local memory (bench.compile_launches).
@@ -285,7 +286,8 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | Non
             per_group[_group(xs, ys, e[0].view.tensor)].append(e)
         n_out_tiles = len({(e[0].slot,) for e in by_d[D]}) * len(tiles)
         # one program per item: at least target_items (GPU: 4 per SM) items.  In DRIFT mode that is
-        # more programs than can be resident (2 per SM at 255 registers): run beside the step kernel
+        # more programs than can be resident at once (a program holds four accumulator tiles, so few
+        # fit on an SM): run beside the step kernel
         # (fused optimizers, overlap=True) the launch is sliced by Config.drift_programs instead
         # (runner.Prepared.run_drift; kernels/README.md "Overlap with the step", grid sizing)
         nchunk = max(1, -(-cfg.target_items // max(1, n_out_tiles)))
@@ -306,7 +308,7 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | Non
                 chunk = max(BK, -(-max_n // nchunk))
                 chunk = -(-chunk // BK) * BK
                 # a slot's terms sorted by layout (stable): the kernel runs one term loop per layout
-                # with the layout as a constexpr (a runtime branch kept the column-block tiles from
+                # with the layout as a constexpr (a runtime branch keeps the column-block tiles from
                 # 16-byte loads, bench/sass.py); items carry the boundaries ta (first layout-1 term)
                 # and tb (first layout-2 term)
                 lays = [_layout(D, e[0].view.cols, [(e[2], e[3])] + ([(e[5], e[6])] if ys is not None else []))

@@ -29,6 +29,9 @@ import torch
 __all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan", "FLOAT_DTYPES", "check_dtype"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what every backend reads
+# the first-order term of a quadratic law h(theta) = B(theta, theta) over theta_{k+1} = a theta_k + Delta:
+# h(a theta + Delta) - h(a theta) = FIRST_ORDER * B(a theta, Delta) + B(Delta, Delta) (spec "Discrete steps")
+FIRST_ORDER = 2
 
 
 def check_dtype(t: torch.Tensor, i: int) -> None:
@@ -71,13 +74,14 @@ class View:
         if len(self.start) != t.dim():
             raise ValueError(f"view start {self.start} has {len(self.start)} dims but the tensor has shape {tuple(t.shape)}")
         if self.row_step < 0 or self.rows < 0 or self.cols < 0:
-            # a negative step walked past the start unchecked (only the last row was bounds-checked)
+            # the bounds check below reads the last element, the one farthest from the start only
+            # when every step is >= 0
             raise ValueError(f"view {self} has a negative row_step, rows or cols; use row_step >= 0 from the "
                              f"lowest row (and rows, cols >= 0)")
         if not 0 <= self.row_dim < t.dim() or not (self.col_dim is None or 0 <= self.col_dim < t.dim()):
             raise ValueError(f"view {self} names a dimension outside a tensor of shape {tuple(t.shape)}")
         if self.col_dim is None and self.cols > 1:
-            # the backends disagreed: Triton repeated the single column, the twin read it once
+            # one meaning for every backend: Triton would repeat the single column, the twin read it once
             raise ValueError(f"view {self} has col_dim=None (a single column) but cols={self.cols}; use cols=1")
         last = list(self.start)
         if self.rows > 0:

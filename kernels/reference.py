@@ -13,7 +13,7 @@ quadratic terms ``s_t (a_t^2 - 1) h_t(old)`` (a Gemma-shifted norm adds ``2 s_t 
 sum_c x``), linear terms ``s_t (a_t - 1) sum x`` -- never as a difference of two evaluations (which
 cancels to ~1e-4 relative in fp32 at ``a = 1 - 1e-3``).
 
-Memory (issue 12; ``tests/test_tracker_memory.py`` bounds it, ``bench/reference.py`` prints it): the
+Memory (``tests/test_tracker_memory.py`` bounds it, ``bench/reference.py`` prints it): the
 whole-line entries are held as runs where they are (``_windows``: one int32 per piece of ``G >= 2``
 lines, added by one ``index_add_`` per segment into a window view of ``vec``; no per-line table held
 or widened), else as index tables, int16 where the entries fit (``_narrow_index``; widened per
@@ -26,16 +26,14 @@ run in the same order and every entry receives its additions in the same order.
 from __future__ import annotations
 
 import math
-import threading
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .plan import Plan, View, check_dtype
+from .cache import KeyedCache
+from .plan import Plan, check_dtype
 
 __all__ = ["evaluate_reference", "bilinear_reference", "decay_reference", "drift_reference", "drift_factors",
            "check_drift_inputs", "used_tensors", "drift_compose"]
@@ -499,11 +497,11 @@ def _add_window(vec: torch.Tensor, values: torch.Tensor, win, sign: float) -> No
     """``vec[firsts[i] + step * j] += sign * values[i * G + j]`` (``win``: ``(G, step, firsts)``): one
     ``index_add_`` of the ``(pieces, G)`` values into the overlapping window view
     ``vec.as_strided((rows, G), (1, step))`` (row ``e``: entries ``e + step * j``), rows in order.
-    More than ``_WINDOW_ROWS`` pieces (a 2-D ``index_add_`` costs ~0.07 us a row on a CPU, the 1-D
-    one ~0.002 us a line): the 1-D ``index_add_`` over the per-line entries formed transiently in
-    int32 (one op, as the table's widening was); the same additions in the same order.  Off the CPU
-    too (a CUDA ``index_add_`` under deterministic algorithms is an ``index_put_``, which refuses an
-    overlapping view)."""
+    More than ``_WINDOW_ROWS`` pieces (on a CPU a 2-D ``index_add_`` costs far more per row than the
+    1-D one per line: ``bench/NOTES.md``, "Reference twin: window adds"): the 1-D ``index_add_`` over
+    the per-line entries formed transiently in int32 (one op); the same additions in the same order.
+    Off the CPU too (a CUDA ``index_add_`` under deterministic algorithms is an ``index_put_``, which
+    refuses an overlapping view)."""
     G, step, firsts = win
     if firsts.numel() > _WINDOW_ROWS or vec.device.type != "cpu":
         vec.index_add_(0, _window_index(win, _INDEX), values, alpha=sign)
@@ -566,7 +564,7 @@ _CHUNK = 1 << 16  # elements of the largest temporary a strided reduction makes
 _GRAM_STACK = 1 << 14  # a Gram group with fewer output elements (and within ``_temp_cap``) is stacked (one
 # buffer); larger, block by block (the same bits: ``index_add_`` adds the views in order either way)
 _TEMP_SHARE = 16  # ... and at most 1/_TEMP_SHARE of the bytes of the tensors the plan reads
-_TEMP_MIN = 1 << 10  # (but never fewer elements than this: a chunk costs ~5 us of dispatch)
+_TEMP_MIN = 1 << 10  # (but never fewer elements than this: each chunk pays a fixed dispatch cost)
 _SMALL = 1 << 14  # a strided "sq" above the cap and of at most this many elements: one vector_norm
 
 
@@ -589,12 +587,13 @@ def _reduce(r: _Reduction, x: torch.Tensor, y: torch.Tensor | None, acc, out: to
     """The values of one ``_Reduction`` over tensor ``x`` (``y``: the partner of "dot"), in ``acc``,
     flattened in C order of ``x.shape`` without ``r.dim``; Euclidean norms (to be squared) when
     ``r.norm``.  A reduction along a contiguous dimension of an ``acc`` tensor is one ``vector_norm`` /
-    ``sum``.  Along a strided dimension (``vector_norm`` there is ~3x slower than ``(x * x).sum`` on
-    small CPU tensors, ~50x on large ones) it is summed in chunks of at most ``r.temp`` elements
-    (``_temp_cap``: one chunk, the whole tensor, in the usual case), except a "sq" above ``r.temp``
-    and of at most ``_SMALL`` elements: one ``vector_norm`` squared, no temporary (a 256 x 32
-    embedding's ``x * x`` would be 0.15x the default model's weights).  ``out``: a contiguous ``acc``
-    vector of the values' length that receives them (returned; the same values bit for bit, no copy)."""
+    ``sum``.  Along a strided dimension (where ``vector_norm`` is slower than ``(x * x).sum`` on a CPU:
+    ``bench/NOTES.md``, "Reference twin: strided reductions") it is summed in chunks of at most
+    ``r.temp`` elements (``_temp_cap``: one chunk, the whole tensor, in the usual case), except a
+    "sq" above ``r.temp`` and of at most ``_SMALL`` elements: one ``vector_norm`` squared, no
+    temporary (a 256 x 32 embedding's ``x * x`` would be 0.15x the default model's weights).  ``out``:
+    a contiguous ``acc`` vector of the values' length that receives them (returned; the same values bit
+    for bit, no copy)."""
     d, kind, how = r.dim, r.kind, r.how
     if how is None:  # chosen once per structure (its layouts are part of the cache key)
         how = r.how = _choose(r, x, y, acc)
@@ -761,34 +760,14 @@ def _order(e):
     return (tensor, rs, ls) + ((0, 0) if y is None else (y[2], y[3])) + (off, 0 if y is None else y[0])
 
 
-_CACHE: "OrderedDict[tuple, _Structure]" = OrderedDict()
-_CACHE_MAX = 512  # the drift sampler cycles through ~30-100 sub-plans, each with its own structures
-_LOCK = threading.RLock()  # re-entrant: a garbage-collected plan's finalizer may run while it is held
-_REGISTERED: set = set()  # ids of the plans whose finalizer forgets their entries
+# The structures of each plan, keyed on its identity first (the drift sampler cycles through ~30-100
+# sub-plans, each with its own structures); a plan's entries are forgotten when it is garbage-collected.
+_CACHE = KeyedCache(512)
+_forget = _CACHE.forget
 
 
 def _layout_key(ts):
     return tuple(None if t is None else (t.dtype, t.shape, t.stride(), t.device) for t in ts)
-
-
-def _forget(pid: int):
-    with _LOCK:
-        _REGISTERED.discard(pid)
-        dead = [_CACHE.pop(k) for k in [k for k in _CACHE if k[0] == pid]]
-    del dead  # freed outside the lock (a derived plan freed here runs its own finalizer)
-
-
-def _remember(plan: Plan, key: tuple, value) -> None:
-    """``_CACHE[key] = value`` (LRU, at most ``_CACHE_MAX``) and, once per plan, a finalizer that forgets
-    the plan's entries when it is garbage-collected (ids are reused)."""
-    with _LOCK:
-        _CACHE[key] = value
-        evicted = [_CACHE.popitem(last=False) for _ in range(len(_CACHE) - _CACHE_MAX)]
-        new = id(plan) not in _REGISTERED
-        _REGISTERED.add(id(plan))
-    del evicted  # outside the lock, as in _forget
-    if new:
-        weakref.finalize(plan, _forget, id(plan))
 
 
 def _structure(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool = True) -> _Structure:
@@ -797,22 +776,12 @@ def _structure(plan: Plan, xs, ys, bilinear: bool, acc, device, use_lines: bool 
     key = (id(plan), id(plan.grams), id(plan.norms), id(plan.sums), len(plan.grams), len(plan.norms),
            len(plan.sums), plan.vec_size, tuple(sorted(plan.gram_slots.items())), bilinear, acc,
            _layout_key(xs), None if ys is None else _layout_key(ys), use_lines)
-    with _LOCK:
-        s = _CACHE.get(key)
-        if s is not None:
-            _CACHE.move_to_end(key)
-            return s
-    s = _build(plan, xs, ys, bilinear, acc, device, use_lines)
-    _remember(plan, key, s)
-    return s
+    return _CACHE.cached(key, lambda: _build(plan, xs, ys, bilinear, acc, device, use_lines), owner=plan)
 
 
 def clear_cache():
     """Forget every grouped structure (needed only after editing a Plan that was already evaluated)."""
-    with _LOCK:
-        dead = list(_CACHE.values())
-        _CACHE.clear()
-    del dead
+    _CACHE.clear()
 
 
 # ----------------------------------------------------------------------------------------- evaluation
@@ -1031,16 +1000,15 @@ def _linear_entries(plan: Plan, device):
     """Indices of the vec entries Sum terms write (int64; None without Sum terms; False when an
     entry is written by both a Sum and a Norm term).  Cached per plan like the grouped structure."""
     key = (id(plan), "linear", len(plan.sums), len(plan.norms), plan.vec_size, device)
-    with _LOCK:
-        if key in _CACHE:
-            return _CACHE[key]
-    m = None
-    if plan.sums:
+
+    def build():
+        if not plan.sums:
+            return None
         lin = {t.index + c for t in plan.sums for c in range(t.view.cols)}
         quad = {int(i) for t in plan.norms for i in t.index + t.index_stride * np.arange(t.view.rows)}
-        m = False if lin & quad else torch.as_tensor(sorted(lin), dtype=torch.int64, device=device)  # index_fill_: int64
-    _remember(plan, key, m)
-    return m
+        return False if lin & quad else torch.as_tensor(sorted(lin), dtype=torch.int64, device=device)  # index_fill_: int64
+
+    return _CACHE.cached(key, build, owner=plan)
 
 
 def _unshifted(plan: Plan):
@@ -1049,13 +1017,12 @@ def _unshifted(plan: Plan):
     if not any(t.shift != 0.0 for t in plan.norms):
         return plan, []
     key = (id(plan), "unshifted", len(plan.norms))
-    with _LOCK:
-        got = _CACHE.get(key)
-    if got is None:
-        got = (Plan(list(plan.grams), [replace(t, shift=0.0) for t in plan.norms], list(plan.sums), plan.vec_size,
-                    dict(plan.gram_slots)), [t for t in plan.norms if t.shift != 0.0])
-        _remember(plan, key, got)
-    return got
+
+    def build():
+        return (Plan(list(plan.grams), [replace(t, shift=0.0) for t in plan.norms], list(plan.sums), plan.vec_size,
+                     dict(plan.gram_slots)), [t for t in plan.norms if t.shift != 0.0])
+
+    return _CACHE.cached(key, build, owner=plan)
 
 
 def _shift_first_order(vec: torch.Tensor, shifted, dl) -> None:

@@ -19,15 +19,13 @@ built once per (plan, dtypes/shapes/strides) and re-bound only when ``data_ptr``
 """
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from . import launch as L
+from .cache import KeyedCache
 from .config import Config, check_triton_device, interpreting
 from .plan import Plan
 from .tables import GRAM_TERM as GT
@@ -39,9 +37,10 @@ __all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare_drift_
 
 DRIFT_WARPS = 4  # DRIFT mode (64 x 64 tiles, 4 accumulators): see README "DRIFT mode" for the sm_90 compile
 
-_CACHE: "OrderedDict[tuple, Prepared]" = OrderedDict()
-_CACHE_MAX = 32
-_LOCK = threading.Lock()
+# Prepared plans, keyed on the plan's identity first; a plan's entries are forgotten when it is
+# garbage-collected.
+_CACHE = KeyedCache(32)
+_forget = _CACHE.forget
 
 
 def _fingerprint(plan: Plan):
@@ -314,8 +313,7 @@ def gram_meta(b: L.GramBucket, l: L.GramLaunch, bil: bool, fp64: bool, precision
 
 def clear_cache():
     """Forget every prepared plan (needed only after mutating a Plan that was already evaluated)."""
-    with _LOCK:
-        _CACHE.clear()
+    _CACHE.clear()
 
 
 def prepare(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None = None, *,
@@ -330,25 +328,7 @@ def prepare(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] |
     config = config or Config()
     key = (id(plan), _fingerprint(plan), ys is not None, fp64, drift, config, _layout_key(xs),
            _layout_key(ys) if ys is not None else None)
-    with _LOCK:
-        p = _CACHE.get(key)
-        if p is not None:
-            _CACHE.move_to_end(key)
-            return p
-    p = Prepared(plan, xs, ys, fp64, drift=drift, config=config)
-    with _LOCK:
-        _CACHE[key] = p
-        evicted = [_CACHE.popitem(last=False) for _ in range(len(_CACHE) - _CACHE_MAX)]
-    del evicted  # outside the lock: a DRIFT Prepared owns a plan whose finalizer takes the lock
-    pid = id(plan)
-    weakref.finalize(plan, _forget, pid)
-    return p
-
-
-def _forget(pid: int):
-    with _LOCK:
-        dropped = [_CACHE.pop(k) for k in [k for k in _CACHE if k[0] == pid]]
-    del dropped  # outside the lock (see ``prepare``)
+    return _CACHE.cached(key, lambda: Prepared(plan, xs, ys, fp64, drift=drift, config=config), owner=plan)
 
 
 def evaluate_triton(plan: Plan, tensors: Sequence[torch.Tensor], fp64: bool = False, config: Config | None = None):

@@ -1,6 +1,6 @@
 """Named columns of every work table of the Triton path: the one place that says what column ``j`` of
-a row means, for the host builders (``launch.py``, ``optim_step.py``), the binder (``runner.py``) and
-the kernels (``gram.py``, ``norms.py``, ``optim_step.py``, which read e.g. ``tables.GRAM_TERM.X_OFF``: a
+a row means, for the host builders (``launch.py``, ``step_runner.py``), the binder (``runner.py``) and
+the kernels (``gram.py``, ``norms.py``, ``step.py``, which read e.g. ``tables.GRAM_TERM.X_OFF``: a
 module attribute that Triton folds to a constant).  Every table is int64, row-major, ``COLS`` columns
 (``FACTOR``, ``STEP_SCALAR``: fp32).
 
@@ -78,7 +78,7 @@ class FINISH_BLOCK(_Table):
 
 
 class STEP_TENSOR(_Table):
-    """Tensors of a fused optimizer step (``optim_step._step_kernel``; 16 columns, 3 spare): element
+    """Tensors of a fused optimizer step (``step._step_kernel``; 16 columns, 3 spare): element
     offsets of param, grad, first and second state buffer (0 when absent); matrix view ``R x C`` of
     ``B`` batches (``br = B*R``), row blocks ``nrb``; partial-buffer offsets of the row / column
     quadratic and linear statistics (-1: not requested); ``fresh``: SGD momentum not yet initialised."""

@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from conserve.counting import count_laws, lie_bracket, numerical_rank
-from conserve.toyblocks import FFN, MoE, _seeded, _violation, instances
+from conserve.toyblocks import FFN, MoE, seeded, violation, instances
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 
@@ -84,7 +84,7 @@ def test_dead_relu_unit_adds_frozen_parameters():
     # non-generic point: unit 0 is off for every input, so its 3 + 1 + 2 parameters get no gradient
     # (each a law) and they absorb its balance law: I - 1 + 6 laws instead of I
     inst = INSTANCES["relu_ffn_bias"]
-    block = _seeded(0, lambda: FFN(3, 5, 2, F.relu))
+    block = seeded(0, lambda: FFN(3, 5, 2, F.relu))
     with torch.no_grad():
         block.fc_in.bias[0] = -100.0
     res = count_laws(block, inst.inputs)
@@ -110,12 +110,12 @@ def test_router_sum_softmax_vs_normalised_sigmoid():
     g = torch.Generator().manual_seed(11)
     x = torch.randn(60, 3, generator=g, dtype=torch.float64)
     c = torch.randn(3, generator=g, dtype=torch.float64).expand(3, 3).clone()
-    soft = _seeded(0, lambda: MoE(3, 2, 3, 2, "softmax"))
-    sig = _seeded(0, lambda: MoE(3, 2, 3, 2, "sigmoid"))
+    soft = seeded(0, lambda: MoE(3, 2, 3, 2, "softmax"))
+    sig = seeded(0, lambda: MoE(3, 2, 3, 2, "sigmoid"))
     assert count_laws(soft, x).count == 3 * 2 + 3
     assert count_laws(sig, x).count == 3 * 2
-    assert _violation(soft, x, {"router.weight": c}) < 1e-13
-    assert _violation(sig, x, {"router.weight": c}) > 1e-4
+    assert violation(soft, x, {"router.weight": c}) < 1e-13
+    assert violation(sig, x, {"router.weight": c}) > 1e-4
 
 
 def test_bad_input_errors():

@@ -273,8 +273,10 @@ CASES = {
                               # the NoPE layer's Gram law in the rotating layer 0
                               QKGram.build("bad", 0, plus=[rows(f"{A}.q_proj.weight", (16, 16), 0, 4)],
                                            minus=[rows(f"{A}.k_proj.weight", (8, 16), 0, 4)])]),
-    "deepseek_v3": ({"gain": 3, "swiglu": 5, "translation": 1},
-                    [(A, "multi-head latent attention"), (f"{M}.gate", "NOT conserved")],
+    # MLA (tests/test_detect_mla.py): QK Gram / VO Gram per head, one RoPE-pair law over all heads, the latent norms'
+    # gains (eps=1e-6: their scale laws declined)
+    "deepseek_v3": ({"qk": 4, "vo": 4, "rope_pair": 1, "gain": 5, "swiglu": 5, "translation": 1},
+                    [(f"{A}.q_a_proj/norm_scale", "eps=1e-06"), (f"{M}.gate", "NOT conserved")],
                     lambda m, d: [RouterSum.build("bad", 0, weight=rows(f"{M}.gate.weight", (4, 16), 0, 4))]),
 }
 

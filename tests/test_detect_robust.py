@@ -4,8 +4,8 @@ autocast regions and their ``_assert_tensor_metadata`` nodes); a Mixtral-style e
 routing and experts run with ``torch._grouped_mm`` (no float64 kernel; torchtitan), a root forward that cannot
 be traced, a parameter read outside its block, a branch that changes the activation (``conserve.detection.blocks``);
 x-transformers' einsum attention (MHA, MQA, GQA tiled ``i % n_kv`` or repeated ``i // (nH / nKV)``, interleaved
-RoPE) and fused GLU with ``mult_bias``; TransformerLens' per-head ``[heads, d_model, d_head]`` weights (what the
-decline reasons say). Every claimed law is checked again on the ORIGINAL model (``test_detect_graph.hold``).
+RoPE) and fused GLU with ``mult_bias``; TransformerLens' per-head ``[heads, d_model, d_head]`` weights (their QK,
+VO and gain laws; what the decline reasons say when a weight is computed from them). Every claimed law is checked again on the ORIGINAL model (``test_detect_graph.hold``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conserve.detection import detect
-from test_detect_graph import hold, ids, law, reasons
+from test_detect_graph import fail, hold, ids, law, reasons
 from test_detect_torch import randomize
 
 
@@ -409,32 +409,47 @@ class LNw(nn.Module):
 
 
 class TLAttention(nn.Module):
-    """TransformerLens: ``W_Q`` etc. stored ``[heads, d_model, d_head]``, read by ``F.linear`` of the rearranged
-    weight (``mode='linear'``) or by einsum (``'einsum'``)."""
+    """TransformerLens: ``W_Q`` etc. stored ``[heads, d_model, d_head]`` (``W_K`` / ``W_V`` ``[n_kv, ...]``, their
+    heads repeated ``i // (nH / nKV)`` for GQA), ``W_O`` ``[heads, d_head, d_model]``, read by ``F.linear`` of the
+    rearranged weight (``mode='linear'``), by einsum (``'einsum'``), or by ``F.linear`` of a weight normalised on
+    the fly (``'normed'``: computed from the parameter, not a rearrangement of it)."""
 
-    def __init__(self, d=16, nh=4, mode="linear"):
+    def __init__(self, d=16, nh=4, mode="linear", n_kv=None, rope=False):
         super().__init__()
-        self.mode, dh = mode, d // nh
-        self.W_Q, self.W_K, self.W_V = (nn.Parameter(torch.randn(nh, d, dh)) for _ in range(3))
+        self.mode, self.nh, self.rope, dh = mode, nh, rope, d // nh
+        n_kv = n_kv or nh
+        self.W_Q = nn.Parameter(torch.randn(nh, d, dh))
+        self.W_K, self.W_V = (nn.Parameter(torch.randn(n_kv, d, dh)) for _ in range(2))
         self.W_O = nn.Parameter(torch.randn(nh, dh, d))
-        self.b_Q, self.b_K, self.b_V = (nn.Parameter(torch.zeros(nh, dh)) for _ in range(3))
+        self.b_Q = nn.Parameter(torch.zeros(nh, dh))
+        self.b_K, self.b_V = (nn.Parameter(torch.zeros(n_kv, dh)) for _ in range(2))
 
     def lin(self, x, w, b):
+        nh, d, dh = w.shape
         if self.mode == "linear":
-            nh, d, dh = w.shape
+            return F.linear(x, w.permute(0, 2, 1).reshape(nh * dh, d), b.reshape(-1)).reshape(*x.shape[:-1], nh, dh)
+        if self.mode == "normed":
+            w = w / w.norm(dim=1, keepdim=True)
             return F.linear(x, w.permute(0, 2, 1).reshape(nh * dh, d), b.reshape(-1)).reshape(*x.shape[:-1], nh, dh)
         return torch.einsum("bpd,hde->bphe", x, w) + b
 
     def forward(self, x):
         q, k, v = self.lin(x, self.W_Q, self.b_Q), self.lin(x, self.W_K, self.b_K), self.lin(x, self.W_V, self.b_V)
+        if self.rope:  # rotate_half on every dim of each head, as TransformerLens' rotary
+            t, dh = x.shape[1], q.shape[-1]
+            inv = 1.0 / (10000 ** (torch.arange(0, dh, 2, dtype=x.dtype) / dh))
+            ang = torch.cat([torch.arange(t, dtype=x.dtype)[:, None] * inv[None]] * 2, -1)[:, None, :]
+            q, k = (z * ang.cos() + rotate_half(z) * ang.sin() for z in (q, k))
+        r = self.nh // k.shape[-2]
+        k, v = k.repeat_interleave(r, dim=-2), v.repeat_interleave(r, dim=-2)
         z = torch.einsum("bhqk,bkhe->bqhe", (torch.einsum("bqhe,bkhe->bhqk", q, k) / 2).softmax(-1), v)
         return torch.einsum("bqhe,hed->bqd", z, self.W_O)
 
 
 class TLBlock(nn.Module):
-    def __init__(self, mode):
+    def __init__(self, mode, **attn):
         super().__init__()
-        self.ln1, self.attn, self.ln2 = LNw(16), TLAttention(mode=mode), LNw(16)
+        self.ln1, self.attn, self.ln2 = LNw(16), TLAttention(mode=mode, **attn), LNw(16)
         self.W_in, self.W_out = nn.Parameter(torch.randn(16, 32)), nn.Parameter(torch.randn(32, 16))
 
     def forward(self, x):
@@ -442,10 +457,60 @@ class TLBlock(nn.Module):
         return x + F.gelu(self.ln2(x) @ self.W_in) @ self.W_out
 
 
+def tl_input():
+    return torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+
 @pytest.mark.parametrize("mode", ["linear", "einsum"])
-def test_decline_reasons_say_what_reads_the_norm(mode):
-    m = randomize(TLBlock(mode))
-    x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("n_kv", [4, 2])
+def test_parameter_shaped_heads_get_their_qk_vo_and_gain_laws(mode, n_kv):
+    """TransformerLens' heads: ``W_Q[h]`` is ``[d_model, d_head]`` (head h's queries are its columns), ``W_O[h]``
+    ``[d_head, d_model]`` (head h's output columns are its rows): one QK and one VO Gram law per kv group, the first
+    norm's gain law read by every head of W_Q, W_K, W_V. Each law passes the first-order check on the model itself."""
+    from conserve.analysis.verify import TOL, first_order
+    from conserve.laws import QKGram, VOGram
+    from conserve.laws.base import Ref
+
+    m = randomize(TLBlock(mode, n_kv=n_kv))
+    x = tl_input()
+    found = detect(m, example_inputs=x)
+    assert found.families() == {"qk": n_kv, "vo": n_kv, "gain": 2} and found.undetected == [], found.families()
+    assert law(found, "ln1/gain").params == ("ln1.w", "ln1.b", "attn.W_Q", "attn.W_K", "attn.W_V")
+    rep = 4 // n_kv
+    qk = law(found, "attn/qk/group1")
+    # query heads rep..2 rep - 1 (columns of W_Q[h]: rows along dim 2) read kv head 1
+    assert {(t.ref.param, t.ref.start, t.ref.row_dim, t.sign) for t in qk.terms if t.ref.param.startswith("attn.W")} \
+        == {("attn.W_Q", (h, 0, 0), 2, 1.0) for h in range(rep, 2 * rep)} | {("attn.W_K", (1, 0, 0), 2, -1.0)}
+    vo = law(found, "attn/vo/group1")
+    assert {(t.ref.param, t.ref.start, t.ref.row_dim) for t in vo.terms if t.ref.param == "attn.W_O"} \
+        == {("attn.W_O", (h, 0, 0), 1) for h in range(rep, 2 * rep)}  # W_O[h]'s rows
+    for l in found.laws:
+        assert first_order(m, l, x, trials=2) <= TOL, l.name
+    hold(m, found, x)
+    # another head pairing fails the check: query head 0 with the last kv head, value head 0 with W_O[1]
+    q, k = Ref("attn.W_Q", (0, 0, 0), 2, 4, 1, 16), Ref("attn.W_K", (n_kv - 1, 0, 0), 2, 4, 1, 16)
+    v, o = Ref("attn.W_V", (0, 0, 0), 2, 4, 1, 16), Ref("attn.W_O", (rep, 0, 0), 1, 4, 2, 16)
+    wrong = {"qk of another kv head": QKGram.build("w", None, plus=[q], minus=[k]),
+             "vo of another head": VOGram.build("w2", None, plus=[v], minus=[o])}
+    fail(m, wrong, x)
+
+
+def test_parameter_shaped_heads_with_rope_claim_no_qk_law():
+    """RoPE on ``[heads, d_model, d_head]`` heads: the rotation pairs are read, but no RoPE-pair law is built for
+    such heads: declined with the reason; VO and gains are kept."""
+    m = randomize(TLBlock("einsum", rope=True))
+    x = tl_input()
+    found = detect(m, example_inputs=x)
+    assert found.families() == {"vo": 4, "gain": 2} and found.undetected == [], found.families()
+    assert "not built" in reasons(found)["attn/qk"]
+    hold(m, found, x)
+
+
+def test_decline_reasons_say_what_reads_the_norm():
+    """A weight computed from the parameter (normalised on the fly): no linear map with a stored weight reads the
+    first norm; the reason names the parameters the weights come from, once, without contradicting itself."""
+    m = randomize(TLBlock("normed"))
+    x = tl_input()
     found = detect(m, example_inputs=x)
     # ``x @ W_in`` (W stored (in, out)) is a linear map: the second norm's gain law reads W_in's rows
     assert law(found, "ln2/gain").params == ("ln2.w", "ln2.b", "W_in")

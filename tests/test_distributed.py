@@ -43,7 +43,7 @@ import torch.distributed.tensor.parallel  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 
 from conserve import kernels
-from conserve.distributed import (DistributedTracker, _Layout, _localize, comm_schedule, flush_bytes, shard_layouts,
+from conserve.distributed import (DistributedTracker, ShardLayout, localize, comm_schedule, flush_bytes, shard_layouts,
                                   track, wants_distributed)
 from conserve.models import DecoderLM, LMConfig
 from conserve.sinks import MemorySink
@@ -123,16 +123,16 @@ def test_local_plans_sum_to_the_global_plan(seed):
     layouts = []
     for s in shapes:
         if rng.random() < 0.2:
-            layouts.append(_Layout(None))
+            layouts.append(ShardLayout(None))
         else:
             d = rng.randrange(len(s))
-            layouts.append(_Layout(d, _shard_ranges(s[d], world, rng.random() < 0.5, rng)))
+            layouts.append(ShardLayout(d, _shard_ranges(s[d], world, rng.random() < 0.5, rng)))
     want = kernels.evaluate_reference(plan, full, fp64=True)
     got_vec, got_grams = torch.zeros_like(want[0]), {d: torch.zeros_like(x) for d, x in want[1].items()}
     owners = []
     for r in range(world):
         local_t = [t if lay.dim is None else t.narrow(lay.dim, *lay.ranges[r]) for t, lay in zip(full, layouts)]
-        local, straddles = _localize(plan, layouts, r, world, [t.dtype for t in full])
+        local, straddles = localize(plan, layouts, r, world, [t.dtype for t in full])
         vec, grams = kernels.evaluate_reference(local, local_t, fp64=True)
         got_vec += vec
         for d in grams:
@@ -165,7 +165,7 @@ def test_sharded_sampler_groups_are_the_global_plans(seed):
     g = torch.Generator().manual_seed(seed)
     full = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
     plan = _random_plan(rng, shapes)
-    layouts = [_Layout(None) if rng.random() < 0.2 else _Layout(d, _shard_ranges(s[d], world, rng.random() < 0.5, rng))
+    layouts = [ShardLayout(None) if rng.random() < 0.2 else ShardLayout(d, _shard_ranges(s[d], world, rng.random() < 0.5, rng))
                for s, d in ((s, rng.randrange(len(s))) for s in shapes)]
     sched = comm_schedule(_compiled_of(plan, shapes), layouts, [t.dtype for t in full])
     budget = rng.choice([0.1, 0.3, 0.6])
@@ -228,11 +228,11 @@ def test_local_plans_run_on_the_triton_kernels(seed):
     g = torch.Generator().manual_seed(seed)
     full = [torch.randn(s, generator=g) for s in shapes]
     plan = _random_plan(rng, shapes)
-    layouts = [_Layout(d, _shard_ranges(s[d], world, True, rng)) for s, d in zip(shapes, (0, 0, 1))]
+    layouts = [ShardLayout(d, _shard_ranges(s[d], world, True, rng)) for s, d in zip(shapes, (0, 0, 1))]
     ran = 0
     for r in range(world):
         local_t = [t.narrow(lay.dim, *lay.ranges[r]) for t, lay in zip(full, layouts)]
-        local, _ = _localize(plan, layouts, r, world, [t.dtype for t in full])
+        local, _ = localize(plan, layouts, r, world, [t.dtype for t in full])
         if local.grams or local.norms or local.sums:
             want = kernels.evaluate(local, local_t, backend="torch")
             got = kernels.evaluate(local, local_t, backend="triton")
@@ -605,15 +605,15 @@ def _sampled_expected(ref, mask):
     (``ref.tracker.last``: every entry decomposed), NaN for a family with none: the row of a sampled step."""
     tr = ref.tracker
     out, hit = {}, torch.zeros(len(tr.families), dtype=torch.bool)
-    hit.index_fill_(0, tr._vec_fam[mask.vec].long(), True)
+    hit.index_fill_(0, tr.layout.vec_fam[mask.vec].long(), True)
     for d, m in mask.grams.items():
-        hit.index_fill_(0, tr._gram_fam[d][m].long(), True)
+        hit.index_fill_(0, tr.layout.gram_fam[d][m].long(), True)
     for t in TERMS:
         v = tr.last[t]
         sq = torch.zeros(len(tr.families), dtype=torch.float64).index_add_(
-            0, tr._vec_fam.long(), torch.where(mask.vec, v.vec.double(), 0.0) ** 2)
+            0, tr.layout.vec_fam.long(), torch.where(mask.vec, v.vec.double(), 0.0) ** 2)
         for d, g in v.grams.items():
-            sq.index_add_(0, tr._gram_fam[d].long(), (torch.where(mask.grams[d][:, None, None], g.double(), 0.0) ** 2).sum((1, 2)))
+            sq.index_add_(0, tr.layout.gram_fam[d].long(), (torch.where(mask.grams[d][:, None, None], g.double(), 0.0) ** 2).sum((1, 2)))
         for i, f in enumerate(tr.families):
             out[f"drift/{f}/{t}"] = sq[i].sqrt().item() if hit[i] else float("nan")
     return out, hit
@@ -728,8 +728,8 @@ def _scenario_sampled(rank, world, cfg, drift_every, budget=0.2, steps=STEPS, bu
         assert tot[f]["sampled_steps"] == sampled[i].item() and tot[f]["steps"] == steps
         for key in ("measured", "eps", "scale"):
             assert abs(tot[f][key] - ref_tot[f][key]) <= 1e-9 * abs(ref_tot[f][key]) + 1e-15, (f, key)
-        want_n = {c: (cum[c].vec[ref.tracker._vec_fam == i].double().norm() ** 2
-                      + sum((g[ref.tracker._gram_fam[d] == i].double() ** 2).sum() for d, g in cum[c].grams.items())).sqrt().item()
+        want_n = {c: (cum[c].vec[ref.tracker.layout.vec_fam == i].double().norm() ** 2
+                      + sum((g[ref.tracker.layout.gram_fam[d] == i].double() ** 2).sum() for d, g in cum[c].grams.items())).sqrt().item()
                   for c in cum}
         for c, key in (("measured", "measured_sampled"), ("decay", "decay"), ("first", "first"), ("second", "second")):
             if cumulative:

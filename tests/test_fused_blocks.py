@@ -16,6 +16,7 @@ import torch
 
 from bench.track_overhead import LiveBytes as _Storages  # the bench's storage counter (``sizes``)
 from conserve.kernels import optim_step as K
+from conserve.kernels import step_twin
 from conserve.models import MLP
 from conserve.models.lm import DecoderLM, LMConfig
 from conserve.optim import FusedAdamW, FusedSGD
@@ -49,7 +50,7 @@ def test_blocks_equal_whole_tensor_step(name, dtype):
     shapes = [s for s, _ in SHAPES]
     reqs, n = _requests(shapes)
     for s in shapes:  # the blocks really split: batch entries, rows, columns of one row
-        assert len(list(K._blocks(*K.matrix_shape(s), bound))) > (0 if s == () else 1), s
+        assert len(list(step_twin._blocks(*K.matrix_shape(s), bound))) > (0 if s == () else 1), s
     P = [_tensor(s, tr, g).to(dtype) for s, tr in SHAPES]
     G = [_tensor(s, tr, g).to(dtype) for s, tr in SHAPES]
     M = [_tensor(s, tr, g, 0.1).to(dtype) for s, tr in SHAPES]
@@ -87,7 +88,7 @@ def test_blocks_bf16_aligned(name):
     g = torch.Generator().manual_seed(4)
     for shape, bound, blocked in (((40, 64), 128, True), ((3, 20, 32), 256, True), ((41, 33), 100, False)):
         B, R, C = K.matrix_shape(shape)
-        assert K._starts_aligned(B, R, C, bound) == blocked and len(list(K._blocks(B, R, C, bound))) > 1
+        assert step_twin._starts_aligned(B, R, C, bound) == blocked and len(list(step_twin._blocks(B, R, C, bound))) > 1
         P, G, M = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(3))
         V = torch.rand(shape, generator=g).to(torch.bfloat16) if h.algo == "adam" else None
         P2, M2, V2 = P.clone(), M.clone(), None if V is None else V.clone()
@@ -104,8 +105,8 @@ def test_blocks_bf16_aligned(name):
 def test_blocks_row_sums_exact_and_alignment():
     """Blocks of whole rows give the whole-tensor row statistics bit for bit; the row counts of a
     block make it a multiple of 64 elements when the shape allows (torch's vector loops split there)."""
-    assert [b[3] for b in K._blocks(1, 1000, 7, 1000)][:2] == [128, 128]  # 142 rows -> 128 (x 7 = 896)
-    assert [b[1] for b in K._blocks(100, 3, 5, 1000)][:2] == [64, 36]  # 66 entries of 15 -> 64 (960 elements)
+    assert [b[3] for b in step_twin._blocks(1, 1000, 7, 1000)][:2] == [128, 128]  # 142 rows -> 128 (x 7 = 896)
+    assert [b[1] for b in step_twin._blocks(100, 3, 5, 1000)][:2] == [64, 36]  # 66 entries of 15 -> 64 (960 elements)
     g = torch.Generator().manual_seed(2)
     h = HYPERS["adamw"]
     p, gr, m, v = (torch.randn(300, 33, generator=g) for _ in range(4))

@@ -21,6 +21,7 @@ import conserve
 from conserve.kernels import bilinear_reference, evaluate_reference
 from conserve.kernels.reference import drift_factors
 from conserve.kernels import optim_step as K
+from conserve.kernels import step_runner
 from conserve.models import MLP
 from conserve.models.lm import DecoderLM, LMConfig
 from conserve.optim import FusedAdam, FusedAdamW, FusedSGD
@@ -297,7 +298,7 @@ def test_step_kernel_gpu_tiles(dtype):
     rows per program, so several row and column blocks and a masked tail) under the interpreter: the
     update equals the torch twin and the row/column statistics equal ``stats_reference``."""
     shapes = [(300, 260), (2, 40, 256), (260,)]
-    CB, BR, RB = K._tiles(260, torch.empty(0, dtype=dtype).element_size(), interpret=False)
+    CB, BR, RB = step_runner._tiles(260, torch.empty(0, dtype=dtype).element_size(), interpret=False)
     assert (CB, BR, RB) == ((128, 8, 256) if dtype == torch.float32 else (256, 4, 256))
     reqs, n = [], 0
     for sh in shapes:
@@ -328,18 +329,18 @@ def test_launch_split_by_alignment():
     """Tensors whose offsets or column count are not multiples of one 16-byte vector run in a second
     launch with ALIGN=1; together the launches cover every program exactly once."""
     shapes = [(4, 8), (3, 5), (16,), (2, 4, 12)]
-    lay = K._layout(shapes, [K.StatsRequest()] * 4, [], torch.device("cpu"), interpret=True)
+    lay = step_runner._layout(shapes, [K.StatsRequest()] * 4, [], torch.device("cpu"), interpret=True)
     table = lay.table_static.copy()
     table[:, 0:4] = [[0, 64, 128, 192], [256, 300, 320, 340], [400, 416, 432, 448], [500, 600, 700, 801]]
     base = torch.zeros(4)
-    runs = K._launches(lay, table, base, 4)
+    runs = step_runner._launches(lay, table, base, 4)
     assert [al for _, al in runs] == [4, 1]
     seen = np.concatenate([p.numpy() for p, _ in runs])
     assert sorted(map(tuple, seen)) == sorted(map(tuple, lay.progs_host))
     assert set(runs[1][0][:, 0].tolist()) == {1, 3}  # C = 5; an offset of 801
     table[1, 0:4] = table[3, 0:4] = [0, 4, 8, 12]
-    lay2 = K._layout([(4, 8), (16,)], [K.StatsRequest()] * 2, [], torch.device("cpu"), interpret=True)
-    assert [al for _, al in K._launches(lay2, table[[0, 2]], base, 4)] == [4]
+    lay2 = step_runner._layout([(4, 8), (16,)], [K.StatsRequest()] * 2, [], torch.device("cpu"), interpret=True)
+    assert [al for _, al in step_runner._launches(lay2, table[[0, 2]], base, 4)] == [4]
 
 
 # --------------------------------------------------------------------------------- 3. interop

@@ -15,6 +15,7 @@ import torch
 
 from conserve.kernels import evaluate, evaluate_reference
 from conserve.kernels import optim_step as K
+from conserve.kernels import step_twin
 from conserve.kernels.plan import NormTerm, Plan, View
 from conserve.optim import FusedSGD
 from conserve.toyblocks import SwiGLU
@@ -70,7 +71,7 @@ def test_sumsq_long_rows(dt):
         x = (1.0 + 1e-2 * torch.randn(shape, generator=g)).to(DTYPES[dt]).float()
         ref = x.double().square().sum(2)
         for chunk in (K.CHUNK_MAX, 4096):
-            got = K._sumsq(x, 2, chunk)
+            got = step_twin._sumsq(x, 2, chunk)
             assert got.shape == ref.shape and got.dtype == torch.float32
             assert ((got.double() - ref).abs() / ref).max().item() <= 1e-6, (shape, chunk)
 
@@ -78,7 +79,8 @@ def test_sumsq_long_rows(dt):
 def test_triton_step_finish_sums_partials_in_float64():
     """The step kernel's finishing pass (``_finish_kernel``): 2048 near-equal fp32 partials of a row
     summed to float64 rounding (a running fp32 sum is off by ~1e-6 here), for fp32 and fp64 stats."""
-    _, finish = K._kernels()
+    from conserve.kernels.step import _finish_kernel as finish
+
     nrows, F = 2048, 3
     g = torch.Generator().manual_seed(1)
     part = (255.7 + 0.3 * torch.rand(K.NQ, nrows * F, generator=g)).float()

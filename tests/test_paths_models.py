@@ -24,7 +24,7 @@ from torch import nn
 import conserve
 from conserve.kernels import bilinear_reference, evaluate_reference
 from conserve.optim import FusedAdam, FusedAdamW, FusedSGD
-from conserve.tracker import Values, _abs_plan
+from conserve.tracking.values import Values, abs_plan as _abs_plan
 from conserve.tracking.breakers import BrokenLawWarning
 
 TERMS = ("measured", "decay", "first", "second", "residual")
@@ -144,13 +144,13 @@ def _decomposed(opt, step: int):
 
 def _per_family(tr, values, vm, gm):
     """``{family: 1-D float64 tensor}`` of ``values`` (a ``Values``) at the entries ``vm``/``gm``."""
-    fam = tr._fam_all.cpu().numpy()
+    fam = tr.layout.fam_all.cpu().numpy()
     out = {}
     for fi, f in enumerate(tr.families):
         sel = vm & (fam[: len(vm)] == fi)
         parts = [values.vec[torch.from_numpy(sel)].double()]
         for d, g in values.grams.items():
-            o = tr._flat_at[d]
+            o = tr.layout.flat_at[d]
             s = gm[d] & (fam[o: o + len(gm[d])] == fi)
             parts.append(g[torch.from_numpy(s)].double().reshape(-1))
         x = torch.cat(parts)
@@ -248,7 +248,7 @@ def magnitudes(tr) -> dict:
     """Per family the norm of the law magnitudes (every sign +) now: the scale of ``totals()``' rounding
     (``totals()['scale']`` = ||h_0|| is 0 for a law that starts balanced)."""
     mag = Values(*evaluate_reference(_abs_plan(tr.compiled.plan), [t.detach() for t in tr.tensors], fp64=True))
-    return dict(zip(tr.families, tr._fam_norm(mag).tolist()))
+    return dict(zip(tr.families, tr.layout.fam_norm(mag).tolist()))
 
 
 def check_agree(steps, what: str, rtol: float = RTOL) -> int:

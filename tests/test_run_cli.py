@@ -214,7 +214,7 @@ def test_failed_start_writes_nothing(tmp_path, capsys, monkeypatch):
 
         raise UsageError("no laws (test)")
 
-    monkeypatch.setattr(conserve, "track", refuse)
+    monkeypatch.setattr(conserve.optim, "track", refuse)
     assert _run(tmp_path, "--steps", "2") == 2
     assert "no laws" in _err(capsys)
     assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ import conserve
 from conserve import kernels
 from conserve.models import DecoderLM, LMConfig
 from conserve.optim import FusedAdamW, FusedSGD
-from conserve.tracker import Values, _abs_plan
+from conserve.tracking.values import Values, abs_plan as _abs_plan
 from conserve.tracking.drift import Sampler
 
 CFG = dict(vocab_size=32, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=24,
@@ -544,14 +544,14 @@ def test_state_saved_with_per_instance_balance_loads():
     opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.2), m, drift_every=1)
     sd = dict(opt.tracker.state_dict())
     tr = opt.tracker
-    per_inst = torch.rand(tr._n_inst, dtype=tr.h0.vec.dtype)
+    per_inst = torch.rand(tr.layout.n_inst, dtype=tr.h0.vec.dtype)
     del sd["balance"]
     sd["h0_balance"] = per_inst
     tr.load_state_dict(sd)
-    fams = tr._inst_fam.tolist()
+    fams = tr.layout.inst_fam.tolist()
     got = tr.totals()
-    assert len(tr.families) >= 1 and tr._n_inst > len(tr.families)
+    assert len(tr.families) >= 1 and tr.layout.n_inst > len(tr.families)
     for i, f in enumerate(tr.families):
-        vals = [float(per_inst[k]) for k in range(tr._n_inst) if fams[k] == i]
+        vals = [float(per_inst[k]) for k in range(tr.layout.n_inst) if fams[k] == i]
         assert got[f]["balance"] == pytest.approx(sum(vals) / len(vals), rel=1e-6)
     tr.close()

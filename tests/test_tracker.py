@@ -12,7 +12,8 @@ import conserve
 from conserve import kernels
 from conserve.laws import compile_laws, evaluate_laws
 from conserve.models import DecoderLM, LMConfig
-from conserve.tracker import Tracker, _abs_plan
+from conserve.tracker import Tracker
+from conserve.tracking.values import abs_plan as _abs_plan
 
 CFG = dict(vocab_size=13, hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=8,
            num_hidden_layers=2, position="rope", nope_layers=(1,), num_experts=2, top_k=2, moe_layers=(1,),
@@ -346,7 +347,7 @@ def test_deferred_nonfinite_error_is_held_until_the_step_is_booked():
     the first NonFiniteError of its calls, lets any other error through, and ``raise_booked`` raises it
     after marking the booked steps (``_nonfinite_reported``); nothing held: no raise, no mark."""
     from conserve.errors import NonFiniteError
-    from conserve.tracker import _Deferred
+    from conserve.tracking.values import Deferred as _Deferred
 
     class T:
         _nonfinite_reported = 0

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import conserve
+from conserve.tracking.book import Book
 from conserve.tracking.sinks import MemorySink
 from conserve.report import NOT_KEPT, summarize, write_summary
 from conserve.tracker import CUMULATIVE, CumulativeNotKept, Tracker
@@ -41,7 +42,8 @@ def _train(m, opt, steps, seed=0):
 
 
 def _law_sized(tr):
-    """The storages of law-value shape that the tracker owns (its ``__dict__``, into containers and ``Values``)."""
+    """The storages of law-value shape that the tracker owns (its ``__dict__``, into containers, ``Values`` and its
+    ``Book``)."""
     shapes = {tuple(tr.h0.vec.shape)} | {tuple(g.shape) for g in tr.h0.grams.values()}
     seen, out, todo = set(), [], list(tr.__dict__.values())
     while todo:
@@ -54,6 +56,8 @@ def _law_sized(tr):
             todo.extend(o.values())
         elif isinstance(o, (list, tuple)):
             todo.extend(o)
+        elif isinstance(o, Book):  # the booking state (cumulative sums, guards)
+            todo.extend(o.__dict__.values())
         elif hasattr(o, "vec") and hasattr(o, "grams"):  # a Values
             todo.append(o.vec)
             todo.extend(o.grams.values())

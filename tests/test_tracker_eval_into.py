@@ -123,13 +123,13 @@ def test_eps_through_the_scratch_equals_the_direct_form():
     for _ in _steps(opt, m, 5):
         h1, h0 = tr.h, tr.h0
         dv = torch.sub(h1.vec, h0.vec)
-        rel = torch.zeros(tr._n_inst).index_add_(0, tr._vec_inst, dv.square())
+        rel = torch.zeros(tr.layout.n_inst).index_add_(0, tr.layout.vec_inst, dv.square())
         for d, g in h1.grams.items():
-            rel.index_add_(0, tr._gram_inst[d], torch.sub(g, h0.grams[d]).square().sum((1, 2)))
+            rel.index_add_(0, tr.layout.gram_inst[d], torch.sub(g, h0.grams[d]).square().sum((1, 2)))
         rel = rel.sqrt() / tr.denom
-        grp = tr._group_sum(rel)
-        fam = torch.zeros(nf).index_add_(0, tr._group_fam, grp) / tr._fam_count_f
-        assert torch.equal(tr._rows[-1][: nf + ng], torch.cat([fam, grp / tr._group_count_f]).float())
+        grp = tr.layout.group_sum(rel)
+        fam = torch.zeros(nf).index_add_(0, tr.layout.group_fam, grp) / tr.book.fam_count_f
+        assert torch.equal(tr._rows[-1][: nf + ng], torch.cat([fam, grp / tr.book.group_count_f]).float())
 
 
 def test_drift_terms_scratch_is_freed_before_the_eps_scratch():
@@ -139,7 +139,7 @@ def test_drift_terms_scratch_is_freed_before_the_eps_scratch():
     m = DecoderLM(LMConfig(**CFG))
     opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2), m, every=100, drift_every=1)
     tr = opt.tracker
-    seen, assemble, denominators = [], tr.assemble, tr._denominators
+    seen, assemble, denominators = [], tr.assemble, tr.book.denominators
 
     def spy_assemble(*a, **k):
         terms = assemble(*a, **k)
@@ -154,7 +154,7 @@ def test_drift_terms_scratch_is_freed_before_the_eps_scratch():
         assert seen[-1][1] == [True], "the drift terms' scratch is still alive while eps is formed"
         return denominators(*a, **k)
 
-    tr.assemble, tr._denominators = spy_assemble, spy_denominators
+    tr.assemble, tr.book.denominators = spy_assemble, spy_denominators
     for _ in _steps(opt, m, 3):
         pass
     assert len(seen) == 3 and all(len(t) == 0 and t.buf is None and t.h_old is None for t, _ in seen)

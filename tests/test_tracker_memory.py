@@ -11,7 +11,8 @@ from conserve.kernels import reference as R
 from conserve.kernels.reference import _evaluate_looped, bilinear_reference, evaluate_reference
 from conserve.models import DecoderLM, LMConfig
 from conserve import kernels
-from conserve.tracker import GUARD, Tracker, Values, _abs_plan as _tracker_abs_plan
+from conserve.tracker import GUARD, Tracker
+from conserve.tracking.values import Values, abs_plan as _tracker_abs_plan
 from conserve.tracking.drift import Sampler
 from bench.track_overhead import LiveBytes  # the bench's storage counter
 from test_kernels import _abs_plan, llama_block
@@ -380,9 +381,9 @@ def test_family_ids_gathered_equal_the_built_tables():
     m = _model()
     tr = Tracker(m, drift=False)
     fams = tr.families
-    want_inst, want_entry, want_group = [], torch.zeros(tr._inst_all.numel(), dtype=torch.int32), []
+    want_inst, want_entry, want_group = [], torch.zeros(tr.layout.inst_all.numel(), dtype=torch.int32), []
     c = tr.compiled
-    offs = tr._flat_at
+    offs = tr.layout.flat_at
     for law, (kind, a, b) in zip(c.laws, c.where):
         f = fams.index(law.family)
         g = tr.groups.index((law.family, -1 if law.layer is None else law.layer))
@@ -394,14 +395,14 @@ def test_family_ids_gathered_equal_the_built_tables():
         else:
             want_entry[offs[a] + b] = f
     assert tr.__dict__.get("_fam_all_held") is None  # every entry belongs to a law here: nothing held
-    assert tr._inst_fam.tolist() == want_inst
-    assert torch.equal(tr._fam_all, want_entry)
+    assert tr.layout.inst_fam.tolist() == want_inst
+    assert torch.equal(tr.layout.fam_all, want_entry)
     # the instances' groups are held as runs (fewer than the instances), expanding to the table
-    assert tr._inst_group.tolist() == want_group and len(tr._run_len) < tr._n_inst
+    assert tr.layout.inst_group.tolist() == want_group and len(tr.layout.run_len) < tr.layout.n_inst
     assert "_inst_group" not in tr.__dict__
-    per_inst = torch.rand(tr._n_inst, dtype=torch.float64)
+    per_inst = torch.rand(tr.layout.n_inst, dtype=torch.float64)
     want = torch.zeros(len(tr.groups), dtype=torch.float64).index_add_(0, torch.tensor(want_group), per_inst)
-    torch.testing.assert_close(tr._group_sum(per_inst), want, rtol=1e-15, atol=0)
+    torch.testing.assert_close(tr.layout.group_sum(per_inst), want, rtol=1e-15, atol=0)
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "per_tensor", "matrices_only"])
@@ -455,7 +456,7 @@ def test_assembly_factors_per_tensor_set_equal_the_per_term_form(pattern):
 
 
 def test_compact_layouts_cached_per_group_bit_equal_to_rebuilt(monkeypatch):
-    """A sampler group's compact layout (``_Entries``, with its restricted assembly) is built once and
+    """A sampler group's compact layout (``Entries``, with its restricted assembly) is built once and
     reused each time the group comes round: one per group, the same object, and the rows, cumulative
     terms and state bit for bit those of a tracker that rebuilds it every drift step."""
     res = {}
@@ -467,14 +468,15 @@ def test_compact_layouts_cached_per_group_bit_equal_to_rebuilt(monkeypatch):
         n = len(tr.sampler.groups)
         assert n > 3
         if not cached:  # a fresh layout every drift step (the cache emptied before each use)
-            orig = Tracker._entries
-            monkeypatch.setattr(Tracker, "_entries", lambda self, mask: (self._entries_of.clear(), orig(self, mask))[1])
+            from conserve.tracking.book import Layout
+            orig = Layout.entries
+            monkeypatch.setattr(Layout, "entries", lambda self, mask, asm: (self.entries_of.clear(), orig(self, mask, asm))[1])
         seen = []
         for k in range(2 * n + 1):
             _steps(opt, m, 1, seed=k)
-            seen.append(id(tr._entries_of.get(("sampler", k % n))))
+            seen.append(id(tr.layout.entries_of.get(("sampler", k % n))))
         if cached:
-            assert len(tr._entries_of) == n and seen[:n] == seen[n: 2 * n]
+            assert len(tr.layout.entries_of) == n and seen[:n] == seen[n: 2 * n]
         res[cached] = (torch.stack(tr._rows), {k: v.state() for k, v in tr.cumulative.items()},
                        {t: v.clone() for t, v in tr.last.items()}, tr.sampled_steps.clone())
         monkeypatch.undo()
@@ -583,17 +585,17 @@ def test_assembly_terms_with_step_statistics_bit_equal_to_their_composition():
 
 
 def test_compact_layout_selects_by_slice_or_index_alike():
-    """``_Entries`` selects a sampler group's entries by slices (one run of the layout: views, nothing
+    """``Entries`` selects a sampler group's entries by slices (one run of the layout: views, nothing
     held) and any other mask by int32 indices: both give the gathered values, families, linear flags
     and in-place additions of plain fancy indexing."""
     import numpy as np
-    from conserve.tracker import _Entries, _add_at
+    from conserve.tracking.book import Entries as _Entries, add_at as _add_at
     from conserve.tracking.drift import make_mask
 
     m = _model()
     tr = Tracker(m, drift=False)
     plan = tr.compiled.plan
-    fam_all, lin = tr._fam_all, tr.compiled.linear_mask
+    fam_all, lin = tr.layout.fam_all, tr.compiled.linear_mask
     for kind in ("run", "strided"):
         vm = np.zeros(plan.vec_size, dtype=bool)
         gm = {d: np.zeros(k, dtype=bool) for d, k in plan.gram_slots.items()}
@@ -603,13 +605,13 @@ def test_compact_layout_selects_by_slice_or_index_alike():
             vm[3::4] = True
             for d in gm:
                 gm[d][::2] = True
-        at = _Entries(tr, make_mask(vm, gm, "cpu"))
+        at = _Entries(tr.layout, make_mask(vm, gm, "cpu"), tr.assembly)
         assert isinstance(at.vec, slice) == (kind == "run")
         vi, si = torch.from_numpy(np.flatnonzero(vm)), {d: torch.from_numpy(np.flatnonzero(x)) for d, x in gm.items()}
         got = at.take(tr.h)
         assert torch.equal(got[0], tr.h.vec[vi]) and all(torch.equal(got[1][d], tr.h.grams[d][si[d]]) for d in si)
-        flat = torch.cat([vi] + [tr._flat_at[d] + si[d] for d in tr._gram_ds])
-        assert torch.equal(at.families(tr), fam_all[flat]) and at.size == flat.numel()
+        flat = torch.cat([vi] + [tr.layout.flat_at[d] + si[d] for d in tr.layout.gram_ds])
+        assert torch.equal(at.families(tr.layout), fam_all[flat]) and at.size == flat.numel()
         assert torch.equal(at.assembly._lin, lin[vi]) and np.array_equal(at.assembly._lin_np, lin[vi].numpy())
         x, y = torch.randn(plan.vec_size), torch.randn(len(vi))
         want = x.clone().index_add_(0, vi, y)
@@ -624,18 +626,18 @@ def test_eps_denominators_formed_from_h0_hold_only_the_guarded_ones():
     m = _model()
     tr = Tracker(m, drift=False)
     assert "denom" not in tr.__dict__
-    h0n = tr._inst_norm(tr.h0)
-    mag = tr._inst_norm(Values(*kernels.evaluate(_tracker_abs_plan(tr.compiled.plan), tr.tensors)))
+    h0n = tr.layout.inst_norm(tr.h0)
+    mag = tr.layout.inst_norm(Values(*kernels.evaluate(_tracker_abs_plan(tr.compiled.plan), tr.tensors)))
     want = torch.where(h0n > GUARD * mag, h0n, mag).clamp_min(torch.finfo(h0n.dtype).tiny)
     assert torch.equal(tr.denom, want)
-    assert tr._guard_at.numel() == int((want != h0n).sum())
+    assert tr.book.guard_at.numel() == int((want != h0n).sum())
     # a state whose guards differ (another theta_0's magnitudes): those instances are held and read back
     sd = tr.state_dict()
     other = sd["denom"].clone()
     other[::3] *= 7.0
     sd["denom"] = other
     tr.load_state_dict(sd)
-    assert torch.equal(tr.denom, other) and tr._guard_at.numel() == len(other[::3])
+    assert torch.equal(tr.denom, other) and tr.book.guard_at.numel() == len(other[::3])
     assert tr.totals()  # (guarded read from the held ones)
     tr.close()
 
@@ -644,17 +646,17 @@ def test_vec_instances_held_as_stretches_add_with_the_bits_of_index_add():
     """The default model's vec entries map to their instances in a few stretches (no per-entry index held);
     ``_vec_add`` gives the bits of ``index_add_`` over the materialised index, and an index of many
     stretches (or a long stretch of one instance) stays an index."""
-    from conserve.tracker import _MAX_RUNS, _index_runs
+    from conserve.tracking.book import MAX_RUNS as _MAX_RUNS, index_runs as _index_runs
     from bench.track_overhead import run_model
 
     torch.manual_seed(0)
     tr = conserve.track(torch.optim.SGD((m := run_model("tiny")).parameters(), lr=0.1), m).tracker
-    assert tr._vec_runs is not None and tr._vec_inst_held is None and len(tr._vec_runs) <= _MAX_RUNS
-    idx = tr._vec_inst
+    assert tr.layout.vec_runs is not None and tr.layout.vec_inst_held is None and len(tr.layout.vec_runs) <= _MAX_RUNS
+    idx = tr.layout.vec_inst
     for dt in (torch.float32, torch.float64):
         v = torch.randn(idx.numel(), dtype=dt)
-        want = torch.zeros(tr._n_inst, dtype=dt).index_add_(0, idx, v)
-        assert torch.equal(tr._vec_add(torch.zeros(tr._n_inst, dtype=dt), v), want)
+        want = torch.zeros(tr.layout.n_inst, dtype=dt).index_add_(0, idx, v)
+        assert torch.equal(tr.layout.vec_add(torch.zeros(tr.layout.n_inst, dtype=dt), v), want)
     assert _index_runs(np.random.default_rng(0).integers(0, 50, 200), "cpu") == (None, None)
     assert _index_runs(np.zeros(100, dtype=np.int64), "cpu") == (None, None)  # one instance over all: an index
     runs, zero = _index_runs(np.array([0, 1, 2, 3, 3, 3, 4, 5, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9,

@@ -66,9 +66,10 @@ import torch
 from torch import nn
 from torch.func import vjp, vmap
 
-from ..counting import LawCount, _as_tuple, _flat_out, _setup, _to64, count_laws
+from ..counting import LawCount, as_tuple, block_function, count_laws, numerical_rank
 from ..laws import Law, Ref, Term
-from ..laws.base import compile_laws
+from ..laws.tolerance import FIRST_ORDER_DISCOVERED as TOL
+from .firstorder import flat_output, gradients, law_vector, to_float64, violation
 from .ansatz import Basis as _Basis
 from .ansatz import Family as _Family
 from .ansatz import Fiber
@@ -86,7 +87,6 @@ __all__ = ["discover", "Discovery", "DiscoveredLaw", "Solve", "BlockTooLarge", "
 MAX_UNKNOWNS = 6000  # unknowns of one ansatz: the SVD holds ~2 * 1.1 * N^2 float64 (~650 MB at 6000)
 DENSE_AUTO = 1200  # "auto" runs the dense cross-check up to this many quadratic unknowns
 COUNT_LIMIT = 400  # conserve.count is run up to this many parameters
-TOL = 1e-9  # first-order check tolerance (relative), spec check 1 uses 1e-10 on exact laws
 
 
 class BlockTooLarge(ValueError):
@@ -267,7 +267,7 @@ class _Problem:
     """The block as ``f(theta_flat) -> outputs`` plus samplers of generic points and inputs."""
 
     def __init__(self, block, example_inputs, params, resample: bool, seed: int):
-        call, theta = _setup(block, None if isinstance(block, nn.Module) else params)
+        call, theta = block_function(block, None if isinstance(block, nn.Module) else params)
         if not theta:
             raise ValueError("discover: the block has no trainable parameter")
         self.call, self.theta0 = call, theta
@@ -287,10 +287,10 @@ class _Problem:
         self.gen = torch.Generator().manual_seed(seed)
         self.scale = {n: (float(t.pow(2).mean().sqrt()) or 1.0) if t.numel() else 1.0 for n, t in theta.items()}
         if callable(example_inputs) and not isinstance(example_inputs, (torch.Tensor, tuple, list)):
-            self._inputs = lambda g: tuple(_to64(x) for x in _as_tuple(example_inputs(g)))
+            self._inputs = lambda g: tuple(to_float64(x) for x in as_tuple(example_inputs(g)))
             self.example = self._inputs(torch.Generator().manual_seed(seed))
         else:
-            self.example = tuple(_to64(x) for x in _as_tuple(example_inputs))
+            self.example = tuple(to_float64(x) for x in as_tuple(example_inputs))
             if resample:
                 def draw(g):  # only the first input is data; the others (masks, rotary tables, ...) are kept
                     return (_redraw(self.example[0], g),) + self.example[1:]
@@ -327,7 +327,7 @@ class _Problem:
         if isinstance(out, Mapping):  # dict / HF ModelOutput: every floating tensor value is an output
             out = tuple(v for v in out.values() if isinstance(v, torch.Tensor))
         try:
-            return _flat_out(out)
+            return flat_output(out)
         except TypeError:
             raise TypeError(f"discover: the block returned {type(out).__name__}; return a tensor, a tuple of "
                             "tensors or a dict of tensors") from None
@@ -1051,34 +1051,21 @@ def _gram_value(pb, q, chunks, s, feat):
 
 def _law_fn(pb: _Problem, d: DiscoveredLaw):
     if d.law is not None:
-        from ..kernels import evaluate_reference
         law = d.law
-
-        def h(params):
-            c = compile_laws([law], {k: tuple(v.shape) for k, v in params.items()})
-            vec, grams = evaluate_reference(c.plan, [params[n] for n in c.names], fp64=True)
-            return c.split(vec, grams)[0].reshape(-1)
-        return h
+        return lambda params: law_vector(law, params)
     return lambda params: d.value(params).reshape(-1)
 
 
 def _first_order(pb: _Problem, d: DiscoveredLaw, seed: int, trials: int = 3) -> float:
-    """Worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` over random points, inputs, ``s`` and ``r``."""
+    """Spec check 1 (``firstorder.violation``) at ``trials`` random points, inputs, ``s`` and ``r``."""
     g = torch.Generator().manual_seed(seed + 7)
     h = _law_fn(pb, d)
     worst = 0.0
     for _ in range(trials):
         theta = pb.sample_theta().requires_grad_(True)
-        params = pb.unflat(theta)
-        hv = h(params)
-        s = torch.randn(hv.shape, generator=g, dtype=torch.float64)
-        (a,) = torch.autograd.grad((s * hv).sum(), theta)
-        x = pb._inputs(g)
-        out = pb.f(theta, x)
-        r = torch.randn(out.shape, generator=g, dtype=torch.float64)
-        (b,) = torch.autograd.grad((r * out).sum(), theta)
-        den = float(a.norm() * b.norm())
-        worst = max(worst, 0.0 if den == 0 else float((a @ b).abs()) / den)
+        out = pb.f(theta, pb._inputs(g))
+        b = gradients((torch.randn(out.shape, generator=g, dtype=torch.float64) * out).sum(), [theta])
+        worst = max(worst, violation(h(pb.unflat(theta)), [theta], [b], g), 0.0)
     return worst
 
 
@@ -1098,7 +1085,6 @@ def _independent(pb: _Problem, laws: list[DiscoveredLaw]) -> int:
     if not grads:
         return 0
     G = torch.stack(grads, 1)
-    from ..counting import numerical_rank
     return numerical_rank(G)[0]
 
 

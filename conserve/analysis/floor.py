@@ -11,7 +11,10 @@ times larger (independent errors add in quadrature).
 ``rounding_floor`` is that number; ``unit_roundoff`` reads a dtype. They are shared by the run report
 (``conserve.report``: a drift term at or under the floor is "undetermined at this precision") and by any
 check that compares a computed quantity with zero (a first-order term, a gradient's product with a law's
-gradient).
+gradient).  ``relative_floor`` is the floor of a quantity already divided by its scale (a ratio such as the
+gradient check's ``|<grad h, g>| / (||grad h|| ||g||)``): a multiple of the unit roundoff of the dtype
+the inputs were computed in, never under a multiple of float32's (model code sums in float32 inside
+half-precision and float64 models alike).
 """
 from __future__ import annotations
 
@@ -48,3 +51,14 @@ def rounding_floor(magnitude: float, n_summed: int = 1, dtype="float32", values:
     if not (magnitude >= 0 and math.isfinite(magnitude)):
         raise ValueError(f"magnitude must be finite and >= 0, got {magnitude!r}")
     return unit_roundoff(dtype) * magnitude * math.sqrt(max(int(n_summed), 1) * max(int(values), 1))
+
+
+def relative_floor(dtype="float32", factor: float = 1.0, float32_factor: float = 0.0) -> float:
+    """``max(factor * u, float32_factor * u_32)``: the rounding floor of a relative quantity (a ratio to its
+    own scale) computed from values rounded in ``dtype`` (unit roundoff ``u``, ``unit_roundoff``), where
+    float32 arithmetic inside the computation sets a minimum (``u_32``: float32's unit roundoff).  The
+    factors are the measured or derived number of roundoffs the quantity carries (the gradient check:
+    ``conserve.analysis.gradcheck.FLOOR_FACTORS``)."""
+    if not (factor >= 0 and float32_factor >= 0 and math.isfinite(factor) and math.isfinite(float32_factor)):
+        raise ValueError(f"factors must be finite and >= 0, got {factor!r}, {float32_factor!r}")
+    return max(factor * unit_roundoff(dtype), float32_factor * UNIT_ROUNDOFF["float32"])

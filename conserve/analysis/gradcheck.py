@@ -6,39 +6,53 @@ product ``<grad h(theta), g>`` vanishes at the same ``theta``: per sample, hence
 averages, one global scale (norm clipping, a loss scale), dropout masks.  A gradient with a product
 above rounding was not produced that way: a wrong custom backward, a partial or wrongly scaled
 all-reduce, a hook that rescales part of a law's parameters, weight decay folded into ``p.grad`` --
-or a method that changes the gradient on purpose (SAM, DP-SGD, ``clip_grad_value_``, compression,
-straight-through estimators, stale gradients, a loss on hidden activations, router z-loss, a logit
-soft-cap for a translation law).
+or a method that changes the gradient on purpose (``KNOWN_METHODS``: SAM, DP-SGD, ``clip_grad_value_``,
+compression, straight-through estimators, stale gradients, a loss on hidden activations, router
+z-loss, a logit soft-cap for a translation law).
 
 The statistic, per law entry ``i`` (a unit, a rotary pair, a gain feature, a router column, one entry
 ``(a, b)`` of a Gram law)::
 
-    r_i = |<grad h_i, g>| / (||grad h_i|| * ||g_i||)          (in [0, 1] by Cauchy-Schwarz)
+    r_i = |p_i| / (||grad h_i|| * ||g_i||),   p_i = <grad h_i, g>           (in [0, 1] by Cauchy-Schwarz)
 
 with ``g_i`` the gradient restricted to the parameter elements ``h_i`` reads (measured against the
-law's typical entry when it is smaller: ``law_products``).  For the catalogue's
-terms, in float64 (the terms of one law read disjoint blocks):
+law's typical entry when it is smaller: ``GradPlan.finish``).  Per term of the catalogue (the terms of
+one law read disjoint blocks):
 
-* norm term ``s * sum_c (x_rc + shift)^2`` (row r): ``<grad, g> = 2 s sum_c (x_rc + shift) g_rc``,
+* norm term ``s * sum_c (x_rc + shift)^2`` (row r): ``p = 2 s sum_c (x_rc + shift) g_rc``,
   ``||grad||^2 = 4 s^2 sum_c (x_rc + shift)^2``, ``||g_i||^2 = sum_c g_rc^2``;
-* sum term ``s * sum_r x_rc`` (column c): ``<grad, g> = s sum_r g_rc``, ``||grad||^2 = s^2 * rows``,
+* sum term ``s * sum_r x_rc`` (column c): ``p = s sum_r g_rc`` (``c^T g``), ``||grad||^2 = s^2 * rows``,
   ``||g_i||^2 = sum_r g_rc^2``;
-* Gram term ``s X X^T``, entry (a, b): ``<grad, g> = s (x_a . g_b + g_a . x_b)``; ``||grad||^2`` is
+* Gram term ``s X X^T``, entry (a, b): ``p = s (x_a . g_b + g_a . x_b)``; ``||grad||^2`` is
   ``s^2 (||x_a||^2 + ||x_b||^2)`` off the diagonal and ``4 s^2 ||x_a||^2`` on it; ``||g_i||^2`` is
   ``||g_a||^2 + ||g_b||^2`` off the diagonal and ``||g_a||^2`` on it.
 
-Per law: ``worst`` (the largest ``r_i``) and ``aggregate = |sum_i p_i| / sqrt(sum_i (n_i)^2)`` with
-``p_i`` the products and ``n_i = ||grad h_i|| ||g_i||``: a rounding error of random sign adds up like
-``sqrt(n)`` entries and stays at the floor, while a fault that moves every product the same way
-grows like ``n`` entries, so the aggregate lifts a small consistent fault above the floor.
+Evaluation (``GradPlan``): the products of the quadratic terms are ``2 B(theta, g)``, the bilinear form
+of the law plan (``conserve.kernels.bilinear``, the pass the drift terms use), the shift part of a
+Gemma gain and the linear laws' ``c^T g`` come with the norms from ONE ``conserve.kernels.evaluate``
+over a derived plan of row norms (``||x_r||^2``, ``||g_r||^2`` per term row, ``sum g`` per column) on
+the tensor list ``thetas + grads``: two kernel passes for every law instance at once, each reading every
+term's view of the weights and gradients once, so the check reads twice what one evaluation of the laws
+reads on the weights and gradients together (``bench/gradcheck_cost.py`` counts the bytes and times it
+beside a training step).
 
-The floor (``floor``): ``FLOOR_FACTOR`` (16) unit roundoffs of the dtype the gradient was computed in
-(``conserve.analysis.floor.unit_roundoff``): 9.5e-7 for float32, 7.8e-3 for float16, 6.3e-2 for
-bfloat16.  A linear law's product sums a gradient whose parts cancel by construction (a router's
-columns: the softmax gradient sums to zero over the experts), so its rounding reaches a few unit
-roundoffs; the factor leaves room for that.  A float64 gradient is held to the float32 floor, because model code commonly computes
-norms and softmax in float32 inside a float64 model.  Measured floors and the smallest detected faults
-are in the README ("Gradient integrity").
+Per law and per family: ``worst`` (the largest ``r_i``) and ``aggregate = |sum p_i| / sqrt(sum n_i^2)``
+over the entries and over every checked step (``GradCheck.update``), ``n_i = ||grad h_i|| ||g_i||``.
+Rounding of random sign adds up like ``sqrt(n)`` terms and the aggregate stays near the per-entry
+rounding level, while a fault that moves the products the same way (weight decay folded in, a scale
+on one side of a law while the weights grow) adds up like ``n`` terms: the aggregate lifts a small
+consistent fault above the floor, by ``sqrt(entries x steps)``.  A fault of random sign is seen by
+``worst`` only.
+
+Floors (``floor``, ``aggregate_floor``; derivation and measured values in the spec and the README,
+``python -m bench.gradcheck_cost --floors``): ``max(a u, b u_32)`` with ``u`` the unit roundoff of the dtype
+the gradient was computed in (``conserve.analysis.floor.unit_roundoff``) and ``(a, b)`` per statistic and
+law kind (``FLOOR_FACTORS``): a half-precision gradient's error is dominated by the rounding of its
+elements and activations to that format (under one ``u`` per entry measured), a float32 gradient's by
+float32 sums over the tokens (about one ``u_32`` measured; the factor 16 leaves room for longer sums);
+a linear law's product cancels by construction, so its floors are 4x the quadratic laws'.  A float64
+gradient is held to the float32 floors, because model code commonly computes norms and softmax in
+float32 inside a float64 model.
 
 Not checked: the approximate scale laws (``qk_scale``, ``norm_scale``: exact only for eps = 0 norms),
 and a loss-dependent law (translation) unless that loss was named (``loss="ce"``).
@@ -50,162 +64,67 @@ loss of the right architecture.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
+from .. import kernels
+from ..kernels import NormTerm, Plan, SumTerm, View
 from ..laws import Law, compile_laws
-from .floor import unit_roundoff
+from .floor import relative_floor, unit_roundoff
 
-FLOOR_FACTOR = 16
+__all__ = ["FLOOR_FACTORS", "APPROXIMATE", "LOSS_ONLY", "KNOWN_METHODS", "floor", "aggregate_floor",
+           "select", "GradPlan", "Raw", "Products", "products", "GradCheck", "LawCheck", "GradientCheck",
+           "law_products", "check_gradients"]
+
+#: ``(a, b)`` per statistic and law kind: the floor is ``max(a u, b u_32)`` for a gradient computed in a dtype
+#: of unit roundoff ``u`` (``u_32``: float32's).  A linear law (router sum, translation) sums gradient parts
+#: that cancel by construction (a router's softmax gradient sums to zero over the experts), so its rounding
+#: is several times a quadratic law's (measured: spec "Gradient integrity", README)
+FLOOR_FACTORS = {("worst", False): (2.0, 16.0), ("aggregate", False): (1.0, 8.0),
+                 ("worst", True): (8.0, 64.0), ("aggregate", True): (4.0, 32.0)}
 #: families whose law holds only approximately (eps > 0 norms): never checked
 APPROXIMATE = {"qk_scale": "approximate law (exact only for eps = 0 norms)",
                "norm_scale": "approximate law (exact only for eps = 0 norms)"}
 #: families that hold for one loss only: checked only when that loss is named
 LOSS_ONLY = {"translation": "ce"}
+#: the two readings of a flag: ``bug`` and the methods that change the gradient on purpose
+KNOWN_METHODS = ("SAM (gradient at a perturbed point)", "DP-SGD (noise, per-sample clipping)",
+                 "per-layer or per-value clipping (clip_grad_value_)", "gradient compression",
+                 "straight-through estimators", "stale or asynchronous gradients",
+                 "a loss on hidden activations or router logits (router z-loss)",
+                 "a logit soft-cap or z-loss (translation law)")
+BUG = "a bug in the gradient (a custom backward or fused kernel, an all-reduce, a hook, decay folded into p.grad)"
 
 
-def floor(dtype) -> float:
-    """The rounding floor of the statistic for a gradient computed in ``dtype`` (module docstring)."""
-    u = unit_roundoff(dtype)
-    return FLOOR_FACTOR * max(u, unit_roundoff("float32"))
+def _floor(dtype, which: str, linear: bool) -> float:
+    return relative_floor(dtype, *FLOOR_FACTORS[(which, bool(linear))])
 
 
-@dataclass(frozen=True)
-class LawCheck:
-    """The statistic of one law.  ``worst``: the largest per-entry ratio ``r_i`` (at entry ``worst_entry``,
-    row-major for a Gram law); ``aggregate``: the signed-sum ratio over the law's entries; ``floor``: the
-    rounding floor both are compared with; ``flagged``: either above it."""
-
-    name: str
-    family: str
-    layer: int | None
-    params: tuple[str, ...]
-    entries: int
-    worst: float
-    worst_entry: int
-    aggregate: float
-    floor: float
-
-    @property
-    def flagged(self) -> bool:
-        return self.worst > self.floor or self.aggregate > self.floor
+def floor(dtype, linear: bool = False) -> float:
+    """The floor of the per-entry statistic ``worst`` for a gradient computed in ``dtype`` (``FLOOR_FACTORS``):
+    quadratic laws ``max(2 u, 16 u_32)``: 9.5e-7 for float32 and float64, 9.8e-4 for float16, 7.8e-3 for
+    bfloat16; linear laws (``linear=True``) ``max(8 u, 64 u_32)``: 3.8e-6, 3.9e-3, 3.1e-2.  ``dtype``: a name,
+    a ``torch.dtype`` or a unit roundoff (``conserve.analysis.floor.unit_roundoff``)."""
+    return _floor(dtype, "worst", linear)
 
 
-@dataclass
-class GradientCheck:
-    """What ``check_gradients`` found: one ``LawCheck`` per checked law, the skipped laws with the reason,
-    the gradient dtype and the floor.  ``ok``: no law flagged."""
-
-    laws: list[LawCheck] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    dtype: str = "float32"
-    floor: float = 0.0
-
-    @property
-    def flagged(self) -> list[LawCheck]:
-        return [c for c in self.laws if c.flagged]
-
-    @property
-    def ok(self) -> bool:
-        return not self.flagged
-
-    def families(self) -> dict[str, dict]:
-        """Per family: the worst law's ``worst`` and ``aggregate``, how many laws were checked and flagged."""
-        out: dict[str, dict] = {}
-        for c in self.laws:
-            f = out.setdefault(c.family, dict(worst=0.0, aggregate=0.0, laws=0, flagged=0, worst_law=""))
-            f["laws"] += 1
-            f["flagged"] += c.flagged
-            if c.worst >= f["worst"]:
-                f["worst"], f["worst_law"] = c.worst, c.name
-            f["aggregate"] = max(f["aggregate"], c.aggregate)
-        return out
-
-    def __str__(self) -> str:
-        lines = [f"gradient check ({self.dtype} gradient, floor {self.floor:.1e}): "
-                 f"{len(self.flagged)} of {len(self.laws)} laws above the floor"]
-        for fam, f in sorted(self.families().items()):
-            lines.append(f"  {fam:<14s} worst {f['worst']:.2e} ({f['worst_law']}), aggregate {f['aggregate']:.2e}, "
-                         f"{f['flagged']}/{f['laws']} flagged")
-        for c in self.flagged:
-            lines.append(f"  FLAGGED {c.name} (layer {c.layer}; {', '.join(c.params)}): worst {c.worst:.2e} at entry "
-                         f"{c.worst_entry}, aggregate {c.aggregate:.2e}")
-        if self.flagged:
-            lines.append("  a bug in the gradient (custom backward, all-reduce, a hook, decay folded into p.grad), or a "
-                         "method that changes it on purpose (SAM, DP-SGD, clip_grad_value_, compression, z-loss)")
-        for name, why in self.skipped:
-            lines.append(f"  skipped {name}: {why}")
-        return "\n".join(lines)
+def aggregate_floor(dtype, linear: bool = False) -> float:
+    """The floor of ``aggregate`` (a signed sum over entries and steps): quadratic laws ``max(u, 8 u_32)``:
+    4.8e-7 for float32, 4.9e-4 for float16, 3.9e-3 for bfloat16; linear laws ``max(4 u, 32 u_32)``: 1.9e-6,
+    2.0e-3, 1.6e-2.  Rounding of random sign keeps the aggregate near the per-entry rounding level (not its
+    maximum over the entries), so its floor is lower than ``floor``."""
+    return _floor(dtype, "aggregate", linear)
 
 
-def law_products(law: Law, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]):
-    """``(p, n_h, n_g)`` per entry of ``law``, float64: ``p_i = <grad h_i, g>``, ``n_h_i = ||grad h_i||``,
-    ``n_g_i = max(||g_i||, sqrt(m_i / M) ||g_law||)`` (``m_i`` elements read by entry i, ``M`` by the law:
-    an entry whose gradient is smaller than the law's typical one is measured against the typical one,
-    because the rounding of a gradient follows its tensor's scale, not the entry's).  Formulas in the
-    module docstring.  ``params`` / ``grads`` map parameter names to tensors of the same shapes (any
-    float dtype; read as float64).  Raises ``ValueError`` naming a parameter the law reads that is missing."""
-    missing = [n for n in law.params if n not in params or n not in grads]
-    if missing:
-        raise ValueError(f"law {law.name!r} reads {missing}, which has no tensor or no gradient")
-    c = compile_laws([law], {n: tuple(params[n].shape) for n in law.params})
-    xs = [params[n].detach().to(torch.float64) for n in c.names]
-    gs = [grads[n].detach().to(xs[i].device, torch.float64) for i, n in enumerate(c.names)]
-    plan, dev = c.plan, xs[0].device
-    z = lambda n: torch.zeros(n, dtype=torch.float64, device=dev)  # noqa: E731
-    if law.kind == "gram":
-        D = law.size
-        p = torch.zeros(D, D, dtype=torch.float64, device=dev)
-        dx, dg, dm = z(D), z(D), z(D)  # per row a: sum_t s^2 ||x_ta||^2, sum_t ||g_ta||^2, elements
-        for t in plan.grams:
-            x, g = t.view.of(xs[t.view.tensor]), t.view.of(gs[t.view.tensor])
-            xg = x @ g.T
-            p += t.sign * (xg + xg.T)
-            dx += t.sign ** 2 * (x * x).sum(1)
-            dg += (g * g).sum(1)
-            dm += x.shape[1]
-        eye = torch.eye(D, dtype=torch.bool, device=dev)
-        pair = lambda v, diag: torch.where(eye, diag * v[:, None].expand(D, D), v[:, None] + v[None, :])  # noqa: E731
-        nh2, ng2, m = pair(dx, 4), pair(dg, 1), pair(dm, 1)
-        total_g2, total_m = dg.sum(), dm.sum()
-        p, nh2, ng2, m = p.reshape(-1), nh2.reshape(-1), ng2.reshape(-1), m.reshape(-1)
-    else:
-        n = plan.vec_size
-        p, nh2, ng2, m = z(n), z(n), z(n), z(n)
-        total_g2, total_m = z(()), z(())
-        for t in plan.norms:
-            x, g = t.view.of(xs[t.view.tensor]) + t.shift, t.view.of(gs[t.view.tensor])
-            idx = t.index + t.index_stride * torch.arange(x.shape[0], device=dev)
-            p.index_add_(0, idx, 2 * t.sign * (x * g).sum(1))
-            nh2.index_add_(0, idx, 4 * t.sign ** 2 * (x * x).sum(1))
-            ng2.index_add_(0, idx, (g * g).sum(1))
-            m.index_add_(0, idx, torch.full((x.shape[0],), float(x.shape[1]), dtype=torch.float64, device=dev))
-            total_g2, total_m = total_g2 + (g * g).sum(), total_m + g.numel()
-        for t in plan.sums:
-            g = t.view.of(gs[t.view.tensor])
-            idx = t.index + torch.arange(g.shape[1], device=dev)
-            p.index_add_(0, idx, t.sign * g.sum(0))
-            nh2.index_add_(0, idx, torch.full((g.shape[1],), t.sign ** 2 * g.shape[0], dtype=torch.float64, device=dev))
-            ng2.index_add_(0, idx, (g * g).sum(0))
-            m.index_add_(0, idx, torch.full((g.shape[1],), float(g.shape[0]), dtype=torch.float64, device=dev))
-            total_g2, total_m = total_g2 + (g * g).sum(), total_m + g.numel()
-    typical2 = m / total_m.clamp_min(1) * total_g2
-    return p, nh2.sqrt(), torch.maximum(ng2, typical2).sqrt()
-
-
-def check_law(law: Law, params, grads, floor_value: float) -> LawCheck:
-    """The statistic of one law (``law_products``) against ``floor_value``."""
-    p, nh, ng = law_products(law, params, grads)
-    n = nh * ng
-    r = torch.where(n > 0, p.abs() / n.clamp_min(1e-300), torch.zeros_like(p))
-    den = n.square().sum().sqrt()
-    agg = float(p.sum().abs() / den) if den > 0 else 0.0
-    k = int(r.argmax()) if r.numel() else 0
-    return LawCheck(law.name, law.family, law.layer, law.params, int(r.numel()),
-                    float(r[k]) if r.numel() else 0.0, k, agg, floor_value)
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, (int, float)) and not isinstance(dtype, bool):
+        return f"u={float(dtype):.2g}"
+    return str(dtype).rsplit(".", 1)[-1]
 
 
 def _ignored(law: Law, patterns: Iterable[str]) -> str | None:
@@ -216,9 +135,557 @@ def _ignored(law: Law, patterns: Iterable[str]) -> str | None:
     return None
 
 
+def select(laws, *, loss: str | None = None, ignore: Iterable[str] = ()) -> tuple[list[Law], list[tuple[str, str]]]:
+    """``(checked, skipped)``: the laws the check reads and ``(name, reason)`` for the others: the
+    approximate families (``APPROXIMATE``), a loss-dependent law whose loss was not named (``LOSS_ONLY``:
+    translation needs ``loss="ce"``), and the laws ``ignore`` matches (law names, families or ``fnmatch``
+    patterns of law or parameter names).  ``laws``: a ``Detection`` or an iterable of ``Law``."""
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    checked, skipped = [], []
+    for law in getattr(laws, "laws", laws):
+        if law.family in APPROXIMATE:
+            skipped.append((law.name, APPROXIMATE[law.family]))
+        elif law.family in LOSS_ONLY and loss != LOSS_ONLY[law.family]:
+            skipped.append((law.name, f"holds for loss={LOSS_ONLY[law.family]!r} only: pass "
+                                      f"loss={LOSS_ONLY[law.family]!r} if that is the loss"))
+        elif (pat := _ignored(law, ignore)) is not None:
+            skipped.append((law.name, f"ignored ({pat!r})"))
+        else:
+            checked.append(law)
+    return checked, skipped
+
+
+# ------------------------------------------------------------------------------------------ products
+@dataclass
+class Raw:
+    """The additive per-entry sums of one gradient (``GradPlan.raw``), float64 or float32 on the tensors'
+    device: every field is a sum over parameter elements, so the raw sums of disjoint shards of the same
+    weights and gradients add up to the whole tensors' (an all-reduce SUM of each field, then
+    ``GradPlan.finish``).
+
+    Attributes:
+        p: ``(entries,)`` the products ``<grad h_i, g>``.
+        nh2: ``(entries,)`` ``||grad h_i||^2`` of the quadratic terms (a linear law's, ``s^2`` times its rows, is
+            a constant that ``GradPlan.finish`` adds).
+        ng2: ``(entries,)`` ``||g_i||^2``.
+        law_g2: ``(laws,)`` ``||g||^2`` over every element each law reads.
+    """
+
+    p: torch.Tensor
+    nh2: torch.Tensor
+    ng2: torch.Tensor
+    law_g2: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The fields, for a collective (``torch.distributed.all_reduce`` of each, in place)."""
+        return [self.p, self.nh2, self.ng2, self.law_g2]
+
+
+@dataclass
+class Products:
+    """Per entry of a ``GradPlan`` (flat layout: the law plan's vec entries, then each Gram size's
+    ``slots x D x D`` entries, row-major): ``p`` the products ``<grad h_i, g>``, ``nh`` ``||grad h_i||``,
+    ``ng`` ``||g_i||`` (raised to the law's typical entry, ``GradPlan.finish``).  Float64 (float32 when the
+    plan was evaluated with ``fp64=False``), on the tensors' device.  ``plan``: the ``GradPlan``."""
+
+    p: torch.Tensor
+    nh: torch.Tensor
+    ng: torch.Tensor
+    plan: "GradPlan"
+
+    def ratio(self) -> torch.Tensor:
+        """``(entries,)`` ``r_i = |p_i| / (nh_i ng_i)`` (0 where the norms are 0)."""
+        n = self.nh * self.ng
+        return torch.where(n > 0, self.p.abs() / n.clamp_min(torch.finfo(n.dtype).tiny), torch.zeros_like(n))
+
+    def law(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(p, nh, ng)`` of one law: a vector of its ``size`` entries, or ``D x D`` for a Gram law (views)."""
+        k = self.plan.index[name]
+        a, n = int(self.plan.starts[k]), int(self.plan.lengths[k])
+        law = self.plan.laws[k]
+        shape = (law.size, law.size) if law.kind == "gram" else (law.size,)
+        return tuple(t[a:a + n].view(shape) for t in (self.p, self.nh, self.ng))
+
+    def by_law(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``{law name: (p, nh, ng)}`` for every law of the plan (``law``)."""
+        return {law.name: self.law(law.name) for law in self.plan.laws}
+
+
+def _transposed(v: View, tensor: int) -> View:
+    """View ``v`` (rows x cols, column stride 1 in logical index) read the other way round, on ``tensor``:
+    row c of the result is column c of ``v``.  ``ValueError`` for a view whose rows step by more than 1."""
+    if v.row_step != 1 and v.rows > 1:
+        raise ValueError(f"a sum over rows stepping by {v.row_step} is not supported by the gradient check")
+    if v.col_dim is None:  # a vector (one column): its rows become the one row's columns
+        return View(tensor, v.start, v.row_dim, 1, v.row_dim, v.rows)
+    return View(tensor, v.start, v.col_dim, v.cols, v.row_dim, v.rows)
+
+
+class GradPlan:
+    """The laws' gradient check compiled once for a set of laws and parameter shapes: the law plan (its
+    bilinear form gives the products of the quadratic terms) and a derived plan of row norms, evaluated
+    on ``thetas + grads`` in one pass.
+
+    Args:
+        laws: the laws to check, as given (filter them with ``select``): a ``Detection`` or ``Law`` list.
+        shapes: ``{parameter name: shape}`` or ``{name: tensor}`` (every parameter the laws read).
+
+    Attributes:
+        laws: the laws, in the order of every per-law vector; names: the parameters they read (the order of
+            tensor sequences); entries: the number of law entries (``Products``' length); starts, lengths:
+            each law's range in the flat entry layout; compiled: the law plan (``conserve.laws.Compiled``).
+
+    Raises:
+        ValueError: a law reads a parameter ``shapes`` lacks or a block outside it, two laws share a name,
+            or a term layout the check cannot read (a column sum over rows stepping by more than one).
+    """
+
+    def __init__(self, laws, shapes: Mapping[str, Sequence[int] | torch.Tensor]):
+        self.laws: list[Law] = list(getattr(laws, "laws", laws))
+        shapes = {n: tuple(s.shape) if isinstance(s, torch.Tensor) else tuple(s) for n, s in shapes.items()}
+        self.compiled = c = compile_laws(self.laws, shapes)
+        self.names: list[str] = c.names
+        self.index = {law.name: k for k, law in enumerate(self.laws)}
+        plan, T, V = c.plan, len(c.names), c.plan.vec_size
+        # the law plan without Gemma's shift (the bilinear form of the quadratic part; the shift's linear
+        # part 2 s c sum g comes from the row plan)
+        self.bil_plan = Plan(list(plan.grams), [replace(t, shift=0.0) for t in plan.norms], list(plan.sums), V,
+                             dict(plan.gram_slots))
+        self.dsizes = sorted(plan.gram_slots)
+        self.grow = {}  # D -> first row-norm entry of its slots' rows
+        R = 0
+        for d in self.dsizes:
+            self.grow[d] = R
+            R += plan.gram_slots[d] * d
+        self.rows = R
+        # row plan over [x_0..x_{T-1}, g_0..g_{T-1}]: sections of its vec
+        #   [0, V) 4 s^2 sum (x+c)^2 per norm row; [V, 2V) sum g^2 per vec entry; [2V, 3V) c^T g and 2 s c sum g;
+        #   [3V, 3V+R) sum_t s^2 ||x_ta||^2 per Gram row; [3V+R, 3V+2R) sum_t ||g_ta||^2 per Gram row
+        X, G, S, XR, GR = 0, V, 2 * V, 3 * V, 3 * V + R
+        norms, sums = [], []
+        m_vec = np.zeros(V)  # elements each vec entry reads
+        nh2_sum = np.zeros(V)  # ||grad h||^2 of the linear entries (constants)
+        m_row = np.zeros(R)
+        for t in plan.norms:
+            i, v = t.view.tensor, t.view
+            norms.append(NormTerm(v, 4.0 * t.sign ** 2, X + t.index, t.index_stride, t.shift))
+            norms.append(NormTerm(replace(v, tensor=T + i), 1.0, G + t.index, t.index_stride))
+            np.add.at(m_vec, t.index + t.index_stride * np.arange(v.rows), v.cols)
+            if t.shift != 0.0:
+                if t.index_stride != 1:
+                    raise ValueError("a shifted norm term with an output stride is not supported by the gradient check")
+                sums.append(SumTerm(_transposed(v, T + i), 2.0 * t.sign * t.shift, S + t.index))
+        for t in plan.sums:
+            i, v = t.view.tensor, t.view
+            sums.append(SumTerm(replace(v, tensor=T + i), t.sign, S + t.index))
+            norms.append(NormTerm(_transposed(v, T + i), 1.0, G + t.index))
+            np.add.at(nh2_sum, t.index + np.arange(v.cols), t.sign ** 2 * v.rows)
+            np.add.at(m_vec, t.index + np.arange(v.cols), v.rows)
+        for t in plan.grams:
+            i, v = t.view.tensor, t.view
+            r0 = self.grow[v.rows] + t.slot * v.rows
+            norms.append(NormTerm(v, t.sign ** 2, XR + r0))
+            norms.append(NormTerm(replace(v, tensor=T + i), 1.0, GR + r0))
+            m_row[r0: r0 + v.rows] += v.cols
+        self.row_plan = Plan([], norms, sums, 3 * V + 2 * R, {})
+        self.vec_size = V
+        # flat entry layout and the laws' ranges in it
+        self.gram_entry = {}
+        E = V
+        for d in self.dsizes:
+            self.gram_entry[d] = E
+            E += plan.gram_slots[d] * d * d
+        self.entries = E
+        starts, lengths = np.zeros(len(self.laws), dtype=np.int64), np.zeros(len(self.laws), dtype=np.int64)
+        law_rows = []  # per law: (first, count) of its rows in the row-unit layout (vec entries, then Gram rows)
+        for k, (kind, a, b) in enumerate(c.where):
+            if kind == "vec":
+                starts[k], lengths[k] = a, b
+                law_rows.append((a, b))
+            else:
+                starts[k], lengths[k] = self.gram_entry[a] + b * a * a, a * a
+                law_rows.append((V + self.grow[a] + b * a, a))
+        self.starts, self.lengths = starts, lengths
+        # the laws in flat order (segment reductions) and the per-law sums of the row units
+        self.order = np.argsort(starts, kind="stable")
+        self.sorted_lengths = torch.as_tensor(lengths[self.order])
+        unit_law = np.zeros(V + R, dtype=np.int64)
+        for k, (a, n) in enumerate(law_rows):
+            unit_law[a: a + n] = k
+        self._unit_law = torch.as_tensor(unit_law)
+        m_units = np.concatenate([m_vec, m_row])
+        law_m = np.bincount(unit_law, weights=m_units, minlength=len(self.laws)) if len(unit_law) \
+            else np.zeros(len(self.laws))
+        self._host = dict(m_vec=m_vec, nh2_sum=nh2_sum, m_row=m_row, law_m=law_m)
+        self._dev: dict = {}
+
+    def _on(self, device) -> dict:
+        """The plan's constant tensors on ``device`` (copied once per device)."""
+        key = str(device)
+        if key not in self._dev:
+            h = self._host
+            f = lambda a: torch.as_tensor(a, dtype=torch.float64, device=device)  # noqa: E731
+            on = self._dev[key] = dict(m_vec=f(h["m_vec"]), nh2_sum=f(h["nh2_sum"]), m_row=f(h["m_row"]),
+                                       law_m=f(h["law_m"]), unit_law=self._unit_law.to(device),
+                                       lengths=self.sorted_lengths.to(device),
+                                       order=torch.as_tensor(self.order, device=device))
+            ms = [on["m_vec"]]  # elements each entry reads
+            for d in self.dsizes:
+                r0, n = self.grow[d], self.compiled.plan.gram_slots[d]
+                ma = on["m_row"][r0:r0 + n * d].view(n, d)
+                eye = torch.eye(d, dtype=torch.bool, device=device)
+                ms.append(torch.where(eye, ma[:, :, None].expand(n, d, d), ma[:, :, None] + ma[:, None, :]).reshape(-1))
+            on["m_entry"] = torch.cat(ms)
+        return self._dev[key]
+
+    def _tensors(self, params, grads):
+        if not isinstance(params, Mapping):
+            params = dict(zip(self.names, params))
+        if not isinstance(grads, Mapping):
+            grads = dict(zip(self.names, grads))
+        missing = [n for n in self.names if n not in params or n not in grads or grads[n] is None]
+        if missing:
+            who = {n: [law.name for law in self.laws if n in law.params] for n in missing}
+            raise ValueError(f"no tensor or no gradient for {missing} (read by {who}): run a backward pass that "
+                             f"reaches them, or leave their laws out (ignore=[...])")
+        xs, gs = [], []
+        for n in self.names:
+            x, g = params[n].detach(), grads[n].detach()
+            if hasattr(x, "full_tensor"):  # a DTensor (FSDP2, tensor parallel): the whole tensor (a collective)
+                x = x.full_tensor()
+            if hasattr(g, "full_tensor"):
+                g = g.full_tensor()
+            if tuple(x.shape) != tuple(g.shape):
+                raise ValueError(f"{n}: the gradient has shape {tuple(g.shape)} but the parameter {tuple(x.shape)}")
+            xs.append(x)
+            gs.append(g if g.device == x.device else g.to(x.device))
+        return xs, gs
+
+    def raw(self, params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+            grads: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *, fp64: bool = True,
+            backend: str = "auto") -> Raw:
+        """The additive per-entry sums (``Raw``) of ``grads`` at ``params``: ONE ``kernels.bilinear`` of the
+        law plan (the products) and ONE ``kernels.evaluate`` of the row-norm plan on ``thetas + grads``.
+
+        Args:
+            params, grads: ``{parameter name: tensor}`` for every parameter the laws read (more are
+                ignored), or sequences of tensors in ``names`` order; equal shapes; any float dtype (read
+                as is, accumulated in float64 when ``fp64``, else float32); the gradients are moved to
+                their parameter's device if elsewhere.  A
+                ``DTensor`` (FSDP2's sharded parameters and gradients) is gathered whole with
+                ``full_tensor()``, a collective every rank must reach; to check shards in place, sum the
+                ``Raw`` of each rank's local shards instead (``Raw``).
+            backend: ``"auto"`` (Triton for CUDA tensors), ``"torch"`` or ``"triton"`` (``conserve.kernels``).
+
+        Raises:
+            ValueError: a parameter or gradient missing (naming the laws that read it), or shapes that differ.
+        """
+        xs, gs = self._tensors(params, grads)
+        V = self.vec_size
+        bv, bg = kernels.bilinear(self.bil_plan, xs, gs, fp64=fp64, backend=backend)
+        rv, _ = kernels.evaluate(self.row_plan, xs + gs, fp64=fp64, backend=backend)
+        acc, dev = rv.dtype, rv.device
+        on = self._on(dev)
+        R = self.rows
+        nh2_v, ng2_v, s_v = rv[:V], rv[V:2 * V], rv[2 * V:3 * V]
+        xr, gr = rv[3 * V:3 * V + R], rv[3 * V + R:]
+        ps, nhs, ngs = [2 * bv + s_v], [nh2_v], [ng2_v]
+        for d in self.dsizes:
+            r0, n = self.grow[d], self.compiled.plan.gram_slots[d]
+            xa, ga = xr[r0:r0 + n * d].view(n, d), gr[r0:r0 + n * d].view(n, d)
+            eye = torch.eye(d, dtype=torch.bool, device=dev)
+            ps.append((2 * bg[d]).reshape(-1))
+            nhs.append(torch.where(eye, 4 * xa[:, :, None], xa[:, :, None] + xa[:, None, :]).reshape(-1))
+            ngs.append(torch.where(eye, ga[:, :, None].expand(n, d, d), ga[:, :, None] + ga[:, None, :]).reshape(-1))
+        law_g2 = torch.zeros(len(self.laws), dtype=acc, device=dev)
+        law_g2.index_add_(0, on["unit_law"], torch.cat([ng2_v, gr]))
+        return Raw(torch.cat(ps), torch.cat(nhs), torch.cat(ngs), law_g2)
+
+    def finish(self, raw: Raw) -> Products:
+        """``Products`` from ``Raw`` sums: ``nh = sqrt(nh2)`` and ``ng = max(||g_i||, sqrt(m_i / M) ||g_law||)``
+        (``m_i`` elements read by entry i, ``M`` by its law: an entry whose gradient is smaller than the law's
+        typical one is measured against the typical one, because the rounding of a gradient follows its
+        tensor's scale, not the entry's)."""
+        dev, acc = raw.p.device, raw.p.dtype
+        on = self._on(dev)
+        per_law_typ = raw.law_g2 / on["law_m"].to(acc).clamp_min(1)  # ||g_law||^2 / M per law
+        typical2 = on["m_entry"].to(acc) * self._expand(per_law_typ, dev)
+        nh2 = raw.nh2.clone()
+        nh2[:self.vec_size] += on["nh2_sum"].to(acc)  # a linear law's ||grad h||^2 = s^2 rows: no weight read
+        return Products(raw.p, nh2.clamp_min(0).sqrt(), torch.maximum(raw.ng2, typical2).sqrt(), self)
+
+    def _expand(self, per_law: torch.Tensor, device) -> torch.Tensor:
+        """``(entries,)``: each entry's law's value of ``per_law`` (``(laws,)``)."""
+        on = self._on(device)
+        return torch.repeat_interleave(per_law[on["order"]], on["lengths"], output_size=self.entries) \
+            if self.entries else per_law.new_zeros(0)
+
+    def products(self, params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                 grads: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *, fp64: bool = True,
+                 backend: str = "auto") -> Products:
+        """``finish(raw(params, grads))``: the per-entry products and norms (``Products``)."""
+        return self.finish(self.raw(params, grads, fp64=fp64, backend=backend))
+
+    def segments(self, values: torch.Tensor, reduce: str) -> torch.Tensor:
+        """``(laws,)`` the per-law ``reduce`` (``"sum"``, ``"max"``, ``"min"``) of per-entry ``values``, in
+        the plan's law order (a law without entries gets 0)."""
+        on = self._on(values.device)
+        out = torch.zeros(len(self.laws), dtype=values.dtype, device=values.device)
+        if len(self.laws):
+            init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[reduce]
+            seg = torch.segment_reduce(values, reduce, lengths=on["lengths"], unsafe=True, initial=init)
+            out[on["order"]] = torch.where(on["lengths"] > 0, seg, 0.0)
+        return out
+
+
+def products(laws, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], *, fp64: bool = True,
+             backend: str = "auto") -> Products:
+    """The per-entry products ``<grad h_i, g>`` and norms of every law in ``laws`` (``Products``; per law:
+    ``Products.law(name)`` / ``by_law()``).  ``laws``: a ``GradPlan`` (compiled once: what a training loop
+    should pass) or a ``Detection`` / ``Law`` list (compiled here, every law as given: ``select`` filters
+    them).  ``params``, ``grads``: ``{name: tensor}``; see ``GradPlan.raw``."""
+    plan = laws if isinstance(laws, GradPlan) else GradPlan(laws, params)
+    return plan.products(params, grads, fp64=fp64, backend=backend)
+
+
+def law_products(law: Law, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]):
+    """``(p, n_h, n_g)`` per entry of one law, float64 (a Gram law's ``D x D`` entries flattened row-major):
+    ``products([law], ...)``.  Raises ``ValueError`` naming a parameter the law reads that is missing."""
+    missing = [n for n in law.params if n not in params or n not in grads]
+    if missing:
+        raise ValueError(f"law {law.name!r} reads {missing}, which has no tensor or no gradient")
+    p, nh, ng = products([law], {n: params[n] for n in law.params}, grads).law(law.name)
+    return p.reshape(-1), nh.reshape(-1), ng.reshape(-1)
+
+
+# ------------------------------------------------------------------------------------------ results
+@dataclass(frozen=True)
+class LawCheck:
+    """The statistic of one law.  ``worst``: the largest per-entry ratio ``r_i`` over every checked step
+    (at entry ``worst_entry``, row-major for a Gram law, of step ``worst_step``); ``aggregate``: the
+    signed-sum ratio over the law's entries and steps; ``floor`` / ``aggregate_floor``: what they are
+    compared with; ``flagged``: either above its floor."""
+
+    name: str
+    family: str
+    layer: int | None
+    params: tuple[str, ...]
+    entries: int
+    worst: float
+    worst_entry: int
+    aggregate: float
+    floor: float
+    aggregate_floor: float = math.inf
+    worst_step: int = 0
+    steps: int = 1
+
+    @property
+    def flagged(self) -> bool:
+        return self.worst > self.floor or self.aggregate > self.aggregate_floor
+
+
+@dataclass
+class GradientCheck:
+    """What a check found: one ``LawCheck`` per checked law, the skipped laws with the reason, the
+    gradient dtype, the floors and the number of checked steps.  ``ok``: nothing flagged (no law, no
+    family aggregate).  ``str()``: per family, the flagged laws with their layer and parameters, and the
+    two readings of a flag (a bug, or one of ``KNOWN_METHODS`` used on purpose).
+
+    ``floor`` / ``aggregate_floor``: the quadratic laws' floors; ``linear_floor`` /
+    ``linear_aggregate_floor``: the linear laws' (router sum, translation).  Each ``LawCheck`` carries its own."""
+
+    laws: list[LawCheck] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    dtype: str = "float32"
+    floor: float = 0.0
+    aggregate_floor: float = math.inf
+    linear_floor: float = 0.0
+    linear_aggregate_floor: float = math.inf
+    steps: int = 1
+    family_sums: dict = field(default_factory=dict)  # family -> (sum p, sum n^2) over laws and steps
+    nonfinite: int = 0  # entries left out because the gradient was not finite (a loss scaler's skipped step)
+
+    @property
+    def flagged(self) -> list[LawCheck]:
+        return [c for c in self.laws if c.flagged]
+
+    @property
+    def ok(self) -> bool:
+        return not self.flagged and not any(f["flagged_aggregate"] for f in self.families().values())
+
+    def families(self) -> dict[str, dict]:
+        """Per family: ``worst`` (and ``worst_law``), ``aggregate`` (the signed sum over every law, entry and
+        step of the family: a fault spread thinly over its layers), ``laws`` checked, ``flagged`` laws,
+        ``flagged_aggregate`` (the family aggregate above its laws' aggregate floor) and ``layers`` (the
+        layers of its flagged laws)."""
+        out: dict[str, dict] = {}
+        for c in self.laws:
+            f = out.setdefault(c.family, dict(worst=0.0, worst_law="", aggregate=0.0, laws=0, flagged=0,
+                                              flagged_aggregate=False, layers=[], aggregate_floor=c.aggregate_floor))
+            f["laws"] += 1
+            f["flagged"] += c.flagged
+            if c.flagged and c.layer not in f["layers"]:
+                f["layers"].append(c.layer)
+            if c.worst >= f["worst"]:
+                f["worst"], f["worst_law"] = c.worst, c.name
+        for fam, f in out.items():
+            sp, sn2 = self.family_sums.get(fam, (0.0, 0.0))
+            f["aggregate"] = abs(sp) / math.sqrt(sn2) if sn2 > 0 else 0.0
+            f["flagged_aggregate"] = f["aggregate"] > f.pop("aggregate_floor")
+        return out
+
+    def layers(self) -> dict:
+        """``{layer: [flagged law names]}`` (``None``: laws outside any layer); empty when nothing is flagged."""
+        out: dict = {}
+        for c in self.flagged:
+            out.setdefault(c.layer, []).append(c.name)
+        return out
+
+    def __str__(self) -> str:
+        fams = self.families()
+        fam_only = [k for k, f in fams.items() if f["flagged_aggregate"] and not f["flagged"]]
+        lines = [f"gradient check ({self.dtype} gradient, {self.steps} step{'s' * (self.steps != 1)}; floors worst / "
+                 f"aggregate: quadratic laws {self.floor:.1e} / {self.aggregate_floor:.1e}, linear laws "
+                 f"{self.linear_floor:.1e} / {self.linear_aggregate_floor:.1e}): {len(self.flagged)} of "
+                 f"{len(self.laws)} laws above the floor"
+                 + (f"; family aggregate above the floor: {', '.join(fam_only)}" if fam_only else "")]
+        for fam, f in sorted(fams.items()):
+            lines.append(f"  {fam:<14s} worst {f['worst']:.2e} ({f['worst_law']}), aggregate {f['aggregate']:.2e}, "
+                         f"{f['flagged']}/{f['laws']} flagged"
+                         + (" (FLAGGED aggregate)" if f["flagged_aggregate"] else ""))
+        for c in self.flagged:
+            lines.append(f"  FLAGGED {c.name} (layer {c.layer}; {', '.join(c.params)}): worst {c.worst:.2e} at entry "
+                         f"{c.worst_entry}" + (f" of step {c.worst_step}" if self.steps > 1 else "")
+                         + f", aggregate {c.aggregate:.2e}")
+        if not self.ok:
+            lines.append(f"  either {BUG}, or a method that changes the gradient on purpose: "
+                         f"{'; '.join(KNOWN_METHODS)}")
+        if self.nonfinite:
+            lines.append(f"  {self.nonfinite} entries with a non-finite gradient were left out (a loss scaler skips "
+                         "those steps)")
+        for name, why in self.skipped:
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+
+class GradCheck:
+    """The accumulating check: ``update`` per checked step (device tensors only, no host sync), ``result``
+    when a report is due.
+
+    Args:
+        plan: a ``GradPlan`` (or a ``Detection`` / ``Law`` list with ``shapes``: compiled here as given).
+        dtype: the dtype the gradients are computed in (``"bfloat16"`` under bf16 autocast, ``"float16"``
+            with a loss scaler: unscale first); it sets the floors (``floor``, ``aggregate_floor``; each law
+            by its kind, quadratic or linear).
+        floor, aggregate_floor: explicit floors for every law instead of the ones ``dtype`` gives.
+        skipped: ``(name, reason)`` pairs carried into the result (``select``'s).
+        fp64: float64 accumulation of the products (``GradPlan.raw``); ``None``: when the gradient's dtype is
+            float32 or wider (a float32 accumulation's rounding is near float32's floor, far under a half
+            dtype's).
+        backend: how ``update(params, grads)`` evaluates the products (``GradPlan.raw``).
+
+    Per law it keeps, over every update: the worst ratio (with its entry and step), ``sum p_i`` and
+    ``sum n_i^2`` (the aggregate) and the count of non-finite entries, as float64 tensors of one entry per
+    law on the gradients' device.
+    """
+
+    def __init__(self, plan, shapes: Mapping | None = None, *, dtype="float32", floor: float | None = None,
+                 aggregate_floor: float | None = None, skipped: Sequence[tuple[str, str]] = (),
+                 fp64: bool | None = None, backend: str = "auto"):
+        if not isinstance(plan, GradPlan):
+            if shapes is None:
+                raise ValueError("GradCheck(laws, shapes): pass the parameters' shapes (or a GradPlan)")
+            plan = GradPlan(plan, shapes)
+        self.plan = plan
+        self.dtype = _dtype_name(dtype)
+        fl, afl = globals()["floor"], globals()["aggregate_floor"]
+        self.floors = {lin: (fl(dtype, lin) if floor is None else float(floor),
+                             afl(dtype, lin) if aggregate_floor is None else float(aggregate_floor))
+                       for lin in (False, True)}
+        self.skipped = list(skipped)
+        self.fp64 = unit_roundoff(dtype) <= unit_roundoff("float32") if fp64 is None else bool(fp64)
+        self.backend = backend
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every update."""
+        self.steps = 0
+        self._acc = None
+
+    def update(self, products: Products | Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor] | None = None):
+        """Add one checked step: ``update(products)`` (``GradPlan.products``) or ``update(params, grads)``.
+        Entries whose product or norms are not finite are left out and counted (``GradientCheck.nonfinite``).
+        Returns the step's ``Products``."""
+        if grads is not None:
+            products = self.plan.products(products, grads, fp64=self.fp64, backend=self.backend)
+        elif not isinstance(products, Products):
+            raise TypeError("update(products) takes GradPlan.products(...), or update(params, grads)")
+        if products.plan is not self.plan:
+            raise ValueError("these products come from another GradPlan than this check's")
+        plan, p, dev = self.plan, products.p.to(torch.float64), products.p.device
+        n = (products.nh * products.ng).to(torch.float64)
+        fin = torch.isfinite(p) & torch.isfinite(n)
+        p, n = torch.where(fin, p, 0.0), torch.where(fin, n, 0.0)
+        r = torch.where(n > 0, p.abs() / n.clamp_min(1e-300), torch.zeros_like(p))
+        worst = plan.segments(r, "max")
+        # the first entry of each law where its maximum is reached (a flat index in float64: exact)
+        at_max = r == plan._expand(worst, dev)
+        flat = torch.arange(plan.entries, dtype=torch.float64, device=dev)
+        entry = plan.segments(torch.where(at_max, flat, math.inf), "min")
+        if self._acc is None:
+            z = lambda: torch.zeros(len(plan.laws), dtype=torch.float64, device=dev)  # noqa: E731
+            self._acc = dict(worst=z(), entry=z(), step=z(), sum_p=z(), sum_n2=z(), nonfinite=z())
+        a = self._acc
+        better = worst > a["worst"]
+        a["worst"] = torch.where(better, worst, a["worst"])
+        a["entry"] = torch.where(better, entry, a["entry"])
+        a["step"] = torch.where(better, float(self.steps), a["step"])
+        a["sum_p"] += plan.segments(p, "sum")
+        a["sum_n2"] += plan.segments(n * n, "sum")
+        a["nonfinite"] += plan.segments((~fin).to(torch.float64), "sum")
+        self.steps += 1
+        return products
+
+    def result(self) -> GradientCheck:
+        """The ``GradientCheck`` of every update so far (one host copy of a few per-law vectors)."""
+        plan = self.plan
+        res = GradientCheck(skipped=list(self.skipped), dtype=self.dtype, floor=self.floors[False][0],
+                            aggregate_floor=self.floors[False][1], linear_floor=self.floors[True][0],
+                            linear_aggregate_floor=self.floors[True][1], steps=self.steps)
+        if self._acc is None:
+            return res
+        a = {k: v.cpu().numpy() for k, v in self._acc.items()}
+        fam: dict = {}
+        for k, law in enumerate(plan.laws):
+            sp, sn2 = float(a["sum_p"][k]), float(a["sum_n2"][k])
+            f = fam.setdefault(law.family, [0.0, 0.0])
+            f[0] += sp
+            f[1] += sn2
+            e = int(a["entry"][k]) - int(plan.starts[k]) if a["worst"][k] > 0 else 0
+            fl, afl = self.floors[bool(law.linear)]
+            res.laws.append(LawCheck(law.name, law.family, law.layer, law.params, int(plan.lengths[k]),
+                                     float(a["worst"][k]), e, abs(sp) / math.sqrt(sn2) if sn2 > 0 else 0.0,
+                                     fl, afl, int(a["step"][k]), self.steps))
+        res.family_sums = {f: tuple(v) for f, v in fam.items()}
+        res.nonfinite = int(a["nonfinite"].sum())
+        return res
+
+    def flagged(self, floor: float | None = None, aggregate_floor: float | None = None) -> list[LawCheck]:
+        """The flagged laws of ``result()``, against ``floor`` / ``aggregate_floor`` (for every law) when given."""
+        out = []
+        for c in self.result().laws:
+            c = replace(c, floor=c.floor if floor is None else floor,
+                        aggregate_floor=c.aggregate_floor if aggregate_floor is None else aggregate_floor)
+            if c.flagged:
+                out.append(c)
+        return out
+
+
+# ------------------------------------------------------------------------------------------ one-shot
 def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=None, *, laws=None,
                     loss: str | None = None, grads: Mapping[str, torch.Tensor] | None = None,
-                    ignore: Iterable[str] = (), dtype=None, floor_value: float | None = None) -> GradientCheck:
+                    ignore: Iterable[str] = (), dtype=None, floor_value: float | None = None,
+                    aggregate_floor_value: float | None = None) -> GradientCheck:
     """Check that a gradient is a gradient of the model's output: every exact law's first-order product
     with it must be at rounding level (module docstring; spec "Gradient integrity").
 
@@ -237,12 +704,12 @@ def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=Non
             then checked; otherwise they are skipped with the reason.
         grads: ``{parameter name: gradient}`` to check instead of a backward pass.
         ignore: law names, families or ``fnmatch`` patterns of parameter / law names to skip.
-        dtype: the dtype the gradient was computed in (``"bfloat16"`` under bf16 autocast); default the
-            gradients' own dtype.  It sets the floor (``floor``).
-        floor_value: an explicit floor instead of the one ``dtype`` gives.
+        dtype: the dtype the gradient was computed in (``"bfloat16"`` under bf16 autocast, ``"float16"``
+            under fp16 autocast); default the gradients' own dtype.  It sets the floors.
+        floor_value, aggregate_floor_value: explicit floors instead of the ones ``dtype`` gives.
 
     Returns:
-        ``GradientCheck``: per law ``worst`` and ``aggregate`` against the floor; ``ok`` when none is above;
+        ``GradientCheck``: per law ``worst`` and ``aggregate`` against the floors; ``ok`` when none is above;
         ``str()`` prints the families, the flagged laws with their parameters and layer, and both readings
         of a flag (a bug, or a method that changes the gradient on purpose).
 
@@ -250,14 +717,13 @@ def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=Non
         ValueError: no gradient for a parameter a checked law reads (pass ``ignore=`` for it, or run a
             backward pass that reaches it), or ``loss_fn`` did not return a scalar.
     """
-    from ..detection.core import unwrap
+    from ..wrappers import unwrap
 
     named = dict(unwrap(model).named_parameters())  # the laws' names: torch.compile / DDP wrappers stripped
     if laws is None:
         from ..detection import detect
 
         laws = detect(model, loss=loss)
-    laws = list(getattr(laws, "laws", laws))
     if grads is None:
         if loss_fn is not None:
             saved = {n: p.grad for n, p in named.items()}
@@ -276,22 +742,15 @@ def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=Non
             grads = {n: p.grad for n, p in named.items() if p.grad is not None}
     if not grads:
         raise ValueError("no gradient to check: pass loss_fn and batch, grads=, or run a backward pass first")
+    checked, skipped = select(laws, loss=loss, ignore=ignore)
+    for law in checked:
+        missing = [n for n in law.params if n not in grads]
+        if missing:
+            raise ValueError(f"law {law.name!r} reads {missing}, which has no gradient: run a backward pass that "
+                             f"reaches it, or pass ignore=[{law.name!r}]")
     gdtype = dtype if dtype is not None else next(iter(grads.values())).dtype
-    name = str(gdtype).rsplit(".", 1)[-1]
-    fl = floor_value if floor_value is not None else floor(gdtype)
-    result = GradientCheck(dtype=name, floor=fl)
-    for law in laws:
-        if law.family in APPROXIMATE:
-            result.skipped.append((law.name, APPROXIMATE[law.family]))
-        elif law.family in LOSS_ONLY and loss != LOSS_ONLY[law.family]:
-            result.skipped.append((law.name, f"holds for loss={LOSS_ONLY[law.family]!r} only: pass "
-                                             f"loss={LOSS_ONLY[law.family]!r} if that is the loss"))
-        elif (pat := _ignored(law, ignore)) is not None:
-            result.skipped.append((law.name, f"ignored ({pat!r})"))
-        else:
-            missing = [n for n in law.params if n not in grads]
-            if missing:
-                raise ValueError(f"law {law.name!r} reads {missing}, which has no gradient: run a backward pass that "
-                                 f"reaches it, or pass ignore=[{law.name!r}]")
-            result.laws.append(check_law(law, named, grads, fl))
-    return result
+    chk = GradCheck(GradPlan(checked, {n: named[n] for law in checked for n in law.params}), dtype=gdtype,
+                    floor=floor_value, aggregate_floor=aggregate_floor_value, skipped=skipped)
+    if checked:
+        chk.update(named, grads)
+    return chk.result()

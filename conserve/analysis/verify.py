@@ -3,7 +3,9 @@
 * ``first_order``: in float64 at random parameters and inputs, ``<grad h, grad_theta f(x)>`` must vanish
   for every output coordinate (tested on random output projections ``r . f(x)``, which vanish for all
   ``r`` iff they vanish per coordinate) and every law component (random combinations ``s . h``).
-  Laws that hold only for softmax cross-entropy (``Translation``) are tested on that loss's gradient.
+  Laws that hold only for softmax cross-entropy (``Translation``) are tested on that loss's gradient. The
+  measure is ``analysis.firstorder.violation``, the one structural detection and ``conserve.discover`` use;
+  the tolerance is ``laws.tolerance.FIRST_ORDER`` (``TOL``).
 * ``symmetry``: the group action that generates the law (spec "symmetry" column) leaves the output
   unchanged: Gram laws ``X -> A X`` on plus blocks, ``Y -> A^-T Y`` on minus blocks; per-entry laws scale
   plus rows by ``c`` and minus rows by ``1/c``; linear laws add one vector to every row.
@@ -16,17 +18,22 @@ import contextlib
 import copy
 import sys
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from ..kernels import evaluate_reference
-from ..laws import Law, Translation, compile_laws
+from ..detection import detect
+from ..detection.probe import no_cache, synth_inputs
+from ..detection.trace import trace
+from ..laws import Law, Translation
+from ..laws.tolerance import TOL
+from .firstorder import (cross_entropy, gradients, law_vector, output_tensors, random_projection, to_float64,
+                         violation)
 
-TOL = 1e-10
+__all__ = ["Check", "TOL", "apply_symmetry", "code_in_float64", "exact64", "example_inputs", "first_order",
+           "law_vector", "symmetry", "verify"]
 
 
 @dataclass
@@ -46,7 +53,7 @@ class Check:
 def example_inputs(model: nn.Module, batch: int = 2, generator: torch.Generator | None = None):
     """Random inputs for the reference models (``model.example_inputs`` wins when defined), HF models (token ids
     from ``config.vocab_size``, images from ``config.image_size``), else the first of structural detection's
-    candidates (``conserve.detection.graph.synth_inputs``: token ids, sequences or batches of the first
+    candidates (``conserve.detection.probe.synth_inputs``: token ids, sequences or batches of the first
     Linear's / norm's width, images at the model's declared size) that ``model`` runs on."""
     if hasattr(model, "example_inputs"):
         return model.example_inputs(batch, generator)
@@ -62,19 +69,9 @@ def example_inputs(model: nn.Module, batch: int = 2, generator: torch.Generator 
             copy.deepcopy(model).to(torch.float64)(x)
         return x
     except Exception:  # noqa: BLE001 - e.g. a ViT (its first Linear reads tokens, not the input)
-        from ..detection.graph import synth_inputs
-
         probe = copy.deepcopy(model).to(torch.float64).eval()
         inputs = synth_inputs(probe)
         return inputs[0] if len(inputs) == 1 else inputs
-
-
-def _tensors(out) -> list[torch.Tensor]:
-    """The floating tensors of a model's output: a tensor, a tuple / list / dict of them, an HF ``ModelOutput``
-    (its logits or hidden states; caches and None fields are skipped)."""
-    from ..detection.graph import _flat
-
-    return [t for t in _flat(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 class _Torch64:
@@ -111,10 +108,6 @@ def exact64(model: nn.Module, inputs) -> tuple[nn.Module, dict]:
     torch.export) with the code's casts to float32/16 made float64 (HF modeling code upcasts norms and
     softmax to float32, which would bound the first-order check near 1e-7), same parameter names; the float64
     model itself (and no kwargs) when it cannot be traced. ``model`` must already be float64."""
-    from ..detection.graph import trace
-
-    from ..detection.graph import no_cache
-
     kwargs = no_cache(model, {})
     x = inputs if isinstance(inputs, tuple) else (inputs,)
     try:
@@ -124,22 +117,10 @@ def exact64(model: nn.Module, inputs) -> tuple[nn.Module, dict]:
     return gm, (kwargs if how == "torch.export" else {})
 
 
-def _law_value(law_or_fn, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    if isinstance(law_or_fn, Law):
-        c = compile_laws([law_or_fn], {k: tuple(v.shape) for k, v in params.items()})
-        vec, grams = evaluate_reference(c.plan, [params[n] for n in c.names], fp64=True)
-        return c.split(vec, grams)[0].reshape(-1)
-    return law_or_fn(params).reshape(-1)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    den = a.norm() * b.norm()
-    return 0.0 if den == 0 else float((a @ b).abs() / den)
-
-
 def first_order(model: nn.Module, law: Law | Callable, inputs, *, trials: int = 3, seed: int = 0,
                 loss: str | None = None, kwargs: dict | None = None) -> float:
-    """Worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` over ``trials`` random ``s, r`` (float64).
+    """Worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` over ``trials`` random ``s, r`` (float64; the measure of
+    ``conserve.analysis.firstorder.violation``).
 
     ``law``: a ``Law`` or a function ``h(params: dict[str, Tensor]) -> Tensor`` (any shape).
     ``loss='ce'`` tests the cross-entropy loss gradient instead of the raw outputs (default for
@@ -149,29 +130,20 @@ def first_order(model: nn.Module, law: Law | Callable, inputs, *, trials: int = 
     g = torch.Generator().manual_seed(seed)
     params = {k: v.detach().to(torch.float64).requires_grad_(True) for k, v in model.named_parameters()}
     buffers = {k: (v.to(torch.float64) if v.is_floating_point() else v) for k, v in model.named_buffers()}
-    model64 = model
-    x = _to64(inputs)
+    x = to_float64(inputs)
+    x = x if isinstance(x, tuple) else (x,)
     if loss is None and isinstance(law, Translation):
         loss = "ce"
-    h = _law_value(law, params)
-    worst = 0.0
+    plist = list(params.values())
+    h = law_vector(law, params)
+    grads = []
     for _ in range(trials):
-        s = torch.randn(h.shape, generator=g, dtype=torch.float64)
-        gh = torch.autograd.grad((s * h).sum(), list(params.values()), retain_graph=True, allow_unused=True)
-        outs = _tensors(functional_call(model64, {**params, **buffers}, x if isinstance(x, tuple) else (x,),
-                                        kwargs or {}))
-        if loss == "ce":
-            out = outs[0]
-            tgt = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
-            obj = F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
-        else:
-            obj = sum((torch.randn(o.shape, generator=g, dtype=torch.float64) * o).sum() for o in outs)
-        gf = torch.autograd.grad(obj, list(params.values()), allow_unused=True)
-        a = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(gh, params.values())])
-        b = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1) for t, p in zip(gf, params.values())])
-        if a.norm() == 0:
-            raise ValueError(f"law {getattr(law, 'name', law)!r} has zero gradient: it reads no trainable parameter")
-        worst = max(worst, _rel(a, b))
+        outs = output_tensors(functional_call(model, {**params, **buffers}, x, kwargs or {}))
+        obj = cross_entropy(outs[:1], g) if loss == "ce" else random_projection(outs, g)
+        grads.append(gradients(obj, plist))
+    worst = violation(h, plist, grads, g)
+    if worst < 0:
+        raise ValueError(f"law {getattr(law, 'name', law)!r} has zero gradient: it reads no trainable parameter")
     return worst
 
 
@@ -206,11 +178,11 @@ def symmetry(model: nn.Module, law: Law, inputs, *, seed: int = 0, kwargs: dict 
     """Relative change of the model output (float64; every floating output tensor, an HF ``ModelOutput``
     included) under a random group element of ``law``."""
     m = copy.deepcopy(model).to(torch.float64)
-    x = _to64(inputs)
+    x = to_float64(inputs)
     x = x if isinstance(x, tuple) else (x,)
 
     def out():
-        ys = _tensors(m(*x, **(kwargs or {})))
+        ys = output_tensors(m(*x, **(kwargs or {})))
         if isinstance(law, Translation):  # class translation: logits move by a constant per sample
             ys = [y - y.mean(-1, keepdim=True) for y in ys]
         return torch.cat([y.reshape(-1) for y in ys])
@@ -222,12 +194,6 @@ def symmetry(model: nn.Module, law: Law, inputs, *, seed: int = 0, kwargs: dict 
     return float((y1 - y0).norm() / y0.norm())
 
 
-def _to64(x):
-    if isinstance(x, tuple):
-        return tuple(_to64(v) for v in x)
-    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
 def verify(model: nn.Module, laws: Sequence[Law | Callable] | None = None, inputs=None, *, seed: int = 0,
            trials: int = 3) -> list[Check]:
     """Checks 1 and 2 of the spec for every law of ``model`` (``model.conservation_laws()`` by default,
@@ -236,14 +202,12 @@ def verify(model: nn.Module, laws: Sequence[Law | Callable] | None = None, input
         if hasattr(model, "conservation_laws"):
             laws = model.conservation_laws()[0]
         else:
-            from ..detection import detect
-
             laws = detect(model).laws
     g = torch.Generator().manual_seed(seed)
     model64 = copy.deepcopy(model).to(torch.float64)
     if inputs is None:
         inputs = example_inputs(model64, generator=g)
-    run, kw = exact64(model64, _to64(inputs))
+    run, kw = exact64(model64, to_float64(inputs))
     out = []
     for i, law in enumerate(laws):
         fo = first_order(run, law, inputs, trials=trials, seed=seed + i, kwargs=kw)

@@ -36,8 +36,8 @@ import torch
 from ..checkpoint import Checkpoint, check_float, describe_nonfinite, nonfinite, open_checkpoint, resolve
 from ..errors import NonFiniteError, UsageError
 from ..laws import Law, Ref, evaluate_laws
+from ..tracking.book import guarded_denominators
 
-GUARD = 1e-4  # same guard as conserve.tracker.GUARD
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -326,8 +326,8 @@ def compare(laws: list[Law], a: dict, b: dict, mag: dict) -> dict[str, dict]:
         num = instances(law, b[law.name] - a[law.name])
         den = instances(law, a[law.name])
         m = instances(law, mag[law.name])
-        den = torch.where(den >= GUARD * m, den, m)
-        r = torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
+        # the tracker's guard; an instance that is 0 with every sign + (all its weights 0) counts 0
+        r = torch.where(m > 0, num / guarded_denominators(den, m), torch.zeros_like(num))
         rel[law.family].append(r)
     out = {}
     for fam, rs in rel.items():

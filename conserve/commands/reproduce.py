@@ -3,14 +3,16 @@
 Papers: Tran et al. 2026, "Conservation Laws for Modern Neural Architectures" (the laws, their discrete-step
 drift, the routers) and Jeong, Paeng, Suh 2026 (geometric continuity across layers). Their text is not in
 this repository: each paper value is taken from the project's spec (``laws.md``: the catalogue's "seed paper"
-rows, "Discrete steps", "Geometric continuity") or the issue that asked for this report (issue 15), and the
-row says which. A value the papers do not state numerically is written "not stated" and the verdict is then
-on the qualitative claim only.
+rows, "Discrete steps", "Geometric continuity") or the project's reproduction brief (``BRIEF``: the request
+for this report, which summarises the papers' claims and names their data sets), and the row says which.
+A value the papers do not state numerically is written "not stated" and the verdict is then on the
+qualitative claim only.
 
-Budgets: ``--quick`` (seconds: the tests), default (bounded for a 2-core CPU, about 15-25 minutes),
-``--full`` (paper-sized steps and seeds, meant for a GPU). Data: ``--data ROOT`` (default
-``$CONSERVE_DATA`` or ``/work/shared/data``) with ``mnist/`` (idx files) and ``wikitext-2/wiki.train.tokens.gz``
-(or ``--mnist DIR``, ``--text FILE``). The report names the papers' datasets that were not found there.
+Budgets: ``--quick`` (tiny models: the tests), default (sized for a 2-core CPU; its wall time is in
+``bench/NOTES.md``, "conserve reproduce budgets"), ``--full`` (paper-sized steps and seeds, meant for a
+GPU). Data: ``--data ROOT`` (default ``$CONSERVE_DATA`` or ``/work/shared/data``) with ``mnist/`` (idx
+files) and ``wikitext-2/wiki.train.tokens.gz`` (or ``--mnist DIR``, ``--text FILE``). The report names the
+papers' datasets that were not found there.
 
 Writes ``--out DIR`` (default ``runs/reproduce-<timestamp>``): ``reproduce.md``, ``reproduce.json`` (every row,
 the budget, the data, the raw results of each part), and per row the command that reproduces it.
@@ -20,7 +22,6 @@ stated), ``differs`` (the claim's direction holds, the value does not), ``contra
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -31,13 +32,14 @@ from ..errors import UsageError
 TRAN = "Tran et al. 2026"
 JEONG = "Jeong, Paeng, Suh 2026"
 SPEC = "spec laws.md"
+BRIEF = "the project's reproduction brief"
 PARTS = ("laws", "router", "scaling", "mlp", "lm")
 LAW_SOURCES = {  # families whose catalogue source is not the seed paper (spec laws.md, source column)
     "gain": f"{SPEC} catalogue: 'derived' (not a claim of either paper)",
     "translation": f"{SPEC} catalogue: Marcotte et al. 2025 (not one of the two papers)",
 }
 DEFAULT_DATA = "/work/shared/data"
-PAPER_DATASETS = {  # named in issue 15 as the papers' data sets that this machine may not have
+PAPER_DATASETS = {  # named in the reproduction brief as the papers' data sets that this machine may not have
     "WikiText-103": ("wikitext-103", "wikitext-103-v1", "wikitext103"),
     "ImageNet": ("imagenet", "ImageNet", "ILSVRC2012", "imagenet-1k"),
 }
@@ -156,7 +158,7 @@ def part_router(b: Budget, seeds: int) -> tuple[list[dict], dict]:
     """Router-sum law under softmax vs normalised-sigmoid routers (first-order violation, float64)."""
     import torch
 
-    from ..toyblocks import MoE, _seeded, _violation
+    from ..toyblocks import MoE, seeded, violation
 
     res: dict[str, list[float]] = {}
     for s in range(seeds):
@@ -165,8 +167,8 @@ def part_router(b: Budget, seeds: int) -> tuple[list[dict], dict]:
         c = torch.randn(3, generator=g, dtype=torch.float64)
         for kind in ("softmax", "sigmoid"):
             for k in (1, 2, 4):
-                moe = _seeded(s, lambda: MoE(3, 2, 4, k, kind, True))
-                res.setdefault(f"{kind}/top{k}", []).append(_violation(moe, x, {"router.weight": c.expand(4, 3).clone()}))
+                moe = seeded(s, lambda: MoE(3, 2, 4, k, kind, True))
+                res.setdefault(f"{kind}/top{k}", []).append(violation(moe, x, {"router.weight": c.expand(4, 3).clone()}))
     cmd = "conserve reproduce --only router"
     soft = _stats(res["softmax/top2"] + res["softmax/top4"])
     sig = _stats(res["sigmoid/top2"] + res["sigmoid/top4"])
@@ -220,9 +222,9 @@ def part_scaling(b: Budget, seeds: int, text: str, threads: int) -> tuple[list[d
                                                                         if o == "fullgd" else "SGD, fresh minibatches")
         win = f"window k in [{fit_k[0]}, {fit_k[1]}], lr {lrs[0]:g}-{lrs[-1]:g} (lr k <= {lrs[-1] * fit_k[1]:.3g})"
         rows.append(row(TRAN, f"GD/SGD: eps ~ lr^2 k: exponent in lr at fixed k ({o}: {what})", "2",
-                        f"{SPEC} 'Discrete steps' (error O(lr^2 k)); issue 15", lr_e, numeric_verdict(lr_e, 2.0, 0.1),
+                        f"{SPEC} 'Discrete steps' (error O(lr^2 k)); {BRIEF}", lr_e, numeric_verdict(lr_e, 2.0, 0.1),
                         f"pooled over the quadratic families; {win}; tolerance 0.1", cmd))
-        rows.append(row(TRAN, f"GD/SGD: exponent in k at fixed lr ({o})", "1", f"{SPEC} 'Discrete steps'; issue 15", k_e,
+        rows.append(row(TRAN, f"GD/SGD: exponent in k at fixed lr ({o})", "1", f"{SPEC} 'Discrete steps'; {BRIEF}", k_e,
                         numeric_verdict(k_e, 1.0, 0.1), f"smallest lr; {win}; tolerance 0.1", cmd))
     return rows, {"fits": fits, "lrs": list(lrs), "fit_k": list(fit_k), "command": cmd}
 
@@ -294,7 +296,7 @@ def part_mlp(b: Budget, seeds: int, mnist: str, threads: int, device: str) -> tu
     pk, fin = s["v1_peak"]["mean"], s["v1"]["mean"]
     forms = pk > 3 * low
     rows.append(row(JEONG, "weight continuity forms early, then decays by rotational drift (Res+None, init N(0, 0.02^2))",
-                    "forms, then collapses (no value stated)", "issue 15 (the audit's summary of the paper)",
+                    "forms, then collapses (no value stated)", f"{BRIEF} (its summary of the paper)",
                     f"peak {_fmt(s['v1_peak'])} at step {s['v1_peak_step']['mean']:.0f}, final {_fmt(s['v1'])}",
                     "agree" if forms and fin < pk - 0.02 else ("differs" if forms else "contradicted"),
                     "qualitative: the peak exceeds 3x the 99% null and the final value is below the peak by > 0.02; at "
@@ -355,7 +357,8 @@ def findings(raw: dict, threads: int) -> list[dict]:
         cmd = raw["mlp"]["commands"][0]
         nr = res["NoRes"]["summary"]
         rows.append(row("project", "NoRes weight continuity is explained by the positive ReLU inputs: v1 with the two "
-                        "layers' mean-input directions projected off", "not stated", "this project (issue 15's null)",
+                        "layers' mean-input directions projected off", "not stated",
+                        f"this project (a null proposed in {BRIEF})",
                         f"v1 {_fmt(nr['v1'])} -> v1_perp {_fmt(nr['v1_perp'])} (99% null {res['NoRes']['final']['low_v1']:.3f})",
                         "agree" if nr["v1_perp"]["mean"] < nr["v1"]["mean"] else "differs",
                         "agree = the null removes the continuity (v1_perp < v1)", cmd))
@@ -381,7 +384,8 @@ def findings(raw: dict, threads: int) -> list[dict]:
                 k_last = fl[0]["families"][fam]["exponent_vs_k"]["k"][-1]
                 bend = ", ".join("none" if x is None else f"{x:.3g}" for x in bends)
                 rows.append(row("project", f"{fam} ({o}): eps/lr is one curve of t = lr k (the drift identity along the "
-                                "flow); the lr exponent is 2 only while lr k is small", "not stated", "this project (issue 15)",
+                                "flow); the lr exponent is 2 only while lr k is small", "not stated",
+                                f"this project ({BRIEF})",
                                 f"spread (%) {_fmt(_stats([100 * x for x in spreads]), '.2f')}; bend (slope < 0.9) at t = {bend}; "
                                 f"lr exponent at k={k_last}: {_fmt(_stats(ex), '.2f')}",
                                 "agree" if max(spreads) < 0.05 else "differs", "agree = collapse within 5%",
@@ -423,9 +427,9 @@ def _main(args) -> int:
     from ..report import json_safe
     from .run import out_dir
 
-    from ..experiments.continuity import _check_device
+    from ..experiments.continuity import check_device
 
-    _check_device(args.device)
+    check_device(args.device)
     b = BUDGETS["quick" if args.quick else "full" if args.full else "default"]
     if b.name == "full" and args.device == "cpu":
         print("conserve reproduce --full on the CPU: expect hours; --device cuda is what it is sized for", flush=True)
@@ -484,13 +488,13 @@ def markdown(record: dict) -> str:
              f"Budget **{b['name']}**, {record['seeds']} seeds, {record['threads']} thread(s), device {record['device']}; "
              f"{record['seconds']} s ({', '.join(f'{k} {v} s' for k, v in record['seconds_per_part'].items())}).",
              f"Data: MNIST {d['mnist'] or '-'}; text {d['text'] or '-'}.",
-             ("Not available here (the papers' data sets named in issue 15): " + ", ".join(d["not_available"]) +
+             (f"Not available here (the papers' data sets named in {BRIEF}): " + ", ".join(d["not_available"]) +
               f" (looked under {d['root']}); the rows use the data above instead.") if d["not_available"] else
-             "All the papers' data sets named in issue 15 were found.", ""]
+             f"All the papers' data sets named in {BRIEF} were found.", ""]
     if b["name"] == "quick":
         lines += ["**Quick budget: tiny models and a few steps; the numbers test the pipeline, not the papers.**", ""]
-    lines += ["Paper values come from the project's spec (`laws.md`) and issue 15: the papers' own text is not in the "
-              "repository, and a value they do not state numerically is written 'not stated'. Verdicts: agree = within "
+    lines += [f"Paper values come from the project's spec (`laws.md`) and {BRIEF}: the papers' own text is not "
+              "in the repository, and a value they do not state numerically is written 'not stated'. Verdicts: agree = within "
               "the row's tolerance (or the qualitative claim holds); differs = the direction holds, the value does not; "
               "contradicted = the claim fails. Ours: mean ± sd over seeds (n = number of values).", ""]
     for section in (TRAN, JEONG, "project"):

@@ -106,6 +106,10 @@ def add_arguments(p) -> None:
                    help="bytes copied before a drift step, as a fraction of the tracked bytes (e.g. 0.04: one group "
                         "of laws per drift step, round robin); 'none': every law on every drift step (default: "
                         "'none' in the exact mode, see --drift-every; 0.04 when sampled)")
+    o.add_argument("--check-gradients", action="store_true",
+                   help="on the drift cadence, check that each gradient is a gradient of the model's output: every "
+                        "law's first-order product with it must be at rounding level (grad_check/<family> columns; "
+                        "a warning names any law above its floor, and the run ends with the check's line)")
     o.add_argument("--cumulative", action="store_true",
                    help="keep the per-entry cumulative drift sums, for the summary's total and prediction columns, in "
                         "sampled mode too (4 law-sized copies held; kept by default in the exact mode, every law "
@@ -133,7 +137,7 @@ def add_arguments(p) -> None:
     m.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax")
     m.add_argument("--shared-expert", action="store_true")
     m.add_argument("--tie-embeddings", action="store_true")
-    # --- presets (papers worktree): named defaults, each overridable by its own flag ---------------------
+    # --- presets: named defaults, each overridable by its own flag -------------------------------------
     p.add_argument("--preset", choices=tuple(PRESETS), default=None,
                    help="wikitext2: the laws at training scale: the largest reference LM this 2-core CPU trains in "
                    "minutes (hidden 128, 6 layers, 8 heads / 4 kv) on WikiText-2 (--data: your WikiText-103 files) "
@@ -365,7 +369,8 @@ def _main(args) -> int:
     if resumed is not None:
         args = resumed["args"]
     apply_preset(args)
-    from .. import JSONLSink, track
+    from ..optim import track
+    from ..tracking.sinks import JSONLSink
     from ..data import Batches, load_tokens
     from ..models import DecoderLM
     from ..sinks import TensorBoardSink
@@ -432,7 +437,8 @@ def _main(args) -> int:
                       "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed, "device": device,
                       "model": cfg.to_dict(), "parameters": sum(p.numel() for p in model.parameters()),
                       "param_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                      "fp64_laws": bool(args.fp64_laws), "status": "running"}
+                      "fp64_laws": bool(args.fp64_laws), "check_gradients": bool(args.check_gradients),
+                      "status": "running"}
         metrics = out / "metrics.jsonl"
         sinks = [JSONLSink(metrics)] + ([tb] if tb is not None else [])
         monitors = []
@@ -445,6 +451,8 @@ def _main(args) -> int:
             cadence["snapshot_budget"] = None if args.snapshot_budget == "none" else args.snapshot_budget
         if args.cumulative:
             cadence["cumulative"] = True
+        if args.check_gradients:  # the model is trained on softmax cross-entropy: its translation laws are checked
+            cadence.update(check_gradients=True, loss="ce")
         tracked = track(opt, model, every=args.every, sinks=sinks, fp64=args.fp64_laws, monitors=monitors, **cadence)
         config.update(drift_every=tracked.tracker.drift_every, snapshot_budget=tracked.tracker.snapshot_budget)
         from ..tracking.control import ControlMonitor
@@ -766,6 +774,9 @@ def _train_and_report(args, model, tracked, batches, device, lr, source, out, co
     print(f"wrote {out}/: {' '.join(written)}" + (f" ({CHECKPOINT}: for --resume)" if CHECKPOINT in written else ""))
     text = (out / "summary.md").read_text()
     print(text.split("\n## Drift")[0].rstrip())
+    checked = tracker.gradient_check()
+    if checked is not None:  # per family the worst and aggregate ratios, each flagged law (not the skipped ones)
+        print("\n".join(line for line in str(checked).splitlines() if not line.startswith("  skipped")))
     if code == 130:
         print(f"conserve run: {stopped}; the summary and plots above cover what was recorded", file=sys.stderr)
     return code

@@ -5,8 +5,10 @@ Used by the torch.nn, structural (graph) and HF detectors and by ``conserve.mode
 weights in ``nn.Linear`` convention ``(out_features, in_features)``; ``transposed=True`` reads a weight
 stored ``(in, out)`` (GPT-2 ``Conv1D``). Index lists may be any order: they are compressed into strided
 ``Ref`` runs (``runs``), so fused / per-head / interleaved layouts need no special code; ``lead`` indexes leading dims (the
-expert of a fused ``(E, out, in)`` tensor). Math:
-``shared/spec/laws.md`` (rows named per builder).
+expert of a fused ``(E, out, in)`` tensor). Convolutions: ``ChannelMap`` (a Linear / ConvNd / ConvTransposeNd read
+per channel, groups included) and the per-channel builders ``channel_unit_law``, ``channel_gram_law``,
+``channel_gain_law``, ``channel_scale_law`` (spec "Convolutions"). Math: ``shared/spec/laws.md`` (rows named per
+builder).
 """
 from __future__ import annotations
 
@@ -217,3 +219,195 @@ def qk_norm_gain_law(name: str, layer, *, q_gain: str, k_gain: str, entries: Seq
                 for e0, start, n, step in runs(idx):
                     terms.append(Term("norm", vector(vec, start, n, step=step), sign, offset=e0, shift=sh))
     return QKNormGain(name, layer, terms, len(entries), note)
+
+
+# ------------------------------------------------------------------------------------ channels (conv)
+# A channel of a convolution is a whole slice of its kernel (``W[c]`` of shape ``(in/groups, *k)``, or
+# ``W[:, c]``), which no single 2-D ``Ref`` holds. A law of channels is therefore written as *pieces*:
+# ``(first entry, Ref)`` pairs whose rows walk the channel dimension (one row per channel) and whose columns
+# walk one other dimension; the remaining dimensions are enumerated, one piece each. The norm terms of all
+# pieces of one channel add up to ``||W[c]||^2``; their Gram terms add up to the channel Gram ``W_(c) W_(c)^T``
+# (the kernel flattened per channel). The column dimension is the largest one, so a 3x3 kernel costs 9
+# pieces (one per kernel position) and a 1x1 kernel or an ``nn.Linear`` one.
+Piece = tuple  # (first law entry, Ref)
+
+
+def _slices(param: str, shape, ch_dim: int, start: int, n: int, *, step: int = 1, entry: int = 0,
+            ranges: dict | None = None) -> list:
+    """Pieces reading channels ``start, start+step, ...`` (n) along ``ch_dim`` of ``param``, every other
+    dimension over ``ranges[d] = (lo, hi)`` (default: all of it)."""
+    import itertools
+
+    shape = tuple(shape)
+    if n <= 0:
+        return []
+    others = [d for d in range(len(shape)) if d != ch_dim]
+    if not others:  # a vector: a bias or a per-channel gain
+        return [(entry, Ref(param, (start,), 0, n, None, 1, step))]
+    span = {d: (ranges or {}).get(d, (0, shape[d])) for d in others}
+    col = max(others, key=lambda d: (span[d][1] - span[d][0], d))  # the largest; ties: the innermost (stride 1)
+    rest = [d for d in others if d != col]
+    out = []
+    for idx in itertools.product(*(range(*span[d]) for d in rest)):
+        at = [0] * len(shape)
+        at[ch_dim], at[col] = start, span[col][0]
+        for d, i in zip(rest, idx):
+            at[d] = i
+        out.append((entry, Ref(param, tuple(at), ch_dim, n, col, span[col][1] - span[col][0], step)))
+    return out
+
+
+class ChannelMap:
+    """A linear map read per channel: ``nn.Linear`` (weight ``(out, in)``), ``nn.Conv1d/2d/3d`` (weight
+    ``(out, in/groups, *kernel)``) or ``nn.ConvTranspose1d/2d/3d`` (weight ``(in, out/groups, *kernel)``), with
+    an optional bias ``(out,)``. Output channel ``c`` of a conv is every weight entry that writes it (its
+    kernel slice); input channel ``c`` is every entry that reads it (with ``groups``, only the output channels
+    of its group). ``per`` (``in_pieces``): an ``nn.Linear`` reading ``C`` channels flattened from
+    ``(C, *spatial)`` (``nn.Flatten()`` after a conv) reads channel ``c`` at features ``c*per .. (c+1)*per``.
+
+    Used by the torch.nn detector (``nn.Sequential`` CNNs), the LoRA detector (conv adapters) and open to the
+    structural detector (convs in custom forward code): build one with ``ChannelMap.of(path, module)`` or
+    directly from names and shapes, then ``channel_unit_law`` / ``channel_gram_law`` / ``channel_gain_law`` /
+    ``channel_scale_law``. Math: spec "Convolutions"."""
+
+    def __init__(self, weight: str, shape, bias: str | None = None, *, groups: int = 1, transposed: bool = False):
+        self.weight, self.shape, self.bias = weight, tuple(shape), bias
+        self.groups, self.transposed = int(groups), bool(transposed)
+        if len(self.shape) < 2:
+            raise ValueError(f"{weight}: a channel map needs a weight with >= 2 dims, got shape {self.shape}")
+
+    @classmethod
+    def of(cls, path: str, module) -> "ChannelMap":
+        """The map of an ``nn.Linear`` / ``nn.ConvNd`` / ``nn.ConvTransposeNd`` at module path ``path``."""
+        from torch import nn
+
+        pre = f"{path}." if path else ""
+        bias = f"{pre}bias" if getattr(module, "bias", None) is not None else None
+        if isinstance(module, nn.Linear):
+            return cls(f"{pre}weight", module.weight.shape, bias)
+        if isinstance(module, nn.modules.conv._ConvNd):
+            return cls(f"{pre}weight", module.weight.shape, bias, groups=module.groups, transposed=module.transposed)
+        raise TypeError(f"{path}: {type(module).__name__} is not an nn.Linear or convolution")
+
+    def __repr__(self) -> str:
+        return (f"ChannelMap({self.weight!r}, {self.shape}, bias={self.bias!r}, groups={self.groups}, "
+                f"transposed={self.transposed})")
+
+    @property
+    def conv(self) -> bool:
+        return len(self.shape) > 2
+
+    @property
+    def out_channels(self) -> int:
+        return self.shape[1] * self.groups if self.transposed else self.shape[0]
+
+    @property
+    def in_channels(self) -> int:
+        return self.shape[0] if self.transposed else self.shape[1] * self.groups
+
+    def _grouped(self, full_dim: int, start: int, n: int) -> list:
+        """Pieces of channels on the grouped side (dim ``1 - full_dim`` is the channel dim, size C/groups)."""
+        ch_dim = 1 - full_dim
+        per_group_ch, per_group_full = self.shape[ch_dim], self.shape[full_dim] // self.groups
+        out, c = [], start
+        while c < start + n:
+            g, local = divmod(c, per_group_ch)
+            m = min(per_group_ch - local, start + n - c)
+            out += _slices(self.weight, self.shape, ch_dim, local, m, entry=c - start,
+                           ranges={full_dim: (g * per_group_full, (g + 1) * per_group_full)})
+            c += m
+        return out
+
+    def out_pieces(self, start: int = 0, n: int | None = None, *, with_bias: bool = True) -> list:
+        """Pieces of output channels ``start .. start+n`` (entry 0 = channel ``start``), and the bias."""
+        n = self.out_channels - start if n is None else n
+        if self.transposed:
+            out = self._grouped(0, start, n)
+        else:
+            out = _slices(self.weight, self.shape, 0, start, n)
+        if with_bias and self.bias:
+            out.append((0, vector(self.bias, start, n)))
+        return out
+
+    def in_pieces(self, start: int = 0, n: int | None = None, *, per: int = 1) -> list:
+        """Pieces of input channels ``start .. start+n`` (entry 0 = channel ``start``); ``per`` > 1: an
+        ``nn.Linear`` reading channel ``c`` at features ``c*per + j``, j < per (a flattened ``(C, *spatial)``)."""
+        if per != 1:
+            if self.conv or self.transposed:
+                raise ValueError(f"{self.weight}: per={per} is for an nn.Linear reading flattened channels")
+            n = self.shape[1] // per - start if n is None else n
+            return [x for j in range(per) for x in _slices(self.weight, self.shape, 1, start * per + j, n, step=per)]
+        n = self.in_channels - start if n is None else n
+        if self.transposed:
+            return _slices(self.weight, self.shape, 0, start, n)
+        if self.groups == 1:
+            return _slices(self.weight, self.shape, 1, start, n)
+        return self._grouped(0, start, n)
+
+
+def _channel_terms(pieces: Sequence, sign: float) -> list[Term]:
+    return [Term("norm", ref, sign, offset=e) for e, ref in pieces]
+
+
+def channel_unit_law(cls, name: str, layer, up: ChannelMap, down: ChannelMap, *, per: int = 1,
+                     note: str = "") -> Law:
+    """Per-channel balance (spec: Convolutions, Conv-ReLU-Conv; ``cls`` = ``ReLUUnit``): channel ``c`` written by
+    ``up`` (kernel slice ``W_up[c]`` and bias ``b_up[c]``) and read by ``down`` (``W_down[:, c]``, or its
+    group's rows; ``per`` features of a flattened channel for an ``nn.Linear``):
+    ``||W_up[c]||^2 + b_up[c]^2 - ||W_down[:, c]||^2``, one entry per channel. Symmetry: channel c scaled by
+    ``s > 0`` in ``up``, by ``1/s`` in ``down`` (passes ReLU / leaky ReLU / max-pool / dropout)."""
+    n = up.out_channels
+    if down.in_channels != n * per:
+        raise ValueError(f"{name}: {up.weight} writes {n} channels but {down.weight} reads {down.in_channels}"
+                         + (f" (= {n} x {per} expected)" if per != 1 else ""))
+    terms = _channel_terms(up.out_pieces(), +1.0) + _channel_terms(down.in_pieces(per=per), -1.0)
+    return cls(name, layer, terms, n, note)
+
+
+def channel_gram_law(cls, name: str, layer, up: ChannelMap, down: ChannelMap, *, per: int = 1,
+                     note: str = "") -> Law | None:
+    """Channel Gram (spec: deep linear row, Convolutions; ``cls`` = ``DeepLinearGram``) of two maps with only
+    maps that act the same on every channel between them (identity, average pooling, zero padding,
+    upsampling, flatten): ``W_up W_up^T + b b^T - W_down^T W_down`` over channels (kernels flattened per
+    channel; C x C). Symmetry: GL(C) mixing the channels. None when a grouped conv splits the channels (only
+    the per-channel law then holds: ``channel_unit_law``)."""
+    ups, downs = up.out_pieces(), down.in_pieces(per=per)
+    n = up.out_channels
+    if any(e != 0 or r.rows != n for e, r in ups + downs):
+        return None
+    return cls.build(name, layer, plus=[r for _, r in ups], minus=[r for _, r in downs], note=note)
+
+
+def channel_gain_law(name: str, layer, gain: str, gain_shape, readers: Sequence[tuple], *, bias: str | None = None,
+                     shift: float = 0.0, note: str = "") -> GainBalance:
+    """Gain law of a per-channel affine norm (spec: Convolutions, norm gains; BatchNorm / GroupNorm /
+    InstanceNorm ``(C,)`` gains, a LayerNorm ``(C, *spatial)`` gain summed over its positions):
+    ``sum_pos (g[c,pos] + shift)^2 + beta[c,pos]^2 - sum_M ||W_M[:, c]||^2``. ``readers``: one
+    ``(ChannelMap, per)`` per map reading the (rescaled) norm output."""
+    n = gain_shape[0]
+    terms = [Term("norm", r, +1.0, offset=e, shift=shift) for e, r in _slices(gain, gain_shape, 0, 0, n)]
+    if bias:
+        terms += _channel_terms(_slices(bias, gain_shape, 0, 0, n), +1.0)
+    for m, per in readers:
+        if m.in_channels != n * per:
+            raise ValueError(f"{name}: {m.weight} reads {m.in_channels} features, not {n} channels x {per}")
+        terms += _channel_terms(m.in_pieces(per=per), -1.0)
+    return GainBalance(name, layer, terms, n, note)
+
+
+def channel_scale_law(name: str, layer, up: ChannelMap, groups: Sequence[Sequence[int]], *, note: str = ""):
+    """Scale law of a map whose output is normalised group by group (spec: Convolutions, conv before a norm;
+    ``NormScaleLaw``): entry g is ``sum_{c in groups[g]} ||W_up[c]||^2 + b_up[c]^2`` (GroupNorm: its groups,
+    InstanceNorm: one channel each, LayerNorm over ``(C, *spatial)``: all channels). Exact only for a norm
+    with eps = 0."""
+    from ..laws import NormScaleLaw
+
+    terms = []
+    for g, chans in enumerate(groups):
+        for _, start, n, step in runs(list(chans)):
+            if step != 1:
+                terms += [Term("norm", r, +1.0, offset=g, stride=0) for c in range(start, start + n * step, step)
+                          for _, r in up.out_pieces(c, 1)]
+            else:
+                terms += [Term("norm", r, +1.0, offset=g, stride=0) for _, r in up.out_pieces(start, n)]
+    return NormScaleLaw(name, layer, terms, len(groups), note)

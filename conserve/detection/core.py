@@ -1,4 +1,15 @@
-"""Detection core: the ``Detection`` result, the detector registry and ``detect``."""
+"""The shared base of detection: the ``Detection`` result, the detector registry and the ``Collector``.
+
+Every detector module imports this one; it imports nothing of the detection package. ``detect`` (the
+orchestration that runs the detectors in order) is in ``dispatch``.
+
+* ``Detection``: laws, declined blocks (with the reason), undetected module paths, the detector that answered.
+* ``register(name)``: the decorator a detector module puts on its ``fn(model, config, **options) -> Detection |
+  None``; ``load_detectors()`` imports the modules of ``DETECTOR_MODULES`` (each registers at import) and
+  ``detectors()`` lists them in that order.
+* ``Collector``: the one accumulator every detector uses, with the single frozen / tied / undetected filter
+  (``finish``).
+"""
 from __future__ import annotations
 
 import importlib
@@ -7,14 +18,18 @@ from typing import Callable
 
 from torch import nn
 
-from ..laws import Declined, Law
+from ..laws import Declined, Law, compile_laws
 from ..wrappers import unwrap  # noqa: F401  (re-exported: conserve.detection.unwrap)
 
-# detector modules, imported lazily in this order (each calls @register at import)
-_MODULES = ("conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models",
-            "conserve.detection.torchnn", "conserve.detection.graph")
+# detector modules, imported by ``load_detectors`` in this order (each calls @register at import)
+_MODULES = ("conserve.detection.lora", "conserve.detection.reference", "conserve.detection.hf", "conserve.detection.timm_models",
+            "conserve.detection.large", "conserve.detection.torchnn", "conserve.detection.graph")
+DETECTOR_MODULES = _MODULES
 _DETECTORS: list[tuple[str, Callable]] = []
 _loaded = False
+
+__all__ = ["Collector", "DETECTOR_MODULES", "Detection", "detectors", "finish", "load_detectors", "prefixed",
+           "register", "unwrap", "user_classes"]
 
 
 @dataclass
@@ -50,7 +65,8 @@ def register(name: str):
     return deco
 
 
-def _load():
+def load_detectors() -> None:
+    """Import every module of ``DETECTOR_MODULES`` once (a missing optional dependency skips its module)."""
     global _loaded
     if not _loaded:
         for m in _MODULES:
@@ -62,145 +78,23 @@ def _load():
         _loaded = True
 
 
-def _ordered() -> list[tuple[str, Callable]]:
-    """Detectors in ``_MODULES`` order whatever order their modules were imported in (others last)."""
+_load = load_detectors  # the bench's name for it
+
+
+def detectors() -> list[tuple[str, Callable]]:
+    """``(name, fn)`` of the registered detectors in ``DETECTOR_MODULES`` order, whatever order their modules were
+    imported in (others last)."""
     rank = {m: i for i, m in enumerate(_MODULES)}
     return sorted(_DETECTORS, key=lambda d: rank.get(d[1].__module__, len(rank)))
 
 
-
-
-def detect(model: nn.Module, config=None, *, structural: bool = False, **options) -> Detection:
-    """Every law of ``model`` with the rows/columns it reads, the declined blocks and the unrecognised ones.
-
-    The name/type-based detectors (reference models, HF transformers, timm, torch.nn modules) are the fast
-    path; any model (or part of one) they do not explain goes to structural detection
-    (``conserve.detection.graph.detect_graph``: the laws found from what the traced graph computes, each
-    passing the spec's first-order check in float64, every other block declined with the reason). The laws the
-    torch.nn detector reads from module types, and those of an HF / timm model holding user classes
-    (``user_classes``: a subclass, a module put in place of a library block), pass the same check on the model's
-    own forward (``_checked``; kept unchecked only when no probe can run: meta device, FSDP, no input).
-
-    Args:
-        model: an ``nn.Module`` (HF transformers, timm, torch.nn, plain torch code, conserve reference
-            models); wrappers from torch.compile and DDP are removed; meta-device models work for the
-            name-based detectors (shapes only).
-        config: the model config if it is not ``model.config`` (HF).
-        structural: True skips the name-based detectors and runs structural detection only.
-        **options: detector options, e.g. ``rope_layout='half'|'interleaved'`` where the layout cannot be
-            known from the model, ``loss='ce'`` (the translation law needs softmax cross-entropy),
-            ``example_inputs=`` (structural detection: what ``forward`` takes, when it cannot be synthesised).
-
-    Raises:
-        conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
-        conserve.errors.UsageError: the model still has uninitialised lazy parameters (run a forward first).
-    """
-    _load()
-    model = unwrap(model)
-    config = config if config is not None else getattr(model, "config", None)
-    from ..errors import UnsupportedModelError, UsageError
-
-    from torch.nn.parameter import UninitializedParameter
-
-    lazy = [n for n, p in model.named_parameters() if isinstance(p, UninitializedParameter)]
-    if lazy:
-        raise UsageError(f"{lazy[0]} (and {len(lazy) - 1} more) not initialised yet (a lazy module, e.g. nn.LazyLinear):"
-                         " run one forward pass before detecting or tracking the model's laws")
-
-    if structural:
-        from .graph import detect_graph
-
-        return detect_graph(model, **options)
-    for name, fn in _ordered():
-        if name == "torch.nn":  # the model itself is no HF/timm/reference model: is one inside it?
-            nested = _nested(model, options)
-            if nested is not None:
-                return _nested_rest(model, *nested, options)
-        found = fn(model, config, **options)
-        if found is not None:
-            found.detector = found.detector or name
-            if name == "torch.nn":
-                found.laws, more = _checked(model, found.laws, options)
-                found.declined += more
-                if found.undetected:
-                    found = _with_structural(model, found, options)
-            return found
-    last = getattr(dict(_DETECTORS).get("graph"), "last", None)
-    why = "; ".join(f"{d.module}: {d.reason}" for d in (last.declined if last else [])[:3])
-    raise UnsupportedModelError(f"no detector recognises {type(model).__name__}"
-                                + (f" (structural detection: {why})" if why else "")
-                                + "; pass explicit laws (conserve.laws) to track it, or example_inputs= if forward "
-                                "needs a particular input")
-
-
-_NAMED = ("reference", "hf", "timm")  # the detectors that recognise a model by its type
-
-
-def _prefixed(law: Law, prefix: str) -> Law:
+def prefixed(law: Law, prefix: str) -> Law:
     """``law`` with every parameter name (and the law's name) under the submodule path ``prefix``."""
     terms = [replace(t, ref=replace(t.ref, param=prefix + t.ref.param)) for t in law.terms]
     return replace(law, name=prefix + law.name, terms=terms)
 
 
-def _nested(model: nn.Module, options: dict) -> tuple[Detection, tuple[str, ...]] | None:
-    """The laws of the HF / timm / reference models held inside a container that none of them
-    recognises (a LightningModule with ``self.model = AutoModelForCausalLM...``, a wrapper with its own
-    head), parameter names as in the container's ``named_parameters()``, and the paths of those
-    submodules; None when there is none.
-
-    The outermost recognised submodules are detected as if on their own, so their laws assume that
-    what the container does with them goes through their ``forward`` output (as for the model
-    alone: a container that reads a causal LM's inner hidden states instead of its logits breaks its
-    final-norm law; use the base model, ``AutoModel``, whose final norm is declined). The container's
-    own torch.nn blocks are detected as by the torch.nn detector, the frozen / tied checks see every use
-    of a parameter in the container, and its other parameterised modules are listed in ``undetected``
-    (``detect`` then gives them to structural detection)."""
-    named = [(n, fn) for n, fn in _ordered() if n in _NAMED]
-    found: list[tuple[str, Detection]] = []
-    for path, m in model.named_modules():
-        if not path or any(path.startswith(p + ".") for p, _ in found):
-            continue
-        for name, fn in named:  # a wrapped submodule (torch.compile's _orig_mod) is reached under its own path
-            d = fn(m, getattr(m, "config", None), **options)
-            if d is not None:
-                d.detector = d.detector or name
-                found.append((path, d))
-                break
-    if not found:
-        return None
-    from .torchnn import walk  # (imported here: torchnn imports this module)
-
-    inside = tuple(p for p, _ in found)
-    c = Collector(model, options)
-    inner_undetected = []
-    for path, d in found:
-        c.add(*[_prefixed(law, path + ".") for law in d.laws])
-        c.declined += [replace(x, module=f"{path}.{x.module}" if x.module else path) for x in d.declined]
-        inner_undetected += [f"{path}.{u}" for u in d.undetected]
-    c.mark(*inside)
-    n_inner = len(c.laws)
-    walk(c, model, options.get("loss"), skip=inside)  # the container's own torch.nn blocks (a Sequential head)
-    c.laws[n_inner:], more = _checked(model, c.laws[n_inner:], options)
-    c.declined += more
-    detector = "+".join(dict.fromkeys(d.detector for _, d in found))
-    # finish on the container: frozen / tied checks see every use of a parameter, the container's own
-    # parameterised modules are listed in ``undetected`` (``detect`` gives them to structural detection)
-    out = c.finish(f"nested:{detector}")
-    out.undetected = list(dict.fromkeys(inner_undetected + out.undetected))
-    return out, inside
-
-
-def _nested_rest(model: nn.Module, found: Detection, inside: tuple[str, ...], options: dict) -> Detection:
-    """``found`` (``_nested``) with the container's own modules given to structural detection; what that
-    pass says about the modules under the detected submodule paths ``inside`` is dropped (they were
-    detected on their own)."""
-    if not found.undetected:
-        return found
-    merged = _with_structural(model, found, options)
-    mine = {id(x) for x in found.declined}
-    merged.declined = [x for x in merged.declined
-                       if id(x) in mine or not any(x.module == p or x.module.startswith(p + ".") for p in inside)]
-    return merged
+_prefixed = prefixed  # the name ``blocks`` imports
 
 
 def user_classes(model: nn.Module, trusted: tuple[str, ...]) -> list[str]:
@@ -208,7 +102,7 @@ def user_classes(model: nn.Module, trusted: tuple[str, ...]) -> list[str]:
     ``('transformers.', 'torch.')``): a user subclass of a library class (overriding ``forward`` or a helper such as
     timm's ``forward_head``, e.g. to soft-cap the logits), a user module put in place of one (an attention of one's
     own with the same projections), remote code. A library detector reads the library's code, which may not hold
-    for them: their laws go through ``_checked``."""
+    for them: their laws go through ``check.checked_laws``."""
     out = []
     for m in model.modules():
         cls = type(m)
@@ -216,52 +110,6 @@ def user_classes(model: nn.Module, trusted: tuple[str, ...]) -> list[str]:
         if not cls.__module__.startswith(trusted) and name not in out:
             out.append(name)
     return out
-
-
-def _checked(model: nn.Module, laws: list[Law], options: dict) -> tuple[list[Law], list[Declined]]:
-    """The torch.nn detector's laws that pass the spec's first-order check on the model's own forward
-    (``graph.check_on_probe``), and a decline with the violation for each that fails: a module type says what
-    its ``forward`` computes, not that the model calls it (an ``nn.Sequential``'s layers called one by one with
-    another map between them, a hidden layer also read elsewhere). When the probe cannot run (meta device, an
-    input that cannot be synthesised) the laws are kept as the module types give them."""
-    from ..analysis.verify import TOL
-    from .graph import check_on_probe
-
-    options = dict(options)
-    why = options.pop("why", "the model does not use the block as its module's own forward does (e.g. an "
-                             "nn.Sequential's layers called one by one with another map between them)")
-    viol, _, traced = check_on_probe(model, laws, **options)
-    if viol is None:
-        return laws, []
-    # untraced, the model's own float32 casts (HF's upcasts of norms, softmax, routers) bound the measure near
-    # 1e-8; a law the forward breaks violates it by far more (1e-4 and above on every case seen)
-    tol = TOL if traced else 1e-6
-    kept, declined = [], []
-    for law in laws:
-        v = viol.get(law.name, 0.0)
-        if v > tol:
-            declined.append(Declined(law.name, f"{law.family} law (module type)",
-                                     f"fails the first-order check on the model's forward in float64 (relative "
-                                     f"violation {v:.2e} > {tol:g}): {why}: not claimed"))
-        elif v < 0:
-            declined.append(Declined(law.name, f"{law.family} law (module type)", "identically constant on this model "
-                                     "(zero gradient): nothing to track"))
-        else:
-            kept.append(law)
-    return kept, declined
-
-
-def _with_structural(model: nn.Module, found: Detection, options: dict) -> Detection:
-    """Structural detection for the modules a type-based detector left undetected, merged into ``found``."""
-    from .graph import detect_graph
-
-    left = set(found.undetected)
-    skip = [k for k, _ in model.named_parameters() if (k.rsplit(".", 1)[0] if "." in k else k) not in left]
-    g = detect_graph(model, skip_params=skip, **options)
-    have = {(law.family, frozenset(law.params)) for law in found.laws}
-    laws = found.laws + [law for law in g.laws if (law.family, frozenset(law.params)) not in have]
-    declined = found.declined + g.declined
-    return Detection(laws, declined, [m for m in g.undetected if m in left], f"{found.detector}+graph")
 
 
 class Collector:
@@ -322,8 +170,6 @@ class Collector:
         * every parameter no law reads, that is not ``understood`` and not under a declined or marked
           path, is listed (its module path) in ``undetected``, in ``named_parameters`` order.
         """
-        from ..laws import compile_laws
-
         # law names must be unique (values are reported by name): a second law of a name gets '#2', ...
         count: dict[str, int] = {}
         for i, law in enumerate(self.laws):

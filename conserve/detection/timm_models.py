@@ -34,7 +34,8 @@ from torch import nn
 
 from ..laws import Declined, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation, VOGram
 from . import builders
-from .core import _checked, user_classes, register
+from .check import checked_laws
+from .core import user_classes, register
 from .torchnn import NO_LAW_ACT, POST_LN, Collector, gain_law, linear_cols, norm_parts, walk
 
 
@@ -328,7 +329,7 @@ def detect_timm(model: nn.Module, config, *, loss: str | None = "ce", **options)
     mine = user_classes(model, ("timm.", "torch."))
     if mine:  # user code inside (a subclass, a module put in place of one): keep only the laws the model's forward keeps
         why = f"{mine[0]} is not timm's code (which this detector read)"
-        d.laws, more = _checked(model, d.laws, {**options, "why": why})
+        d.laws, more = checked_laws(model, d.laws, {**options, "why": why})
         d.declined += more
     return d
 

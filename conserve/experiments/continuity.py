@@ -38,7 +38,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -361,7 +361,7 @@ class MLPConfig:
     probe_size: int = 512
     variants: tuple[str, ...] = tuple(VARIANTS)
     device: str = "cpu"
-    log_every: int = 0  # unused (kept for old callers): checkpoints are log-spaced, see per_decade
+    log_every: int = 0  # not read: the checkpoints are log-spaced (per_decade)
 
 
 @dataclass
@@ -381,7 +381,7 @@ class LMAblationConfig:
     seeds: int = 1
     per_decade: int = 6
     device: str = "cpu"
-    log_every: int = 0  # unused (kept for old callers)
+    log_every: int = 0  # not read: the checkpoints are log-spaced (per_decade)
 
 
 def _optimizer(name: str, params, lr: float, betas=(0.9, 0.999)):
@@ -507,10 +507,8 @@ class _FFNAct(nn.Module):
 
 def build_lm(cfg: LMAblationConfig, act: str, seed: int):
     """The reference LM with ``hidden_act=act``; 'none' / 'radial' replace each layer's MLP by ``_FFNAct``."""
-    try:
-        from ..models.lm import DecoderLM, LMConfig
-    except ImportError as e:  # pragma: no cover - depends on the build
-        raise UsageError(f"the reference LM (conserve.models.lm) is not available ({e}); run --part mlp") from e
+    from ..models.lm import DecoderLM, LMConfig
+
     torch.manual_seed(seed)
     base = act if act in ("swiglu", "relu", "gelu", "silu") else "relu"
     model = DecoderLM(LMConfig(vocab_size=256, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
@@ -739,7 +737,7 @@ def argparse_suppress():
     return argparse.SUPPRESS
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     try:
         dev = torch.device(device)
     except RuntimeError as e:
@@ -765,7 +763,7 @@ def _main(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    _check_device(args.device)
+    check_device(args.device)
     _positive(depth=args.depth, width=args.width, steps=args.steps, batch_size=args.batch_size, seeds=args.seeds,
               lm_steps=args.lm_steps, lm_layers=args.lm_layers, lm_hidden=args.lm_hidden, per_decade=args.per_decade,
               lm_batch_size=args.lm_batch_size, seq_len=args.seq_len)

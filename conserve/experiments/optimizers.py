@@ -142,7 +142,7 @@ def theory(config: str, beta: float) -> str:
 def run_one(task, config: str, args, dtype) -> dict:
     """Train ``task``'s model (fixed init, same minibatch sequence) under ``config``; returns per family the
     totals of ``Tracker.totals()``, the identity's residual, the ratios and the per-step records."""
-    from .. import track
+    from ..optim import track
     from ..sinks import MemorySink
     from ..train import train
 
@@ -292,9 +292,9 @@ def _main(args) -> int:
     print(f"conserve experiment optimizers: {len(tasks) * len(args.optimizers)} runs of {args.steps} steps; out: {out}")
     t0 = time.time()
     results, plots = {}, []
-    from .scaling import _Progress
+    from .scaling import Progress
 
-    with _Progress(not args.no_progress, len(tasks) * len(args.optimizers)) as bar:
+    with Progress(not args.no_progress, len(tasks) * len(args.optimizers)) as bar:
         for t in tasks:
             runs = {}
             for cfg in args.optimizers:

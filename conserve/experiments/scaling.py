@@ -437,7 +437,7 @@ def _main(args) -> int:
           f"({', '.join(t.name + ': ' + t.source for t in tasks)}); out: {out}")
     t0 = time.time()
     all_runs: dict[str, dict[float, dict]] = {}
-    with _Progress(not args.no_progress, len(jobs) * args.steps) as bar:
+    with Progress(not args.no_progress, len(jobs) * args.steps) as bar:
         for t, o, lr in jobs:
             done = bar.completed
             bar.describe(f"{t.name} {o} lr={lr:g}")
@@ -474,7 +474,7 @@ def _main(args) -> int:
     return 0
 
 
-class _Progress:
+class Progress:
     """One rich progress bar over all runs (or nothing)."""
 
     def __init__(self, enabled: bool, total: int):

@@ -16,6 +16,22 @@ from ..optim.wrapper import attach, make_tracker, unwrap_optimizer
 CHECKPOINT_FILE = "conserve_tracker.pt"
 
 
+# columns that only some steps fill (the drift decomposition, the gradient check): logged from the latest
+# step that has them
+SPARSE = ("drift/", "grad_check/")
+
+
+def grad_dtype_of(precision, tracker_kwargs: dict) -> dict:
+    """``tracker_kwargs`` with ``grad_dtype`` set from a framework's mixed precision when the gradient check is on
+    and the caller did not set it: under bf16/fp16 autocast the parameters' ``.grad`` are float32 but their
+    rounding is the half dtype's, which sets the check's floors.  ``precision``: ``"bf16"`` or ``"fp16"`` (any
+    string containing it, e.g. Lightning's ``"bf16-mixed"``), else nothing."""
+    if not tracker_kwargs.get("check_gradients") or "grad_dtype" in tracker_kwargs:
+        return tracker_kwargs
+    p = str(precision or "").lower()
+    half = "bfloat16" if "bf16" in p else ("float16" if "16" in p and "32" not in p and "64" not in p else None)
+    return {**tracker_kwargs, "grad_dtype": half} if half else tracker_kwargs
+
 class TrackedRun:
     """The tracker of one training run inside a framework (see the module docstring).
 
@@ -46,7 +62,7 @@ class TrackedRun:
     def _keep(self, key: str, value) -> bool:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             return False
-        if key.startswith("eps/") and key.count("/") >= 2:
+        if key.startswith(("eps/", "grad_check/")) and key.count("/") >= 2:
             return self.layers
         return True
 
@@ -68,7 +84,7 @@ class TrackedRun:
             return {}
         self._logged = rec["step"]
         out = {f"{self.prefix}{k}": float(v) for k, v in rec.items()
-               if k != "step" and not k.startswith("drift/") and self._keep(k, v)}
+               if k != "step" and not k.startswith(SPARSE) and self._keep(k, v)}
         out[f"{self.prefix}step"] = float(rec["step"])
         fresh = {k: sv for k, sv in self._drift.items() if sv[0] > self._drift_logged.get(k, 0)}
         for k, (step, v) in fresh.items():
@@ -79,9 +95,9 @@ class TrackedRun:
         return out
 
     def _note(self, rec: dict) -> None:
-        """Remember the finite drift columns of a row (the latest decomposition of each)."""
+        """Remember the finite drift and gradient-check columns of a row (the latest step that has each)."""
         for k, v in rec.items():
-            if k.startswith("drift/") and isinstance(v, float) and v == v:
+            if k.startswith(SPARSE) and isinstance(v, float) and v == v and self._keep(k, v):
                 self._drift[k] = (rec["step"], v)
 
     def state_dict(self) -> dict:
@@ -95,7 +111,7 @@ class TrackedRun:
     def load_state_dict(self, state: dict) -> None:
         self.tracker.load_state_dict(state)
         self._logged = None
-        logs = state.get("logs") or {}  # (states saved before it: nothing pending)
+        logs = state.get("logs") or {}  # (a state without "logs": nothing pending)
         self._drift = {k: (int(s), float(v)) for k, (s, v) in logs.get("drift", {}).items()}
         self._drift_logged = {k: int(s) for k, s in logs.get("drift_logged", {}).items()}
 

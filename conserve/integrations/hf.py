@@ -30,7 +30,7 @@ except ImportError:
 
 from ..errors import UsageError
 from ..tracking.sinks import JSONLSink
-from ._run import CHECKPOINT_FILE, TrackedRun
+from ._run import CHECKPOINT_FILE, TrackedRun, grad_dtype_of
 
 __all__ = ["ConserveCallback"]
 
@@ -68,7 +68,8 @@ class ConserveCallback(TrainerCallback):
         laws: explicit laws instead of ``model.conservation_laws()`` / ``conserve.detect(model)``.
         layers: also put the per-layer ``eps/<family>/layer<i>`` keys in the logs.
         prefix: key prefix in the logs (default ``"conserve/"``).
-        **tracker_kwargs: ``drift``, ``fp64``, ``backend``, ``monitors``, ``on_nonfinite`` (see
+        **tracker_kwargs: ``drift``, ``fp64``, ``backend``, ``monitors``, ``on_nonfinite``,
+            ``check_gradients`` (its ``grad_dtype`` follows ``args.bf16`` / ``args.fp16`` unless given) (see
             ``conserve.Tracker``).
 
     After ``on_train_begin``, ``self.tracker`` is the ``conserve.Tracker``. Raises ``ValueError`` at
@@ -115,8 +116,9 @@ class ConserveCallback(TrainerCallback):
             sinks = ([JSONLSink(Path(args.output_dir) / "conserve" / "metrics.jsonl")]
                      if state.is_world_process_zero else [])
         every = self.every or (int(args.logging_steps) if args.logging_steps >= 1 else 50)
+        kwargs = grad_dtype_of("bf16" if args.bf16 else "fp16" if args.fp16 else None, self.tracker_kwargs)
         self.run = TrackedRun(model, optimizer, prefix=self.prefix, layers=self.layers, laws=self.laws,
-                              every=every, sinks=list(sinks), **self.tracker_kwargs)
+                              every=every, sinks=list(sinks), **kwargs)
         if state.global_step > 0:
             self._restore(args, state)
 

@@ -45,7 +45,7 @@ except ImportError as first:  # the standalone package
 from ..errors import UsageError
 from ..tracking.breakers import mark_broken
 from ..tracking.sinks import JSONLSink
-from ._run import TrackedRun
+from ._run import TrackedRun, grad_dtype_of
 
 __all__ = ["ConserveCallback"]
 
@@ -64,7 +64,8 @@ class ConserveCallback(Callback):
         prefix: key prefix in the logs (default ``"conserve/"``; with several optimizers
             ``"conserve/opt<i>/"`` per optimizer).
         record_loss: attach ``training_step``'s loss to each stepped row (default True).
-        **tracker_kwargs: ``drift``, ``fp64``, ``backend``, ``monitors``, ``on_nonfinite``.
+        **tracker_kwargs: ``drift``, ``fp64``, ``backend``, ``monitors``, ``on_nonfinite``, ``check_gradients``
+            (its ``grad_dtype`` follows the trainer's ``precision``, e.g. ``"bf16-mixed"``, unless given).
 
     Several optimizers (``configure_optimizers`` returning a list, manual optimization: a GAN, a
     separate optimizer per sub-network): one tracker per optimizer, over the laws whose parameters it
@@ -105,12 +106,12 @@ class ConserveCallback(Callback):
     def _split_laws(self, pl_module, opts) -> list[tuple[int, object]]:
         """``[(optimizer index, laws)]``: each law goes to the one optimizer that holds its parameters (a law
         no optimizer moves is left out)."""
-        from ..tracker import _model_laws
+        from ..tracker import model_laws
         from ..wrappers import unwrap as _unwrap
         from ..tracking.breakers import unwrap_optimizer
 
         if self.laws is None:
-            laws, _ = _model_laws(_unwrap(pl_module))
+            laws, _ = model_laws(_unwrap(pl_module))
         else:
             laws = self.laws.laws if hasattr(self.laws, "laws") and hasattr(self.laws, "declined") else self.laws
         named = dict(_unwrap(pl_module).named_parameters())
@@ -155,7 +156,7 @@ class ConserveCallback(Callback):
             fresh.append(path if path is not None and not (path.is_file() and path.stat().st_size > 0) else None)
             self.runs.append(TrackedRun(pl_module, opts[i], prefix=f"{self.prefix}opt{i}/" if many else self.prefix,
                                         layers=self.layers, laws=laws, every=every, sinks=list(sinks),
-                                        **self.tracker_kwargs))
+                                        **grad_dtype_of(getattr(trainer, "precision", None), self.tracker_kwargs)))
             self._indices.append(i)
         self._seen = [self._booked(r) for r in self.runs]
         clip = getattr(trainer, "gradient_clip_val", None)
@@ -198,8 +199,8 @@ class ConserveCallback(Callback):
         keeps every ``log`` value of a hook for the rest of the epoch and hands it to the loggers again at
         each logging step where the key is not logged anew, so a row's drift columns (logged once: they come
         from the step that decomposed them) and a whole row where no step was booked since the last logging
-        step (manual optimization stepping less often than ``log_every_n_steps``) were logged again, under a
-        later step.  The values already logged stay in ``trainer.callback_metrics``."""
+        step (manual optimization stepping less often than ``log_every_n_steps``) would be logged again, under
+        a later step.  The values already logged stay in ``trainer.callback_metrics``."""
         results = getattr(trainer, "_results", None)
         if not self._logged_keys or results is None or not hasattr(results, "values"):
             return

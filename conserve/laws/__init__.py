@@ -4,6 +4,7 @@ from .catalogue import (FAMILIES, DeepLinearGram, GainBalance, HeadGram, QKGram,
                         RouterSum, ScaleLaw, NormScaleLaw, SwiGLUUnit, Translation, UnitBalance, VOGram, QKNormGain,
                         LayerScaleBalance)
 from .evaluate import evaluate_laws
+from . import tolerance  # noqa: F401  (the tolerances of the numerical checks: conserve.laws.tolerance)
 
 __all__ = ["Law", "Ref", "Term", "Declined", "Compiled", "rows", "cols", "vector", "compile_laws", "evaluate_laws",
            "FAMILIES", "UnitBalance", "SwiGLUUnit", "ReLUUnit", "HeadGram", "QKGram", "VOGram", "RopePassGram",

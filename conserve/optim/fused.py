@@ -89,15 +89,16 @@ from torch.optim.optimizer import _get_scalar_dtype
 from .. import kernels
 from ..kernels import optim_step as K
 from ..kernels import reference, runner, streams
-from ..kernels.dispatch import _choose
-from ..kernels.plan import Plan, View
-from ..tracker import Tracker, Values, eager
+from ..kernels.dispatch import choose_backend
+from ..kernels.plan import FIRST_ORDER, Plan, View
+from ..tracker import Tracker, eager, record_once
+from ..tracking.values import Values
 from ..tracking.drift import Mask, Sampler, StepStats, drift_pieces, make_mask
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drift_every", "snapshot_budget",
-                 "on_nonfinite", "keep_last", "cumulative")
+                 "on_nonfinite", "keep_last", "cumulative", "check_gradients", "grad_check_ignore", "grad_dtype", "loss")
 # param_group keys of torch's optimizers that choose an implementation of the same update (not the math)
 _IMPLEMENTATION = ("fused", "capturable", "foreach")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
@@ -243,7 +244,7 @@ class _FusedPlan:
         for o, es in enumerate(entries):
             for j, (s, sign, quad) in enumerate(es):
                 idx[o, j] = s
-                coef[:, o, j] = (sign, 2 * sign if quad else sign, sign if quad else 0.0, sign)
+                coef[:, o, j] = (sign, FIRST_ORDER * sign if quad else sign, sign if quad else 0.0, sign)
         self.n_entries = plan.vec_size
         idx_t, coef_t = torch.from_numpy(idx), torch.from_numpy(coef).to(acc)
         cuda = torch.device(dev).type == "cuda"
@@ -273,7 +274,7 @@ class _FusedPlan:
 
 
 # ------------------------------------------------------------------------------- base class
-class _FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(torch.optim.Optimizer):
     _algo = ""
     _refused: tuple = ()
 
@@ -399,8 +400,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
         """Attach scalars (e.g. ``loss=loss.detach()``) to the current step's metric row. A key recorded
         again before the next step (that step was skipped, e.g. by ``GradScaler``) keeps the value of the
         step it belongs to (one warning), as ``TrackedOptimizer.record``."""
-        from .wrapper import record_once
-
         tr = self._need_tracker()
         record_once(self, tr, tr.step_count, scalars)
 
@@ -464,6 +463,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if tr is not None:
             tr.check_bound()  # a flush is due in this step: the tracked tensors must still be the model's
             tr.check_outside()  # the weights were left as the last step wrote them
+            tr.check_step_gradients()  # (on its cadence) the gradients this step applies, before any decay
         drift_step = tr is not None and tr.is_drift_step()
         snap = None
         if tr is not None and drift_step and fp.rest is not None:  # the Gram-law views, copied only before a drift step
@@ -478,7 +478,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 continue
             buckets = defaultdict(list)
             for j, p in enumerate(params):
-                tri = _choose(self.backend, [p]) == "triton" and K.triton_eligible(p, [grads[j], b1[j], b2[j]])
+                tri = choose_backend(self.backend, [p]) == "triton" and K.triton_eligible(p, [grads[j], b1[j], b2[j]])
                 buckets[(p.device, p.dtype, tri)].append(j)
             for (dev, dt, tri), js in buckets.items():
                 sub = lambda xs: [xs[j] for j in js] if xs else xs  # noqa: E731
@@ -574,7 +574,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         # structures (``reference``) that the every-step evaluation on the caller's stream reuses, so
         # built on the side stream their blocks would return to its pool while the caller's stream may
         # still read them (``tests/test_fused_overlap.py``, ownership checks); a test's fake api keeps both
-        side = self._side_stream() if self._stream_api is not None or _choose(tr.backend, news) == "triton" else None
+        side = self._side_stream() if self._stream_api is not None or choose_backend(tr.backend, news) == "triton" else None
         try:
             if side is None:
                 job.pieces = _pass(snap, news, fa, tr, decay)
@@ -630,12 +630,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         return _pass(snap, news, self._sampler.factors(snap, a), tr, decay)
 
     def _compact_terms(self, pieces, a, mask: Mask, group: Mask, vals: torch.Tensor):
-        """A drift step's terms in the compact layout of ``mask``'s entries (``Tracker._entries``: every
+        """A drift step's terms in the compact layout of ``mask``'s entries (``Layout.entries``: every
         entry the statistics cover, and the group's Gram slots; no law-sized buffer over the other
         groups' slots), from the group's compact DRIFT pieces (``group``: the snapshot's mask, whose
         entries they hold) and the statistics taken at those entries."""
         tr = self.tracker
-        at = tr._entries(mask)
+        at = tr.layout.entries(mask, tr.assembly)
         pos = self._compact_pos.get(mask.key) if mask.key is not None else None
         if pos is None:
             mine, ours = np.flatnonzero(group.vec_np), np.flatnonzero(mask.vec_np)
@@ -864,7 +864,7 @@ def _scalar(x) -> float:
 
 
 # ------------------------------------------------------------------------------------- Adam
-class FusedAdam(_FusedOptimizer):
+class FusedAdam(FusedOptimizer):
     """Adam (``decoupled_weight_decay=False``: L2 added to the gradient) / AdamW with the laws measured
     in the same pass.  Same arguments, defaults, state and math as ``torch.optim.Adam``, plus the
     tracking arguments (see the module docstring): ``track`` (the model), ``laws`` + ``named_params``,
@@ -937,6 +937,17 @@ class FusedAdam(_FusedOptimizer):
         return params, grads, m, v, [float(s) for s in steps], []
 
 
+    def decay_factor(self, group) -> float | torch.Tensor:
+        """``a`` in ``theta_{k+1} = a theta_k + Delta`` for ``group`` (read by ``conserve.tracking.breakers``):
+        ``1 - lr * weight_decay`` with decoupled weight decay, else 1 (L2 is inside ``Delta``).  The step
+        reads a tensor ``lr`` as a double (``float(lr)``), so the factor is formed in float64."""
+        wd = group.get("weight_decay", 0.0) or 0.0
+        if not wd or not group.get("decoupled_weight_decay", False):
+            return 1.0
+        lr = group.get("lr", 0.0)
+        return 1.0 - (lr.double() if torch.is_tensor(lr) else lr) * wd
+
+
 class FusedAdamW(FusedAdam):
     """AdamW (decoupled weight decay, default 1e-2) with the laws measured in the same pass; see
     ``FusedAdam`` and the module docstring.  State dicts load into ``torch.optim.AdamW`` and back."""
@@ -958,7 +969,7 @@ class FusedAdamW(FusedAdam):
 
 
 # -------------------------------------------------------------------------------------- SGD
-class FusedSGD(_FusedOptimizer):
+class FusedSGD(FusedOptimizer):
     """SGD (momentum, dampening, nesterov, coupled weight decay, maximize) with the laws measured in
     the same pass.  Same arguments, defaults, state (``momentum_buffer``) and math as
     ``torch.optim.SGD``, plus the tracking arguments (module docstring).  ``differentiable`` and
@@ -1017,3 +1028,13 @@ class FusedSGD(_FusedOptimizer):
                 bufs.append(buf)
         n = len(params)
         return params, grads, bufs if mom else [None] * n, [None] * n, [0.0] * n, fresh if mom else []
+
+    def decay_factor(self, group) -> float | torch.Tensor:
+        """``a`` in ``theta_{k+1} = a theta_k + Delta`` for ``group`` (read by ``conserve.tracking.breakers``):
+        without momentum the L2 term gives exactly ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``
+        (a tensor ``lr`` read as a double, as the step reads it); with momentum 1 (the decay is inside ``Delta``)."""
+        wd = group.get("weight_decay", 0.0) or 0.0
+        if not wd or group.get("momentum", 0.0):
+            return 1.0
+        lr = group.get("lr", 0.0)
+        return 1.0 - (lr.double() if torch.is_tensor(lr) else lr) * wd

@@ -23,7 +23,8 @@ import sys
 import torch
 
 from ..errors import warn
-from ..tracker import Tracker, eager
+from ..tracker import Tracker, eager, record_once
+from .fused import FusedOptimizer
 from ..tracking.breakers import unwatch, unwrap_optimizer as _unwrap
 
 
@@ -123,27 +124,6 @@ def _check_trackable(optimizer) -> None:
                          f"({accumulating} micro-batches per step): its step() also runs on the micro-batches that do "
                          "not step the weights; track the torch optimizer before accelerator.prepare(...), or use "
                          "conserve.integrations.hf.ConserveCallback")
-
-
-def record_once(owner, tracker, steps: int, scalars: dict) -> None:
-    """``tracker.record(**scalars)``, except keys already recorded since step ``steps`` (the count of steps
-    ``owner`` booked): the step in between was skipped (GradScaler), so the later values are not booked
-    (one ``RuntimeWarning`` per ``owner``) and the row keeps the values of the step it belongs to."""
-    seen = owner.__dict__.get("_recorded")
-    if seen is None or seen[0] != steps:
-        seen = owner.__dict__["_recorded"] = (steps, set())
-    again = [k for k in scalars if k in seen[1]]
-    if again:
-        if not owner.__dict__.get("_warned_skip"):
-            owner.__dict__["_warned_skip"] = True
-            warn(f"conserve: record({', '.join(again)}=...) twice without an optimizer step in between "
-                          "(the step was skipped, e.g. by GradScaler): the values of the step that ran are kept, "
-                          "the later ones are not booked", RuntimeWarning)
-        scalars = {k: v for k, v in scalars.items() if k not in seen[1]}
-        if not scalars:
-            return
-    tracker.record(**scalars)
-    seen[1].update(scalars)
 
 
 class TrackedOptimizer(torch.optim.Optimizer):
@@ -460,9 +440,7 @@ def track(optimizer: torch.optim.Optimizer, model=None, laws=None, **tracker_kwa
                             sinks=[conserve.JSONLSink("metrics.jsonl")], every=50) as opt:
             ...  # train; the rows are flushed when the block ends (or at exit if close() is forgotten)
     """
-    from .fused import _FusedOptimizer
-
-    if isinstance(optimizer, _FusedOptimizer) and getattr(optimizer, "tracker", None) is not None:
+    if isinstance(optimizer, FusedOptimizer) and getattr(optimizer, "tracker", None) is not None:
         return optimizer  # it measures inside its own step
     _check_trackable(optimizer)
     return TrackedOptimizer(optimizer, make_tracker(model, laws, **tracker_kwargs))

@@ -24,6 +24,7 @@ wrapped optimizers get their decay, never a class-name match.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
@@ -31,6 +32,23 @@ import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
 from ..errors import warn
+
+
+@dataclass
+class BreakerState:
+    """What the breaker checks keep per tracker (``Tracker.breakers``): the optimizer whose groups are
+    watched and its pre-step hook, the (law, reason) pairs warned, the laws the optimizer's groups break,
+    the tracked tensors it did not hold, those seen frozen, and the laws marked broken by freezing
+    (``check_frozen``) or by the caller (``mark_broken``)."""
+
+    watch: object = None
+    hook: object = None
+    warned: set = field(default_factory=set)
+    optimizer_broken: dict = field(default_factory=dict)
+    held_seen: tuple | None = None
+    frozen_seen: tuple = ()
+    frozen_broken: dict = field(default_factory=dict)
+    marked_broken: dict = field(default_factory=dict)
 
 # (module, class, attribute holding the wrapped optimizer); checked only when the module is imported
 _WRAPPERS = (("conserve.optim.wrapper", "TrackedOptimizer", "optimizer"),
@@ -82,9 +100,7 @@ def _decoupled(opt, group: Mapping) -> bool:
         # ``p -= lr wd p`` then the update, with lr = the group's own only without relative_step and
         # scale_parameter (as the HF Trainer's optim="adafactor" builds it); else lr is per-step/parameter
         return not group.get("relative_step") and not group.get("scale_parameter")
-    from ..optim.fused import FusedAdam
-
-    return isinstance(opt, FusedAdam) and bool(group.get("decoupled_weight_decay", False))
+    return False
 
 
 def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -> float | torch.Tensor:
@@ -93,6 +109,7 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
 
     * decoupled weight decay (``AdamW`` and subclasses; ``Adam``/``NAdam``/``RAdam`` and conserve's
       ``FusedAdam`` with ``decoupled_weight_decay=True``): ``1 - lr * weight_decay``;
+    * an optimizer with a ``decay_factor(group)`` method (conserve's fused optimizers): what it returns;
     * ``SGD`` (and conserve's ``FusedSGD``) without momentum: the L2 term gives exactly
       ``(1 - lr wd) theta - lr g``, so ``1 - lr * weight_decay``;
     * ``ASGD``: its step is ``(1 - eta lambd) theta - eta (g + wd theta)`` with ``eta`` the parameter's
@@ -114,18 +131,18 @@ def decay_factor(optimizer, group: Mapping, param: torch.Tensor | None = None) -
             eta = torch.tensor(_num(lr), dtype=_get_scalar_dtype(), device="cpu")
         eta = eta.double() if torch.is_tensor(eta) else eta  # torch reads the float32 state as a double
         return 1.0 - eta * rate if rate else 1.0
-    from ..optim.fused import FusedAdam, FusedSGD
-
+    own = getattr(opt, "decay_factor", None)
+    if callable(own):  # an optimizer that states its own factor (conserve's fused optimizers)
+        return own(group)
     if wd and _timm_decoupled(opt):
         return 1.0 - (lr ** 2 / group["max_lr_snapshot"] if group.get("corrected_weight_decay") else lr) * wd
-    sgd = isinstance(opt, (torch.optim.SGD, FusedSGD)) and not group.get("momentum", 0.0)
+    sgd = isinstance(opt, torch.optim.SGD) and not group.get("momentum", 0.0)
     if not wd or not (sgd or _decoupled(opt, group)):
         return 1.0
-    if torch.is_tensor(lr) and (sgd or isinstance(opt, FusedAdam) or (
-            group.get("fused") and all(p.dtype == torch.float64 for p in group["params"]))):
-        # these step with the lr as a double (SGD: ``add_(grad, alpha=-lr)``; conserve's: ``float(lr)``; torch's
-        # fused kernels on float64 weights), while torch's other decoupled rules multiply by ``1 - lr * wd``
-        # formed in the tensor's dtype, as here
+    if torch.is_tensor(lr) and (sgd or (group.get("fused") and all(p.dtype == torch.float64 for p in group["params"]))):
+        # these step with the lr as a double (SGD: ``add_(grad, alpha=-lr)``; torch's fused kernels on float64
+        # weights), while torch's other decoupled rules multiply by ``1 - lr * wd`` formed in the tensor's
+        # dtype, as here
         lr = lr.double()
     return 1.0 - lr * wd
 
@@ -271,16 +288,17 @@ def _watch(tracker, optimizer) -> None:
     hooks = getattr(opt, "_optimizer_step_pre_hooks", None) or {}
     if any(isinstance(h, _Watch) and h.tracker is tracker for h in hooks.values()):
         return
-    tracker._broken_watch = opt
-    tracker._broken_hook = opt.register_step_pre_hook(_Watch(tracker, _signature(opt)))
+    tracker.breakers.watch = opt
+    tracker.breakers.hook = opt.register_step_pre_hook(_Watch(tracker, _signature(opt)))
 
 
 def unwatch(tracker, optimizer) -> None:
     """Take off the group watch ``_watch`` registered for ``tracker`` on ``optimizer`` (none: nothing)."""
     opt = unwrap_optimizer(optimizer)
-    if tracker.__dict__.get("_broken_watch") is opt:
-        tracker.__dict__.pop("_broken_hook").remove()
-        del tracker.__dict__["_broken_watch"]
+    st = tracker.breakers
+    if st.watch is opt:
+        st.hook.remove()
+        st.watch = st.hook = None
 
 
 def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str, str]:
@@ -292,13 +310,13 @@ def check_optimizer(tracker, optimizer, *, _watching: bool = False) -> dict[str,
         _watch(tracker, optimizer)
     named = dict(zip(tracker.compiled.names, tracker.params))
     found = law_breakers(tracker.laws, named, optimizer)
-    warned = tracker.__dict__.setdefault("_broken_warned", set())
-    new = [(n, r) for n, r in found.items() if (n, r) not in warned]
-    tracker._optimizer_broken = found
+    st = tracker.breakers
+    new = [(n, r) for n, r in found.items() if (n, r) not in st.warned]
+    st.optimizer_broken = found
     tracker.broken_by = _with_marks(tracker, found)
-    tracker._held_seen = _not_held(tracker, optimizer)
+    st.held_seen = _not_held(tracker, optimizer)
     if new:
-        warned.update(new)
+        st.warned.update(new)
         shown = "; ".join(f"{n}: {r}" for n, r in new[:3]) + (f"; ... ({len(new) - 3} more)" if len(new) > 3 else "")
         warn(f"conserve: {len(new)} law(s) broken by the optimizer's param_groups (still tracked, marked "
                       f"broken_by; put each law's parameters in one group to conserve it): {shown}",
@@ -316,8 +334,8 @@ def _with_marks(tracker, found: dict[str, str]) -> dict[str, str]:
     """``found`` (the optimizer's breakers) with the laws ``check_frozen`` and ``mark_broken`` marked,
     reasons joined."""
     out = dict(found)
-    for store in ("_frozen_broken", "_marked_broken"):
-        for n, r in (tracker.__dict__.get(store) or {}).items():
+    for store in (tracker.breakers.frozen_broken, tracker.breakers.marked_broken):
+        for n, r in store.items():
             out[n] = f"{out[n]}; {r}" if n in out else r
     return out
 
@@ -328,13 +346,13 @@ def mark_broken(tracker, reason: str, laws=None) -> None:
     say): still tracked, counted in ``broken/<family>``, kept through later ``check_optimizer`` calls;
     one ``BrokenLawWarning`` per new reason."""
     names = [l.name for l in tracker.laws] if laws is None else list(laws)
-    marks = tracker.__dict__.setdefault("_marked_broken", {})
+    marks = tracker.breakers.marked_broken
     new = [n for n in names if marks.get(n) != reason]
     if not new:
         return
     for n in new:
         marks[n] = reason
-    tracker.broken_by = _with_marks(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+    tracker.broken_by = _with_marks(tracker, tracker.breakers.optimizer_broken)
     _monitor(tracker)
     warn(f"conserve: {len(new)} law(s) broken by {reason} (still tracked, marked broken_by)",
                   BrokenLawWarning)
@@ -359,19 +377,20 @@ def check_frozen(tracker) -> None:
     read per tracked tensor and, when the tracker watches an optimizer, one pass over its parameters."""
     params = tracker.params
     frozen = tuple(i for i, p in enumerate(params) if not p.requires_grad)
-    opt = tracker.__dict__.get("_broken_watch")
-    if opt is not None and tracker.__dict__.get("_held_seen") is not None:
-        if _not_held(tracker, opt) != tracker._held_seen:
-            check_optimizer(tracker, opt, _watching=True)  # (sets _held_seen)
-    seen = tracker.__dict__.get("_frozen_seen", ())
+    st = tracker.breakers
+    opt = st.watch
+    if opt is not None and st.held_seen is not None:
+        if _not_held(tracker, opt) != st.held_seen:
+            check_optimizer(tracker, opt, _watching=True)  # (sets held_seen)
+    seen = st.frozen_seen
     if frozen == seen:
         return
-    tracker._frozen_seen = frozen
+    st.frozen_seen = frozen
     newly = sorted(set(frozen) - set(seen))  # (an unfreezing can leave a law frozen whole half frozen too)
     names = tracker.compiled.names
     at = {n: i for i, n in enumerate(names)}
     now = set(frozen)
-    marks = tracker.__dict__.setdefault("_frozen_broken", {})
+    marks = st.frozen_broken
     step = getattr(tracker, "step_count", 0)
     culprits: dict[int, list[str]] = {}  # frozen parameter -> the laws marked now because of it
     for law in tracker.laws:
@@ -389,7 +408,7 @@ def check_frozen(tracker) -> None:
     rest = [i for i in newly if i not in culprits]
     if not culprits and not rest:
         return
-    tracker.broken_by = _with_marks(tracker, tracker.__dict__.get("_optimizer_broken") or {})
+    tracker.broken_by = _with_marks(tracker, st.optimizer_broken)
     if marks:
         _monitor(tracker)
     parts = [f"{names[i]} breaks {len(laws)} law(s) whose other parameters still train "

@@ -55,15 +55,15 @@ from torch import nn
 from .. import kernels
 from ..errors import UsageError
 from ..laws import Law
-from ..tracker import (TERMS, NotKept, Tracker, Values, _abs_plan, _Deferred, decay_factors, eager, record_value,
-                       stepped_factors)
-from .shard_plan import _Entries, _Layout, comm_schedule, sampler_shards
+from ..tracker import Tracker, decay_factors, eager, record_value, stepped_factors
+from .book import residual
+from .values import CUMULATIVE, TERMS, Deferred, NotKept, Values, abs_plan
+from .shard_plan import EntrySet, ShardLayout, comm_schedule, sampler_shards
 from .drift import Mask, Sampler, drift_pieces
 
 __all__ = ["DistributedTracker", "wants_distributed", "flush_bytes"]
 
 _FORMAT = "conserve.distributed/2"
-_CUM = ("measured", "decay", "first", "second")  # Tracker.cumulative
 
 
 def _is_dtensor(t) -> bool:
@@ -112,11 +112,11 @@ class _Pending:
     factors), ``group`` (the drift step's index for ``Sampler.mask``; None without drift terms), ``sel``
     (the straddling terms whose ``theta_k`` rows travel: those of the step's group), extras."""
 
-    __slots__ = ("pack", "drift", "held", "a", "kdecay", "group", "sel", "extras")
+    __slots__ = ("pack", "drift", "held", "a", "kdecay", "group", "sel", "extras", "grad")
 
-    def __init__(self, pack, drift, held, a, kdecay, group=None, sel=frozenset()):
+    def __init__(self, pack, drift, held, a, kdecay, group=None, sel=frozenset(), grad=None):
         self.pack, self.drift, self.held, self.a, self.kdecay, self.extras = pack, drift, held, a, kdecay, {}
-        self.group, self.sel = group, sel
+        self.group, self.sel, self.grad = group, sel, grad
 
 
 class DistributedTracker(Tracker):
@@ -204,14 +204,14 @@ class DistributedTracker(Tracker):
             self._xdtype = torch.promote_types(self._xdtype, s.dtype)
         vo, go = sched.vec_owner.to(dev), {d: o.to(dev) for d, o in sched.gram_owner.items()}
         self._own = (vo == self.rank, {d: (o == self.rank)[:, None, None] for d, o in go.items()})
-        self._split = _Entries(torch.nonzero(vo < 0).flatten(), {d: torch.nonzero(o < 0).flatten() for d, o in go.items()}, dev)
-        self._all = _Entries(torch.arange(self.compiled.plan.vec_size, device="cpu"), {d: torch.arange(n, device="cpu") for d, n in
+        self._split = EntrySet(torch.nonzero(vo < 0).flatten(), {d: torch.nonzero(o < 0).flatten() for d, o in go.items()}, dev)
+        self._all = EntrySet(torch.arange(self.compiled.plan.vec_size, device="cpu"), {d: torch.arange(n, device="cpu") for d, n in
                                                                         self.compiled.plan.gram_slots.items()}, dev)
         # per split scalar: its instance, family and weight in a sum of squares over the full D x D matrix
         grams = self.compiled.plan.gram_slots
-        self._split_inst = self._split.take(Values(self._vec_inst, {d: self._gram_inst[d][:, None, None].expand(n, d, d)
+        self._split_inst = self._split.take(Values(self.layout.vec_inst, {d: self.layout.gram_inst[d][:, None, None].expand(n, d, d)
                                                                     for d, n in grams.items()}))
-        self._split_fam = self._split.take(Values(self._vec_fam, {d: self._gram_fam[d][:, None, None].expand(n, d, d)
+        self._split_fam = self._split.take(Values(self.layout.vec_fam, {d: self.layout.gram_fam[d][:, None, None].expand(n, d, d)
                                                                   for d, n in grams.items()}))
         vdt = torch.float64 if self.fp64 else torch.float32
         self._split_w = self._split.take(Values(torch.ones(self.compiled.plan.vec_size, dtype=vdt, device=dev),
@@ -259,7 +259,7 @@ class DistributedTracker(Tracker):
         self.last = {} if self.keep_last else NotKept()
 
     # ---------------------------------------------------------------------------------- layout
-    def _gather_layouts(self) -> list[_Layout]:
+    def _gather_layouts(self) -> list[ShardLayout]:
         mine, errors = [], []
         for name, p in zip(self.compiled.names, self.params):
             if not _is_dtensor(p):
@@ -298,9 +298,9 @@ class DistributedTracker(Tracker):
         for i in range(len(self.params)):
             per = [allv[r][1][i] for r in range(self.world)]
             if per[0] is None:
-                out.append(_Layout(None))
+                out.append(ShardLayout(None))
             else:
-                out.append(_Layout(per[0][0], tuple((o, n) for _, o, n in per)))
+                out.append(ShardLayout(per[0][0], tuple((o, n) for _, o, n in per)))
         return out
 
     # -------------------------------------------------------------------------------- evaluation
@@ -357,15 +357,15 @@ class DistributedTracker(Tracker):
         """``h(theta_0)`` and the magnitude plan (guard denominators), summed over ranks."""
         if not self._comm:
             plan = self.compiled.plan
-            return self._values(plan, self.tensors), self._values(_abs_plan(plan), self.tensors)
+            return self._values(plan, self.tensors), self._values(abs_plan(plan), self.tensors)
         h0 = self._values(self._local_plan, self.tensors)
-        mag = self._values(_abs_plan(self._local_plan), self.tensors)
+        mag = self._values(abs_plan(self._local_plan), self.tensors)
         if self._straddles:
             full = self._exchange([self._held(self.tensors, {})], [frozenset()])[0]
             if self._mine:
                 news = [f[0] for f in full]
                 h0 = h0.map(torch.add, self._values(self._mini, news))
-                mag = mag.map(torch.add, self._values(_abs_plan(self._mini), news))
+                mag = mag.map(torch.add, self._values(abs_plan(self._mini), news))
         x = torch.stack([self._all.take(h0), self._all.take(mag)]).to(self._pack_dtype)
         x = self._all_reduce(x)
         return self._all.put(self._zeros(), x[0]), self._all.put(self._zeros(), x[1])
@@ -477,9 +477,10 @@ class DistributedTracker(Tracker):
             p.pack[r: r + add.numel()] += add
 
     # ------------------------------------------------------------------------------------- steps
-    def is_drift_step(self) -> bool:
-        """Whether the next step decomposes the drift (steps 1, 1 + N, ...; pending steps count)."""
-        return self.drift and not self._closed and (self.step_count + len(self._pend)) % self.drift_every == 0
+    @property
+    def steps_taken(self) -> int:
+        """Booked steps and those pending the reduction."""
+        return self.step_count + len(self._pend)
 
     @eager
     @torch.no_grad()
@@ -490,6 +491,7 @@ class DistributedTracker(Tracker):
         if not self._comm:
             return super().before_step(optimizer)
         self._snap, self._old = None, None
+        self.check_step_gradients()
         if not self.is_drift_step():
             return
         j = (self.step_count + len(self._pend)) // self.drift_every  # drift step j: group j mod len(groups)
@@ -508,10 +510,9 @@ class DistributedTracker(Tracker):
         """This rank's additive share of one metric row: per family and group the sum of the ``eps``
         of its complete instances, then per term and family the sum of squares over its complete entries
         (of ``mask``: the entries the step decomposed; ``terms["measured"]`` is set, 0 outside it)."""
-        rel = self._inst_norm(self._masked(h1.map(torch.sub, self.h0))) / self.denom
+        rel = self.layout.inst_norm(self._masked(h1.map(torch.sub, self.h0))) / self.denom
         nf = len(self.families)
-        parts = [torch.zeros(nf, dtype=rel.dtype, device=self.device).index_add_(0, self._inst_fam, rel),
-                 self._group_sum(rel)]
+        parts = list(self.book.family_sums(rel, per_instance=True))
         if self.drift:
             if terms is None:
                 parts.append(torch.zeros(len(TERMS) * nf, dtype=rel.dtype, device=self.device))
@@ -519,7 +520,7 @@ class DistributedTracker(Tracker):
                 meas = h1.map(torch.sub, self._hp)
                 if mask is not None:
                     mask.restrict_((meas.vec, meas.grams))
-                res = meas.map(lambda m, d, f, s: m - d - f - s, terms["decay"], terms["first"], terms["second"])
+                res = meas.map(residual, terms["decay"], terms["first"], terms["second"])
                 terms["measured"] = meas
                 for v in (meas, terms["decay"], terms["first"], terms["second"], res):
                     parts.append(self._own_squares(v, nf))
@@ -531,8 +532,8 @@ class DistributedTracker(Tracker):
         not leak)."""
         vec_own, gram_own = self._own
         out = torch.zeros(nf, dtype=v.vec.dtype, device=self.device).index_add_(
-            0, self._vec_fam, torch.where(vec_own, v.vec, 0.0).square())
-        fam = self._gram_fam
+            0, self.layout.vec_fam, torch.where(vec_own, v.vec, 0.0).square())
+        fam = self.layout.gram_fam
         for d, g in v.grams.items():
             if g.shape[0]:
                 flat = g.reshape(g.shape[0], 1, -1)
@@ -557,7 +558,7 @@ class DistributedTracker(Tracker):
         # sizes are the same on every rank, so every rank decides the same)
         nxt = self._schedule.step_scalars(snap is not None, self.drift) * self._pack_dtype.itemsize
         pending = sum(p.pack.numel() for p in self._pend) * self._pack_dtype.itemsize
-        deferred = _Deferred()  # a NonFiniteError is raised once this step is pending (the optimizer applied it)
+        deferred = Deferred()  # a NonFiniteError is raised once this step is pending (the optimizer applied it)
         if self._pend and (len(self._pend) >= self.every or pending + nxt > self._max_pending_bytes):
             deferred.call(self._reduce_and_flush)
         cur = [_local(p) for p in self.params]
@@ -586,7 +587,7 @@ class DistributedTracker(Tracker):
         del terms, kdec
         held = self._held(cur, old_rows) if self._straddles else None
         del old_rows
-        self._pend.append(_Pending(torch.cat(parts), drifted, held, a, kdecay, group, sel))
+        self._pend.append(_Pending(torch.cat(parts), drifted, held, a, kdecay, group, sel, self._grad_columns()))
         del parts
         self._hp, self._hp_full = h1, False
         for m in self.monitors:  # they sample the training state: at every step, not when the step is booked
@@ -609,7 +610,7 @@ class DistributedTracker(Tracker):
             self._exchange_pending()
         pend, self._pend = self._pend, []
         x = self._all_reduce(torch.cat([p.pack for p in pend]))
-        deferred = _Deferred()
+        deferred = Deferred()
         for row, p in zip(x.split([p.pack.numel() for p in pend]), pend):
             deferred.call(self._book, row, p)  # the step is booked (see _book): book the rest first
         deferred.raise_booked(self, self.step_count)  # these steps were booked before the caller saw it
@@ -622,11 +623,10 @@ class DistributedTracker(Tracker):
         x = x.to(dt)
         hs = x[r: r + S]
         d = hs - self._h0_split
-        sq = torch.zeros(self._n_inst, dtype=dt, device=dev).index_add_(0, self._split_inst, self._split_w * d * d)
+        sq = torch.zeros(self.layout.n_inst, dtype=dt, device=dev).index_add_(0, self._split_inst, self._split_w * d * d)
         rel = sq.sqrt() / self.denom  # 0 on complete instances (their share is in x[:nf + ng])
-        fam = x[:nf] + torch.zeros(nf, dtype=dt, device=dev).index_add_(0, self._inst_fam, rel)
-        grp = x[nf: nf + ng] + self._group_sum(rel)
-        parts = [fam / self._fam_count, grp / self._group_count]
+        fam, grp = self.book.family_sums(rel, per_instance=True)
+        parts = self.book.eps_means(x[:nf] + fam, x[nf: nf + ng] + grp)
         if self.drift:
             if p.drift:
                 mask = self.sampler.mask(p.group)
@@ -641,26 +641,23 @@ class DistributedTracker(Tracker):
                 if not mask.full:  # the split entries the step decomposed
                     meas = meas * self._split.take(Values(mask.vec, {d: g[:, None, None].expand(-1, d, d)
                                                                      for d, g in mask.grams.items()})).to(dt)
-                split = dict(zip(TERMS, (meas, dec, fst, snd, meas - dec - fst - snd)))
-                miss = None if mask.full else self._family_hit(mask)[1]
-                for i, t in enumerate(TERMS):
-                    own = x[nf + ng + i * nf: nf + ng + (i + 1) * nf]
-                    v = split[t]
-                    norm = (own + torch.zeros(nf, dtype=dt, device=dev).index_add_(
-                        0, self._split_fam, self._split_w * v * v)).sqrt()
-                    parts.append(norm if miss is None else norm.masked_fill(miss, float("nan")))
-                for k, v in zip(_CUM, (meas, dec, fst, snd)):
+                split = (meas, dec, fst, snd, residual(meas, dec, fst, snd))
+                own = x[nf + ng: nf + ng + len(TERMS) * nf].view(len(TERMS), nf)
+                sq = torch.stack([own[i] + torch.zeros(nf, dtype=dt, device=dev).index_add_(
+                    0, self._split_fam, self._split_w * v * v) for i, v in enumerate(split)])
+                parts.append(self.book.term_norms(sq, mask).view(-1))
+                for k, v in zip(CUMULATIVE, split[:4]):
                     if k in self._cum_split:  # (empty without cumulative)
                         self._cum_split[k].add_(v)
-                self.sampled_steps += 1 if miss is None else ~miss
             else:
                 parts.append(torch.full((len(TERMS) * nf,), float("nan"), dtype=dt, device=dev))
         self._h_split = hs.clone()  # (a view would keep the reduced buffer of every pending step alive)
-        deferred = _Deferred()
+        deferred = Deferred()
         if len(self._rows) >= self.every:  # as Tracker.record_step: flush lazily, raise once this step is booked
             deferred.call(Tracker.flush, self)
         self.step_count += 1
-        self._rows.append(torch.cat(parts).float())
+        row = torch.cat(parts).float()
+        self._rows.append(row if p.grad is None else torch.cat([row, p.grad.to(row.device, row.dtype)]))
         if p.extras:  # (not Tracker.record: it ignores scalars once closed, and close() books the pending steps)
             while len(self._extras) < len(self._rows):
                 self._extras.append({})
@@ -672,7 +669,7 @@ class DistributedTracker(Tracker):
         if not self._comm:
             return
         self._sync()
-        cum = [k for k in _CUM if k in self._cum_p]  # (none without cumulative: h alone is reduced)
+        cum = [k for k in CUMULATIVE if k in self._cum_p]  # (none without cumulative: h alone is reduced)
         srcs = [self._hp] + [self._cum_p[k] for k in cum]
         x = self._all_reduce(torch.stack([self._all.take(self._masked(v)) for v in srcs]).to(self._pack_dtype))
         full = [self._split.put(self._all.put(self._zeros(), x[i]), s)

@@ -31,12 +31,9 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..kernels.plan import GramTerm, NormTerm, Plan, SumTerm, View
+from ..kernels.plan import FIRST_ORDER, GramTerm, NormTerm, Plan, SumTerm, View
 
-try:  # the kernels' reference module (after the vectorised twin); before it, plan.py
-    from ..kernels.reference import drift_factors
-except ImportError:  # pragma: no cover - depends on the kernels version
-    from ..kernels.plan import drift_factors
+from ..kernels.reference import drift_factors
 
 __all__ = ["drift_pieces", "drift_factors", "Assembly", "StepStats", "Sampler", "Shards", "copy_costs", "Snapshot",
            "Mask", "make_mask"]
@@ -196,7 +193,7 @@ class Assembly:
         order (the layout of a ``Sampler(compact=True)`` sub-plan): its ``terms``/``decay`` take and
         return values of those entries only, equal entry by entry to the full layout's (the
         operations are per entry).  Holds its set ids as runs (``_Runs``) and, for index arrays, 1 byte
-        per entry (its linear flag): the tracker caches one per sampler group (``conserve.tracker._Entries``)."""
+        per entry (its linear flag): the tracker caches one per sampler group (``conserve.tracking.book.Entries``)."""
         return _Restricted(self, vi, si)
 
     def needs_kernel_decay(self, a: Sequence[float], sampled: "Mask | None" = None) -> bool:
@@ -348,7 +345,7 @@ class Assembly:
             if isinstance(pieces, list):
                 pieces.clear()
             bv, dv = bv.to(dt), dv.to(dt)
-            torch.mul(bv, 2, out=fv)  # first = 2 B + lin * h(Delta) (+ stats), second = (1 - lin) * h(Delta) (+ stats)
+            torch.mul(bv, FIRST_ORDER, out=fv)  # first = 2 B + lin * h(Delta) (+ stats), second = (1 - lin) * h(Delta) (+ stats)
             fv.add_(torch.mul(dv, self._lin, out=sv))
             if stats is not None:
                 fv.add_(stats.first)
@@ -356,7 +353,7 @@ class Assembly:
             if stats is not None:
                 sv.add_(stats.second)
             for d in hg:
-                torch.mul(bg[d].to(dt), 2, out=fg[d])
+                torch.mul(bg[d].to(dt), FIRST_ORDER, out=fg[d])
                 sg[d].copy_(dg[d])
             del bv, bg, dv, dg
         self.correct(h_old, (fv, fg), (sv, sg), a)  # in place

@@ -1,6 +1,6 @@
 """Where each law term is evaluated when the tracked tensors are sharded over ranks (no process group).
 
-Given the compiled laws and how each tensor is held (``_Layout``: ``Shard(d)`` ranges per rank, or
+Given the compiled laws and how each tensor is held (``ShardLayout``: ``Shard(d)`` ranges per rank, or
 replicated), ``comm_schedule`` gives every rank's local terms (views rewritten for its shard; summed over
 ranks they give the global plan), the Gram terms whose rows straddle ranks with their owner rank, and
 which law-value entries are complete on one rank or split over several. ``DistributedTracker`` runs
@@ -15,14 +15,14 @@ import torch
 
 from .. import kernels
 from ..laws import Compiled
-from ..tracker import TERMS, Values
+from .values import TERMS, Values
 from .drift import Shards, copy_costs
 
 __all__ = ["CommSchedule", "comm_schedule", "shard_layouts", "sampler_shards"]
 
 # ------------------------------------------------------------------------------------ localisation
 @dataclass(frozen=True)
-class _Layout:
+class ShardLayout:
     """How one tracked tensor is held: ``dim`` is the sharded dimension (None: replicated) and
     ``ranges[r] = (global offset, length)`` of rank r's shard along it."""
 
@@ -30,22 +30,22 @@ class _Layout:
     ranges: tuple[tuple[int, int], ...] = ()
 
 
-def shard_layouts(shapes: Sequence[Sequence[int]], dims: Sequence[int | None], world: int) -> list[_Layout]:
+def shard_layouts(shapes: Sequence[Sequence[int]], dims: Sequence[int | None], world: int) -> list[ShardLayout]:
     """Layouts of tensors sharded like ``DTensor`` ``Shard(dim)`` (``torch.chunk`` pieces, trailing
     ranks possibly empty) on ``world`` ranks; ``dim=None``: replicated. For planning without a process
     group (``bench/dist_bytes.py``)."""
     out = []
     for shape, d in zip(shapes, dims):
         if d is None:
-            out.append(_Layout(None))
+            out.append(ShardLayout(None))
             continue
         n = shape[d]
         c = -(-n // world)
-        out.append(_Layout(d, tuple((min(r * c, n), max(0, min(c, n - r * c))) for r in range(world))))
+        out.append(ShardLayout(d, tuple((min(r * c, n), max(0, min(c, n - r * c))) for r in range(world))))
     return out
 
 
-def _local_view(v: kernels.View, lay: _Layout, r: int):
+def _local_view(v: kernels.View, lay: ShardLayout, r: int):
     """Rank r's part of view ``v``: ``(local view, first row, first col)`` in view coordinates, or None
     when rank r holds none of it."""
     if lay.dim is None:
@@ -88,7 +88,7 @@ class _Straddle:
         return [0 if p is None else p.rows * p.cols for p in self.pieces]
 
 
-def _split(plan: kernels.Plan, layouts: Sequence[_Layout], world: int, dtypes):
+def _split(plan: kernels.Plan, layouts: Sequence[ShardLayout], world: int, dtypes):
     """Every rank's local plan (terms rewritten for the local shards; summed over ranks, plus the
     straddling terms, they give the global plan) and the Gram terms that straddle ranks, each with
     its owner: the holder that keeps the bytes received per rank balanced (the one with the least
@@ -136,14 +136,14 @@ def _split(plan: kernels.Plan, layouts: Sequence[_Layout], world: int, dtypes):
     return plans, straddles
 
 
-def _localize(plan: kernels.Plan, layouts: Sequence[_Layout], rank: int, world: int, dtypes):
+def localize(plan: kernels.Plan, layouts: Sequence[ShardLayout], rank: int, world: int, dtypes):
     """Rank ``rank``'s local plan and the straddling Gram terms (the same list on every rank)."""
     plans, straddles = _split(plan, layouts, world, dtypes)
     return plans[rank], straddles
 
 
 # --------------------------------------------------------------------------------- entries, owners
-class _Entries:
+class EntrySet:
     """A selection of law-value entries <-> one flat vector: the selected vector entries, then the
     upper triangle (diagonal included) of each selected Gram slot (D ascending)."""
 
@@ -261,7 +261,7 @@ class CommSchedule:
         return recv, sent
 
 
-def comm_schedule(compiled: Compiled, layouts: Sequence[_Layout], dtypes) -> CommSchedule:
+def comm_schedule(compiled: Compiled, layouts: Sequence[ShardLayout], dtypes) -> CommSchedule:
     """``CommSchedule`` of ``compiled`` laws on tensors held as ``layouts`` (one per ``compiled.names``)."""
     world = max([len(l.ranges) for l in layouts if l.dim is not None], default=1)
     plans, straddles = _split(compiled.plan, layouts, world, dtypes)
@@ -273,7 +273,7 @@ def comm_schedule(compiled: Compiled, layouts: Sequence[_Layout], dtypes) -> Com
 
 
 def sampler_shards(sched: CommSchedule, shapes: Sequence[Sequence[int]], esize: Sequence[int],
-                   layouts: Sequence[_Layout], rank: int) -> Shards:
+                   layouts: Sequence[ShardLayout], rank: int) -> Shards:
     """The drift sampler's view of the shards (``conserve.tracking.drift.Shards``) for rank ``rank``:
     per rank the bytes it copies before a drift step per law entry (``copy_costs`` of its local terms,
     plus its rows of each straddling Gram term: it sends them to the owner) and the tracked bytes it

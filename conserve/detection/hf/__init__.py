@@ -44,7 +44,9 @@ import sys
 import torch
 
 from ...errors import UsageError
+from ..check import checked_laws
 from ..core import Detection, user_classes, register
+from ..dispatch import detect
 from .families import FAMILIES
 from .parts import Unhandled, _Ctx
 from .rope import LAYOUTS, probe_rope
@@ -76,10 +78,8 @@ def detect_hf(model, config, **options):
     d = ctx.finish("hf")
     mine = user_classes(model, ("transformers.", "torch."))
     if mine:  # the family handler read transformers' code, not this: keep only the laws the model's forward keeps
-        from ..core import _checked
-
         why = f"{mine[0]} is not transformers' code (which the family handler read)"
-        d.laws, more = _checked(model, d.laws, {**options, "why": why})
+        d.laws, more = checked_laws(model, d.laws, {**options, "why": why})
         d.declined += more
     return d
 
@@ -126,8 +126,6 @@ def detect_from_config(config, **options) -> Detection:
     if isinstance(config, dict):
         config = transformers.AutoConfig.for_model(**config)
     model = meta_model(config)
-    from ..core import detect
-
     return detect(model, config, **options)
 
 

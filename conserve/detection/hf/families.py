@@ -10,6 +10,7 @@ from ...laws import ReLUUnit
 from .parts import (Unhandled, _Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
                     _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _unit,
                     _w, NO_EMBED)
+from .mla import is_mla, mla_laws
 from .rope import _probe_gptj, _rope_layout, _rotary_dim
 
 
@@ -38,16 +39,11 @@ def _llama_like(ctx: _Ctx):
             continue
         norm = {r: (f"{lp}.{n}", getattr(layer, n)) for r, n in roles.items()}
         a = None
-        if hasattr(attn, "kv_a_proj_with_mqa"):  # DeepSeek MLA
-            ctx.decline(ap, "multi-head latent attention (MLA)",
-                        "q and k are built from low-rank latents through RMSNorms (q_a_layernorm, kv_a_layernorm), "
-                        "k_nope and v share kv_b_proj and one decoupled RoPE key is shared by all heads: the spec's "
-                        "per-head QK/VO rows do not apply as written (spec breakers: MLA, decline with a reason)")
-            a_readers = [_w(f"{ap}.{n}", getattr(attn, n)).in_cols() for n in ("q_a_proj", "kv_a_proj_with_mqa")
-                         if _linear_like(getattr(attn, n, None))] if hasattr(attn, "q_a_proj") else None
+        if is_mla(attn):  # DeepSeek-V2/V3 multi-head latent attention
+            readers = mla_laws(ctx, ap, attn, i, config)
             if "pre_attn" in norm:
-                if a_readers is not None and len(a_readers) == 2:
-                    _gain(ctx, *norm["pre_attn"], i, a_readers, "q_a_proj, kv_a_proj_with_mqa")
+                if readers is not None:
+                    _gain(ctx, *norm["pre_attn"], i, readers, "q_a_proj (or q_proj), kv_a_proj_with_mqa")
                 else:
                     ctx.decline(norm["pre_attn"][0], "norm before MLA", "readers not recognised: no gain law")
         else:
@@ -298,7 +294,7 @@ def _heads(config) -> tuple[int, int, int]:
 FAMILIES = {
     "llama": _llama_like, "mistral": _llama_like, "qwen2": _llama_like, "qwen3": _llama_like, "gemma": _llama_like,
     "phi3": _llama_like, "mixtral": _llama_like, "qwen2_moe": _llama_like, "olmoe": _llama_like,
-    "deepseek_v3": _llama_like, "qwen3_moe": _llama_like, "gemma2": _llama_like, "gemma3_text": _llama_like,
+    "deepseek_v3": _llama_like, "deepseek_v2": _llama_like, "qwen3_moe": _llama_like, "gemma2": _llama_like, "gemma3_text": _llama_like,
     "olmo2": _llama_like, "olmo3": _llama_like, "exaone4": _llama_like, "granite": _llama_like,
     "seed_oss": _llama_like, "arcee": _llama_like, "glm": _llama_like, "smollm3": _llama_like, "gptj": _gptj, "gpt2": _gpt2, "gpt_neox": _neox, "falcon": _falcon, "bert": _bert,
 }

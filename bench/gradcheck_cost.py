@@ -1,0 +1,262 @@
+"""The gradient check (``conserve.analysis.gradcheck``): its cost beside a training step, and its floors.
+
+    OMP_NUM_THREADS=1 python -m bench.gradcheck_cost              # cost on CPU (a minute on 2 cores)
+    OMP_NUM_THREADS=1 python -m bench.gradcheck_cost --floors     # floors and smallest detected faults
+    python -m bench.gradcheck_cost --quick [--floors]             # a smoke run (tests/test_gradcheck_api.py)
+
+Cost (default): on a ~14M-parameter LM (``bench.track_overhead.lm14m``, batch 16 x 64, AdamW), timed in
+interleaved blocks in one run (``bench.track_overhead.interleaved``): the training step (forward, backward,
+``AdamW.step``), one checked step of the check (``GradCheck.update(params, grads)``: the products pass and
+the norms pass, finished and accumulated), and ONE streaming read of the laws' weights and gradients
+(``torch._foreach_norm`` over each: the cheapest pass that touches every byte).  Printed: the median times,
+the paired ratios check / step and check / read, and the bytes: the laws' weights and gradients (each
+element once) beside the bytes the check's two kernel passes read (each term's view, counted per pass).
+
+Floors (``--floors``): a tiny Llama-like LM (conserve's ``DecoderLM``: GQA, RoPE, SwiGLU, a softmax MoE
+layer with 4 experts, top 2; untied head; batch 8 x 64) trained by SGD for ``steps`` steps per gradient
+dtype: float32; bfloat16 autocast; float16 autocast with ``GradScaler`` (unscaled before the check).  Per
+dtype and law kind (quadratic; linear: router sum, translation): the largest ``worst`` (with its family)
+and the largest law ``aggregate`` of the true gradients over the steps, beside the floors; then, per
+planted fault, the smallest size on a grid (10^(-k/2)) that flags the right law in the right layer, from
+one step and from all the steps aggregated.
+The transformers Llama (``LlamaForCausalLM``, 2 layers) is measured too when transformers is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+import conserve
+from conserve.analysis.gradcheck import GradCheck, GradPlan, aggregate_floor, floor, select
+from conserve.models import DecoderLM, LMConfig
+
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LINEAR = ("router_sum", "translation")  # the catalogue's linear laws (their own floors)
+
+
+# -------------------------------------------------------------------------------------------- cost
+def pass_bytes(plan: GradPlan, params) -> tuple[int, int]:
+    """``(laws' weights + gradients, each element once; what the check's two passes read)`` in bytes: the
+    products pass reads every term's view of the weights and the gradients, the norms pass the same views
+    again (the twin reduces a tensor once per direction its terms read it in)."""
+    once = sum(params[n].numel() * params[n].element_size() for n in plan.names) * 2
+    seen = set()
+    for t in list(plan.bil_plan.grams) + list(plan.bil_plan.norms) + list(plan.bil_plan.sums):
+        v = t.view
+        seen.add((v.tensor, v.start, v.row_dim, v.rows, v.col_dim, v.cols, v.row_step))
+    esize = {i: params[n].element_size() for i, n in enumerate(plan.names)}
+    one_pass = sum(r * c * esize[i] for (i, _, _, r, _, c, _) in seen) * 2  # weights and gradients
+    return once, 2 * one_pass
+
+
+def cost(blocks: int, quick: bool) -> None:
+    from bench.track_overhead import interleaved, lm14m
+
+    torch.manual_seed(0)
+    model = lm14m() if not quick else DecoderLM(LMConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                                         num_attention_heads=4, num_key_value_heads=2,
+                                                         intermediate_size=128))
+    named = dict(model.named_parameters())
+    laws, _ = select(conserve.detect(model, loss="ce"), loss="ce")
+    plan = GradPlan(laws, named)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def step():
+        x = torch.randint(0, vocab, (16, 64), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+
+    checks = {fp64: GradCheck(plan, fp64=fp64) for fp64 in (True, False)}
+    lp = [named[n] for n in plan.names]
+
+    def check(fp64):
+        checks[fp64].update(named, {n: p.grad for n, p in named.items()})
+
+    def read():
+        torch._foreach_norm([p.detach() for p in lp])
+        torch._foreach_norm([p.grad for p in lp])
+
+    for _ in range(2):
+        step(), check(True), check(False), read()
+    fns = {"step": step, "check fp64": lambda: check(True), "check fp32": lambda: check(False), "one read": read}
+    times, ratios = interleaved(fns, blocks, 1 if not quick else 2, "step")
+    _, per_read = interleaved({"one read": read, "check fp64": lambda: check(True),
+                               "check fp32": lambda: check(False)}, blocks, 1, "one read")
+    once, passes = pass_bytes(plan, named)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"gradient check cost, CPU, {torch.get_num_threads()} thread(s): LM of {nparams / 1e6:.1f}M parameters, "
+          f"{len(plan.laws)} laws, {plan.entries} entries, batch 16 x 64, AdamW")
+    print(f"{'':12s} {'median ms':>10s} {'/ step':>8s} {'/ one read':>11s}")
+    for k in fns:
+        rd = f"{per_read[k]:11.2f}" if k in per_read else f"{'-':>11s}"
+        print(f"{k:12s} {times[k]:10.2f} {ratios[k]:8.3f} {rd}")
+    print(f"bytes: laws' weights + gradients {once / 1e6:.1f} MB (each element once); the check's two passes read "
+          f"{passes / 1e6:.1f} MB ({passes / once:.2f} x)")
+
+
+# -------------------------------------------------------------------------------------------- floors
+def tiny_lm() -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(LMConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=128, num_experts=4, moe_layers=(1,), top_k=2))
+
+
+def hf_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def trajectory(model, dtype: str, steps: int, seed: int = 1):
+    """``steps`` SGD steps of ``model`` (a copy is not made: the caller passes a fresh one) with gradients in
+    ``dtype``; returns ``[(params, grads)]`` per step (copies, before the step; float16: unscaled)."""
+    named = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu") if dtype == "float16" else None
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    out = []
+    while len(out) < steps:
+        x = torch.randint(0, vocab, (8, 64), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=DTYPES[dtype] or torch.bfloat16, enabled=DTYPES[dtype] is not None):
+            logits = model(x)
+        logits = getattr(logits, "logits", logits)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x.flatten())
+        if scaler is None:
+            loss.backward()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        grads = {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
+        if all(torch.isfinite(g).all() for g in grads.values()):  # a scaler's skipped step is not a gradient
+            out.append(({n: p.detach().clone() for n, p in named.items()}, grads))
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    return out
+
+
+def _head_cols(name, cols):
+    def f(params, grads, size):
+        g = grads[name].clone()
+        g[:, cols] *= 1 + size
+        return {**grads, name: g}
+    return f
+
+
+def _noise(name, seed=0):
+    def f(params, grads, size):
+        gen = torch.Generator().manual_seed(seed)
+        g = grads[name]
+        return {**grads, name: g * (1 + size * torch.randn(g.shape, generator=gen))}
+    return f
+
+
+def _decay(params, grads, size):
+    """Weight decay folded into the gradient: ``g + lam theta`` with ``||lam theta|| = size ||g||`` over the
+    laws' parameters (the fault's size relative to the gradient)."""
+    t = math.sqrt(sum(float((params[n] ** 2).sum()) for n in grads))
+    gn = math.sqrt(sum(float((g ** 2).sum()) for g in grads.values()))
+    lam = size * gn / t
+    return {n: g + lam * params[n] for n, g in grads.items()}
+
+
+FAULTS = {  # name: (what, fault(params, grads, size), law that must be flagged)
+    "o_proj head": ("one head's o_proj columns x (1 + f) (a hook)", _head_cols("layers.0.self_attn.o_proj.weight",
+                                                                              slice(0, 16)), "layers.0.self_attn/vo/"),
+    "down noise": ("relative noise f on one down_proj gradient (a kernel)", _noise("layers.0.mlp.down_proj.weight"),
+                   "layers.0.mlp/unit"),
+    "decay": ("L2 folded into p.grad, ||lam theta|| = f ||g||", _decay, "layers."),
+}
+GRID = [10 ** (-k / 2) for k in range(14, -1, -1)]  # 1e-7 ... 1
+
+
+def smallest(traj, plan, dtype, fault, target, steps):
+    """The smallest size on ``GRID`` whose fault flags a law named ``target...`` (from the first ``steps``)."""
+    for size in GRID:
+        chk = GradCheck(plan, dtype=dtype)
+        for params, grads in traj[:steps]:
+            chk.update(params, fault(params, grads, size))
+        if any(c.name.startswith(target) for c in chk.flagged()):
+            return size
+    return None
+
+
+def floors(steps: int, quick: bool) -> None:
+    models = {"conserve DecoderLM": tiny_lm}
+    if not quick:
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is not None:
+            models["transformers Llama"] = hf_llama
+    print(f"true-gradient floors over {steps} SGD steps (batch 8 x 64), quadratic and linear laws apart")
+    print(f"{'model':20s} {'gradient':30s} {'laws':9s} {'max worst (family)':>26s} {'max law aggregate':>17s} "
+          f"{'floors worst / aggregate':>25s}")
+    kept = {}
+    for mname, build in models.items():
+        for dtype in DTYPES:
+            model = build()
+            laws, _ = select(conserve.detect(model, loss="ce"), loss="ce")
+            plan = GradPlan(laws, dict(model.named_parameters()))
+            traj = trajectory(model, dtype, steps)
+            chk = GradCheck(plan, dtype=dtype)
+            for params, grads in traj:
+                chk.update(params, grads)
+            res = chk.result()
+            label = {"float32": "float32", "bfloat16": "bfloat16 autocast",
+                     "float16": "float16 autocast + GradScaler"}[dtype]
+            for linear in (False, True):
+                some = [c for c in res.laws if c.family in LINEAR] if linear else \
+                    [c for c in res.laws if c.family not in LINEAR]
+                if not some:
+                    continue
+                w = max(some, key=lambda c: c.worst)
+                a = max(some, key=lambda c: c.aggregate)
+                print(f"{mname:20s} {label:30s} {'linear' if linear else 'quadratic':9s} {w.worst:12.2e} "
+                      f"({w.family:>11s}) {a.aggregate:17.2e} {floor(dtype, linear):14.1e} / "
+                      f"{aggregate_floor(dtype, linear):.1e}")
+            if mname == "conserve DecoderLM":
+                kept[dtype] = (plan, traj)
+    print(f"\nsmallest planted fault flagged (right law and layer; grid 10^(-k/2)), conserve DecoderLM, "
+          f"1 step / {steps} steps aggregated")
+    print(f"{'fault':52s} " + " ".join(f"{d:>20s}" for d in DTYPES))
+    for name, (what, fault, target) in FAULTS.items():
+        cells = []
+        for dtype in DTYPES:
+            plan, traj = kept[dtype]
+            one, many = (smallest(traj, plan, dtype, fault, target, k) for k in (1, steps))
+            fmt = lambda s: "none" if s is None else f"{s:.0e}"  # noqa: E731
+            cells.append(f"{fmt(one):>9s} / {fmt(many):>8s}")
+        print(f"{what:52s} " + " ".join(f"{c:>20s}" for c in cells))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--floors", action="store_true", help="floors and smallest detected faults instead of the cost")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny model, few repetitions")
+    ap.add_argument("--blocks", type=int, default=None, help="interleaved timing blocks (cost)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per dtype (floors)")
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    if args.floors:
+        floors(args.steps or (2 if args.quick else 16), args.quick)
+    else:
+        cost(args.blocks or (2 if args.quick else 7), args.quick)
+    print(f"({time.perf_counter() - t:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

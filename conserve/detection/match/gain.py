@@ -1,0 +1,179 @@
+"""Per-feature scales: the gain law of a norm read only by linear maps, and LayerScale.
+
+* gains: every per-feature scale ``g * x (+ beta)`` (LayerNorm / RMSNorm / GroupNorm modules, ``F.layer_norm``,
+  ``F.rms_norm``, hand-written RMSNorms, Gemma's ``(1 + w)``) whose output is read only by linear maps (through
+  dropout, casts, reshapes, token indexing or pooling): the gain law with every reader (spec: pre-norm gain row).
+  A scale whose output also feeds anything else (the residual stream: post-LN; an opaque block; a weight computed
+  from parameters in a way no ``Lin`` reads) is declined, the reason naming each other reader and the linear
+  readers seen.
+* LayerScale: a per-feature scale of a linear's output (``gamma * (W x + b)``) whose result feeds anything (the
+  residual): ``gamma_c^2 - ||W[c,:]||^2 - b_c^2`` (family ``layer_scale``).
+"""
+from __future__ import annotations
+
+from torch import fx, nn
+
+from .. import builders
+from ..fxgraph import Graph
+from ..ops import PASS, SHAPE_ONLY
+from .conv import channel_norms
+from .found import Found, layer_index
+
+__all__ = ["gains", "scale_points"]
+
+
+def scale_points(g: Graph):
+    """(out node, gain param, bias param, shift, what) of every per-feature scale ``g * x (+ beta)``."""
+    out = []
+    for n in g.nodes:
+        if n.op == "call_module":
+            m = g.gm.get_submodule(n.target)
+            w = getattr(m, "weight", None)
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or type(m).__name__.endswith(("Norm", "RMSNorm")):
+                if isinstance(w, nn.Parameter) and w.dim() == 1 and not g.lins.get(n):
+                    b = getattr(m, "bias", None)
+                    out.append((n, f"{n.target}.weight", f"{n.target}.bias" if isinstance(b, nn.Parameter) else None,
+                                0.0, type(m).__name__))
+            continue
+        o = g.op(n)
+        if o in ("layer_norm", "rms_norm") and n.op == "call_function":
+            args = list(n.args)
+            w = g.param_of(args[2]) if len(args) > 2 else g.param_of(n.kwargs.get("weight"))
+            b = g.param_of(args[3]) if o == "layer_norm" and len(args) > 3 else None
+            if w is not None:
+                out.append((n, w, b, 0.0, o))
+        elif o == "mul" and n.op == "call_function":
+            for i, a in enumerate(n.args[:2]):
+                a0 = g.back_pass(a) if isinstance(a, fx.Node) else a
+                shift = 0.0
+                if isinstance(a0, fx.Node) and g.op(a0) == "add" and g.param_of(g.back_pass(_operands(a0, None)[0])):
+                    p_node, const = _operands(a0, None)
+                    if isinstance(const, (int, float)):
+                        shift, a0 = float(const), g.back_pass(p_node)
+                p = g.param_of(a0)
+                if p is not None and g.params[p].dim() == 1:
+                    nxt = [u for u in n.users]
+                    beta = None
+                    if len(nxt) == 1 and g.op(nxt[0]) == "add":
+                        q = [g.param_of(x) for x in nxt[0].args if isinstance(x, fx.Node)]
+                        q = [x for x in q if x and g.params[x].dim() == 1 and g.params[x].shape == g.params[p].shape]
+                        if q:
+                            beta, n2 = q[0], nxt[0]
+                            out.append((n2, p, beta, shift, "scale"))
+                            break
+                    out.append((n, p, beta, shift, "scale"))
+                    break
+    return out
+
+
+def _operands(add_node, _):
+    """(tensor operand, constant operand) of a binary add."""
+    a, b = (list(add_node.args) + [None, None])[:2]
+    return (a, b) if isinstance(a, fx.Node) else (b, a)
+
+
+def gains(f: Found) -> None:
+    """The gain finder (module docstring)."""
+    g, c = f.g, f.c
+    experts_x = {}  # the unsqueeze node through which a per-token expert map reads its input -> that map
+    for lin in g.lins.values():
+        if lin.experts:
+            for u in lin.x.users:
+                if g.op(u) == "unsqueeze" and u in g.ancestors([lin.node]):
+                    experts_x[u] = lin
+    claimed = {p for law, _ in f.cands for p in law.params}
+    channel_first = {n for n, *_ in channel_norms(g)}  # (``match.conv``: their gains scale dim 1)
+    for n, w, b, shift, what in scale_points(g):
+        if w in claimed or n in channel_first:  # e.g. a QK-norm gain, already in a law
+            continue
+        h = g.params[w].shape[0]
+        path = w.rsplit(".", 1)[0] if "." in w else w
+        readers, bad = [], []
+
+        def visit(m, u, h=h, readers=readers, bad=bad):
+            if u in g.lins and g.lins[u].x is m:
+                readers.append(g.lins[u])
+            elif u in experts_x and experts_x[u].x is m:  # x.unsqueeze(...) of a per-token expert map
+                readers.append(experts_x[u])
+            elif g.op(u) == "to" and u.args and u.args[0] is not m:
+                pass  # type_as(other, m): m's dtype only
+            elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
+                    and g.op(u) not in ("transpose", "permute", "movedim", "t"):
+                return True
+            elif g.op(u) not in SHAPE_ONLY:
+                bad.append(u)
+            return False
+
+        g.walk_users([n], visit)
+        what_ = what if what != "scale" else "per-feature scale"
+        if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
+            continue
+        if bad or not readers:
+            uses = list(dict.fromkeys(_use(g, u, n) for u in bad)) or ["nothing"]
+            by = ", ".join(dict.fromkeys(r.module or r.w for r in readers))
+            seen_ = "; ".join(uses) + (f" (besides the linear map(s) {by})" if readers else "")
+            c.decline(path, what_, f"the scaled output is read by {seen_}: not only by linear maps with stored weights, "
+                      "as a gain law needs (the residual stream in a post-LN block, attention scores after a QK-norm, "
+                      "a weight computed from parameters, or an unrecognised module): no gain law (spec: pre-norm gain "
+                      "row; breakers: post-LN)")
+            continue
+        maps = [g.feature_map(n, r.x) for r in readers]
+        if any(m != list(range(h)) for m in maps):
+            c.decline(path, what_, "its readers do not read the features one to one: no gain law")
+            continue
+        refs = [r.readers() for r in readers]
+        if any(x is None for x in refs):
+            split = [r.w for r, x in zip(readers, refs) if x is None]
+            c.decline(path, what_, f"read by {split}, heads stored as [heads, ...] parameters that each read a part of "
+                      "the features: no gain law built")
+            continue
+        f.add(builders.gain_law(f"{path}/gain", layer_index(path), w, h, readers=[x for rs in refs for x in rs],
+                                bias=b, shift=shift,
+                                note="structural: readers " + ", ".join(dict.fromkeys(r.module for r in readers))
+                                + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
+              "gain")
+
+
+def _use(g: Graph, u: fx.Node, src: fx.Node) -> str:
+    """What the graph node ``u`` reading ``src``'s value is, in words (for a decline reason)."""
+    o = g.op(u)
+    hops = []
+    while o in PASS and len(u.users) == 1 and len(hops) < 4:  # a layout change on the way to the real reader
+        hops.append(o)
+        u = next(iter(u.users))
+        o = g.op(u)
+    if hops:
+        return f"{' -> '.join(map(repr, hops))} then {_use(g, u, src)}"
+    if o == "opaque":
+        return f"the opaque block {u.target!r} (analysed on its own)"
+    if u.op == "call_module":
+        return f"{o} module {u.target!r}"
+    if o in ("linear", "matmul", "einsum", "addmm", "baddbmm", "conv1d", "conv2d"):
+        down = g.descendants([src])
+        ps = sorted({a.target for a in g.ancestors([a for a in u.all_input_nodes if a not in down])
+                     if a.op == "get_attr" and a.target in g.params})
+        if ps:
+            return f"{o} with a weight computed from {ps} (not the parameter as stored: its rows / columns unknown)"
+        return f"{o} with another activation (not a parameter)"
+    return repr(o)
+
+
+def _layer_scale(f: Found, n: fx.Node, w: str, h: int) -> bool:
+    """LayerScale ``gamma * (W x + b)`` (the scale reads a linear's output feature by feature): the catalogue's
+    diagonal-rescaling law ``gamma_c^2 - ||W[c,:]||^2 - b_c^2``. True when built."""
+    g = f.g
+    arg = next((a for a in n.args[:2] if isinstance(a, fx.Node) and g.param_of(g.back_pass(a)) != w), None)
+    src = g.back_pass(arg) if arg is not None else None
+    if src not in g.lins or len(src.users) != 1 or not g.lins[src].plain:
+        return False
+    lin = g.lins[src]
+    if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
+        return False
+    path = w.rsplit(".", 1)[0] if "." in w else w
+    # a LayerScale module's one parameter (ls1.gamma): the module names the law; a block's own parameters
+    # (EVA's gamma_1, gamma_2 on the block): the parameter does, so that the two laws keep two names
+    label = path if w.rsplit(".", 1)[-1] in ("gamma", "weight", "scale") else w
+    f.add(builders.layer_scale_law(f"{label}/layer_scale", layer_index(path), w, h, [(lin.w, lin.shape, lin.b, lin.t)],
+                                   note=f"structural: {path} scales the output features of {lin.module} (diagonal "
+                                        "rescaling, as the spec's deep-linear row)"), "LayerScale")
+    return True

@@ -1,0 +1,119 @@
+"""The tracker's gradient check: each exact law's first-order product with the gradient the optimizer is
+about to apply (spec "Gradient integrity"; the statistic, floors and one-shot API are
+``conserve.analysis.gradcheck``).
+
+On the drift cadence (``Tracker(check_gradients=True)``), right before the optimizer step -- after
+unscaling, clipping and the DDP/FSDP2 reduction, before any decay inside the optimizer -- ``update``
+evaluates the per-entry ratios of the tracked parameters' ``.grad`` on the device (no host sync) and gives
+the row its ``grad_check/<family>`` and ``grad_check/<family>/layer<i>`` columns: the worst ratio of the
+step over the family's (group's) checked laws, NaN on steps not checked.  ``report`` (at each flush) warns
+once per newly flagged law, naming it, its parameters and layer, and both readings: a bug, or a method
+that changes the gradient on purpose.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from ..analysis.gradcheck import BUG, KNOWN_METHODS, LOSS_ONLY, GradCheck, GradientCheck, GradPlan, select
+from ..errors import warn
+from ..laws import Law
+
+
+class GradientCheckWarning(RuntimeWarning):
+    """A gradient's first-order product with some exact law is above the rounding floor of its dtype."""
+
+
+class GradientWatch:
+    """Accumulates the gradient check of a tracker's laws (``conserve.analysis.gradcheck.GradCheck``) and
+    forms the row's ``grad_check`` columns.
+
+    Args:
+        laws: the tracked laws; the approximate ones and those ``ignore`` names are not checked
+            (``conserve.analysis.gradcheck.select``).
+        named: ``{parameter name: tensor}`` for every parameter the laws read.
+        families, groups: the tracker's ``Layout.families`` and ``Layout.groups`` (the columns' order).
+        ignore: law names, families or ``fnmatch`` patterns of law or parameter names left out.
+        dtype: the dtype the gradients are computed in (``"bfloat16"`` under bf16 autocast: the parameters'
+            ``.grad`` are then float32 but their rounding is bf16's); None: the parameters' dtype.
+        loss: ``"ce"`` when the user named softmax cross-entropy (the translation laws are checked);
+            ``loss_assumed``: detection assumed it without being told (checked, with a note in the warning).
+
+    Raises:
+        ValueError: a law reads a parameter ``named`` lacks.
+    """
+
+    def __init__(self, laws: Sequence[Law], named: Mapping[str, torch.Tensor], families: Sequence[str],
+                 groups: Sequence[tuple], *, ignore: Iterable[str] = (), dtype=None, loss: str | None = None,
+                 loss_assumed: bool = False):
+        translation = LOSS_ONLY.get("translation")
+        checked, skipped = select(laws, loss=translation if (loss == translation or loss_assumed) else loss,
+                                  ignore=ignore)
+        self.assumed = sorted({l.family for l in checked if l.family in LOSS_ONLY and loss != LOSS_ONLY[l.family]})
+        self.laws = checked
+        self.plan = GradPlan(checked, {n: named[n] for law in checked for n in law.params}) if checked else None
+        if dtype is None:
+            dts = {named[n].dtype for law in checked for n in law.params}
+            dtype = max(dts, key=lambda d: torch.finfo(d).eps) if dts else torch.float32
+        self.dtype = dtype
+        self.check = GradCheck(self.plan, dtype=dtype, skipped=skipped) if self.plan is not None else None
+        self.families, self.groups = list(families), list(groups)
+        fam = [self.families.index(l.family) for l in checked]
+        grp = [self.groups.index((l.family, -1 if l.layer is None else l.layer)) for l in checked]
+        dev = next(iter(named.values())).device if named else "cpu"
+        self._fam_of = torch.tensor(fam, dtype=torch.long, device=dev)
+        self._grp_of = torch.tensor(grp, dtype=torch.long, device=dev)
+        self.warned: set[str] = set()
+        self.skipped = skipped
+
+    @property
+    def width(self) -> int:
+        """The number of ``grad_check`` columns of a row."""
+        return len(self.families) + len(self.groups)
+
+    def update(self, named: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Check the ``.grad`` of ``named``'s tensors; returns the row columns ``(families + groups,)``, float32
+        on the device: the step's worst ratio per family and (family, layer) group, NaN where no law is
+        checked.  Raises ``ValueError`` naming a parameter without a gradient and the laws that read it
+        (``grad_check_ignore`` leaves those laws out)."""
+        dev = self._fam_of.device
+        out = torch.full((self.width,), float("nan"), dtype=torch.float64, device=dev)
+        if self.check is None:
+            return out.float()
+        names = self.plan.names
+        params = {n: named[n] for n in names}
+        grads = {n: named[n].grad for n in names}
+        prods = self.check.update(params, grads)
+        per_law = self.plan.segments(prods.ratio().to(torch.float64), "max")
+        nf = len(self.families)
+        out[:nf].scatter_reduce_(0, self._fam_of, per_law, "amax", include_self=False)
+        out[nf:].scatter_reduce_(0, self._grp_of, per_law, "amax", include_self=False)
+        return out.float()
+
+    def result(self) -> GradientCheck | None:
+        """The check over every checked step so far (``GradientCheck``; one host copy), None when no law is
+        checked."""
+        return self.check.result() if self.check is not None else None
+
+    def report(self) -> None:
+        """Warn once per newly flagged law (one ``GradientCheckWarning`` per call naming up to five of them)."""
+        if self.check is None or self.check.steps == 0:
+            return
+        res = self.check.result()
+        new = [c for c in res.flagged if c.name not in self.warned]
+        if not new:
+            return
+        self.warned.update(c.name for c in new)
+        worst = sorted(new, key=lambda c: -max(c.worst / c.floor, c.aggregate / c.aggregate_floor))
+        shown = "; ".join(f"{c.name} (layer {c.layer}; {', '.join(c.params)}): worst {c.worst:.2e} "
+                          f"(floor {c.floor:.1e}), aggregate {c.aggregate:.2e} (floor {c.aggregate_floor:.1e})"
+                          for c in worst[:5]) + (f"; ... ({len(new) - 5} more)" if len(new) > 5 else "")
+        note = ""
+        if any(c.family in self.assumed for c in new):
+            note = (" (the translation laws hold for softmax cross-entropy only, which detection assumed: if the loss "
+                    "is another, pass grad_check_ignore=['translation'])")
+        warn(f"conserve: the gradient is not a gradient of the model's output for {len(new)} law(s) "
+             f"({res.dtype} gradient, {res.steps} checked step(s)): {shown}{note}. Either {BUG}, or a method that "
+             f"changes the gradient on purpose ({'; '.join(KNOWN_METHODS)}); grad_check_ignore=[...] leaves laws out",
+             GradientCheckWarning)

@@ -1,0 +1,81 @@
+"""Structural detection of convolution laws (``conserve.detection.match.conv``) in forward code no type-based detector
+reads: a CNN written as its own module, with ``F.relu`` / ``F.max_pool2d`` / ``F.avg_pool2d`` between convolutions,
+``F.conv2d`` of a parameter, a BatchNorm / GroupNorm read by the next convolution, a flatten into a classifier.
+Every claimed law passes the first-order check on the ORIGINAL model (``test_detect_graph.hold``); planted wrong
+laws fail it; a channel read twice (a residual) is not claimed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conserve.detection import builders, detect
+from conserve.laws import ReLUUnit, Term
+from test_detect_graph import fail, hold, law, reasons
+from test_detect_torch import randomize
+
+
+class CNN(nn.Module):
+    """conv -> ReLU -> max-pool -> conv (or ``F.conv2d`` of a parameter) -> norm -> ReLU -> 1x1 conv -> avg-pool ->
+    flatten -> Linear; ``residual``: the first conv's output also added back (read twice)."""
+
+    def __init__(self, norm="bn", functional=False, residual=False):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(12) if norm == "bn" else nn.GroupNorm(3, 12)
+        self.c3 = nn.Conv2d(12, 6, 1)
+        self.fc = nn.Linear(6 * 9, 5)
+        self.functional, self.residual = functional, residual
+        if functional:
+            self.w2 = nn.Parameter(torch.randn(12, 8, 3, 3) * 0.2)
+        else:
+            self.c2 = nn.Conv2d(8, 12, 3)
+
+    def forward(self, x):
+        h = F.relu(self.c1(x))
+        if self.residual:
+            h = h + self.c1(x)
+        h = F.max_pool2d(h, 2)
+        h = F.conv2d(h, self.w2) if self.functional else self.c2(h)
+        h = F.relu(self.norm(h))
+        h = F.avg_pool2d(self.c3(h), 2)
+        return self.fc(h.flatten(1))
+
+
+def images():
+    return torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("norm", ["bn", "gn"])
+@pytest.mark.parametrize("functional", [False, True])
+def test_cnn_channel_laws(norm, functional):
+    m = randomize(CNN(norm, functional)).eval()
+    x = images()
+    found = detect(m, example_inputs=x, loss="ce")
+    assert found.detector == "graph" and found.undetected == [], (found.detector, found.undetected)
+    c2, w2 = ("w2", "w2") if functional else ("c2", "c2.weight")
+    assert {l.name for l in found.laws} == {f"c1-{c2}/unit", "c3-fc/gram", "norm/gain", "fc/translation"}
+    assert law(found, f"c1-{c2}/unit").params == ("c1.weight", "c1.bias", w2)  # ReLU, max-pool between
+    assert law(found, "c3-fc/gram").family == "deep_linear"  # average pooling and flatten mix no channels
+    assert law(found, "norm/gain").params == ("norm.weight", "norm.bias", "c3.weight")
+    if not functional:
+        assert "before" in reasons(found)["c2"] and "normalised by 'norm'" in reasons(found)["c2"]
+    hold(m, found, x)
+    # the same law with the channels of the reader shifted by one fails
+    up = builders.ChannelMap("c1.weight", (8, 3, 3, 3), "c1.bias")
+    down = builders.ChannelMap(w2, (12, 8, 3, 3))
+    terms = [Term("norm", r, +1.0, offset=e) for e, r in up.out_pieces(0, 7)] + \
+        [Term("norm", r, -1.0, offset=e) for e, r in down.in_pieces(1, 7)]  # channel c against reader channel c + 1
+    shifted = ReLUUnit("shifted", None, terms, 7)
+    fail(m, {"shifted channels": shifted}, x)
+
+
+def test_channels_read_twice_are_not_claimed():
+    m = randomize(CNN(residual=True)).eval()
+    x = images()
+    found = detect(m, example_inputs=x, loss="ce")
+    assert not any(l.params[0] == "c1.weight" for l in found.laws)
+    assert "c1" in reasons(found) and found.undetected == []
+    hold(m, found, x)

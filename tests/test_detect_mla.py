@@ -1,0 +1,248 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA; spec ``shared/spec/laws.md``, "Multi-head latent attention").
+
+* ``conserve.discover`` on a tiny plain-torch MLA block (HF ``DeepseekV3Attention``'s names and math, eps = 0
+  norms) finds exactly the laws the detector builds (``conserve.detection.hf.mla.mla_laws``): the same span, all
+  of the block's laws by ``conserve.count``;
+* HF DeepSeek-V3 (and V2) detection: every law passes the float64 first-order check on the model's own code,
+  planted wrong readings (the other RoPE pairing, a QK Gram over the rotary dims, a per-head RoPE law, a kv gain
+  law without the value rows) fail it, the latent scale laws follow the norms' eps.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import conserve
+from conserve.detection import Collector, detect
+from conserve.detection.hf.mla import mla_laws
+from conserve.kernels import evaluate_reference
+from conserve.laws import GainBalance, QKGram, RopePairs, compile_laws, rows
+
+T = pytest.importorskip("transformers")
+from test_detect_hf import TINY, build, check, logits_model, randomize  # noqa: E402
+
+A = "model.layers.0.self_attn"
+WRONG = 1e-6
+
+
+# ----------------------------------------------------------------------------------- a plain MLA block
+class RMSNorm(nn.Module):
+    def __init__(self, n, eps=0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def rotate(x, interleaved: bool):
+    """RoPE on the last dim: pairs {2p, 2p+1} (interleaved, DeepSeek) or {p, p + R/2}."""
+    t, half = x.shape[-2], x.shape[-1] // 2
+    ang = torch.arange(t, dtype=x.dtype)[:, None] / 10000 ** (torch.arange(half, dtype=x.dtype) / half)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+
+
+class MLA(nn.Module):
+    """DeepSeek MLA with HF's attribute names: q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa (latent +
+    shared rotary key) -> kv_a_layernorm -> kv_b_proj (per head [k_nope | v]); o_proj. Causal softmax attention."""
+
+    def __init__(self, hidden=4, heads=2, q_lora_rank=2, kv_lora_rank=2, nope=1, rope=4, v=1, eps=0.0,
+                 interleaved=True):
+        super().__init__()
+        self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = heads, nope, rope, v
+        self.q_lora_rank, self.kv_lora_rank, self.interleaved = q_lora_rank, kv_lora_rank, interleaved
+        self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(q_lora_rank, heads * (nope + rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (nope + v), bias=False)
+        self.o_proj = nn.Linear(heads * v, hidden, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h, dn, dr = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, t, h, -1).transpose(1, 2)
+        q_pass, q_rot = q.split([dn, dr], -1)
+        kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, dr], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv)).view(b, t, h, -1).transpose(1, 2)
+        k_pass, v = kv.split([dn, self.v_head_dim], -1)
+        k_rot = rotate(k_rot[:, None], self.interleaved).expand(-1, h, -1, -1)
+        q = torch.cat([q_pass, rotate(q_rot, self.interleaved)], -1)
+        k = torch.cat([k_pass, k_rot], -1)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(dn + dr)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        return self.o_proj((att @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class Holder(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.attn = MLA(**kw)
+
+    def forward(self, x):
+        return self.attn(x)
+
+
+def detector_laws(block: Holder, interleaved=True):
+    """The laws ``mla_laws`` (the HF detector's MLA part) builds for the plain block."""
+    c = Collector(block, {"rope_layout": "interleaved" if interleaved else "half"})
+    mla_laws(c, "attn", block.attn, 0, SimpleNamespace(num_attention_heads=block.attn.num_heads))
+    return c.laws, c.declined
+
+
+def law_jacobian(laws, params: dict) -> torch.Tensor:
+    """Rows: the gradients of every scalar component of ``laws`` (upper triangles of Gram laws) at ``params``."""
+    names = list(params)
+    out = []
+    for law in laws:
+        c = compile_laws([law], {k: tuple(v.shape) for k, v in params.items()})
+        vec, grams = evaluate_reference(c.plan, [params[n] for n in c.names], fp64=True)
+        h = c.split(vec, grams)[0]
+        comps = h[torch.triu_indices(*h.shape).unbind()] if h.dim() == 2 else h.reshape(-1)
+        for x in comps:
+            g = torch.autograd.grad(x, [params[n] for n in names], retain_graph=True, allow_unused=True)
+            out.append(torch.cat([(t if t is not None else torch.zeros_like(params[n])).reshape(-1)
+                                  for t, n in zip(g, names)]))
+    return torch.stack(out)
+
+
+def rank(m: torch.Tensor) -> int:
+    s = torch.linalg.svdvals(m)
+    return int((s > 1e-9 * s[0]).sum())
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_discover_finds_exactly_the_detector_laws():
+    torch.manual_seed(0)
+    block = Holder(nope=2, v=2).double()  # 2 x 2 head Grams (1 x 1 ones read as balances)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    found = conserve.discover(block, x, seed=0, pairs="within", ansatz="structured")
+    # 2 heads x (3 QK + 3 VO) + 2 rotary pairs + 2 + 2 gains + 2 scale laws, and nothing else (conserve.count)
+    assert found.complete and found.independent == 20, found.markdown()
+    kinds = sorted(d.match for d in found.laws)
+    assert kinds == sorted(["head Gram"] * 2 + ["deep linear / VO Gram"] * 2 + ["gain balance"] * 4
+                           + ["rotary pair"] * 2 + ["new"] * 2), kinds
+    assert all(d.ok for d in found.laws)
+    laws, declined = detector_laws(block)
+    assert declined == [] and {x.family for x in laws} == {"qk", "vo", "rope_pair", "gain", "norm_scale"}
+    for law in laws:
+        assert conserve.verify(block, [law], x)[0].ok, law.name
+    g = torch.Generator().manual_seed(3)
+    params = {k: torch.randn(v.shape, generator=g, dtype=torch.float64).requires_grad_(True)
+              for k, v in block.named_parameters()}
+    mine, theirs = law_jacobian(laws, params), law_jacobian(found.tracked_laws(), params)
+    assert rank(mine) == rank(theirs) == rank(torch.cat([mine, theirs])) == 20  # the same law space
+
+
+def test_rope_pairs_are_summed_over_all_heads_and_follow_the_layout():
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    for interleaved in (True, False):
+        block = Holder(interleaved=interleaved).double()
+        laws, _ = detector_laws(block, interleaved)
+        rope = next(x for x in laws if x.family == "rope_pair")
+        assert rope.size == 2 and len({t.ref.param for t in rope.terms}) == 2
+        assert conserve.verify(block, [rope], x)[0].ok
+        other, _ = detector_laws(block, not interleaved)
+        assert conserve.verify(block, [next(x for x in other if x.family == "rope_pair")], x)[0].first_order > WRONG
+    # per head (head 0's rotary rows alone against the shared key rows): wrong, the key is shared by all heads
+    block = Holder().double()
+    q = [("attn.q_b_proj.weight", (6 * 2, 2), None, [1 + t for t in range(4)], False)]
+    k = [("attn.kv_a_proj_with_mqa.weight", (6, 4), None, [2 + t for t in range(4)], False)]
+    from conserve.detection import builders
+
+    per_head = builders.rope_pair_law("bad", 0, q=q, k=k, pairs=builders.rope_pairs(4, "interleaved"))
+    assert conserve.verify(block, [per_head], x)[0].first_order > WRONG
+
+
+@pytest.fixture(scope="module")
+def v3():
+    m = logits_model(build("deepseek_v3", qk_rope_head_dim=4))
+    return m, detect(m)
+
+
+def test_hf_deepseek_v3_laws_hold(v3):
+    m, d = v3
+    assert d.detector == "hf" and d.undetected == []
+    assert d.families() == {"qk": 4, "vo": 4, "rope_pair": 1, "gain": 5, "swiglu": 5, "translation": 1}
+    names = {x.name for x in d.laws}
+    assert {f"{A}/qk/head0", f"{A}/vo/head3", f"{A}/rope", f"{A}.q_a_layernorm/gain", f"{A}.kv_a_layernorm/gain",
+            "model.layers.0.input_layernorm/gain"} <= names
+    worst = {x.name: check(m, x) for x in d.laws}
+    assert max(worst.values()) <= 1e-10, {k: v for k, v in worst.items() if v > 1e-10}
+    reasons = {x.module: x.reason for x in d.declined}
+    assert "eps=1e-06" in reasons[f"{A}.q_a_proj/norm_scale"] and "approximate=True" in reasons[f"{A}.q_a_proj/norm_scale"]
+
+
+def test_hf_deepseek_v3_planted_wrong_laws_fail(v3):
+    m, d = v3
+    law = {x.name: x for x in d.laws}
+    nh, dn, dr, dv, rq, rkv, h = 4, 4, 4, 4, 8, 6, 16
+    qd = dn + dr
+    bad = [
+        law_of(detect(m, rope_layout="half"), f"{A}/rope"),  # the other pairing
+        # a QK Gram over the whole head (no-RoPE and rotary dims), as for an attention without RoPE
+        QKGram.build("bad", 0, plus=[rows(f"{A}.q_b_proj.weight", (nh * qd, rq), 0, qd)],
+                     minus=[rows(f"{A}.kv_b_proj.weight", (nh * (dn + dv), rkv), 0, qd)]),
+    ]
+    gain = law[f"{A}.kv_a_layernorm/gain"]
+    # the kv latent gain read by head 0's key rows of kv_b_proj only (every key and value row reads it)
+    bad.append(GainBalance(gain.name, 0, [gain.terms[0]] + [
+        type(gain.terms[1])("norm", type(gain.terms[1].ref)(f"{A}.kv_b_proj.weight", (0, 0), 1, rkv, 0, dn), -1.0)],
+        rkv))
+    bad.append(RopePairs.build("bad", 0, q_weight=f"{A}.q_b_proj.weight", q_shape=(nh * qd, rq), q_starts=[dn],
+                               k_weight=f"{A}.kv_a_proj_with_mqa.weight", k_shape=(rkv + dr, h), k_starts=[rkv],
+                               rotary_dim=dr, layout="interleaved"))  # head 0 only
+    for x in bad:
+        assert check(m, x) > WRONG, x
+
+
+def law_of(d, name):
+    return next(x for x in d.laws if x.name == name)
+
+
+def test_hf_latent_scale_laws_follow_eps():
+    m = logits_model(build("deepseek_v3"))
+    attn = m.model.layers[0].self_attn
+    assert "norm_scale" not in detect(m).families()
+    approx = [x for x in detect(m, approximate=True).laws if x.family == "norm_scale"]
+    assert len(approx) == 2 and all("approximate" in x.note for x in approx)
+    assert 1e-13 < max(check(m, x) for x in approx) < 1e-4  # really approximate: the check sees eps = 1e-6
+    attn.q_a_layernorm.variance_epsilon = attn.kv_a_layernorm.variance_epsilon = 0.0
+    exact = [x for x in detect(m).laws if x.family == "norm_scale"]
+    assert {x.name for x in exact} == {f"{A}.q_a_proj/norm_scale", f"{A}.kv_a_proj_with_mqa/norm_scale"}
+    for x in exact:
+        assert check(m, x) <= 1e-10, x.name
+
+
+def test_hf_variants_and_meta_device():
+    """q_lora_rank=None (q_proj), attention biases, DeepSeek-V2 (complex RoPE, softmax router), and detection from
+    shapes only (meta device) giving the same laws."""
+    for over in ({"q_lora_rank": None}, {"attention_bias": True}):
+        m = logits_model(build("deepseek_v3", **over))
+        d = detect(m)
+        assert d.undetected == [] and d.families()["qk"] == 4 and d.families()["rope_pair"] == 1, (over, d.families())
+        assert max(check(m, x) for x in d.laws) <= 1e-10, over
+    with torch.device("meta"):
+        meta = build("deepseek_v3", qk_rope_head_dim=4)
+    real = detect(logits_model(build("deepseek_v3", qk_rope_head_dim=4)))
+    assert detect(meta).laws == real.laws
+    if not hasattr(T, "DeepseekV2Config"):
+        return
+    cfg = T.DeepseekV2Config(**TINY, num_key_value_heads=4, moe_intermediate_size=6, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=8,
+                             kv_lora_rank=6, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, n_shared_experts=1)
+    torch.manual_seed(0)
+    m = logits_model(randomize(T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                                  experts_implementation="eager").eval()))
+    d = detect(m)
+    assert d.detector == "hf" and d.undetected == []
+    assert {"qk", "vo", "rope_pair", "gain", "swiglu", "router_sum"} <= set(d.families())
+    assert max(check(m, x) for x in d.laws) <= 1e-10

@@ -1,0 +1,161 @@
+"""The tracker's gradient check (``check_gradients=True``): the row columns, the warning at flush, the fused
+optimizers, the integrations' dtype and ``conserve run --check-gradients``."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import conserve
+from conserve.integrations._run import grad_dtype_of
+from conserve.models import DecoderLM, LMConfig
+from conserve.tracking.gradients import GradientCheckWarning
+
+CFG = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=24, max_position_embeddings=16)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return DecoderLM(LMConfig(**CFG))
+
+
+def _train(opt, m, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, CFG["vocab_size"], (4, 12), generator=g)
+        opt.zero_grad()
+        logits = m(x)
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
+        opt.step()
+
+
+def _rows(opt):
+    return opt.tracker.flush() if hasattr(opt, "tracker") else opt.flush()
+
+
+def test_clean_gradients_stay_silent_and_fill_the_columns_on_the_cadence():
+    m = _model()
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), m, every=100,
+                         check_gradients=True, loss="ce", drift_every=2)
+    tr = opt.tracker
+    cols = [k for k in tr.metric_names if k.startswith("grad_check/")]
+    assert "grad_check/vo" in cols and "grad_check/vo/layer0" in cols and "grad_check/translation" in cols
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        _train(opt, m, 4)
+        rows = tr.flush()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:  # checked on steps 1, 3 (the drift cadence); NaN on the others
+        v = r["grad_check/swiglu"]
+        assert (0 <= v < 1e-5) if r["step"] % 2 == 1 else math.isnan(v), (r["step"], v)
+    res = tr.gradient_check()
+    assert res.ok and res.steps == 2 and {c.family for c in res.laws} >= {"vo", "swiglu", "gain", "translation"}
+    opt.close()
+
+
+def test_a_hook_on_one_layers_o_proj_gradient_is_flagged_at_flush_with_its_family_and_layer():
+    m = _model()
+    m.layers[0].self_attn.o_proj.weight.register_hook(lambda g: g * 1.5)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True, loss="ce")
+    _train(opt, m, 2)
+    with pytest.warns(GradientCheckWarning, match=r"vo.*layer 0") as rec:
+        rows = opt.tracker.flush()
+    msg = str(rec[0].message)
+    assert "o_proj" in msg and "a bug in the gradient" in msg and "clip_grad_value_" in msg
+    flagged = opt.tracker.gradient_check().flagged
+    assert flagged and {(c.family, c.layer) for c in flagged} == {("vo", 0)}
+    assert rows[0]["grad_check/vo/layer0"] > 100 * rows[0]["grad_check/vo/layer1"]
+    with warnings.catch_warnings():  # warned once per law
+        warnings.simplefilter("error", GradientCheckWarning)
+        _train(opt, m, 1)
+        opt.tracker.flush()
+    opt.close()
+
+
+def test_the_fused_optimizer_checks_the_gradient_before_its_decay():
+    m = _model()
+    opt = conserve.optim.FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, track=m, check_gradients=True,
+                                    loss="ce", every=100, drift_every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        _train(opt, m, 2)
+        opt.flush()  # decoupled decay inside the step: not in the checked gradient
+    assert opt.tracker.gradient_check().ok
+    for p in m.parameters():  # coupled L2 folded into p.grad: every quadratic law sees it
+        p.register_hook(lambda g, p=p: g + 0.1 * p.detach())
+    _train(opt, m, 1)
+    with pytest.warns(GradientCheckWarning):
+        opt.flush()
+    fams = {c.family for c in opt.tracker.gradient_check().flagged}
+    assert {"vo", "swiglu"} <= fams
+    opt.close()
+
+
+def test_the_translation_law_assumed_by_detection_is_checked_with_a_note():
+    m = _model()
+    m.lm_head.weight.register_hook(lambda g: g + 1e-2)  # a constant over the vocabulary: translation and the gain
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True)
+    _train(opt, m, 1)
+    with pytest.warns(GradientCheckWarning, match="detection assumed"):
+        opt.tracker.flush()
+    opt.close()
+    m = _model()
+    m.lm_head.weight.register_hook(lambda g: g + 1e-2)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True,
+                         grad_check_ignore=["translation", "lm_head.*"])  # a family; a parameter pattern
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        _train(opt, m, 1)
+        opt.tracker.flush()
+    res = opt.tracker.gradient_check()
+    assert not any("lm_head.weight" in c.params for c in res.laws) and any("ignored" in why for _, why in res.skipped)
+    opt.close()
+
+
+def test_without_the_check_the_rows_have_no_columns_and_nothing_is_read():
+    m = _model()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100)
+    assert not any(k.startswith("grad_check/") for k in opt.tracker.metric_names)
+    assert opt.tracker.gradient_check() is None
+    _train(opt, m, 1)
+    assert not any(k.startswith("grad_check/") for k in opt.tracker.flush()[0])
+    opt.close()
+
+
+def test_a_missing_gradient_names_the_laws_and_the_fix():
+    m = _model()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True, loss="ce")
+    m.layers[1].mlp.down_proj.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj\.weight.*ignore"):
+        _train(opt, m, 1)
+    opt.close()
+
+
+def test_mixed_precision_sets_the_floors_dtype():
+    assert grad_dtype_of("bf16-mixed", {"check_gradients": True})["grad_dtype"] == "bfloat16"
+    assert grad_dtype_of("16-mixed", {"check_gradients": True})["grad_dtype"] == "float16"
+    assert "grad_dtype" not in grad_dtype_of("32-true", {"check_gradients": True})
+    assert grad_dtype_of("bf16", {"check_gradients": True, "grad_dtype": "float32"})["grad_dtype"] == "float32"
+    assert grad_dtype_of("bf16", {}) == {}
+    m = _model()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, check_gradients=True, grad_dtype="bfloat16")
+    assert opt.tracker.grad_watch.check.dtype == "bfloat16"
+    opt.close()
+
+
+def test_conserve_run_check_gradients(tmp_path, capsys):
+    from conserve.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--steps", "3", "--every", "3", "--no-progress", "--check-gradients",
+                 "--size", "tiny"]) == 0
+    text = capsys.readouterr().out
+    assert "gradient check (float32 gradient, 3 steps" in text and "0 of" in text
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["grad_check/swiglu"] < 1e-5 for r in recs)
+    assert json.loads((out / "config.json").read_text())["check_gradients"] is True
