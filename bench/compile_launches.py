@@ -171,7 +171,7 @@ EXCEPTIONS: list = [
     ("_rowcol_kernel", dict(FP64=False, BS=32, BF=256, BILINEAR=False, STAGES=3), dict(spill=32),
      "the default fp16 norm tiles ([32, 256], 8 warps, 3 stages, as bf16's): triton 3.8 spills a few "
      "registers of the fp16 -> fp32 conversion"),
-    ("_step_kernel", dict(FP64=True, STATS=True), dict(spill=512),
+    ("step_kernel", dict(FP64=True, STATS=True), dict(spill=512),
      "fp64 statistics: seven [BR, CB] fp64 column-sum accumulators (COLS and LIN) of 4 warps beside the "
      "update; the step tiles are step_runner._tiles'"),
 ]

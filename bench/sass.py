@@ -165,7 +165,7 @@ def cases(kernels):
                           LOWP=lowp, STATS=stats, COLS=cols, LIN=False, FP64=False, RB=RB, BR=BR, CB=CB,
                           ALIGN=16 // es)
                 what = "untracked" if not stats else ("row stats" if not cols else "row+col stats")
-                out.append(("adamw step", f"{dt} [{BR},{CB}] {what}", step._step_kernel, types, ce, 4))
+                out.append(("adamw step", f"{dt} [{BR},{CB}] {what}", step.step_kernel, types, ce, 4))
     return out
 
 

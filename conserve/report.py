@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import UsageError
+from .laws.base import Law
 
 
 def json_safe(x):
@@ -731,6 +732,9 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
     (``run_status``) and ``stop`` = its parts; a torn last metrics line (``Records.truncated``) a note."""
     extra = dict(extra or {})
     fams = summarize(records, totals, broken_by, config)
+    grads = gradient_check(records, config)
+    if grads:
+        extra["gradient_check"] = grads
     stop = run_status(records, config, extra.pop("stopped", None) or None)
     notes = [n for n in [*(extra.pop("notes", None) or []), truncated_note(records)] if n]
     summary = {"config": config, "steps": records[-1]["step"] if records else 0,
@@ -805,11 +809,56 @@ def write_summary(run_dir: Path, records: list[dict], config: dict, totals: dict
               "Plots: `eps.png` (eps and its control beside the loss; decomposed steps ticked; eps jumps at loss",
               "spikes marked), `drift.png` (per-step terms, residual and rounding floor; verdict key per panel),",
               "`layers.png` (final eps per family and layer against the family's control)."]
+    if grads:
+        lines += ["", "## Gradient check", "",
+                  "Per family, over the checked steps: the worst ratio |<grad h, g>| / (|grad h| |g|) of any law entry "
+                  "(zero for a gradient of the model's output, up to rounding) against the floor of the gradient's "
+                  "dtype (README 'Check that a gradient is a gradient'; the run's warning names any flagged law).", "",
+                  "| family | checked steps | worst ratio | floor | reading |", "|---|---|---|---|---|"]
+        for f, g in grads.items():
+            if not g["checked_steps"]:
+                reading = "not checked"
+            elif g["steps_above"]:
+                reading = (f"above the floor at {g['steps_above']} of {g['checked_steps']} checked steps: not a gradient "
+                           "of the output for some law (a bug, or a method that changes the gradient on purpose)")
+            else:
+                reading = f"at rounding level ({g['worst'] / g['floor']:.2g}x the {g['dtype']} floor)"
+            lines.append(f"| {f} | {g['checked_steps']} | {_fmt(g['worst'])} | {_fmt(g['floor'])} | {reading} |")
     if extra.get("declined"):
         lines += ["", "## Blocks without a law", ""] + [f"- `{d['module']}` ({d['block']}): {d['reason']}"
                                                          for d in extra["declined"]]
     Path(run_dir, "summary.md").write_text("\n".join(lines) + "\n")
     return summary
+
+
+def _linear_families() -> set[str]:
+    """Families of the linear laws (router sums, translation), whose gradient-check floor is the linear one."""
+    out, todo = set(), [Law]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.linear and getattr(cls, "family", None):
+            out.add(cls.family)
+    return out
+
+
+def gradient_check(records: list[dict], config: Mapping | None) -> dict:
+    """Per family with ``grad_check/<family>`` columns (``Tracker(check_gradients=True)``): the checked steps,
+    the worst per-entry ratio over them, the floor of the gradient's dtype (``config["grad_dtype"]``, else
+    the weights' dtype; ``conserve.analysis.gradcheck.floor``, the linear one for router and translation
+    laws) and the steps above it.  ``{}`` without such columns."""
+    from .analysis.gradcheck import floor
+
+    dtype = (config or {}).get("grad_dtype") or weight_dtype(config)
+    linear = _linear_families()
+    out = {}
+    for key in sorted({k for r in records for k in r if k.startswith("grad_check/") and k.count("/") == 1}):
+        vals = [r[key] for r in records if _finite(r.get(key))]
+        fam = key.split("/", 1)[1]
+        fl = floor(dtype, fam in linear)
+        out[fam] = {"checked_steps": len(vals), "worst": max(vals) if vals else None, "floor": fl, "dtype": dtype,
+                    "steps_above": sum(v > fl for v in vals)}
+    return out
 
 
 def eps_jumps(records: list[dict], window: int = 10) -> list[dict]:

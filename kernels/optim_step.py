@@ -26,7 +26,7 @@ This module is the public face of the step; each part lives in its own module:
   the update op by op as ``torch.optim`` does it; ``stats_reference``: the statistics with torch
   reductions; ``step_stats_reference``: both on blocks of whole rows);
 * ``step_runner``: ``step_triton``, the Triton path's host side (checks, launch layouts, launch);
-* ``step``: its ``@triton.jit`` kernels (``_step_kernel``, ``_finish_kernel``);
+* ``step``: its ``@triton.jit`` kernels (``step_kernel``, ``finish_kernel``);
 * ``step_fold``: the finish, the line statistics added into the plan's entries (``fold``,
   ``finish_reference``, ``finish_compact``).
 """

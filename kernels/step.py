@@ -1,7 +1,7 @@
 """Triton kernels of the fused optimizer step (the host side is ``step_runner.py``; the math and the
 torch twin are in ``optim_step.py`` / ``step_twin.py``).
 
-``_step_kernel``: one program per ``(tensor, batch entry, row block of RB rows, column block of CB
+``step_kernel``: one program per ``(tensor, batch entry, row block of RB rows, column block of CB
 columns)`` of the launch's tensors (``tables.STEP_PROG``), each read as its ``B x R x C`` matrix form
 at an element offset from the launch's base pointer (``tables.STEP_TENSOR``).  It reads ``param, grad``
 and the state buffers once per ``[BR, CB]`` tile, writes the new ``param`` and state, and, with
@@ -11,7 +11,7 @@ and the state buffers once per ``[BR, CB]`` tile, writes the new ``param`` and s
 
 (``Delta = new - a old``): row sums per tile into the partial buffer (one partial per column block),
 column sums accumulated elementwise over the program's row tiles and reduced once (one partial per
-row block).  ``_finish_kernel`` sums each slot's partials in float64, in a fixed order (no atomics:
+row block).  ``finish_kernel`` sums each slot's partials in float64, in a fixed order (no atomics:
 deterministic).
 
 Rounding: the update computes in fp32 and, for bf16/fp16 parameters, rounds to the storage dtype at
@@ -57,15 +57,9 @@ def _store_rows(part, NP, off, r, mr, s0, s1, s2, s3):
 
 
 @triton.jit
-def _adam(p, g, ea, es, step_size, bc2s, decay, wd, w1, beta2, omb2, eps,
-          DECOUPLED: tl.constexpr, HAS_WD: tl.constexpr, LOWP: tl.constexpr):
-    """One Adam / AdamW update of a tile: ``(param, exp_avg, exp_avg_sq)``, op by op as
+def _adam(p, g, ea, es, step_size, bc2s, w1, beta2, omb2, eps, LOWP: tl.constexpr):
+    """Adam's update of a tile after the weight decay: ``(param, exp_avg, exp_avg_sq)``, op by op as
     ``torch.optim._single_tensor_adam``."""
-    if HAS_WD:
-        if DECOUPLED:
-            p = _rnd(p * decay, LOWP)
-        else:
-            g = _rnd(g + wd * p, LOWP)
     if w1 < 0.5:  # torch's lerp: self + w*(end-self) for w < 0.5, else end - (end-self)*(1-w)
         ea = _rnd(ea + w1 * (g - ea), LOWP)
     else:
@@ -80,29 +74,15 @@ def _adam(p, g, ea, es, step_size, bc2s, decay, wd, w1, beta2, omb2, eps,
 
 
 @triton.jit
-def _sgd_direction(g, buf, fresh, momentum, omd, NESTEROV: tl.constexpr, LOWP: tl.constexpr):
-    """SGD with momentum: ``(direction, new momentum buffer)``; a fresh buffer takes the gradient."""
-    buf = _rnd(buf * momentum, LOWP)
-    buf = _rnd(buf + omd * g, LOWP)
-    buf = tl.where(fresh != 0, g, buf)
-    if NESTEROV:
-        g = _rnd(g + momentum * buf, LOWP)
-    else:
-        g = buf
-    return g, buf
-
-
-@triton.jit
-def _step_kernel(
+def step_kernel(
         # pointers: the launch's base tensor (every tensor is an element offset from it), the tensor table,
         # the per-tensor scalars, the program table, the partial sums
         base, tensors, scal, progs, part,
         # sizes: elements per quantity row of ``part``
         NP,
-        # hyper-parameters of the update (step_runner._hyper)
-        neg_lr, decay, wd, w1, beta2, omb2, eps, momentum, omd,
-        # the decay factor of the drift decomposition: a, a^2 - 1, a - 1
-        a, a2m1, am1,
+        # hyper-parameters (step_runner._hyper): -lr, 1 - lr wd, wd; the drift decomposition's decay factor
+        # a, a^2 - 1, a - 1; Adam's 1 - beta1, beta2, 1 - beta2, eps; SGD's momentum, 1 - dampening
+        neg_lr, decay, wd, a, a2m1, am1, w1, beta2, omb2, eps, momentum, omd,
         # meta-parameters of the update: algorithm (0: adam, 1: sgd) and its switches, storage rounding
         ALGO: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
         HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr, LOWP: tl.constexpr,
@@ -157,10 +137,14 @@ def _step_kernel(
         if MAXIMIZE:
             g = -g
         if ALGO == 0:  # adam / adamw
+            if HAS_WD:
+                if DECOUPLED:
+                    p = _rnd(p * decay, LOWP)
+                else:
+                    g = _rnd(g + wd * p, LOWP)
             ea = tl.load(base + m_off + e, mask=m, other=0.0).to(tl.float32)
             es = tl.load(base + v_off + e, mask=m, other=0.0).to(tl.float32)
-            p, ea, es = _adam(p, g, ea, es, step_size, bc2s, decay, wd, w1, beta2, omb2, eps, DECOUPLED, HAS_WD,
-                              LOWP)
+            p, ea, es = _adam(p, g, ea, es, step_size, bc2s, w1, beta2, omb2, eps, LOWP)
             tl.store(base + m_off + e, ea.to(base.dtype.element_ty), mask=m)
             tl.store(base + v_off + e, es.to(base.dtype.element_ty), mask=m)
         else:  # sgd
@@ -168,8 +152,14 @@ def _step_kernel(
                 g = _rnd(g + wd * p, LOWP)
             if HAS_MOM:
                 buf = tl.load(base + m_off + e, mask=m, other=0.0).to(tl.float32)
-                g, buf = _sgd_direction(g, buf, fresh, momentum, omd, NESTEROV, LOWP)
+                buf = _rnd(buf * momentum, LOWP)
+                buf = _rnd(buf + omd * g, LOWP)
+                buf = tl.where(fresh != 0, g, buf)  # a fresh buffer takes the gradient
                 tl.store(base + m_off + e, buf.to(base.dtype.element_ty), mask=m)
+                if NESTEROV:
+                    g = _rnd(g + momentum * buf, LOWP)
+                else:
+                    g = buf
             p = _rnd(p + neg_lr * g, LOWP)
         tl.store(base + p_off + e, p.to(base.dtype.element_ty), mask=m)
         if STATS:
@@ -215,7 +205,7 @@ def _step_kernel(
 
 
 @triton.jit
-def _finish_kernel(
+def finish_kernel(
         # pointers: the partial sums, the statistics, the finishing table (tables.STEP_FINISH)
         part, NP, stats, NS, table,
         # meta-parameters: columns per program; FP64 is not read

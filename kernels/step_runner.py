@@ -1,6 +1,6 @@
 """Host side of the fused optimizer step on the Triton path: ``step_triton`` checks its arguments, binds
-the tensors to a launch layout, allocates the partial sums and launches ``step._step_kernel`` (once per
-(group, dtype); twice when some tensor is not 16-byte aligned) and ``step._finish_kernel``.
+the tensors to a launch layout, allocates the partial sums and launches ``step.step_kernel`` (once per
+(group, dtype); twice when some tensor is not 16-byte aligned) and ``step.finish_kernel``.
 
 A *layout* (``_Layout``, built by ``_layout``) is the shape-only part of a launch: the program table
 (``tables.STEP_PROG``), the tensor table without its offsets (``tables.STEP_TENSOR``), the finishing
@@ -207,9 +207,10 @@ def _bind(lay: _Layout, h: Hyper, params, grads, bufs1, bufs2, steps) -> tuple[n
 
 def _hyper(h: Hyper) -> dict:
     """The kernel's hyper-parameter arguments (python floats: fp32 arguments on a GPU)."""
-    return dict(neg_lr=-float(h.lr), decay=1.0 - h.lr * h.weight_decay, wd=float(h.weight_decay), w1=1.0 - h.beta1,
-                beta2=float(h.beta2), omb2=1.0 - h.beta2, eps=float(h.eps), momentum=float(h.momentum),
-                omd=1.0 - h.dampening, a=float(h.a), a2m1=h.a * h.a - 1.0, am1=h.a - 1.0)
+    return dict(neg_lr=-float(h.lr), decay=1.0 - h.lr * h.weight_decay, wd=float(h.weight_decay),
+                a=float(h.a), a2m1=h.a * h.a - 1.0, am1=h.a - 1.0,
+                w1=1.0 - h.beta1, beta2=float(h.beta2), omb2=1.0 - h.beta2, eps=float(h.eps),
+                momentum=float(h.momentum), omd=1.0 - h.dampening)
 
 
 def _update_switches(h: Hyper, dtype: torch.dtype) -> dict:
@@ -246,7 +247,7 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
     if want:
         _check_stats(stats, [p.shape for p in params], reqs, dev)
     check_triton_device(dev)  # RuntimeError naming the fix, before triton is asked for a driver
-    from .step import _finish_kernel, _step_kernel
+    from .step import finish_kernel, step_kernel
 
     reqs = list(reqs) if want else [StatsRequest() for _ in params]
     lay = _cached_layout(cache, params, reqs, fresh, interpret)
@@ -263,7 +264,7 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
     # launch
     hyper, update = _hyper(h), _update_switches(h, base.dtype)
     for progs, align in _launches(lay, table, base, max(1, 16 // base.element_size())):
-        _step_kernel[(progs.shape[0],)](
+        step_kernel[(progs.shape[0],)](
             base, tab, sc, progs, part,  # pointers
             part.shape[1],  # sizes
             **hyper, **update,  # hyper-parameters, meta-parameters of the update
@@ -272,5 +273,5 @@ def step_triton(h: Hyper, params: Sequence[torch.Tensor], grads: Sequence[torch.
             num_warps=4 if not interpret else 1)
     if want and lay.finish is not None:
         BF = 256 if not interpret else 64
-        _finish_kernel[(lay.finish.shape[0], -(-lay.max_F // BF))](part, part.shape[1], stats, stats.shape[1],
-                                                                   lay.finish, BF=BF, FP64=fp64, num_warps=4)
+        finish_kernel[(lay.finish.shape[0], -(-lay.max_F // BF))](part, part.shape[1], stats, stats.shape[1],
+                                                                  lay.finish, BF=BF, FP64=fp64, num_warps=4)

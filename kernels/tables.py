@@ -78,7 +78,7 @@ class FINISH_BLOCK(_Table):
 
 
 class STEP_TENSOR(_Table):
-    """Tensors of a fused optimizer step (``step._step_kernel``; 16 columns, 3 spare): element
+    """Tensors of a fused optimizer step (``step.step_kernel``; 16 columns, 3 spare): element
     offsets of param, grad, first and second state buffer (0 when absent); matrix view ``R x C`` of
     ``B`` batches (``br = B*R``), row blocks ``nrb``; partial-buffer offsets of the row / column
     quadratic and linear statistics (-1: not requested); ``fresh``: SGD momentum not yet initialised."""

@@ -437,15 +437,14 @@ UNTRACEABLE: tuple = ()
 # Families the name-based handlers build and structural detection does not: the ||Q||^2 QK-norm scale laws
 # (eps = 0 only) and the post-norm scale laws (norm_scale).
 NOT_STRUCTURAL = {"qk_scale", "norm_scale"}
-NOT_STRUCTURAL_BY_NAME: dict = {}
-# Laws structural detection finds that the name-based handlers do not. DeepSeek-V3's MLA, declined whole by the
-# handler: V is a row block of kv_b_proj read only through attn @ v -> o_proj, so each kv group's VO Gram holds,
-# and the latent norms q_a_layernorm / kv_a_layernorm are read only by q_b_proj / kv_b_proj (gain laws); each
-# passes the first-order check. (BERT's last-layer output LayerNorm and Arcee's post-attention norm used to be
-# found here only; both detectors now build their gain laws: test_gains_read_only_by_linear_maps.)
-_MLA = "model.layers.0.self_attn"
-EXTRA: dict = {"deepseek_v3": {*(f"{_MLA}/vo/group{j}" for j in range(4)), f"{_MLA}.q_a_layernorm/gain",
-                               f"{_MLA}.kv_a_layernorm/gain"}}
+# Laws the name-based handlers find that structural detection does not read yet: DeepSeek-V3's MLA no-RoPE QK Gram
+# per head and its RoPE pairs summed over all heads against the one shared rotary key (conserve/detection/hf/mla.py;
+# spec "Multi-head latent attention"). Its VO Grams and latent-norm gain laws are found by both.
+NOT_STRUCTURAL_BY_NAME: dict = {"deepseek_v3": {"qk", "rope_pair"}}
+# Laws structural detection finds that the name-based handlers do not (none at present: BERT's last-layer output
+# LayerNorm, Arcee's post-attention norm and DeepSeek's MLA used to be found here only).
+EXTRA: dict = {}
+
 
 def fingerprint(laws, params):
     """{family: sorted law values}: two laws over the same rows / columns have the same value at random

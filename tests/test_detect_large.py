@@ -12,6 +12,9 @@ cos / sin the model computes from an ``inv_freq`` buffer, SwiGLU, a ``ModuleList
 * the laws found on the meta model track the materialised model (one SGD step, ``conserve.track``);
 * the block-by-block first-order check agrees with ``check.check_laws`` (true laws at rounding, planted wrong laws
   far above), and its law gradient with autograd through the kernels' reference twin;
+* torchtitan's Llama (complex ``freqs_cis`` buffer, interleaved RoPE, ``ModuleDict`` of layers) and a user MLP with
+  no repeated block, on the meta device, get the laws of their materialised twins;
+* a law read along a reduced axis (an entry per vocabulary row) is not mapped to the full size;
 * a block that cannot run on fake tensors (an op with no float64 kernel) and one that cannot run at all are
   handled per block, never by refusing the model.
 """
@@ -64,9 +67,9 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, nh, nkv):
+    def __init__(self, dim, nh, nkv, rope=True):
         super().__init__()
-        self.nh, self.nkv, self.hd = nh, nkv, dim // nh
+        self.nh, self.nkv, self.hd, self.rope = nh, nkv, dim // nh, rope
         self.q = nn.Linear(dim, nh * self.hd, bias=False)
         self.k = nn.Linear(dim, nkv * self.hd, bias=False)
         self.v = nn.Linear(dim, nkv * self.hd, bias=False)
@@ -77,7 +80,8 @@ class Attention(nn.Module):
         q = self.q(x).view(b, t, self.nh, self.hd).transpose(1, 2)
         k = self.k(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         v = self.v(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if self.rope:  # (a layer without RoPE: Llama 4's NoPE layers, same class and shapes)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(self.nh // self.nkv, dim=1)  # GQA: query head i reads kv head i // (nh / nkv)
         v = v.repeat_interleave(self.nh // self.nkv, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -109,25 +113,31 @@ class GPUOnly(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, dim, nh, nkv, ffn):
+    def __init__(self, dim, nh, nkv, ffn, rope=True, peek=None):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, nh, nkv)
+        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, nh, nkv, rope)
         self.mlp_norm, self.mlp = RMSNorm(dim), SwiGLU(dim, ffn)
+        self.peek = peek  # [a module of the model] read by attribute, not a submodule: e.g. the final norm
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
+        if self.peek:
+            x = x * self.peek[0].weight
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(nn.Module):
     """A Llama written in plain torch: nothing here has a name any detector knows."""
 
-    def __init__(self, vocab=64, dim=32, layers=2, nh=4, nkv=2, ffn=48, tied=False, gpu_only=()):
+    def __init__(self, vocab=64, dim=32, layers=2, nh=4, nkv=2, ffn=48, tied=False, gpu_only=(), nope=(),
+                 peek=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.rotary = Rotary(dim // nh)
-        self.layers = nn.ModuleList([GPUOnly(dim) if i in gpu_only else Layer(dim, nh, nkv, ffn) for i in range(layers)])
         self.norm = RMSNorm(dim)
+        self.layers = nn.ModuleList([GPUOnly(dim) if i in gpu_only else
+                                     Layer(dim, nh, nkv, ffn, rope=i not in nope, peek=[self.norm] if peek else None)
+                                     for i in range(layers)])
         self.head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.head.weight = self.embed.weight
@@ -199,21 +209,22 @@ def test_meta_model_above_the_old_probe_limit():
     gain = next(x for x in found.laws if x.name == "norm/gain")
     assert {(t.ref.param, t.ref.cols) for t in gain.terms if t.ref.param == "head.weight"} == {("head.weight", 128256)}
     unit = next(x for x in found.laws if x.name == "layers.7.mlp.up/unit")
-    assert unit.params == ("layers.7.mlp.up.weight", "layers.7.mlp.down.weight") and unit.size == 2816 and unit.layer == 7
+    assert unit.params == ("layers.7.mlp.up.weight", "layers.7.mlp.down.weight")
+    assert unit.size == 2816 and unit.layer == 7
 
 
 # ------------------------------------------------------------------------------------ materialised, large
-@pytest.mark.parametrize("vocab", [64, 300])
-def test_materialised_model_above_max_probe_params(vocab):
-    m = randomize(Llama(vocab=vocab))
+@pytest.mark.parametrize("vocab, tied", [(64, False), (300, False), (500, True)])
+def test_materialised_model_above_max_probe_params(vocab, tied):
+    m = randomize(Llama(vocab=vocab, tied=tied))
     whole = detect(m, loss="ce")
-    limit = 12_000  # below the model (2e4 / 4e4 parameters), above one layer (7.7e3)
+    limit = 12_000  # below the model (2e4 to 4e4 parameters), above one layer (7.7e3)
     assert sum(p.numel() for p in m.parameters()) > limit
     found = detect(m, loss="ce", max_probe_params=limit)
     assert found.detector == "graph:blocks" and any("above max_probe_params" in n for n in found.notes)
     assert {key(x) for x in found.laws} == {key(x) for x in whole.laws}
-    if vocab == 300:  # 2 x 300 x 32 parameters outside the blocks, above the limit: the vocabulary reduced
-        assert any("of size [300]" in n for n in found.notes), found.notes
+    if vocab > 64:  # the parameters outside the blocks above the limit: the vocabulary reduced (tied: one tensor)
+        assert any(f"of size [{vocab}]" in n for n in found.notes), found.notes
     hold(m, found, ids(vocab))
 
 
@@ -312,3 +323,49 @@ def test_block_that_cannot_run_is_declined_by_name():
     # the other layers and the parts outside the blocks are detected
     assert found.families() == {"rope_pair": 4, "vo": 4, "swiglu": 2, "gain": 5, "translation": 1}, found.families()
     assert found.undetected == []
+
+
+# ------------------------------------------------------------------------------------------ other layouts
+def test_torchtitan_llama_and_a_user_mlp_on_meta():
+    from graph_models import Llama as TorchtitanLlama, MyMLP
+
+    for cls, kw, x in ((TorchtitanLlama, {}, ids(vocab=17)), (MyMLP, {}, None)):
+        whole = detect(randomize(cls(**kw)), loss="ce")
+        with torch.device("meta"):
+            m = cls(**kw)
+        found = detect(m, loss="ce")
+        assert found.detector == "graph:blocks", cls
+        assert {key(x) for x in found.laws} == {key(x) for x in whole.laws} and found.laws, cls
+    assert found.families() == {"relu": 1, "translation": 1}
+
+
+def test_reduced_axis_read_entry_by_entry_is_not_mapped():
+    from conserve.detection.large import _unreduce
+
+    small, full = {"head.weight": (24, 8)}, {"head.weight": (128256, 8), "w.weight": (8, 24)}
+    per_row = SwiGLUUnit.build("rows", 0, up=rows("head.weight", (24, 8), 0, 24), down=cols("w.weight", (8, 24), 0, 24))
+    assert _unreduce(per_row, small, full) is None  # one entry per vocabulary row: no full-size law from it
+    part = QKGram.build("part", 0, plus=[cols("head.weight", (24, 8), 0, 4)],
+                        minus=[cols("head.weight", (24, 8), 4, 4)])
+    mapped = _unreduce(part, small, full)  # whole columns: contracted over the reduced axis
+    assert mapped is not None and {t.ref.cols for t in mapped.terms} == {128256}
+
+
+def test_layers_of_one_class_taking_other_code_paths_are_not_grouped():
+    m = randomize(Llama(layers=4, nope=(1, 3)))  # every other layer without RoPE: a QK Gram law there
+    whole = detect(m, loss="ce")
+    found = detect(meta(layers=4, nope=(1, 3)), loss="ce")
+    assert {key(x) for x in found.laws} == {key(x) for x in whole.laws}
+    assert found.families() == {"rope_pair": 4, "qk": 4, "vo": 8, "swiglu": 4, "gain": 9, "translation": 1}
+    assert any("4 block(s) in 2 group(s)" in n for n in found.notes), found.notes
+    hold(m, found, ids())
+
+
+def test_parameter_outside_the_blocks_read_inside_one_declines_its_law():
+    m = randomize(Llama(peek=True))  # every layer multiplies by the final norm's gain: its gain law is broken
+    whole = detect(m, loss="ce")
+    found = detect(meta(peek=True), loss="ce")
+    assert "norm/gain" not in {x.name for x in whole.laws} | {x.name for x in found.laws}
+    assert "inside a block's forward" in reasons(found)["norm/gain"]
+    assert {key(x) for x in found.laws} <= {key(x) for x in whole.laws}
+    hold(m, found, ids())

@@ -174,6 +174,22 @@ class LoralibLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + (x @ self.lora_A.T @ self.lora_B.T) * self.scaling
 
 
+class TorchtuneLoRALinear(nn.Module):
+    """torchtune ``LoRALinear``: its own ``weight`` / ``bias`` and ``lora_a`` / ``lora_b`` nn.Linear modules."""
+
+    def __init__(self, i, o, rank=2, alpha=4.0, dropout=0.1):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, i))
+        self.bias = nn.Parameter(torch.randn(o))
+        self.lora_a = nn.Linear(i, rank, bias=False)
+        self.lora_b = nn.Linear(rank, o, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.scaling = alpha / rank
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias) + self.scaling * self.lora_b(self.lora_a(self.dropout(x)))
+
+
 # ------------------------------------------------------------------------------------------ helpers
 def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
     """float64, every parameter (adapters included: PEFT zero-inits B) of unit scale."""
@@ -328,9 +344,9 @@ def test_trainable_base_laws_are_extended_with_the_adapters():
     assert first_order(m, base_only, x) > WRONG
 
 
-@pytest.mark.parametrize("kind", ["litgpt", "loralib"])
+@pytest.mark.parametrize("kind", ["litgpt", "loralib", "torchtune"])
 def test_plain_torch_lora_layers(kind):
-    layer = (lambda i, o: LitLoRALinear(i, o)) if kind == "litgpt" else (lambda i, o: LoralibLinear(i, o))
+    layer = {"litgpt": LitLoRALinear, "loralib": LoralibLinear, "torchtune": TorchtuneLoRALinear}[kind]
     m = randomize(nn.Sequential(layer(6, 10), nn.ReLU(), layer(10, 4)))
     d = detect(m)
     fam = d.families()

@@ -77,9 +77,9 @@ def test_sumsq_long_rows(dt):
 
 
 def test_triton_step_finish_sums_partials_in_float64():
-    """The step kernel's finishing pass (``_finish_kernel``): 2048 near-equal fp32 partials of a row
+    """The step kernel's finishing pass (``step.finish_kernel``): 2048 near-equal fp32 partials of a row
     summed to float64 rounding (a running fp32 sum is off by ~1e-6 here), for fp32 and fp64 stats."""
-    from conserve.kernels.step import _finish_kernel as finish
+    from conserve.kernels.step import finish_kernel as finish
 
     nrows, F = 2048, 3
     g = torch.Generator().manual_seed(1)

@@ -81,6 +81,29 @@ def _cases(rank, world):
         out["fsdp2"] = _summary(check_gradients(model, laws=laws, loss="ce")) | dict(sharded=sharded)
     except Exception as e:  # noqa: BLE001 - reported as the skip reason
         out["fsdp2"] = dict(skip=f"FSDP2 fully_shard on CPU gloo failed: {type(e).__name__}: {e}")
+        return out
+
+    # the tracker on the same FSDP2 model (a DistributedTracker: sharded parameters), checking on its cadence; a
+    # second run with one parameter's gradient summed instead of averaged over the ranks
+    for wrong in (False, True):
+        model = _model()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = conserve.track(torch.optim.SGD(model.parameters(), lr=1e-2), model, laws=laws, every=100,
+                             check_gradients=True, drift_every=2)
+        for step in range(3):
+            opt.zero_grad()
+            _ce(model, _batch(rank + 10 * step)).backward()
+            if wrong:  # summed over the ranks instead of averaged (each rank's shard of it)
+                model.layers[0].mlp.down_proj.weight.grad.mul_(world)
+            opt.step()
+        rows = opt.tracker.flush()
+        res = opt.tracker.gradient_check()
+        opt.close()
+        out["tracker_wrong" if wrong else "tracker"] = _summary(res) | dict(
+            kind=type(opt.tracker).__name__, steps=res.steps,
+            cols=[r.get("grad_check/swiglu") for r in rows] if rank == 0 else None)
     return out
 
 
@@ -135,6 +158,17 @@ def test_an_all_reduce_that_sums_one_tensor_of_a_law_is_flagged_at_that_law_and_
     for r in ranks.values():
         w = r["allreduce_wrong"]
         assert w["flagged"] == ["layers.0.mlp/unit"] and w["layers"] == [0] and w["families"] == ["swiglu"], w["text"]
+
+
+def test_the_distributed_tracker_checks_on_its_cadence_and_flags_a_wrong_reduction(ranks):
+    if "skip" in ranks[0]["fsdp2"]:
+        pytest.skip(ranks[0]["fsdp2"]["skip"])
+    for rank, r in ranks.items():
+        t, w = r["tracker"], r["tracker_wrong"]
+        assert t["kind"] == "DistributedTracker" and t["steps"] == 2 and t["ok"], t["text"]
+        assert w["flagged"] == ["layers.0.mlp/unit"] and w["families"] == ["swiglu"], w["text"]
+    cols = ranks[0]["tracker"]["cols"]  # steps 1 and 3 checked (drift_every=2), step 2 not: NaN
+    assert len(cols) == 3 and 0 <= cols[0] < 1e-5 and cols[1] != cols[1] and 0 <= cols[2] < 1e-5, cols
 
 
 def test_fsdp2_gradient_gathered_whole_stays_silent(ranks):

@@ -159,3 +159,30 @@ def test_conserve_run_check_gradients(tmp_path, capsys):
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["grad_check/swiglu"] < 1e-5 for r in recs)
     assert json.loads((out / "config.json").read_text())["check_gradients"] is True
+    summary = (out / "summary.md").read_text()
+    assert "## Gradient check" in summary and "| swiglu | 3 |" in summary and "at rounding level" in summary
+    g = json.loads((out / "summary.json").read_text())["gradient_check"]["translation"]
+    assert g["checked_steps"] == 3 and g["steps_above"] == 0 and g["floor"] > 1e-6  # the linear laws' floor
+
+
+def test_the_report_reads_a_flagged_step_from_the_rows(tmp_path):
+    from conserve.report import gradient_check
+
+    rows = [{"step": 1, "grad_check/vo": 1e-8}, {"step": 2, "grad_check/vo": float("nan")},
+            {"step": 3, "grad_check/vo": 3e-3, "grad_check/vo/layer0": 3e-3}]
+    got = gradient_check(rows, {"param_dtype": "float32"})
+    assert list(got) == ["vo"] and got["vo"]["checked_steps"] == 2 and got["vo"]["steps_above"] == 1
+    assert gradient_check(rows, {"grad_dtype": "bfloat16"})["vo"]["steps_above"] == 0  # bf16's floor is 7.8e-3
+
+
+def test_a_detection_made_with_the_loss_names_it_and_one_without_assumes_it():
+    m = _model()
+    named = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, laws=conserve.detect(m, loss="ce"),
+                           check_gradients=True)
+    assumed = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, laws=conserve.detect(m),
+                             check_gradients=True)
+    assert conserve.detect(m, loss="ce").loss == "ce" and conserve.detect(m).loss is None
+    assert named.tracker.grad_watch.assumed == [] and assumed.tracker.grad_watch.assumed == ["translation"]
+    assert any(l.family == "translation" for l in named.tracker.grad_watch.laws)
+    named.close()
+    assumed.close()

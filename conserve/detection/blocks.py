@@ -11,7 +11,7 @@ float64 kernel such as ``torch._grouped_mm``, routing that decides which Python 
    declined.
 2. The whole float64 probe again, with the failing modules made opaque: a module whose forward torch.fx cannot
    trace is kept as one call (it runs as it is, in float64, in the graph and in the check); a module that cannot
-   run in float64 is replaced by a parameter-free stand-in (``_Opaque``: a fixed non-linear function of all its
+   run in float64 is replaced by a parameter-free stand-in (``Opaque``: a fixed non-linear function of all its
    floating inputs with the shapes of its recorded output). Both are an ``opaque`` op to the block finders, so
    a law needing to know what reads a value (a gain, an MLP, a translation law) is declined where one of them
    reads it; the parameters inside them are not part of the whole graph's laws. The rest of the model is
@@ -43,19 +43,26 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..laws import Declined
-from .core import Collector, Detection, _prefixed
+from ..laws.tolerance import TOL
+from .check import check_laws
+from .core import Collector, Detection, prefixed
+from .fxgraph import Graph
+from .ongraph import detect_on, param_modules
+from .probe import make_probe, no_cache, synth_inputs
+from .rewrite import baddbmm_to_matmul, casts_to_float64, einsum_to_matmul
 from .torchnn import layer_index
+from .trace import TraceError, reproduces, trace
 
 MAX_DEPTH = 4
 MAX_OPAQUE = 12
 
 
-def _short(e: BaseException | str, n: int = 240) -> str:
+def short_error(e: BaseException | str, n: int = 240) -> str:
     s = str(e).splitlines()[0] if str(e) else type(e).__name__
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-class _Opaque(nn.Module):
+class Opaque(nn.Module):
     """Stand-in for a module that cannot run in float64: no parameters; each floating output, with the shape the
     module's output had in the concrete forward, is ``tanh`` of the input of that shape (else a constant) times
     ``1 + tanh(s)``, ``s`` the sum of ``mean(tanh(x))`` over every floating input x: every input reaches every
@@ -103,7 +110,7 @@ def _detached(tree):
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _to64(tree):
+def tree_to_float64(tree):
     """Floating tensors float64, complex ones complex128, all on CPU (the probe's inputs)."""
 
     def cast(t):
@@ -119,24 +126,38 @@ def _to64(tree):
     return tree_map(cast, tree)
 
 
-class _Reads(TorchFunctionMode):
-    def __init__(self, names: dict, stack: list, reads: dict):
+class Reads(TorchFunctionMode):
+    """Which modules run (``stack``) when each parameter is read (``reads``: name -> set of stacks). With ``ops``:
+    also, per unit path of ``units`` on the stack (not in ``paused``), the sequence of torch calls made there
+    (function, argument shapes and dtypes, scalar arguments): what ``large`` groups blocks by."""
+
+    def __init__(self, names: dict, stack: list, reads: dict, units=(), ops: dict | None = None,
+                 paused: set | None = None):
         super().__init__()
         self.names, self.stack, self.reads = names, stack, reads
+        self.units, self.ops, self.paused = set(units), ops, paused if paused is not None else set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for a in tree_leaves((args, kwargs)):
+        leaves = tree_leaves((args, kwargs))
+        for a in leaves:
             if isinstance(a, nn.Parameter) and id(a) in self.names:
                 for k in self.names[id(a)]:
                     self.reads.setdefault(k, set()).add(tuple(self.stack))
+        if self.ops is not None:
+            unit = next((p for p in self.stack if p in self.units), None)
+            if unit is not None and unit not in self.paused:
+                self.ops.setdefault(unit, []).append((getattr(func, "__qualname__", None) or repr(func), tuple(
+                    (tuple(a.shape), str(a.dtype)) if isinstance(a, torch.Tensor) else
+                    (repr(a) if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else type(a).__name__)
+                    for a in leaves)))
         return func(*args, **kwargs)
 
 
-def record(model: nn.Module, example_inputs, forward_kwargs: dict | None) -> tuple[Record, tuple, dict]:
-    """Step 1 of the module docstring. Returns the record and the inputs it ran on (the model's dtype)."""
-    from .graph import no_cache, synth_inputs
-
+def record(model: nn.Module, example_inputs, forward_kwargs: dict | None, units=(), ops: dict | None = None
+           ) -> tuple[Record, tuple, dict]:
+    """Step 1 of the module docstring. Returns the record and the inputs it ran on (the model's dtype). ``units`` /
+    ``ops``: the torch calls made under each of these module paths, recorded into ``ops`` (``Reads``)."""
     p0 = next((p for p in model.parameters() if p.is_floating_point()), None)
     dtype = p0.dtype if p0 is not None else torch.float32
     device = p0.device if p0 is not None else torch.device("cpu")
@@ -174,7 +195,7 @@ def record(model: nn.Module, example_inputs, forward_kwargs: dict | None) -> tup
     was = model.training
     try:
         model.eval()
-        with torch.no_grad(), _Reads(names, stack, rec.reads):
+        with torch.no_grad(), Reads(names, stack, rec.reads, units, ops):
             model(*inputs, **kwargs)
     finally:
         model.train(was)
@@ -209,7 +230,7 @@ def failing_module(probe: nn.Module, inputs: tuple, kwargs: dict) -> tuple[str |
             h.remove()
 
 
-def _positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Tensor keyword arguments moved to positions where ``forward``'s signature allows (torch.fx takes tensors
     as positional inputs only; the other keyword arguments are constants of the trace)."""
     try:
@@ -220,7 +241,7 @@ def _positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return tuple(bound.args), dict(bound.kwargs)
 
 
-def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
+def set_module(root: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, name, new)
 
@@ -230,23 +251,24 @@ def _under(names, path: str) -> list[str]:
 
 
 def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs, forward_kwargs, loss,
-              max_probe_params, skip: set, options: dict, depth: int = 0) -> Detection:
+              max_probe_params, skip: set, options: dict, depth: int = 0, detect, check=check_laws) -> Detection:
     """``graph.detect_graph`` when the whole probe cannot be run or traced (module docstring). ``c``: the
-    model's collector; ``err``: why the whole model failed. Returns ``c.finish('graph')``."""
-    from .graph import Graph, TraceError, _param_modules, detect_on, make_probe, trace
+    model's collector; ``err``: why the whole model failed; ``detect``: the structural detector a block alone
+    goes through (``graph.detect_graph``, which calls this); ``check``: the first-order check (``check_laws``).
+    Returns ``c.finish('graph')``."""
 
     what = "the model" if depth == 0 else "this block"
-    whole = f"structural detection could not run on {what} as a whole ({_short(err, 200)})"
+    whole = f"structural detection could not run on {what} as a whole ({short_error(err, 200)})"
     try:
         rec, x0, kw0 = record(model, example_inputs, forward_kwargs)
     except Exception as e:  # noqa: BLE001 - nothing can be read: one decline per module, naming the fix
-        reason = (f"structural detection could not run: {_short(err, 400)}; a concrete forward to analyse its blocks "
-                  f"one by one failed too ({_short(e)}): pass example_inputs=(...) that forward takes")
-        for mod in _param_modules(model, skip):
+        reason = (f"structural detection could not run: {short_error(err, 400)}; a concrete forward to analyse its blocks "
+                  f"one by one failed too ({short_error(e)}): pass example_inputs=(...) that forward takes")
+        for mod in param_modules(model, skip):
             c.decline(mod, "not analysed", reason)
         return c.finish("graph")
     params = [k for k, _ in model.named_parameters()]
-    args64, kw64 = _to64(_positional(model, x0, kw0))
+    args64, kw64 = tree_to_float64(positional(model, x0, kw0))
     opaque: dict = {}  # path -> why it is opaque
     g = how = None
     if depth < MAX_DEPTH:
@@ -258,8 +280,8 @@ def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs,
                 if e is not None:
                     if not path or path in opaque or path not in rec.outs:
                         break
-                    _set_module(probe, path, _Opaque(_to64(rec.outs[path])))
-                    opaque[path] = f"cannot run in float64 ({_short(e)})"
+                    set_module(probe, path, Opaque(tree_to_float64(rec.outs[path])))
+                    opaque[path] = f"cannot run in float64 ({short_error(e)})"
                     leaves.add(path)
                     continue
                 try:
@@ -271,7 +293,7 @@ def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs,
                     cul = te.culprit
                     if not cul or cul in leaves:
                         break
-                    opaque[cul] = f"torch.fx cannot trace its forward ({_short(te)})"
+                    opaque[cul] = f"torch.fx cannot trace its forward ({short_error(te)})"
                     leaves.add(cul)
         except Exception:  # noqa: BLE001 - the children are analysed one by one below
             g = None
@@ -282,16 +304,17 @@ def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs,
             gm = specialised(probe, args64, kw64, every=True)
             g, how = Graph(gm, args64, dict(probe.named_parameters(remove_duplicate=False))), "specialised"
         except Exception as e:  # noqa: BLE001 - the children are analysed one by one below
-            whole += f"; specialised to the example input's control flow: {_short(e)}"
+            whole += f"; specialised to the example input's control flow: {short_error(e)}"
             g = None
         if g is not None:
-            d = detect_on(g, c, model, "specialised torch.fx (real tensors)", skip)
-            return _recheck(d, probe, args64, kw64, loss)
+            d = detect_on(g, c, model, "specialised torch.fx (real tensors)", skip, check)
+            return _recheck(d, probe, args64, kw64, loss, check=check)
     if g is not None:  # (no opaque module: the whole model runs on the concrete input where synthesis failed)
         for path, why in opaque.items():
-            _one_block(model, c, rec, path, f"{path}: {why}", skip, max_probe_params, sub_opts, depth, declare=why)
+            _one_block(model, c, rec, path, f"{path}: {why}", skip, max_probe_params, sub_opts, depth, detect, check,
+                       declare=why)
         inner = {k for p in opaque for k in _under(params, p)}
-        return detect_on(g, c, model, how, skip | inner)
+        return detect_on(g, c, model, how, skip | inner, check)
     # the model's own forward is what fails (or nothing made it traceable): each child on its own
     own = [name for name, _ in model.named_parameters(recurse=False) if name not in skip]
     note = f"{whole}; its submodules holding parameters are analysed one by one"
@@ -302,7 +325,7 @@ def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs,
     c.know(*own)
     short = f"the {'model' if depth == 0 else 'block holding it'} cannot be traced as a whole"
     for path in _children(model, rec, ""):
-        _one_block(model, c, rec, path, short, skip, max_probe_params, sub_opts, depth)
+        _one_block(model, c, rec, path, short, skip, max_probe_params, sub_opts, depth, detect, check)
     return c.finish("graph")
 
 
@@ -315,7 +338,6 @@ def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = Fal
     from torch.func import functional_call
     from torch import fx
 
-    from .graph import _baddbmm_to_matmul, _einsum_to_matmul, _same, _to64 as to64
 
     named = dict(probe.named_parameters())
     names = list(named)
@@ -344,20 +366,18 @@ def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = Fal
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs (make_fx's pytree codegen expects (params, *inputs))
     gm = fx.GraphModule(root, graph)
     gm._conserve_opaque = frozenset()
-    _einsum_to_matmul(gm)
-    _baddbmm_to_matmul(gm)
-    to64(gm)
-    _same(probe, gm, inputs, kwargs)
+    einsum_to_matmul(gm)
+    baddbmm_to_matmul(gm)
+    casts_to_float64(gm)
+    reproduces(probe, gm, inputs, kwargs)
     return gm
 
 
-def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, n: int = 3) -> Detection:
+def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, n: int = 3, check=check_laws
+             ) -> Detection:
     """Laws found on a graph specialised to one input's control flow, checked again (spec check 1) on graphs
     specialised to ``n`` other random inputs of the same shapes (other branches: other experts, other tokens);
     a law failing any of them is declined."""
-    from ..analysis.verify import TOL
-    from .graph import Graph, check_laws
-
     gen = torch.Generator().manual_seed(11)
     bad: dict = {}
 
@@ -376,7 +396,7 @@ def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, 
         try:
             gm = specialised(probe, xs, kwargs)
             g = Graph(gm, xs, dict(probe.named_parameters(remove_duplicate=False)))
-            viol = check_laws(g, d.laws, {})
+            viol = check(g, d.laws, {})
         except Exception:  # noqa: BLE001 - this input does not run: it checks nothing
             continue
         for law in d.laws:
@@ -406,11 +426,10 @@ def _children(model: nn.Module, rec: Record, prefix: str) -> list[str]:
 
 
 def _one_block(model: nn.Module, c: Collector, rec: Record, path: str, context: str, skip: set, max_probe_params,
-               options: dict, depth: int, declare: str | None = None) -> None:
+               options: dict, depth: int, detect, check, declare: str | None = None) -> None:
     """Detect ``path`` alone on the input it got in the concrete forward; merge its laws and declines into ``c``
-    under its path. ``declare``: why the block is opaque in its parent's graph (declined by name with it)."""
-    from .graph import detect_graph
-
+    under its path (``detect``: ``graph.detect_graph``, with ``check``). ``declare``: why the block is opaque in its
+    parent's graph (declined by name with it)."""
     block = model.get_submodule(path)
     names = _under([k for k, _ in model.named_parameters()], path)
     if path not in rec.calls:
@@ -421,18 +440,18 @@ def _one_block(model: nn.Module, c: Collector, rec: Record, path: str, context: 
         c.decline(path, type(block).__name__, f"{context}; nested too deep to analyse further: no law")
         return
     args, kwargs = rec.calls[path]
-    args, kwargs = _to64(_positional(block, args, kwargs))
+    args, kwargs = tree_to_float64(positional(block, args, kwargs))
     inner_skip = [k[len(path) + 1:] for k in names if k in skip]
     try:
-        d = detect_graph(block, args, forward_kwargs=kwargs, loss=None, max_probe_params=max_probe_params,
-                         skip_params=inner_skip, _depth=depth + 1, **options)
+        d = detect(block, args, forward_kwargs=kwargs, loss=None, max_probe_params=max_probe_params,
+                   skip_params=inner_skip, _depth=depth + 1, check=check, **options)
     except Exception as e:  # noqa: BLE001
-        c.decline(path, type(block).__name__, f"{context}; analysing it on its own failed ({_short(e)}): no law")
+        c.decline(path, type(block).__name__, f"{context}; analysing it on its own failed ({short_error(e)}): no law")
         return
     outside = set(rec.outside(path, names))
     kept = 0
     for law in d.laws:
-        law = _prefixed(law, path + ".")
+        law = prefixed(law, path + ".")
         law = dataclasses.replace(law, layer=layer_index(path) if law.layer is None else law.layer)
         bad = [p for p in law.params if p in outside]
         if bad:

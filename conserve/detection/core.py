@@ -41,12 +41,18 @@ class Detection:
         declined: blocks with no law (or whose law does not apply), each with the reason.
         undetected: module paths of parameterised modules that no detector understood.
         detector: name of the detector that answered.
+        loss: the training loss named to ``detect`` (``loss="ce"``); None: not named, so a translation law in
+            ``laws`` (HF and timm detection add it) assumes softmax cross-entropy.
+        notes: how the detection ran where it took another path than one probe of the whole model (block by
+            block on a meta-device or large model, a reduced vocabulary, the time it took).
     """
 
     laws: list[Law] = field(default_factory=list)
     declined: list[Declined] = field(default_factory=list)
     undetected: list[str] = field(default_factory=list)
     detector: str = ""
+    loss: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def families(self) -> dict[str, int]:
         out: dict[str, int] = {}

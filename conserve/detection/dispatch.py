@@ -47,6 +47,12 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
         conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
         conserve.errors.UsageError: the model still has uninitialised lazy parameters (run a forward first).
     """
+    found = _detect(model, config, structural, options)
+    found.loss = options.get("loss")
+    return found
+
+
+def _detect(model: nn.Module, config, structural: bool, options: dict) -> Detection:
     load_detectors()
     model = unwrap(model)
     config = config if config is not None else getattr(model, "config", None)

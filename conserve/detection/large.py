@@ -3,8 +3,10 @@
 ``detect_large(model, ...)`` is what ``conserve.detect`` runs (detector ``"large"``, before the torch.nn and graph
 detectors) for a model with no HF / timm / reference name that is on the meta device (an FSDP2 recipe builds every
 large model there before sharding) or holds more than ``max_probe_params`` parameters (default 3e8: the whole
-float64 probe of ``graph.detect_graph`` would not fit). Nothing of the model's weights is copied or read; the model
-is never modified.
+float64 probe of ``graph.detect_graph`` would not fit). The model is never modified and its parameters are never
+copied (their values are read only when a materialised model's forward cannot run on fake tensors: step 1's
+concrete fallback); its buffers are copied where they have values. A model with no repeated blocks is all "outside"
+(step 3).
 
 1. **Capture, with no weight values** (``capture``): a clone of the model whose parameters and buffers are fake
    tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and dtypes, no storage; the clone shares no
@@ -13,7 +15,9 @@ is never modified.
    were running when each parameter was read (``blocks.Record``). A block whose code cannot run on fake tensors
    (data-dependent routing: ``nonzero``, ``item()``) is materialised alone (float64, random values) and run
    concretely on random inputs of the recorded shapes, its output turned back into fake tensors; if it cannot run
-   even so, the run goes on with its first input in place of its output and the block is declined by name.
+   even so, the run goes on with its first input in place of its output and the block is declined by name. A
+   materialised model whose own forward cannot run on fake tensors is recorded by one concrete forward instead
+   (``blocks.record``).
 2. **Blocks** (``find_blocks``): the children holding parameters of the outermost ``nn.ModuleList`` /
    ``ModuleDict`` / ``Sequential`` with at least two such children that are themselves made of modules (a
    decoder's layers). A block above ``max_probe_params`` is split into its children (recursively; a leaf above it
@@ -21,48 +25,54 @@ is never modified.
    ``requires_grad``, buffer values when the model has them, and the shapes, dtypes and non-tensor values of
    what the forward passed them); each group is detected ONCE.
 3. **Outside the blocks** (``_outside``): the model with every block replaced by a parameter-free stand-in
-   (``blocks._Opaque``: a fixed non-linear function of its floating inputs with the recorded output shapes), made
+   (``blocks.Opaque``: a fixed non-linear function of its floating inputs with the recorded output shapes), made
    float64 with random parameters (real buffers copied; meta buffers random, see below), is traced with the
-   stand-ins as opaque leaves and detected with ``graph.detect_on`` (its embedding, final norm + head, the
+   stand-ins as opaque leaves and detected with ``ongraph.detect_on`` (its embedding, final norm + head, the
    translation law under ``loss='ce'``). The same run records the real values every stand-in receives: the
    inputs of the blocks (hidden states, and e.g. the RoPE cos / sin the model computes from its buffers). When
    these parameters hold more than ``min(max_probe_params, OUTSIDE_PARAMS)`` values, every parameter axis of an
    ``nn.Embedding`` / ``nn.Linear`` outside the blocks whose size occurs in no block parameter and no input
    (the vocabulary) is reduced (``SHRINK``: two sizes, detected separately); a law is kept only when both give
    it, its terms cover each reduced axis whole and read no entry along it (the translation law sums the head's
-   rows, the final norm's gain reads the head's whole columns), and it is mapped back to the full size.
+   rows, the final norm's gain reads the head's whole columns), and it is mapped back to the full size. These laws
+   pass the first-order check on the stand-in model at both reduced sizes (a float64 copy at the full vocabulary
+   would not fit).
 4. **Each group** (``_detect_block``): one block materialised as a float64 CPU copy with random values (the
    parameters of the model are never read: a law is a property of the architecture; buffers as below), detected on
-   its own with ``graph.trace`` + ``graph.detect_on`` on the input it received in step 3 (else random inputs of
+   its own with ``trace.trace`` + ``ongraph.detect_on`` on the input it received in step 3 (else random inputs of
    the recorded shapes); a block that cannot be traced goes through ``graph.detect_graph`` (``blocks.by_blocks``:
    opaque sub-modules, routing specialised to the input). Every law claimed passes the spec's first-order check
-   (check 1, float64) on that block. The copy is freed before the next group. The laws and declines are mapped to
+   (check 1, float64) on that block, at its full size. The copy is freed (``gc.collect``: its traced graph holds it
+   in reference cycles) before the next group. The laws and declines are mapped to
    every block of the group by renaming the block's path; a law reading a parameter the model also reads outside
    that block's forward (step 1's record) is declined.
 5. **Merged** on a ``Collector`` of the model itself: every law is compiled against the FULL model's parameter
    names and shapes (meta parameters included), the frozen / tied filter and ``undetected`` as everywhere.
-   ``Detection.detector`` is ``"graph:blocks"`` and ``Detection.notes`` (an attribute set here) says which path
+   ``Detection.detector`` is ``"graph:blocks"`` and ``Detection.notes`` says which path
    was taken and why.
 
 Buffers of a meta-device model have no values: each gets random values of the kind the op accepts (floating:
-uniform in [0.5, 1.5), e.g. RoPE inverse frequencies; complex: unit modulus, e.g. ``freqs_cis``; integer:
-``arange`` along the last axis; bool: True). A law verified at such generic values holds at the model's own values:
-the first-order identity is analytic in them (random values give at most fewer laws, never a wrong one).
+uniform in [0.5, 1.5), e.g. RoPE inverse frequencies; complex with two or more axes: a RoPE table ``exp(i t f_p)``
+over positions ``t`` (the second-to-last axis) with random frequencies ``f_p``, the identity at position 0 as every
+RoPE table is (the attention finder reads the heads there); other complex: unit modulus; integer: ``arange`` along
+the last axis; bool: True). A law verified at such generic values holds at the model's own values: the first-order
+identity is analytic in them (random values give at most fewer laws, never a wrong one).
 
 The first-order check of this path (``check_laws_fast``) is spec check 1 with ``check.check_laws``' inputs and
 verdicts: the model gradients of two random output projections (and of the cross-entropy for translation laws) in
 float64, and for each law ``|<grad (s.h), g>| / (||grad (s.h)|| ||g||)`` with ``g`` restricted to the law's own
 parameters (never smaller than the measure over all parameters: stricter). ``grad (s.h)`` is formed term by term
 on the law's views (a quadratic law's gradient is linear in them), not by differentiating the kernels' reference
-twin, whose strided reductions take tens of seconds on a 4096 x 14336 block; one trial's gradients are held at a
-time. ``fast_checks()`` puts it in place of ``check_laws`` where ``graph.detect_on`` reads it, for the calls made
-here only.
+twin, whose strided reductions dominate the time of a block of an 8B model (``bench/detect_large.py``); one
+trial's gradients, of the laws' parameters only, are held at a time. This path passes it as the ``check`` of
+``ongraph.detect_on`` and ``graph.detect_graph``.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import gc
 import hashlib
 import math
 import time
@@ -73,11 +83,18 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..laws import Declined, Law, Translation
-from .blocks import Record, _Opaque, _positional, _Reads, _set_module, _short, _to64
-from .core import Collector, Detection, prefixed, register
+from .blocks import Record, Opaque, positional, Reads, set_module, short_error, tree_to_float64
+from ..analysis.firstorder import cross_entropy, gradients, output_tensors, random_projection
+from .core import Collector, Detection, detectors, prefixed, register
+from .dispatch import nested
+from .fxgraph import Graph
+from .graph import detect_graph
+from .ongraph import detect_on
+from .probe import no_cache, synth_inputs
+from .trace import TraceError, trace
 from .torchnn import layer_index
 
-__all__ = ["applies", "check_laws_fast", "detect_large", "fast_checks", "find_blocks", "law_gradient"]
+__all__ = ["applies", "check_laws_fast", "detect_large", "find_blocks", "law_gradient"]
 
 OUTSIDE_PARAMS = 2e7  # parameters outside the blocks above this (and above max_probe_params): free sizes reduced
 SHRINK = (24, 40)  # the reduced sizes of a free axis (two, detected separately; a law must come out of both)
@@ -142,12 +159,23 @@ def law_gradient(law: Law, params: dict, s: torch.Tensor) -> dict[str, list]:
     return by
 
 
+_CHUNK = 1 << 22  # elements of the largest temporary ``_rowdot`` makes
+
+
 def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``(x * y).sum(1)`` of two ``(rows, cols)`` views: one batched product when the rows are contiguous (no
-    temporary of the views' size), else the elementwise product (its temporary follows the views' layout)."""
+    """``(x * y).sum(1)`` of two ``(rows, cols)`` views of one layout: one batched product when the rows are
+    contiguous (no temporary), else elementwise products over slices of at most ``_CHUNK`` elements (a column
+    view of a 4096 x 14336 weight would otherwise make a temporary of the weight's size)."""
     if x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] > 1:
         return (x.unsqueeze(1) @ y.unsqueeze(2)).reshape(-1)
-    return (x * y).sum(1)
+    rows, cols = x.shape
+    step = max(1, _CHUNK // max(rows, 1))
+    if step >= cols:
+        return (x * y).sum(1)
+    out = torch.zeros(rows, dtype=torch.promote_types(x.dtype, y.dtype))
+    for c in range(0, cols, step):
+        out += (x[:, c: c + step] * y[:, c: c + step]).sum(1)
+    return out
 
 
 class _LawTerms:
@@ -166,7 +194,7 @@ class _LawTerms:
                    (_rowdot(x, x) if not t.shift else ((x + t.shift) ** 2).sum(1))
                    for t, x in zip(law.terms, self.views)]
 
-    def measure(self, params: dict, grads: dict, gnorm2, s: torch.Tensor) -> float:
+    def measure(self, params: dict, grads: dict, norms2: dict, s: torch.Tensor) -> float:
         """``|<grad (s.h), g>| / (||grad (s.h)|| ||g_law||)`` (-1.0: ``grad h`` vanishes; 0.0: ``g_law`` does)."""
         law = self.law
         dot = torch.zeros((), dtype=torch.float64)
@@ -194,7 +222,7 @@ class _LawTerms:
                     w = s[t.offset: t.offset + t.ref.cols]
                     dot += t.sign * (w * gv.sum(0)).sum()
                     an2 += t.ref.rows * (w * w).sum()
-        bn = math.sqrt(sum(gnorm2(k) for k in law.params))
+        bn = math.sqrt(sum(norms2[k] for k in law.params))
         an = math.sqrt(max(float(an2), 0.0))
         if an == 0:
             return -1.0
@@ -206,8 +234,6 @@ class _LawTerms:
 def check_laws_fast(g, laws: list, heads: dict, *, trials: int = 2, seed: int = 0) -> dict[str, float]:
     """``check.check_laws`` (same inputs, same verdicts: worst relative violation per law name, -1 constant, nan
     reads a parameter the graph does not hold), computed as the module docstring says."""
-    from ..analysis.firstorder import cross_entropy, gradients, output_tensors, random_projection
-
     gen = torch.Generator().manual_seed(seed)
     every = [k for k, _ in g.gm.named_parameters()]
     out: dict[str, float] = {}
@@ -244,43 +270,18 @@ def check_laws_fast(g, laws: list, heads: dict, *, trials: int = 2, seed: int = 
                 obj = cross_entropy([t for t in outs if t.dim() >= 1 and t.shape[-1] > 1], gen)
             grads = dict(zip(names, gradients(obj, plist)))
             del outs, obj
-            cache: dict = {}
-
-            def gnorm2(k):
-                if k not in cache:
-                    cache[k] = float(torch.linalg.vector_norm(grads[k]) ** 2)
-                return cache[k]
-
             with torch.no_grad():
+                norms2 = {k: float(torch.linalg.vector_norm(g_) ** 2) for k, g_ in grads.items()}
                 for law in mine:
                     if out[law.name] < 0:
                         continue
                     s = torch.randn(_law_size(law), generator=gen, dtype=torch.float64)
-                    v = terms[law.name].measure(params, grads, gnorm2, s)
+                    v = terms[law.name].measure(params, grads, norms2, s)
                     out[law.name] = -1.0 if v < 0 else max(out[law.name], v)
-            del grads
+            grads.clear()
     for p in plist:
         p.requires_grad_(False)
     return out
-
-
-@contextlib.contextmanager
-def fast_checks():
-    """``check_laws_fast`` in place of ``check_laws`` where ``graph.detect_on`` (and ``blocks``' re-check) read it,
-    for the duration of the block (restored after, also on an error)."""
-    from . import graph
-
-    spaces = [graph.detect_on.__globals__]
-    if graph.__dict__ is not spaces[0]:
-        spaces.append(graph.__dict__)
-    saved = [(d, d.get("check_laws")) for d in spaces]
-    for d in spaces:
-        d["check_laws"] = check_laws_fast
-    try:
-        yield
-    finally:
-        for d, v in saved:
-            d["check_laws"] = v
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -359,7 +360,7 @@ def _fix_sizes(model: nn.Module) -> None:
 
 
 def _uniform(shape, gen: torch.Generator) -> torch.Tensor:
-    """Zero-mean, unit-variance random values (uniform: twice as fast as ``randn`` on a CPU; any values serve)."""
+    """Zero-mean, unit-variance random values (uniform: faster than ``randn`` on a CPU; any values serve)."""
     return torch.rand(shape, generator=gen, dtype=torch.float64).sub_(0.5).mul_(12 ** 0.5)
 
 
@@ -379,8 +380,13 @@ def _random_param(shape, name: str, dtype, gen: torch.Generator) -> torch.Tensor
 
 def _random_buffer(shape, dtype, gen: torch.Generator) -> torch.Tensor:
     """A value for a buffer whose values are unknown (meta device): module docstring."""
-    if dtype.is_complex:
-        ang = torch.rand(shape, generator=gen, dtype=torch.float64) * (2 * math.pi)
+    if dtype.is_complex:  # a RoPE table (positions x pairs): exp(i t f_p), the identity at position 0
+        if len(shape) >= 2:
+            f = torch.rand(shape[-1], generator=gen, dtype=torch.float64) * 0.9 + 0.1
+            ang = torch.arange(shape[-2], dtype=torch.float64)[:, None] * f[None, :]
+            ang = ang.expand(shape).contiguous()
+        else:
+            ang = torch.rand(shape, generator=gen, dtype=torch.float64) * (2 * math.pi)
         return torch.polar(torch.ones_like(ang), ang)
     if dtype.is_floating_point:
         return torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5
@@ -405,7 +411,7 @@ def materialise(module: nn.Module, seed: int = 0, shapes: dict | None = None, le
     """A float64 CPU copy of ``module`` with random parameters (``shapes``: {parameter name: reduced shape}),
     buffers copied (meta buffers random: module docstring); eval mode. ``leave``: module paths whose parameters
     and buffers stay on the meta device (blocks replaced afterwards). ``dtype``: the floating dtype instead of
-    float64 (complex: its complex counterpart). The module's own storage is never read."""
+    float64 (complex: its complex counterpart). The module's parameters are never read."""
     gen = torch.Generator().manual_seed(seed)
     shapes = shapes or {}
 
@@ -446,7 +452,7 @@ def _spec_key(tree) -> tuple:
     return tuple(out)
 
 
-def _realise(tree, fake_of=None):
+def _realise(tree):
     """Real float64 values for recorded (fake) tensors: floating ``N(0, 1)``, complex unit modulus, integers
     ``arange`` along the last axis, bool True (a generic point; module docstring)."""
     gen = torch.Generator().manual_seed(3)
@@ -463,25 +469,25 @@ def _realise(tree, fake_of=None):
 
 
 def _buffer_key(b: torch.Tensor) -> tuple:
+    """Shape, dtype and (where the buffer has values) a hash of its bytes."""
     if b.is_meta or getattr(b, "fake_mode", None) is not None:
         return (tuple(b.shape), str(b.dtype))
-    if b.numel() <= 1 << 20:
-        return (tuple(b.shape), str(b.dtype), hashlib.sha1(b.detach().cpu().contiguous().view(torch.uint8).numpy()
-                                                         .tobytes()).hexdigest())
-    return (tuple(b.shape), str(b.dtype), float(b.detach().double().sum()))
+    raw = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return (tuple(b.shape), str(b.dtype), hashlib.sha1(raw).hexdigest())
 
 
 # ------------------------------------------------------------------------------------------- the capture
 @dataclasses.dataclass
 class Capture:
     """Step 1: the record (fake tensors), the real example input it ran on, the blocks run concretely (path ->
-    why) and those that could not run at all (path -> reason)."""
+    why), those that could not run at all (path -> reason) and what each block's forward called."""
 
     rec: Record
     inputs: tuple
     kwargs: dict
     concrete: dict
     failed: dict
+    ops: dict = dataclasses.field(default_factory=dict)  # block path -> hash of its torch calls (fake run)
 
 
 def _in_vocab(inputs: tuple, model: nn.Module) -> tuple:
@@ -495,13 +501,18 @@ def _in_vocab(inputs: tuple, model: nn.Module) -> tuple:
                  and x.dtype != torch.bool and x.numel() and int(x.max()) >= n else x for x in inputs)
 
 
-def _capture_concrete(model: nn.Module, example_inputs, forward_kwargs: dict | None) -> Capture:
+def _digest(ops: dict) -> dict:
+    return {p: hashlib.sha1(repr(v).encode()).hexdigest() for p, v in ops.items()}
+
+
+def _capture_concrete(model: nn.Module, blocks: list[str], example_inputs, forward_kwargs: dict | None) -> Capture:
     """Step 1 by one concrete forward of a materialised model (``blocks.record``): where its code cannot run on
     fake tensors."""
     from .blocks import record
 
-    rec, x0, kw0 = record(model, example_inputs, forward_kwargs)
-    return Capture(rec, tuple(x0), dict(kw0), {}, {})
+    ops: dict = {}
+    rec, x0, kw0 = record(model, example_inputs, forward_kwargs, blocks, ops)
+    return Capture(rec, tuple(x0), dict(kw0), {}, {}, _digest(ops))
 
 
 @contextlib.contextmanager
@@ -530,8 +541,6 @@ def _capture(model: nn.Module, blocks: list[str], example_inputs, forward_kwargs
              shapes: dict | None = None) -> Capture:
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-    from .graph import no_cache, synth_inputs
-
     shapes = shapes or {}
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     with fm:
@@ -552,6 +561,8 @@ def _capture(model: nn.Module, blocks: list[str], example_inputs, forward_kwargs
     stack: list = []
     concrete: dict = {}
     failed: dict = {}
+    ops: dict = {}
+    paused: set = set()
 
     def pre(m, args, kw):
         path = paths.get(id(m))
@@ -571,11 +582,12 @@ def _capture(model: nn.Module, blocks: list[str], example_inputs, forward_kwargs
             try:
                 return orig(*args, **kw)
             except Exception as e:  # noqa: BLE001 - data-dependent code: run this block alone, concretely
-                why = _short(e)
+                why = short_error(e)
             while stack and stack[-1] != path:  # (the modules the failed call left on the stack)
                 stack.pop()
             floats = [t for t in tree_leaves((args, kw)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             dt = floats[0].dtype if floats else dtype
+            paused.add(path)
             with unset_fake_temporarily():
                 try:
                     blk = materialise(model.get_submodule(path), seed=5, dtype=dt)
@@ -588,7 +600,7 @@ def _capture(model: nn.Module, blocks: list[str], example_inputs, forward_kwargs
                     res = tree_map(lambda t: t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                                    out)
                 except Exception as e2:  # noqa: BLE001 - declined by name; the run goes on
-                    failed[path] = f"its forward cannot run on fake tensors ({why}) nor concretely alone ({_short(e2)})"
+                    failed[path] = f"its forward cannot run on fake tensors ({why}) nor concretely alone ({short_error(e2)})"
                     res = None
             if res is None:
                 return floats[0] if floats else None
@@ -616,20 +628,21 @@ def _capture(model: nn.Module, blocks: list[str], example_inputs, forward_kwargs
                            else _realise(x)) for x in spec)
     concrete.clear()
     failed.clear()
+    paused.clear()
     handles = []
     for path, m in fake.named_modules():
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True))
-    with fm, torch.no_grad(), _Reads(names, stack, rec.reads):
+    with fm, torch.no_grad(), Reads(names, stack, rec.reads, blocks, ops, paused):
         fk = {k: fm.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         fake(*[fm.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in real], **fk)
     for h in handles:
         h.remove()
-    return Capture(rec, real, kwargs, concrete, failed)
+    return Capture(rec, real, kwargs, concrete, failed, _digest(ops))
 
 
 def _template(tree):
-    """Real zeros of a recorded output's shapes (floating float64, complex complex128): ``_Opaque``'s template."""
+    """Real zeros of a recorded output's shapes (floating float64, complex complex128): ``Opaque``'s template."""
 
     def z(t):
         if not isinstance(t, torch.Tensor):
@@ -708,14 +721,13 @@ def _law_key(law: Law) -> tuple:
 
 @dataclasses.dataclass
 class Outside:
-    """Step 3's result: laws (full shapes), declines, undetected module paths, the real float64 inputs of each
-    block (path -> (args, kwargs)) and a note on the reduction (or "")."""
+    """Step 3's result: laws (full shapes), declines, undetected module paths and the real float64 inputs of each
+    block (path -> (args, kwargs))."""
 
     laws: list
     declined: list
     undetected: list
     block_inputs: dict
-    note: str
 
 
 def _outside_plan(model: nn.Module, blocks: list[str], example_inputs, max_probe_params: float) -> tuple[list, str]:
@@ -743,14 +755,13 @@ def _outside(model: nn.Module, blocks: list[str], cap: Capture, shapes: dict, lo
              seed: int = 0) -> tuple[Detection, dict]:
     """Step 3 for one set of reduced ``shapes``: the detection of the stand-in model and the real inputs of the
     blocks. Raises when the stand-in model cannot be built, run or traced."""
-    from .graph import Graph, TraceError, detect_on, trace
 
     skel = materialise(model, seed=seed, shapes=shapes, leave=tuple(blocks))
     for path in blocks:
         out = cap.rec.outs.get(path)
         if out is None:
             raise ValueError(f"{path} was not called by the forward")
-        _set_module(skel, path, _Opaque(_template(out)))
+        set_module(skel, path, Opaque(_template(out)))
     seen: dict = {}
 
     def grab(path):
@@ -760,7 +771,7 @@ def _outside(model: nn.Module, blocks: list[str], cap: Capture, shapes: dict, lo
         return pre
 
     handles = [skel.get_submodule(p).register_forward_pre_hook(grab(p), with_kwargs=True) for p in blocks]
-    args64, kw64 = _to64(_positional(skel, _in_vocab(cap.inputs, skel), cap.kwargs))
+    args64, kw64 = tree_to_float64(positional(skel, _in_vocab(cap.inputs, skel), cap.kwargs))
     try:
         with torch.no_grad():
             skel(*args64, **kw64)
@@ -773,8 +784,7 @@ def _outside(model: nn.Module, blocks: list[str], cap: Capture, shapes: dict, lo
         gm, how = trace(skel, args64, kw64)
     g = Graph(gm, args64, dict(skel.named_parameters(remove_duplicate=False)), kw64 if how == "torch.export" else {})
     c = Collector(skel, {**options, "loss": loss})
-    with fast_checks():
-        d = detect_on(g, c, skel, f"{how}, blocks as opaque stand-ins", skip)
+    d = detect_on(g, c, skel, f"{how}, blocks as opaque stand-ins", skip, check_laws_fast)
     return d, seen
 
 
@@ -789,7 +799,7 @@ def _outside_detection(model: nn.Module, blocks: list[str], cap: Capture, sets: 
         if i == 0:
             inputs = seen
     if len(sets) == 1:
-        return Outside(found[0].laws, found[0].declined, found[0].undetected, inputs, "")
+        return Outside(found[0].laws, found[0].declined, found[0].undetected, inputs)
     mapped = []
     for d, shapes in zip(found, sets):
         m = {}
@@ -806,7 +816,7 @@ def _outside_detection(model: nn.Module, blocks: list[str], cap: Capture, sets: 
             declined.append(Declined(law.name, f"{law.family} law (reduced outside part)",
                                      f"found with {sorted(sets[0])} reduced, but it reads part of a reduced axis or "
                                      "is not found the same at the other reduced size: not claimed at the full size"))
-    return Outside(laws, declined, found[0].undetected, inputs, "")
+    return Outside(laws, declined, found[0].undetected, inputs)
 
 
 # ---------------------------------------------------------------------------------------------- the blocks
@@ -816,24 +826,25 @@ def _detect_block(module: nn.Module, args: tuple, kwargs: dict, options: dict, d
     freed before this returns) on the real inputs ``args`` / ``kwargs`` (float64): ``(detection, how)``. A copy
     that cannot be traced goes through ``graph.detect_graph`` as a copy in the model's ``dtype`` (``blocks``
     records it at its own dtype: an op with no float64 kernel still runs there)."""
-    from .graph import Graph, detect_graph, detect_on, trace
 
     sub = {k: v for k, v in options.items() if k not in ("example_inputs", "forward_kwargs", "loss", "max_probe_params",
                                                          "skip_params")}
     blk = materialise(module, seed=7)
-    a64, k64 = _positional(blk, args, kwargs)
-    with fast_checks():
-        try:
-            gm, how = trace(blk, a64, k64)
-            g = Graph(gm, a64, dict(blk.named_parameters(remove_duplicate=False)), k64 if how == "torch.export" else {})
-        except Exception:  # noqa: BLE001 - untraceable / data-dependent / no float64 kernel: blocks.by_blocks
-            del blk
-            own = materialise(module, seed=7, dtype=dtype)
-            cast = (lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-            d = detect_graph(own, tree_map(cast, tuple(args)), forward_kwargs=tree_map(cast, dict(kwargs)), loss=None,
-                             max_probe_params=math.inf, _depth=1, **sub)
-            return d, "structural detection of the block alone, its parts analysed one by one"
-        return detect_on(g, Collector(blk, {**sub, "loss": None}), blk, how, set()), how
+    a64, k64 = positional(blk, args, kwargs)
+    try:
+        gm, how = trace(blk, a64, k64)
+        g = Graph(gm, a64, dict(blk.named_parameters(remove_duplicate=False)), k64 if how == "torch.export" else {})
+    except Exception:  # noqa: BLE001 - untraceable / data-dependent / no float64 kernel: blocks.by_blocks below
+        g = None
+    if g is not None:
+        return detect_on(g, Collector(blk, {**sub, "loss": None}), blk, how, set(), check_laws_fast), how
+    del blk
+    gc.collect()
+    own = materialise(module, seed=7, dtype=dtype)
+    cast = (lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+    d = detect_graph(own, tree_map(cast, tuple(args)), forward_kwargs=tree_map(cast, dict(kwargs)), loss=None,
+                     max_probe_params=math.inf, _depth=1, check=check_laws_fast, **sub)
+    return d, "structural detection of the block alone, its parts analysed one by one"
 
 
 def _units(model: nn.Module, blocks: list[str], limit: float, c: Collector) -> list[str]:
@@ -859,19 +870,23 @@ def _units(model: nn.Module, blocks: list[str], limit: float, c: Collector) -> l
     return out
 
 
-def _group_key(model: nn.Module, path: str, call, concrete: bool) -> tuple:
+def _group_key(model: nn.Module, path: str, cap: Capture) -> tuple:
+    """What the blocks of one group share (module docstring, step 2; the torch calls of their forward too)."""
     m = model.get_submodule(path)
     ps = tuple((k, tuple(p.shape), str(p.dtype), p.requires_grad) for k, p in m.named_parameters())
     bs = tuple((k, _buffer_key(b)) for k, b in m.named_buffers())
-    return (type(m), ps, bs, _spec_key(call), concrete)
+    return (type(m), ps, bs, _spec_key(cap.rec.calls[path]), path in cap.concrete, cap.ops.get(path))
 
 
 def _merge_block(c: Collector, model: nn.Module, path: str, d: Detection, rec: Record, names: list[str],
-                 block: nn.Module) -> None:
-    """The laws / declines of one group's detection ``d`` under ``path`` (``blocks._one_block``'s rules)."""
+                 block: nn.Module, skip: set) -> None:
+    """The laws / declines of one group's detection ``d`` under ``path`` (``blocks._one_block``'s rules; a law
+    reading only parameters in ``skip`` is left out)."""
     outside = set(rec.outside(path, names))
     for law in d.laws:
         law = prefixed(law, path + ".")
+        if set(law.params) <= skip:
+            continue
         law = dataclasses.replace(law, layer=layer_index(path) if law.layer is None else law.layer)
         bad = [p for p in law.params if p in outside]
         if bad:
@@ -930,19 +945,20 @@ def detect_large(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     try:
         sets, note = _outside_plan(model, units, example_inputs, max_probe_params)
     except Exception as e:  # noqa: BLE001 - the blocks are still detected
-        sets, note = None, f"outside the blocks: not detected ({_short(e, 300)})"
+        sets, note = None, f"outside the blocks: not detected ({short_error(e, 300)})"
     try:
         cap = capture(model, units, example_inputs, forward_kwargs, shapes=(sets or [{}])[0])
         how = "fake tensors"
     except Exception as e:  # noqa: BLE001
         if _is_meta(model):
-            decline_all(f"the model's forward cannot run on fake tensors (shapes, no values): {_short(e, 300)}; pass "
+            decline_all(f"the model's forward cannot run on fake tensors (shapes, no values): {short_error(e, 300)}; pass "
                         "example_inputs=(...) that forward takes, or materialise the model")
             return done()
         try:  # a materialised model: one concrete forward at its own dtype
-            cap, how = _capture_concrete(model, example_inputs, forward_kwargs), f"a concrete forward ({_short(e)})"
+            cap = _capture_concrete(model, units, example_inputs, forward_kwargs)
+            how = f"a concrete forward ({short_error(e)})"
         except Exception as e2:  # noqa: BLE001
-            decline_all(f"the model's forward cannot run on fake tensors ({_short(e)}) nor concretely ({_short(e2)}); "
+            decline_all(f"the model's forward cannot run on fake tensors ({short_error(e)}) nor concretely ({short_error(e2)}); "
                         "pass example_inputs=(...) that forward takes")
             return done()
     notes.append(f"what each block receives recorded from the forward on {how}")
@@ -950,7 +966,14 @@ def detect_large(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     if sets is not None:
         try:
             out = _outside_detection(model, units, cap, sets, loss, skip, options)
-            c.add(*out.laws)
+            read_inside = {k for k, stacks in cap.rec.reads.items() if any(u in st for st in stacks for u in units)}
+            for law in out.laws:  # a parameter a block reads too: the stand-in did not show that use
+                bad = [p for p in law.params if p in read_inside]
+                if bad:
+                    c.decline(law.name, f"{law.family} law (outside the blocks)", f"the model also reads {bad[:3]} "
+                              "inside a block's forward: that use breaks the law's symmetry: not claimed")
+                else:
+                    c.add(law)
             for x in out.declined:
                 c.declined.append(x)
                 if x.module:
@@ -959,7 +982,7 @@ def detect_large(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
             c.know(*[k for k in names if not inside(k) and _owner(k) not in undetected])
             block_inputs = out.block_inputs
         except Exception as e:  # noqa: BLE001 - the blocks are still detected, on random inputs of the recorded shapes
-            sets, note = None, f"outside the blocks: not detected ({_short(e, 300)})"
+            sets, note = None, f"outside the blocks: not detected ({short_error(e, 300)})"
     if sets is None:
         decline_all(f"{note}: no law", where=lambda k: not inside(k))
         note += "; the blocks detected on random inputs of the recorded shapes"
@@ -974,25 +997,28 @@ def detect_large(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         elif path not in cap.rec.calls:
             c.decline(path, kind, "not called by the model's forward on the example input: not analysed")
         else:
-            groups.setdefault(_group_key(model, path, cap.rec.calls[path], path in cap.concrete), []).append(path)
+            groups.setdefault(_group_key(model, path, cap), []).append(path)
     p0 = next((p for p in model.parameters() if p.is_floating_point()), None)
     own = p0.dtype if p0 is not None else torch.float32
     for members in groups.values():
         rep = members[0]
         block = model.get_submodule(rep)
         args, kwargs = block_inputs[rep] if rep in block_inputs else _realise(cap.rec.calls[rep])
-        args, kwargs = _to64((tuple(args), dict(kwargs)))
+        args, kwargs = tree_to_float64((tuple(args), dict(kwargs)))
         try:
             d, _ = _detect_block(block, args, kwargs, options, own)
         except Exception as e:  # noqa: BLE001 - this group is declined by name, never the model
             for path in members:
                 c.decline(path, type(block).__name__,
-                          f"detecting one block of this code and shapes failed ({_short(e, 300)}): no law")
+                          f"detecting one block of this code and shapes failed ({short_error(e, 300)}): no law")
+            gc.collect()
             continue
         for path in members:
-            _merge_block(c, model, path, d, cap.rec, _under(names, path), block)
+            _merge_block(c, model, path, d, cap.rec, _under(names, path), block, skip)
         del d
-    concrete = f"; run concretely (code that cannot run on fake tensors): {sorted(cap.concrete)}" if cap.concrete else ""
+        gc.collect()  # the float64 copy is held in reference cycles (its traced graph): freed before the next one
+    concrete = (f"; run concretely (code that cannot run on fake tensors): {sorted(cap.concrete)}"
+                if cap.concrete else "")
     notes.append(f"{len(units)} block(s) in {len(groups)} group(s) of one code and shapes, each group detected once on "
                  f"a float64 copy of one block with random values{concrete}")
     if any(b.is_meta for b in model.buffers()):
@@ -1002,17 +1028,19 @@ def detect_large(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
 
 @register("large")
 def detect_large_fallback(model: nn.Module, config, **options):
-    """Registry entry: ``detect_large`` for a model on the meta device or above ``max_probe_params`` that holds
-    repeated blocks, no model a name-based detector knows, and parameters the torch.nn detector does not all explain
-    by module type (None otherwise: the next detector answers)."""
-    if applies(model, options.get("max_probe_params", 3e8)) is None or not find_blocks(model):
+    """Registry entry: ``detect_large`` for a model on the meta device or above ``max_probe_params`` that holds no
+    model a name-based detector knows and parameters the torch.nn detector does not all explain by module type.
+    None otherwise (the next detector answers), and None when it finds no law at all and nothing but "not
+    analysed" declines (``detect`` then says why)."""
+    if applies(model, options.get("max_probe_params", 3e8)) is None:
         return None
-    from .dispatch import _nested
-    from .torchnn import detect_torchnn
-
-    if _nested(model, options) is not None:
+    if nested(model, options) is not None:  # an HF / timm / reference model inside: detected by its names
         return None
-    known = detect_torchnn(model, config, **options)  # torch.nn modules that explain every parameter (by type)
+    torchnn = dict(detectors()).get("torch.nn")  # torch.nn modules that explain every parameter by their type
+    known = torchnn(model, config, **options) if torchnn is not None else None
     if known is not None and not known.undetected:
         return None
-    return detect_large(model, **options)
+    d = detect_large(model, **options)
+    if not d.laws and all(x.block == "not analysed" for x in d.declined):
+        return None
+    return d

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..laws import Declined, DeepLinearGram, Law, Ref, cols, rows, vector
 from . import builders
+from .check import checked_laws
 from .core import Collector, Detection, register
 
 PAIRS = (("lora_A", "lora_B"), ("lora_embedding_A", "lora_embedding_B"), ("lora_a", "lora_b"),
@@ -156,8 +157,8 @@ def _param_pair(key: str, pa: str, A, pb: str, B, base_shape) -> Adapter:
         return Adapter(key, pa, pb, 0, [], [], error=f"shapes {tuple(A.shape)}, {tuple(B.shape)} are not matrices",
                        params=(pa, pb))
     lin, tr = A.shape[0] == B.shape[1], A.shape[1] == B.shape[0]
-    if lin and tr and base_shape is not None and len(base_shape) == 2:  # square: the base's (out, in) decides
-        lin = (A.shape[1], B.shape[0]) == (base_shape[1], base_shape[0]) or (A.shape[1], B.shape[0]) == tuple(base_shape[::-1])
+    if lin and tr and base_shape is not None and len(base_shape) == 2:  # A (r, n), B (n, r): the base's dims decide
+        lin = sorted((A.shape[1], B.shape[0])) == sorted(base_shape)  # in / out of x @ A.T @ B.T (else x @ A @ B)
         tr = not lin
     if lin:
         r = A.shape[0]
@@ -298,10 +299,12 @@ def _extend(law: Law, wrapped: dict) -> tuple[Law | None, bool, str]:
         if hit is None or t.kind == "sum":  # a row-sum (translation / router) law of W holds as it is
             continue
         layer, role, shape = hit
-        act = [a for a in layer.adapters if a.active and not a.error]
+        act = [a for a in layer.adapters if a.active]
         if not act:
             continue
         touched = True
+        if any(a.error for a in act):
+            return None, True, f"{layer.path} carries an adapter that is not one rank-r product: base law not extended"
         if layer.dora:
             return None, True, (f"{layer.path} is a DoRA layer: its output rows are renormalised by ||W + s B A||, "
                                 "so the base law's rescaling does not carry over")
@@ -339,10 +342,6 @@ def _renamed_text(text: str, rename: dict) -> str:
 
 
 def _checked(model, laws, options, why):
-    try:
-        from .check import checked_laws
-    except ImportError:  # pragma: no cover - the layout before detection/check.py
-        from .core import _checked as checked_laws
     return checked_laws(model, laws, {**options, "why": why})
 
 
@@ -430,7 +429,10 @@ def detect_lora(model: nn.Module, config, **options) -> Detection | None:
         ok = {law.name for law in kept}
         c.laws = [law for law in c.laws if law.name not in names or law.name in ok]
         c.declined += more
-    return c.finish(f"lora+{base.detector}")
+    out = c.finish(f"lora+{base.detector}")
+    if getattr(base, "loss", None) is not None:  # the loss the base detection was told (translation laws)
+        out.loss = base.loss
+    return out
 
 
 def _layer(path: str) -> int | None:

@@ -25,6 +25,11 @@ Layouts handled (verified against transformers 5.x modeling code):
   order of calls in the layer's ``forward`` (``parts._norm_roles``): pre-norms give gain laws; post-norms
   (Gemma2/3 sandwich norms, OLMo2/3 and EXAONE-4 post-norms) give none, and make the Linear they normalise
   scale invariant (``NormScaleLaw``, family ``norm_scale``, kept for eps = 0 or ``approximate``);
+* DeepSeek-V2/V3 multi-head latent attention (``mla.py``): per head the QK Gram on the no-RoPE dims (``q_b_proj`` /
+  ``q_proj`` rows vs the key rows of ``kv_b_proj``) and the VO Gram (value rows of ``kv_b_proj`` vs ``o_proj``
+  columns), one RoPE-pair law per rotary pair over ALL heads against the shared rotary key rows of
+  ``kv_a_proj_with_mqa`` (pairs ``{2p, 2p+1}`` with ``rope_interleave`` and in V2), the gain laws of
+  ``q_a_layernorm`` / ``kv_a_layernorm`` and their scale laws (eps = 0 or ``approximate``);
 * QK-norm per head (Qwen3, Qwen3-MoE, Gemma3 with ``(1 + w)`` gains, EXAONE-4) or over all heads (OLMoE,
   OLMo2/3); Gemma2's attention-logit softcapping keeps the QK/RoPE laws, a final-logit softcap declines the
   translation law; SmolLM3's NoPE layers (``use_rope`` False) get QK Gram laws.
@@ -48,7 +53,7 @@ from ..check import checked_laws
 from ..core import Detection, user_classes, register
 from ..dispatch import detect
 from .families import FAMILIES
-from .parts import Unhandled, _Ctx
+from .parts import Unhandled, Ctx
 from .rope import LAYOUTS, probe_rope
 
 __all__ = ["FAMILIES", "LAYOUTS", "detect_from_config", "detect_hf", "meta_model", "probe_rope"]
@@ -66,7 +71,7 @@ def detect_hf(model, config, **options):
     if base is None or not isinstance(model, base):
         return None
     config = config if config is not None else model.config
-    ctx = _Ctx(model, options, config=config)
+    ctx = Ctx(model, options, config=config)
     model_type = getattr(config, "model_type", None)
     fam = _FAMILIES.get(model_type)
     if fam is None:

@@ -7,32 +7,32 @@ from torch import nn
 
 from ...errors import UsageError
 from ...laws import ReLUUnit
-from .parts import (Unhandled, _Attn, _Ctx, _fwd, _attn_laws, _attn_readers, _embed_and_head, _gain, _gated_mlp, _head_dim,
-                    _linear_like, _moe, _norm_roles, _num_kv, _plain_mlp, _post_norm, _qkvo_attn, _ungated_mlp, _unit,
-                    _w, NO_EMBED)
+from .parts import (Unhandled, Attn, Ctx, forward_src, attn_laws, attn_readers, embed_and_head, gain_laws, gated_mlp, find_head_dim,
+                    linear_like, moe_mlp, norm_roles, find_num_kv, plain_mlp, post_norm, qkvo_attn, ungated_mlp, unit_laws,
+                    linear_w, NO_EMBED)
 from .mla import is_mla, mla_laws
-from .rope import _probe_gptj, _rope_layout, _rotary_dim
+from .rope import probe_gptj, find_rope_layout, find_rotary_dim
 
 
-def _llama_like(ctx: _Ctx):
+def _llama_like(ctx: Ctx):
     """Decoders with ``model.layers[i].{self_attn, mlp}`` and norms whose roles come from the layer's
-    forward (``_norm_roles``): pre-norm (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, Qwen2-MoE,
+    forward (``norm_roles``): pre-norm (Llama, Mistral, Qwen2/3, Gemma, Phi-3, Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE, DeepSeek-V3), sandwich (Gemma2, Gemma3: pre and post norms) and post-norm only
     (OLMo2). Gemma2's attention-logit softcapping ``cap * tanh(s / cap)`` acts on the scores q.k, which the
     QK/RoPE symmetries leave unchanged, so those laws hold; its final-logit softcapping breaks the
-    translation law (``_embed_and_head``)."""
+    translation law (``embed_and_head``)."""
     model, config = ctx.model, ctx.config
     base_path = model.base_model_prefix if hasattr(model, model.base_model_prefix or "") else ""
     base = getattr(model, base_path) if base_path else model
     pre = f"{base_path}." if base_path else ""
     nh = config.num_attention_heads
-    nkv, d = _num_kv(config, nh), _head_dim(config)
+    nkv, d = find_num_kv(config, nh), find_head_dim(config)
     rope_emb = getattr(base, "rotary_emb", None)
     for i, layer in enumerate(base.layers):
         lp = f"{pre}layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         ap, mp = f"{lp}.self_attn", f"{lp}.mlp"
-        roles = _norm_roles(layer)
+        roles = norm_roles(layer)
         if roles is None:
             ctx.decline(lp, f"{type(layer).__name__}", "the order of its norms, attention and MLP could not be read "
                         "from its forward: no law detected for this layer")
@@ -43,27 +43,27 @@ def _llama_like(ctx: _Ctx):
             readers = mla_laws(ctx, ap, attn, i, config)
             if "pre_attn" in norm:
                 if readers is not None:
-                    _gain(ctx, *norm["pre_attn"], i, readers, "q_a_proj (or q_proj), kv_a_proj_with_mqa")
+                    gain_laws(ctx, *norm["pre_attn"], i, readers, "q_a_proj (or q_proj), kv_a_proj_with_mqa")
                 else:
                     ctx.decline(norm["pre_attn"][0], "norm before MLA", "readers not recognised: no gain law")
         else:
             # SmolLM3-style NoPE layers skip the rotation (``if self.use_rope:`` in the attention's forward)
-            nope = "ifself.use_rope:" in _fwd(attn) and not attn.use_rope
-            a = _qkvo_attn(ctx, ap, attn, i, config, nh, nkv, d, rope_emb, rope=not nope)
+            nope = "ifself.use_rope:" in forward_src(attn) and not attn.use_rope
+            a = qkvo_attn(ctx, ap, attn, i, config, nh, nkv, d, rope_emb, rope=not nope)
             if a is None:
                 ctx.decline(ap, type(attn).__name__, "attention layout not recognised: no law detected")
                 if "pre_attn" in norm:
                     ctx.decline(norm["pre_attn"][0], "norm before an unrecognised attention", "no gain law")
             else:
-                ctx.laws.extend(_attn_laws(ctx, a))
+                ctx.laws.extend(attn_laws(ctx, a))
                 if "pre_attn" in norm:
-                    _gain(ctx, *norm["pre_attn"], i, _attn_readers(a), "q, k, v")
+                    gain_laws(ctx, *norm["pre_attn"], i, attn_readers(a), "q, k, v")
                 else:
-                    ctx.know(*(ref.param for ref in _attn_readers(a)))
+                    ctx.know(*(ref.param for ref in attn_readers(a)))
         if "post_attn" in norm:
-            _post_norm(ctx, *norm["post_attn"], a.o if a is not None else None, i, "o_proj")
-        m = _moe(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else (_gated_mlp(ctx, mp, mlp, i)
-                                                                            or _ungated_mlp(ctx, mp, mlp, i))
+            post_norm(ctx, *norm["post_attn"], a.o if a is not None else None, i, "o_proj")
+        m = moe_mlp(ctx, mp, mlp, i, config) if hasattr(mlp, "experts") else (gated_mlp(ctx, mp, mlp, i)
+                                                                            or ungated_mlp(ctx, mp, mlp, i))
         if m is None:
             ctx.decline(mp, type(mlp).__name__, "MLP layout not recognised: no law detected")
             if "pre_mlp" in norm:
@@ -71,17 +71,17 @@ def _llama_like(ctx: _Ctx):
         else:
             ctx.laws.extend(m.laws)
             if "pre_mlp" in norm:
-                _gain(ctx, *norm["pre_mlp"], i, m.readers, m.what)
+                gain_laws(ctx, *norm["pre_mlp"], i, m.readers, m.what)
             else:  # no norm before it (OLMo2): the gate reads the residual stream and is in no law
                 ctx.know(*(ref.param for ref in m.readers))
         if "post_mlp" in norm:
             down = getattr(mlp, "down_proj", None) if m is not None and not hasattr(mlp, "experts") else None
-            _post_norm(ctx, *norm["post_mlp"], _w(f"{mp}.down_proj", down) if _linear_like(down) else None, i,
+            post_norm(ctx, *norm["post_mlp"], linear_w(f"{mp}.down_proj", down) if linear_like(down) else None, i,
                        "down_proj")
-    _embed_and_head(ctx, [f"{pre}embed_tokens"], f"{pre}norm")
+    embed_and_head(ctx, [f"{pre}embed_tokens"], f"{pre}norm")
 
 
-def _gptj(ctx: _Ctx):
+def _gptj(ctx: Ctx):
     """GPT-J: separate ``q/k/v_proj`` and ``out_proj`` (no biases); rotary on the first ``rotary_dim``
     dims of each head, pairs ``{2p, 2p+1}`` (``rotate_every_two``; probed from the model's code), the
     other dims pass through (their own Gram law); parallel block: ``ln_1`` feeds the attention and the
@@ -93,19 +93,19 @@ def _gptj(ctx: _Ctx):
     for i, blk in enumerate(tr.h):
         lp = f"{pre}h.{i}"
         at = blk.attn
-        q, k, v = (_w(f"{lp}.attn.{n}", getattr(at, n)) for n in ("q_proj", "k_proj", "v_proj"))
-        o = _w(f"{lp}.attn.out_proj", at.out_proj)
+        q, k, v = (linear_w(f"{lp}.attn.{n}", getattr(at, n)) for n in ("q_proj", "k_proj", "v_proj"))
+        o = linear_w(f"{lp}.attn.out_proj", at.out_proj)
         starts = [x * d for x in range(nh)]
-        a = _Attn(f"{lp}.attn", i, q, k, v, o, d, nh, nh, starts, starts, starts)
-        a.rope = (r, _rope_layout(ctx, at, d, r, probe=_probe_gptj))
-        ctx.laws.extend(_attn_laws(ctx, a))
-        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "fc_in", "fc_out", blk.mlp.act)
+        a = Attn(f"{lp}.attn", i, q, k, v, o, d, nh, nh, starts, starts, starts)
+        a.rope = (r, find_rope_layout(ctx, at, d, r, probe=probe_gptj))
+        ctx.laws.extend(attn_laws(ctx, a))
+        m = plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "fc_in", "fc_out", blk.mlp.act)
         ctx.laws.extend(m.laws)
-        _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, _attn_readers(a) + m.readers, "q, k, v and fc_in (parallel block)")
-    _embed_and_head(ctx, [f"{pre}wte"], f"{pre}ln_f")
+        gain_laws(ctx, f"{lp}.ln_1", blk.ln_1, i, attn_readers(a) + m.readers, "q, k, v and fc_in (parallel block)")
+    embed_and_head(ctx, [f"{pre}wte"], f"{pre}ln_f")
 
 
-def _gpt2(ctx: _Ctx):
+def _gpt2(ctx: Ctx):
     """GPT-2: Conv1D weights (in, out); c_attn output columns [Q | K | V]; learned absolute positions
     (QK Gram laws hold, with biases); pre-LN blocks ln_1 -> attn, ln_2 -> mlp."""
     model, config = ctx.model, ctx.config
@@ -119,19 +119,19 @@ def _gpt2(ctx: _Ctx):
                 ctx.decline(f"{lp}.ln_cross_attn", "norm before the cross-attention",
                             "no gain law: its reader (the cross-attention's queries) is not analysed")
         at = blk.attn
-        c = _w(f"{lp}.attn.c_attn", at.c_attn)
-        o = _w(f"{lp}.attn.c_proj", at.c_proj)
-        a = _Attn(f"{lp}.attn", i, c, c, c, o, d, nh, nh, [x * d for x in range(nh)],
+        c = linear_w(f"{lp}.attn.c_attn", at.c_attn)
+        o = linear_w(f"{lp}.attn.c_proj", at.c_proj)
+        a = Attn(f"{lp}.attn", i, c, c, c, o, d, nh, nh, [x * d for x in range(nh)],
                   [h + x * d for x in range(nh)], [2 * h + x * d for x in range(nh)])
-        ctx.laws.extend(_attn_laws(ctx, a))
-        _gain(ctx, f"{lp}.ln_1", blk.ln_1, i, [c.in_cols()], "c_attn (q, k, v)")
-        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "c_fc", "c_proj", blk.mlp.act)
+        ctx.laws.extend(attn_laws(ctx, a))
+        gain_laws(ctx, f"{lp}.ln_1", blk.ln_1, i, [c.in_cols()], "c_attn (q, k, v)")
+        m = plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "c_fc", "c_proj", blk.mlp.act)
         ctx.laws.extend(m.laws)
-        _gain(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, "c_fc")  # holds whatever the activation
-    _embed_and_head(ctx, [f"{pre}wte", f"{pre}wpe"], f"{pre}ln_f")
+        gain_laws(ctx, f"{lp}.ln_2", blk.ln_2, i, m.readers, "c_fc")  # holds whatever the activation
+    embed_and_head(ctx, [f"{pre}wte", f"{pre}wpe"], f"{pre}ln_f")
 
 
-def _neox(ctx: _Ctx):
+def _neox(ctx: Ctx):
     """GPT-NeoX: ``query_key_value`` per head [q_h | k_h | v_h] (view(..., nH, 3D).chunk(3)); partial
     rotary; parallel residual: attention reads input_layernorm, the MLP post_attention_layernorm (both
     from the same residual input), so each norm has its own gain law."""
@@ -141,23 +141,23 @@ def _neox(ctx: _Ctx):
     for i, layer in enumerate(base.layers):
         lp = f"{pre}layers.{i}"
         at = layer.attention
-        qkv = _w(f"{lp}.attention.query_key_value", at.query_key_value)
-        o = _w(f"{lp}.attention.dense", at.dense)
-        a = _Attn(f"{lp}.attention", i, qkv, qkv, qkv, o, d, nh, nh, [x * 3 * d for x in range(nh)],
+        qkv = linear_w(f"{lp}.attention.query_key_value", at.query_key_value)
+        o = linear_w(f"{lp}.attention.dense", at.dense)
+        a = Attn(f"{lp}.attention", i, qkv, qkv, qkv, o, d, nh, nh, [x * 3 * d for x in range(nh)],
                   [x * 3 * d + d for x in range(nh)], [x * 3 * d + 2 * d for x in range(nh)])
-        if getattr(at, "rotary_ndims", None) is not None and at.rotary_ndims != _rotary_dim(config, d, base.rotary_emb):
+        if getattr(at, "rotary_ndims", None) is not None and at.rotary_ndims != find_rotary_dim(config, d, base.rotary_emb):
             raise UsageError(f"{lp}: rotary_ndims={at.rotary_ndims} disagrees with the config")
-        r = _rotary_dim(config, d, base.rotary_emb)
-        a.rope = (r, _rope_layout(ctx, at, d, r))
-        ctx.laws.extend(_attn_laws(ctx, a))
-        _gain(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, [qkv.in_cols()], "query_key_value")
-        m = _plain_mlp(ctx, f"{lp}.mlp", layer.mlp, i, "dense_h_to_4h", "dense_4h_to_h", layer.mlp.act)
+        r = find_rotary_dim(config, d, base.rotary_emb)
+        a.rope = (r, find_rope_layout(ctx, at, d, r))
+        ctx.laws.extend(attn_laws(ctx, a))
+        gain_laws(ctx, f"{lp}.input_layernorm", layer.input_layernorm, i, [qkv.in_cols()], "query_key_value")
+        m = plain_mlp(ctx, f"{lp}.mlp", layer.mlp, i, "dense_h_to_4h", "dense_4h_to_h", layer.mlp.act)
         ctx.laws.extend(m.laws)
-        _gain(ctx, f"{lp}.post_attention_layernorm", layer.post_attention_layernorm, i, m.readers, m.what)
-    _embed_and_head(ctx, [f"{pre}embed_in"], f"{pre}final_layer_norm")
+        gain_laws(ctx, f"{lp}.post_attention_layernorm", layer.post_attention_layernorm, i, m.readers, m.what)
+    embed_and_head(ctx, [f"{pre}embed_in"], f"{pre}final_layer_norm")
 
 
-def _falcon(ctx: _Ctx):
+def _falcon(ctx: Ctx):
     """Falcon: fused ``query_key_value``: multi-query [Q_0..Q_{nH-1} | K | V]; classic per head
     [q_h k_h v_h]; new decoder architecture per kv group [q (rep heads) | k_j | v_j]. RoPE (rotate_half)
     or ALiBi (no RoPE: QK Gram laws). Parallel attention: one norm read by attention and MLP."""
@@ -167,8 +167,8 @@ def _falcon(ctx: _Ctx):
     for i, blk in enumerate(tr.h):
         lp = f"{pre}h.{i}"
         at = blk.self_attention
-        qkv = _w(f"{lp}.self_attention.query_key_value", at.query_key_value)
-        o = _w(f"{lp}.self_attention.dense", at.dense)
+        qkv = linear_w(f"{lp}.self_attention.query_key_value", at.query_key_value)
+        o = linear_w(f"{lp}.self_attention.dense", at.dense)
         if config.new_decoder_architecture:
             nkv = config.num_kv_heads
             rep = nh // nkv
@@ -184,26 +184,26 @@ def _falcon(ctx: _Ctx):
             qs, ks, vs = ([x * 3 * d + s * d for x in range(nh)] for s in range(3))
         if qkv.n_out != (nh + 2 * nkv) * d:
             raise UsageError(f"{lp}: query_key_value has {qkv.n_out} rows, expected {(nh + 2 * nkv) * d}")
-        a = _Attn(f"{lp}.self_attention", i, qkv, qkv, qkv, o, d, nh, nkv, qs, ks, vs)
+        a = Attn(f"{lp}.self_attention", i, qkv, qkv, qkv, o, d, nh, nkv, qs, ks, vs)
         if not config.alibi:
-            r = _rotary_dim(config, d, getattr(tr, "rotary_emb", None))
-            a.rope = (r, _rope_layout(ctx, at, d, r))
-        ctx.laws.extend(_attn_laws(ctx, a))
-        m = _plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "dense_h_to_4h", "dense_4h_to_h", blk.mlp.act)
+            r = find_rotary_dim(config, d, getattr(tr, "rotary_emb", None))
+            a.rope = (r, find_rope_layout(ctx, at, d, r))
+        ctx.laws.extend(attn_laws(ctx, a))
+        m = plain_mlp(ctx, f"{lp}.mlp", blk.mlp, i, "dense_h_to_4h", "dense_4h_to_h", blk.mlp.act)
         ctx.laws.extend(m.laws)
         if hasattr(blk, "ln_attn"):
-            _gain(ctx, f"{lp}.ln_attn", blk.ln_attn, i, [qkv.in_cols()], "query_key_value")
-            _gain(ctx, f"{lp}.ln_mlp", blk.ln_mlp, i, m.readers, m.what)
+            gain_laws(ctx, f"{lp}.ln_attn", blk.ln_attn, i, [qkv.in_cols()], "query_key_value")
+            gain_laws(ctx, f"{lp}.ln_mlp", blk.ln_mlp, i, m.readers, m.what)
         elif hasattr(blk, "post_attention_layernorm"):
-            _gain(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()], "query_key_value")
-            _gain(ctx, f"{lp}.post_attention_layernorm", blk.post_attention_layernorm, i, m.readers, m.what)
+            gain_laws(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()], "query_key_value")
+            gain_laws(ctx, f"{lp}.post_attention_layernorm", blk.post_attention_layernorm, i, m.readers, m.what)
         else:  # parallel attention, one norm read by both
-            _gain(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()] + m.readers,
+            gain_laws(ctx, f"{lp}.input_layernorm", blk.input_layernorm, i, [qkv.in_cols()] + m.readers,
                   f"query_key_value and {m.what} (parallel attention)")
-    _embed_and_head(ctx, [f"{pre}word_embeddings"], f"{pre}ln_f")
+    embed_and_head(ctx, [f"{pre}word_embeddings"], f"{pre}ln_f")
 
 
-def _bert(ctx: _Ctx):
+def _bert(ctx: Ctx):
     """BERT (post-LN): absolute positions, so per-head QK and VO Grams hold with biases; GELU FFN: none;
     LayerNorms sit on the residual stream (post-LN): no gain law."""
     model, config = ctx.model, ctx.config
@@ -216,10 +216,10 @@ def _bert(ctx: _Ctx):
     for i, layer in enumerate(bert.encoder.layer):
         lp = f"{pre}encoder.layer.{i}"
         sa = layer.attention.self
-        q, k, v = (_w(f"{lp}.attention.self.{n}", getattr(sa, n)) for n in ("query", "key", "value"))
-        o = _w(f"{lp}.attention.output.dense", layer.attention.output.dense)
+        q, k, v = (linear_w(f"{lp}.attention.self.{n}", getattr(sa, n)) for n in ("query", "key", "value"))
+        o = linear_w(f"{lp}.attention.output.dense", layer.attention.output.dense)
         starts = [x * d for x in range(nh)]
-        ctx.laws.extend(_attn_laws(ctx, _Attn(f"{lp}.attention", i, q, k, v, o, d, nh, nh, starts, starts, starts)))
+        ctx.laws.extend(attn_laws(ctx, Attn(f"{lp}.attention", i, q, k, v, o, d, nh, nh, starts, starts, starts)))
         if getattr(layer, "crossattention", None) is not None:
             ctx.decline(f"{lp}.crossattention", "cross-attention", "not analysed (reads encoder states)")
         last = i == len(bert.encoder.layer) - 1
@@ -230,9 +230,9 @@ def _bert(ctx: _Ctx):
         if last:
             _bert_last_norm(ctx, model, f"{lp}.output.LayerNorm", layer.output.LayerNorm, i)
         act = layer.intermediate.intermediate_act_fn
-        uw, dw = _w(f"{lp}.intermediate.dense", layer.intermediate.dense), _w(f"{lp}.output.dense", layer.output.dense)
+        uw, dw = linear_w(f"{lp}.intermediate.dense", layer.intermediate.dense), linear_w(f"{lp}.output.dense", layer.output.dense)
         if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-            ctx.add(_unit(ReLUUnit, f"{lp}.intermediate/unit", i, uw, 0, uw.n_out, dw, f"{type(act).__name__} FFN"))
+            ctx.add(unit_laws(ReLUUnit, f"{lp}.intermediate/unit", i, uw, 0, uw.n_out, dw, f"{type(act).__name__} FFN"))
             ctx.know(dw.bias)
         else:
             ctx.decline(f"{lp}.intermediate", f"{type(act).__name__} FFN",
@@ -263,18 +263,18 @@ _BERT_READERS = {
 }
 
 
-def _bert_last_norm(ctx: _Ctx, model, path: str, norm, layer: int):
+def _bert_last_norm(ctx: Ctx, model, path: str, norm, layer: int):
     """The last layer's output LayerNorm: no residual add follows it, so when the model's head reads it only
     through linear maps (``_BERT_READERS``) its gain law holds with those maps as readers; otherwise (bare
     ``BertModel``: it is the model's output; an unknown head) declined with the reason."""
     names = _BERT_READERS.get(type(model).__name__)
     mods = dict(model.named_modules())
-    if names is None or not all(_linear_like(mods.get(n)) for n in names):
+    if names is None or not all(linear_like(mods.get(n)) for n in names):
         ctx.decline(path, "last post-LN LayerNorm",
                     f"no gain law: the last hidden state is the output of {type(model).__name__} (or read by a head "
                     "not known to read it only through linear maps)")
         return
-    _gain(ctx, path, norm, layer, [_w(n, mods[n]).in_cols() for n in names],
+    gain_laws(ctx, path, norm, layer, [linear_w(n, mods[n]).in_cols() for n in names],
           ", ".join(names) + " (the last layer's output: no residual add after it)")
 
 

@@ -21,15 +21,15 @@ from __future__ import annotations
 from ...errors import UsageError
 from ...laws import NormScaleLaw, QKGram, VOGram
 from .. import builders
-from .parts import _Ctx, _fwd, _gain, _linear_like, _norm_kind, _w
-from .rope import LAYOUTS, _rope_layout
+from .parts import Ctx, forward_src, gain_laws, linear_like, norm_kind, linear_w
+from .rope import LAYOUTS, find_rope_layout
 
 
 def is_mla(attn) -> bool:
     return hasattr(attn, "kv_a_proj_with_mqa") and hasattr(attn, "kv_b_proj")
 
 
-def _layout(ctx: _Ctx, attn, config, r: int) -> str | None:
+def _layout(ctx: Ctx, attn, config, r: int) -> str | None:
     """The RoPE pairing of the rotary dims, read from the attention's code: V3 with ``rope_interleave`` and V2's
     complex ``apply_rotary_emb`` (``view_as_complex`` of ``(..., r/2, 2)``) rotate pairs ``{2p, 2p+1}``; V3's
     ``apply_rotary_pos_emb`` (rotate_half) pairs ``{p, p + r/2}``. ``rope_layout=`` overrides."""
@@ -38,17 +38,17 @@ def _layout(ctx: _Ctx, attn, config, r: int) -> str | None:
         if opt not in LAYOUTS:
             raise UsageError(f"rope_layout must be one of {LAYOUTS}, got {opt!r}")
         return opt
-    src = _fwd(attn)
+    src = forward_src(attn)
     if "apply_rotary_pos_emb_interleave(" in src:
-        return "interleaved" if getattr(config, "rope_interleave", False) else _rope_layout(ctx, attn, r, r)
+        return "interleaved" if getattr(config, "rope_interleave", False) else find_rope_layout(ctx, attn, r, r)
     if "apply_rotary_emb(" in src:
         return "interleaved"
     if "apply_rotary_pos_emb(" in src:
-        return _rope_layout(ctx, attn, r, r)
+        return find_rope_layout(ctx, attn, r, r)
     return None
 
 
-def mla_laws(ctx: _Ctx, path: str, attn, layer: int, config) -> list | None:
+def mla_laws(ctx: Ctx, path: str, attn, layer: int, config) -> list | None:
     """Add the MLA laws of the attention at ``path`` to ``ctx``; return the reader refs of the norm before it
     (the columns of ``q_a_proj`` / ``q_proj`` and ``kv_a_proj_with_mqa``), or None when the layout is not
     recognised (declined with the reason)."""
@@ -57,13 +57,13 @@ def mla_laws(ctx: _Ctx, path: str, attn, layer: int, config) -> list | None:
     rkv, rq = attn.kv_lora_rank, attn.q_lora_rank
     qd = dn + dr
     names = ("q_b_proj", "q_a_proj") if rq is not None else ("q_proj",)
-    if not all(_linear_like(getattr(attn, n, None)) for n in names + ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")):
+    if not all(linear_like(getattr(attn, n, None)) for n in names + ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")):
         ctx.decline(path, "multi-head latent attention (MLA)", "its projections are not all Linear layers: no law")
         return None
-    q = _w(f"{path}.{names[0]}", getattr(attn, names[0]))
-    kva = _w(f"{path}.kv_a_proj_with_mqa", attn.kv_a_proj_with_mqa)
-    kvb = _w(f"{path}.kv_b_proj", attn.kv_b_proj)
-    o = _w(f"{path}.o_proj", attn.o_proj)
+    q = linear_w(f"{path}.{names[0]}", getattr(attn, names[0]))
+    kva = linear_w(f"{path}.kv_a_proj_with_mqa", attn.kv_a_proj_with_mqa)
+    kvb = linear_w(f"{path}.kv_b_proj", attn.kv_b_proj)
+    o = linear_w(f"{path}.o_proj", attn.o_proj)
     if (q.n_out, kva.n_out, kvb.n_out, o.n_in) != (nh * qd, rkv + dr, nh * (dn + dv), nh * dv):
         raise UsageError(f"{path}: MLA projection shapes {(q.n_out, kva.n_out, kvb.n_out, o.n_in)} do not match "
                          f"heads={nh}, qk_nope_head_dim={dn}, qk_rope_head_dim={dr}, v_head_dim={dv}, "
@@ -89,22 +89,22 @@ def mla_laws(ctx: _Ctx, path: str, attn, layer: int, config) -> list | None:
                 note=f"MLA: pair p of every head's rotary q rows vs the shared rotary key rows of kv_a_proj_with_mqa; "
                      f"layout {layout!r}"))
     if rq is not None:
-        _gain(ctx, f"{path}.q_a_layernorm", attn.q_a_layernorm, layer, [q.in_cols()], "q_b_proj")
-        qa = _w(f"{path}.q_a_proj", attn.q_a_proj)
+        gain_laws(ctx, f"{path}.q_a_layernorm", attn.q_a_layernorm, layer, [q.in_cols()], "q_b_proj")
+        qa = linear_w(f"{path}.q_a_proj", attn.q_a_proj)
         _scale(ctx, f"{path}.q_a_proj", layer, [qa.out_rows(0, rq), qa.b(0, rq)], attn.q_a_layernorm, "q_a_layernorm",
                "q_a_proj")
-    _gain(ctx, f"{path}.kv_a_layernorm", attn.kv_a_layernorm, layer, [kvb.in_cols()], "kv_b_proj (keys and values)")
+    gain_laws(ctx, f"{path}.kv_a_layernorm", attn.kv_a_layernorm, layer, [kvb.in_cols()], "kv_b_proj (keys and values)")
     _scale(ctx, f"{path}.kv_a_proj_with_mqa", layer, [kva.out_rows(0, rkv), kva.b(0, rkv)], attn.kv_a_layernorm,
            "kv_a_layernorm", f"the latent rows [0, {rkv}) of kv_a_proj_with_mqa")
     ctx.know(o.bias)
-    first = _w(f"{path}.q_a_proj", attn.q_a_proj) if rq is not None else q
+    first = linear_w(f"{path}.q_a_proj", attn.q_a_proj) if rq is not None else q
     return [first.in_cols(), kva.in_cols()]
 
 
-def _scale(ctx: _Ctx, path: str, layer, blocks: list, norm, norm_name: str, what: str) -> None:
+def _scale(ctx: Ctx, path: str, layer, blocks: list, norm, norm_name: str, what: str) -> None:
     """The RMSNorm after ``what`` makes its rows scale invariant (exact for eps = 0; spec: MLA, QK-norm breaker)."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if _norm_kind(norm) is None or eps is None:
+    if norm_kind(norm) is None or eps is None:
         ctx.decline(f"{path}/norm_scale", "MLA latent scale law", f"{norm_name} is not a recognised RMSNorm: no law")
         return
     if float(eps) == 0.0 or ctx.options.get("approximate"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from torch import nn
@@ -15,7 +15,7 @@ from ...errors import UsageError
 from ...laws import NormScaleLaw, QKGram, ReLUUnit, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram, vector
 from .. import builders
 from ..core import Collector
-from .rope import _rope_layout, _rotary_dim
+from .rope import find_rope_layout, find_rotary_dim
 
 NO_EMBED = "input embedding: no law (no parameter on the other side of it)"
 
@@ -30,7 +30,7 @@ def _src(fn) -> str:
         return ""
 
 
-def _fwd(mod: nn.Module) -> str:
+def forward_src(mod: nn.Module) -> str:
     return _src(type(mod).forward)
 
 
@@ -91,7 +91,7 @@ class W:
         return self.name, self.shape, self.bias, [start + t for t in range(n)], self.t
 
 
-def _unit(cls, name: str, layer, up: W, start: int, n: int, down: W, note: str):
+def unit_laws(cls, name: str, layer, up: W, start: int, n: int, down: W, note: str):
     """Unit law (``builders.unit_law``) of output units ``start..start+n`` of ``up`` read by input features
     ``0..n`` of ``down`` (same expert ``lead``)."""
     if down.n_in != n:
@@ -101,7 +101,7 @@ def _unit(cls, name: str, layer, up: W, start: int, n: int, down: W, note: str):
                              lead=up.lead, note=note)
 
 
-def _w(prefix: str, mod: nn.Module) -> W:
+def linear_w(prefix: str, mod: nn.Module) -> W:
     """``W`` of an nn.Linear (FalconLinear included) or a GPT-2 Conv1D at module path ``prefix``."""
     bias = f"{prefix}.bias" if getattr(mod, "bias", None) is not None else None
     if _is_conv1d(mod):
@@ -111,18 +111,18 @@ def _w(prefix: str, mod: nn.Module) -> W:
     raise TypeError(type(mod).__name__)
 
 
-def _linear_like(mod) -> bool:
+def linear_like(mod) -> bool:
     return isinstance(mod, nn.Linear) or _is_conv1d(mod)
 
 
 
 # ------------------------------------------------------------------------------------------- context
-_Ctx = Collector  # the one detector toolkit accumulator (core.Collector: decline / know / options / config)
+Ctx = Collector  # the one detector toolkit accumulator (core.Collector: decline / know / options / config)
 
 
 # ------------------------------------------------------------------------------------------- attention
 @dataclass
-class _Attn:
+class Attn:
     """One attention block: per-head row starts into q/k/v and column starts into o."""
 
     path: str
@@ -145,7 +145,7 @@ class _Attn:
         return self.nh // self.nkv
 
 
-def _attn_laws(ctx: _Ctx, a: _Attn) -> list:
+def attn_laws(ctx: Ctx, a: Attn) -> list:
     """QK Gram / RoPE pairs (+ pass-through Gram) / QK-norm scale laws and VO Gram per kv group
     (``builders.head_gram`` / ``builders.rope_pair_law``)."""
     d, rep, laws, layer = a.d, a.rep, [], a.layer
@@ -177,7 +177,7 @@ def _attn_laws(ctx: _Ctx, a: _Attn) -> list:
     return laws
 
 
-def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
+def _qk_norm_laws(ctx: Ctx, a: Attn) -> list:
     """QK-norm (spec breakers): the QK Gram / RoPE-pair laws of q_proj/k_proj are replaced by scale laws
     (``||Q_i||^2``, ``||K_j||^2`` per head for a per-head norm; ``||W_q||^2``, ``||W_k||^2`` for a norm over
     all heads) and the norm gains carry a RoPE-pair law ``sum_{t in p} g_q[t]^2 - g_k[t]^2``
@@ -230,32 +230,32 @@ def _qk_norm_laws(ctx: _Ctx, a: _Attn) -> list:
     return laws
 
 
-def _attn_readers(a: _Attn) -> list:
+def attn_readers(a: Attn) -> list:
     ws = list(dict.fromkeys([a.q, a.k, a.v]))
     return [w.in_cols() for w in ws]
 
 
-def _qkvo_attn(ctx, path, attn, layer, config, nh, nkv, d, rope_emb, *, rope=True) -> _Attn | None:
+def qkvo_attn(ctx, path, attn, layer, config, nh, nkv, d, rope_emb, *, rope=True) -> Attn | None:
     """Separate q/k/v/o_proj (Llama family) or fused ``qkv_proj`` rows [Q|K|V] (Phi-3)."""
-    if all(_linear_like(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        q, k, v = (_w(f"{path}.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
+    if all(linear_like(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        q, k, v = (linear_w(f"{path}.{n}", getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
         qs, ks = [i * d for i in range(nh)], [j * d for j in range(nkv)]
         vs = ks
-    elif _linear_like(getattr(attn, "qkv_proj", None)) and _linear_like(getattr(attn, "o_proj", None)):
-        q = k = v = _w(f"{path}.qkv_proj", attn.qkv_proj)
+    elif linear_like(getattr(attn, "qkv_proj", None)) and linear_like(getattr(attn, "o_proj", None)):
+        q = k = v = linear_w(f"{path}.qkv_proj", attn.qkv_proj)
         qs = [i * d for i in range(nh)]
         ks = [nh * d + j * d for j in range(nkv)]
         vs = [(nh + nkv) * d + j * d for j in range(nkv)]
     else:
         return None
-    o = _w(f"{path}.o_proj", attn.o_proj)
+    o = linear_w(f"{path}.o_proj", attn.o_proj)
     if q.n_out < qs[-1] + d or o.n_in != nh * d or v.n_out < vs[-1] + d:
         raise UsageError(f"{path}: projection shapes do not match num_attention_heads={nh}, num_key_value_heads="
                          f"{nkv}, head_dim={d}")
-    a = _Attn(path, layer, q, k, v, o, d, nh, nkv, qs, ks, vs)
+    a = Attn(path, layer, q, k, v, o, d, nh, nkv, qs, ks, vs)
     if rope:
-        r = _rotary_dim(config, d, rope_emb)
-        a.rope = (r, _rope_layout(ctx, attn, d, r))
+        r = find_rotary_dim(config, d, rope_emb)
+        a.rope = (r, find_rope_layout(ctx, attn, d, r))
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if qn is not None or kn is not None:
         if qn is None or kn is None or getattr(qn, "weight", None) is None:
@@ -268,15 +268,15 @@ def _qkvo_attn(ctx, path, attn, layer, config, nh, nkv, d, rope_emb, *, rope=Tru
         else:
             return None
         eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", None))
-        nk = _norm_kind(qn)
-        if nk is None or nk[0] != "rms" or _norm_kind(kn) != nk or eps is None:
+        nk = norm_kind(qn)
+        if nk is None or nk[0] != "rms" or norm_kind(kn) != nk or eps is None:
             return None
         a.qk_norm = (kind, f"{path}.q_norm", f"{path}.k_norm", float(eps), nk[1])
     return a
 
 
 # ----------------------------------------------------------------------------------------------- norms
-def _norm_kind(mod) -> tuple[str, float] | None:
+def norm_kind(mod) -> tuple[str, float] | None:
     """('layer'|'rms', shift) of a norm module with a gain, or None (not understood / no gain)."""
     if isinstance(mod, nn.LayerNorm):
         return ("layer", 0.0) if mod.weight is not None else None
@@ -285,7 +285,7 @@ def _norm_kind(mod) -> tuple[str, float] | None:
     w = getattr(mod, "weight", None)
     if w is None or w.dim() != 1 or not type(mod).__name__.endswith("RMSNorm"):
         return None
-    s = _fwd(mod)
+    s = forward_src(mod)
     if "(1.0+self.weight" in s or "(1+self.weight" in s:
         return ("rms", 1.0)  # Gemma: stored as w, applied as (1 + w)
     if "self.weight*" in s or "*self.weight" in s:
@@ -293,9 +293,9 @@ def _norm_kind(mod) -> tuple[str, float] | None:
     return None
 
 
-def _gain(ctx: _Ctx, path: str, norm, layer, readers: list, what: str):
+def gain_laws(ctx: Ctx, path: str, norm, layer, readers: list, what: str):
     """Pre-norm gain law (spec: pre-norm gain row) of ``norm`` read by ``readers`` (input-column refs)."""
-    kind = _norm_kind(norm)
+    kind = norm_kind(norm)
     if kind is None:
         ctx.decline(path, f"{type(norm).__name__}", "norm without a recognised gain: no gain law")
         return
@@ -319,39 +319,39 @@ class _Mlp:
     what: str
 
 
-def _gated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
+def gated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
     """Gated FFN ``down(act(gate x) * up x)`` (SwiGLU, GeGLU: the gate is not in the law) or Phi-3's
     fused ``gate_up_proj`` rows ``[gate | up]``."""
-    src = _fwd(mlp)
+    src = forward_src(mlp)
     for g, u, dn, frag in _GATED:
-        if all(_linear_like(getattr(mlp, n, None)) for n in (g, u, dn)) and frag in src:
-            gw, uw, dw = (_w(f"{path}.{n}", getattr(mlp, n)) for n in (g, u, dn))
+        if all(linear_like(getattr(mlp, n, None)) for n in (g, u, dn)) and frag in src:
+            gw, uw, dw = (linear_w(f"{path}.{n}", getattr(mlp, n)) for n in (g, u, dn))
             n, start = uw.n_out, 0
             readers = [gw.in_cols(), uw.in_cols()]
             ctx.know(gw.bias)  # the gate (weight and bias) is in no law: scaling an up row leaves it alone
             break
     else:
-        if (_linear_like(getattr(mlp, "gate_up_proj", None)) and _linear_like(getattr(mlp, "down_proj", None))
+        if (linear_like(getattr(mlp, "gate_up_proj", None)) and linear_like(getattr(mlp, "down_proj", None))
                 and "gate,up_states=up_states.chunk(2,dim=-1)" in src and "up_states*self.activation_fn(gate)" in src):
-            uw, dw = _w(f"{path}.gate_up_proj", mlp.gate_up_proj), _w(f"{path}.down_proj", mlp.down_proj)
+            uw, dw = linear_w(f"{path}.gate_up_proj", mlp.gate_up_proj), linear_w(f"{path}.down_proj", mlp.down_proj)
             n = start = uw.n_out // 2
             readers = [uw.in_cols()]
         else:
             return None
     act = type(getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))).__name__
-    law = _unit(SwiGLUUnit, f"{path}/unit", layer, uw, start, n, dw,
+    law = unit_laws(SwiGLUUnit, f"{path}/unit", layer, uw, start, n, dw,
                 f"gated FFN ({act} gate): the gate is not involved (spec SwiGLU row)")
     ctx.know(dw.bias)
     return _Mlp([law], readers, "gate/up")
 
 
-def _plain_mlp(ctx, path, mlp, layer, up_name, down_name, act, reason: str | None = None) -> _Mlp:
+def plain_mlp(ctx, path, mlp, layer, up_name, down_name, act, reason: str | None = None) -> _Mlp:
     """``down(act(up x))``: ReLU / leaky-ReLU unit law, none for GELU / SiLU (spec rows; ``reason`` replaces
     the declined reason for other activations)."""
-    uw, dw = _w(f"{path}.{up_name}", getattr(mlp, up_name)), _w(f"{path}.{down_name}", getattr(mlp, down_name))
+    uw, dw = linear_w(f"{path}.{up_name}", getattr(mlp, up_name)), linear_w(f"{path}.{down_name}", getattr(mlp, down_name))
     n = uw.n_out
     if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-        law = _unit(ReLUUnit, f"{path}/unit", layer, uw, 0, n, dw, f"{type(act).__name__} FFN")
+        law = unit_laws(ReLUUnit, f"{path}/unit", layer, uw, 0, n, dw, f"{type(act).__name__} FFN")
         ctx.know(dw.bias)
         return _Mlp([law], [uw.in_cols()], up_name)
     ctx.decline(path, f"{type(act).__name__} FFN", reason or
@@ -359,17 +359,17 @@ def _plain_mlp(ctx, path, mlp, layer, up_name, down_name, act, reason: str | Non
     return _Mlp([], [uw.in_cols()], up_name)
 
 
-def _ungated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
+def ungated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
     """Plain FFN ``down_proj(act_fn(up_proj(x)))`` in a decoder layer (Arcee: ReLU^2): ReLU / leaky-ReLU unit
     law, none for other activations (declined); ``up_proj`` is the reader of the norm before it."""
-    if (hasattr(mlp, "gate_proj") or not all(_linear_like(getattr(mlp, n, None)) for n in ("up_proj", "down_proj"))
-            or "self.down_proj(self.act_fn(self.up_proj(x)))" not in _fwd(mlp)):
+    if (hasattr(mlp, "gate_proj") or not all(linear_like(getattr(mlp, n, None)) for n in ("up_proj", "down_proj"))
+            or "self.down_proj(self.act_fn(self.up_proj(x)))" not in forward_src(mlp)):
         return None
     act = getattr(mlp, "act_fn", None)
     reason = None if isinstance(act, (nn.ReLU, nn.LeakyReLU)) else (
         f"the activation {type(act).__name__} is not in the catalogue's unit laws (ReLU / leaky ReLU only): no law; "
         "up_proj still reads the norm before it only linearly, so that norm's gain law holds")
-    return _plain_mlp(ctx, path, mlp, layer, "up_proj", "down_proj", act, reason=reason)
+    return plain_mlp(ctx, path, mlp, layer, "up_proj", "down_proj", act, reason=reason)
 
 
 def _fused_experts(ctx, path, ex, layer, num_experts) -> _Mlp | None:
@@ -380,9 +380,9 @@ def _fused_experts(ctx, path, ex, layer, num_experts) -> _Mlp | None:
     if (not getattr(ex, "has_gate", True) or not getattr(ex, "is_concatenated", True)
             or getattr(ex, "has_post_expert_norm", False)):
         return None
-    from transformers.integrations import moe as _moe
+    from transformers.integrations import moe as moe_mlp
 
-    if getattr(type(ex), "_apply_gate", _moe._default_apply_gate) is not _moe._default_apply_gate:
+    if getattr(type(ex), "_apply_gate", moe_mlp._default_apply_gate) is not moe_mlp._default_apply_gate:
         return None  # custom gating (e.g. clamped GLU): not the plain act(gate) * up
     t = bool(getattr(ex, "is_transposed", False))
     has_bias = bool(getattr(ex, "has_bias", False))
@@ -396,7 +396,7 @@ def _fused_experts(ctx, path, ex, layer, num_experts) -> _Mlp | None:
         n = guw.n_out // 2
         if dw.n_in != n:
             return None
-        laws.append(_unit(SwiGLUUnit, f"{path}.{e}/unit", layer, guw, n, n, dw,
+        laws.append(unit_laws(SwiGLUUnit, f"{path}.{e}/unit", layer, guw, n, n, dw,
                           f"expert {e} of fused 3-D tensors ({'transposed' if t else '(E, out, in)'})"))
         readers.append(guw.in_cols())
     ctx.know(f"{path}.down_proj_bias" if has_bias else None)
@@ -410,7 +410,7 @@ def _router(ctx, path, gate, layer, num_experts):
     if w is None or w.dim() != 2 or w.shape[0] != num_experts:
         return None
     rw = W(f"{path}.weight", tuple(w.shape), f"{path}.bias" if getattr(gate, "bias", None) is not None else None)
-    src = _fwd(gate)
+    src = forward_src(gate)
     top_k = getattr(gate, "top_k", None)
     if "softmax(" in src and "sigmoid" not in src:
         law = builders.row_sum_law(RouterSum, f"{path}/router", layer, rw.name, rw.shape, num_experts, bias=rw.bias,
@@ -433,7 +433,7 @@ def _router(ctx, path, gate, layer, num_experts):
     return None
 
 
-def _moe(ctx, path, mlp, layer, config) -> _Mlp | None:
+def moe_mlp(ctx, path, mlp, layer, config) -> _Mlp | None:
     """MoE block: router ``gate``, ``experts`` (fused 3-D or ModuleList), optional shared expert(s) and
     Qwen2-MoE's ``shared_expert_gate`` (sigmoid(Linear H->1) times the shared expert's output: it scales
     the output, so the shared expert's unit law holds; it reads the normed input: a gain-law reader)."""
@@ -449,7 +449,7 @@ def _moe(ctx, path, mlp, layer, config) -> _Mlp | None:
         if len(experts) != e_n:
             return None
         for e, ex in enumerate(experts):
-            m = _gated_mlp(ctx, f"{path}.experts.{e}", ex, layer)
+            m = gated_mlp(ctx, f"{path}.experts.{e}", ex, layer)
             if m is None:
                 return None
             laws += m.laws
@@ -463,16 +463,16 @@ def _moe(ctx, path, mlp, layer, config) -> _Mlp | None:
     for name in ("shared_expert", "shared_experts"):
         sh = getattr(mlp, name, None)
         if sh is not None:
-            m = _gated_mlp(ctx, f"{path}.{name}", sh, layer)
+            m = gated_mlp(ctx, f"{path}.{name}", sh, layer)
             if m is None:
                 return None
             laws += m.laws
             readers += m.readers
     sg = getattr(mlp, "shared_expert_gate", None)
     if sg is not None:
-        if not (_linear_like(sg) and "sigmoid(self.shared_expert_gate(" in _fwd(mlp)):
+        if not (linear_like(sg) and "sigmoid(self.shared_expert_gate(" in forward_src(mlp)):
             return None
-        sw = _w(f"{path}.shared_expert_gate", sg)
+        sw = linear_w(f"{path}.shared_expert_gate", sg)
         readers.append(sw.in_cols())
         ctx.decline(f"{path}.shared_expert_gate", "sigmoid shared-expert gate",
                     "a scalar sigmoid gate has no rescaling symmetry: no law of its own (it scales the shared "
@@ -481,7 +481,7 @@ def _moe(ctx, path, mlp, layer, config) -> _Mlp | None:
 
 
 # -------------------------------------------------------------------------------------------- families
-def _embed_and_head(ctx: _Ctx, embed_paths: list, final_norm_path: str | None):
+def embed_and_head(ctx: Ctx, embed_paths: list, final_norm_path: str | None):
     """Input embeddings (no law), final norm gain read by lm_head and the translation law, or the
     declined tied head."""
     model, config = ctx.model, ctx.config
@@ -505,9 +505,9 @@ def _embed_and_head(ctx: _Ctx, embed_paths: list, final_norm_path: str | None):
                         "no gain law: its reader (the output layer) is tied to the input embedding")
         ctx.know(f"{head_path}.bias" if getattr(head, "bias", None) is not None else None)
         return
-    hw = _w(head_path, head)
+    hw = linear_w(head_path, head)
     if norm is not None:
-        _gain(ctx, final_norm_path, norm, None, [hw.in_cols()], head_path)
+        gain_laws(ctx, final_norm_path, norm, None, [hw.in_cols()], head_path)
     loss = ctx.options.get("loss", "ce")
     cap = getattr(config, "final_logit_softcapping", None)
     if loss != "ce":
@@ -520,30 +520,30 @@ def _embed_and_head(ctx: _Ctx, embed_paths: list, final_norm_path: str | None):
                                      note="softmax cross-entropy only (pass loss= to say otherwise)"))
 
 
-def _num_kv(config, nh):
+def find_num_kv(config, nh):
     nkv = getattr(config, "num_key_value_heads", None)
     return nh if nkv is None else nkv
 
 
-def _head_dim(config):
+def find_head_dim(config):
     d = getattr(config, "head_dim", None)
     return d if d else config.hidden_size // config.num_attention_heads
 
 
-def _norm_roles(layer: nn.Module) -> dict[str, str] | None:
+def norm_roles(layer: nn.Module) -> dict[str, str] | None:
     """Role of each norm of a decoder layer, read from the order of calls in its ``forward``:
     ``pre_attn`` (called before ``self.self_attn(``), ``post_attn`` (after it, before the residual add),
     ``pre_mlp`` (after that add, before ``self.mlp(``), ``post_mlp`` (after ``self.mlp(``, before its add).
     Llama: input_layernorm = pre_attn, post_attention_layernorm = pre_mlp; Gemma2/3 add the post norms;
     OLMo2 has only post norms. None when the source does not show this order."""
-    src = _fwd(layer)
+    src = forward_src(layer)
     a, m = src.find("self.self_attn("), src.find("self.mlp(")
     if a < 0 or m < a:
         return None
     adds = [x.start() for x in re.finditer(r"residual\+", src)]
     roles: dict[str, str] = {}
     for name, mod in layer.named_children():
-        if name in ("self_attn", "mlp") or _norm_kind(mod) is None:
+        if name in ("self_attn", "mlp") or norm_kind(mod) is None:
             continue
         calls = [x.start() for x in re.finditer(re.escape(f"self.{name}("), src)]
         if len(calls) != 1:
@@ -563,14 +563,14 @@ def _norm_roles(layer: nn.Module) -> dict[str, str] | None:
     return roles
 
 
-def _post_norm(ctx: _Ctx, path: str, norm, out, layer, what: str):
+def post_norm(ctx: Ctx, path: str, norm, out, layer, what: str):
     """A norm on a block's output (before the residual add): no gain law (its output goes to the residual
     stream); the Linear ``out`` that feeds it is scale invariant: ``NormScaleLaw`` (eps = 0, or
     ``approximate``), else declined with the reason."""
     ctx.decline(path, "post-norm on the block output",
                 "no gain law: its output is added to the residual stream, read by every later layer and not only "
                 "by linear maps (spec breakers: post-LN)")
-    kind = _norm_kind(norm)
+    kind = norm_kind(norm)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if out is None or kind is None or eps is None or norm.weight.shape[0] != out.n_out:
         ctx.decline(f"{path}/norm_scale", "post-norm scale law", f"the map feeding {path} is not recognised: no law")

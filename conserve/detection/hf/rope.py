@@ -1,7 +1,7 @@
 """RoPE of HF models: the pairing of rotary dims read by running the model's own rotary function on basis
-vectors (``probe_rope``; GPT-J's signature: ``_probe_gptj``), the rotary width from the config checked
-against the ``inv_freq`` buffer (``_rotary_dim``), and the layout choice with the user's override
-(``_rope_layout``). Math: spec "RoPE layouts"."""
+vectors (``probe_rope``; GPT-J's signature: ``probe_gptj``), the rotary width from the config checked
+against the ``inv_freq`` buffer (``find_rotary_dim``), and the layout choice with the user's override
+(``find_rope_layout``). Math: spec "RoPE layouts"."""
 from __future__ import annotations
 
 import sys
@@ -31,7 +31,7 @@ def probe_rope(fn, head_dim: int, rotary_dim: int) -> str | None:
     return _pairing(out, d, r)
 
 
-def _probe_gptj(fn, head_dim: int, rotary_dim: int) -> str | None:
+def probe_gptj(fn, head_dim: int, rotary_dim: int) -> str | None:
     """``probe_rope`` for GPT-J's ``apply_rotary_pos_emb(x, sin, cos)`` (x: (B, T, heads, R); sin/cos:
     (B, T, R/2), repeated to pairs inside), which GPT-J applies to the first ``rotary_dim`` dims only."""
     r = rotary_dim
@@ -65,7 +65,7 @@ def _pairing(out: torch.Tensor, d: int, r: int) -> str | None:
     return None
 
 
-def _rotary_dim(config, head_dim: int, rotary_emb) -> int:
+def find_rotary_dim(config, head_dim: int, rotary_emb) -> int:
     """Rotary width R from the config (partial_rotary_factor / rotary_pct), checked against the
     ``inv_freq`` buffer of the model's rotary embedding (R/2 frequencies; shape only: meta-safe)."""
     rp = getattr(config, "rope_parameters", None) or {}
@@ -85,7 +85,7 @@ def _rotary_dim(config, head_dim: int, rotary_emb) -> int:
     return 2 * inv.shape[-1]
 
 
-def _rope_layout(ctx: "_Ctx", attn: nn.Module, head_dim: int, r: int, probe=None) -> str:
+def find_rope_layout(ctx, attn: nn.Module, head_dim: int, r: int, probe=None) -> str:
     opt = ctx.options.get("rope_layout")
     if opt is not None:
         if opt not in LAYOUTS:
