@@ -154,8 +154,8 @@ class Tracker:
             False: ``last`` is an empty ``NotKept`` dict whose items raise a ``KeyError`` naming this
             option; the metric rows, ``cumulative`` and ``totals()`` are the same either way.
         cumulative: keep ``cumulative``, the per-entry sums of the ``measured``/``decay``/``first``/``second``
-            terms over the decomposed (entry, step) pairs (4 law-sized copies held for the whole run:
-            on ``conserve run``'s 62.8k-parameter model 0.088x the tracked bytes).  ``None`` (default):
+            terms over the decomposed (entry, step) pairs (4 law-sized copies held for the whole run; law
+            values are a small fraction of the weights they read).  ``None`` (default):
             kept only when every (entry, step) pair is decomposed (``drift`` with ``drift_every=1`` and
             ``snapshot_budget=None``, the exact mode); ``True``: always; ``False``: never.  Without
             them ``totals()`` has no per-entry decomposition (no ``decay``/``first``/``second``/
@@ -224,8 +224,7 @@ class Tracker:
     sinks still get the rows, a one-line warning names the sink, step and error, and its unwritten
     rows are kept (``unwritten``) and retried at the next flush and at ``close()``; the step is booked.
     A sink that keeps failing (a full or read-only disk) is owed at most ``max_unwritten`` rows (default
-    10,000; a row is a dict of ``len(metric_names)`` floats, ~63 bytes per key measured: 10,000 rows of a
-    24-layer Llama's 128 keys hold ~80 MB): beyond that its oldest
+    10,000; a row is a dict of ``len(metric_names)`` floats): beyond that its oldest
     rows are dropped, told once (one line naming the fix) and counted in ``dropped`` ({sink: rows}), in the
     ``sinks/dropped_rows`` key of each later flush's last row (all sinks, as the flush began) and in
     ``close()``'s warning.
@@ -502,7 +501,7 @@ class Tracker:
         loaded after the tracker was built), a second optimizer, an EMA or LoRA merge written into the
         weights.  That change is no step of the tracked optimizer: ``eps`` jumps with it (still measured
         against the ``theta_0`` the tracker was built on) and, before a drift step, the drift ``residual``
-        holds it.  Reads one counter per tracked tensor (~0.1 us each)."""
+        holds it.  Reads one version counter per tracked tensor."""
         was = self._versions
         if was is None or self._closed or self._warned_outside:
             return
@@ -559,8 +558,8 @@ class Tracker:
         return self.drift and not self._closed and self.steps_taken % self.drift_every == 0
 
     def _books_after_close(self) -> bool:
-        """False once ``close()`` ran: later steps are not booked (one warning names how to track them);
-        before, a step after ``close()`` was booked and its flush failed in the closed sinks."""
+        """False once ``close()`` ran: later steps are not booked (their flush would write into closed sinks);
+        one warning names how to track them."""
         if not self._closed:
             return True
         if not self._warned_closed:

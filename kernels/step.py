@@ -46,8 +46,8 @@ def _rnd(x, LOWP: tl.constexpr):
 @triton.jit
 def _store_rows(part, NP, off, r, mr, s0, s1, s2, s3):
     """``part[q * NP + off + r] = s_q`` for the four quantities.  Quantity q's row starts at
-    ``part + q*NP``, reached by adding NP to the pointer once per row (NP is an int32 argument below
-    2^31; ``3 * NP`` in int32 would wrap above ~715M partial entries)."""
+    ``part + q*NP``, reached by adding NP to the pointer once per quantity (NP is an int32 argument
+    below 2^31; ``3 * NP`` in int32 would wrap above ~715M partial entries)."""
     p1 = part + NP
     p2 = p1 + NP
     tl.store(part + off + r, s0, mask=mr)

@@ -63,8 +63,8 @@ the weights, optimizer state and every tracker row and cumulative are the very b
 ordering (``tests/test_fused_overlap.py``, with a recording fake of the stream api that also checks
 which stream allocates, reads and frees each tensor).  On CUDA it is NOT shown bit-identical to the
 serial ordering (the GPU parity check, ``bench.overlap_check`` / ``bench.fused_optim``'s
-``overlap_parity``, found law values and rows that differ, weights equal) and it was not faster than
-the serial ordering (measured on an H200): the first overlapped drift step on CUDA warns once
+``overlap_parity``, finds law values and rows that differ, weights equal; bench/NOTES.md): the first
+overlapped drift step on CUDA warns once
 (``RuntimeWarning``); use the default ``overlap=False``.  If the pass raises, the rest of the weights
 are still stepped, then the error propagates (no row).
 
@@ -103,13 +103,13 @@ _TRACKER_KEYS = ("every", "sinks", "drift", "fp64", "backend", "monitors", "drif
 _IMPLEMENTATION = ("fused", "capturable", "foreach")
 # A fused drift step re-reads every weight whose laws the step statistics cover (an old copy and Delta,
 # block by block) besides the sampled Gram-law views; between drift steps the statistics cost one read
-# of the new weights (in cache: block by block).  Every 10th step keeps a tracked CPU step within
-# ~1.05-1.3x torch AdamW (bench/track_overhead.py); pass drift_every=1 for every step.
+# of the new weights (in cache: block by block).  A drift step every 10th step keeps the tracked step's cost
+# near torch AdamW's (``python -m bench.track_overhead`` measures it); pass drift_every=1 for every step.
 FUSED_DRIFT_EVERY = 10
 # The torch twin's step statistics go to buffers of groups of consecutive tensors of at most this
 # fraction of the tracked bytes (or one tensor's lines), each folded into the entries once stepped: a
-# large model folds few groups (few ops: the per-op cost of a fold after a tensor's step, ~10-20 us,
-# is paid per group), a small one tensor by tensor (its buffer of every line would be ~14% of it)
+# large model folds few groups (a fold's fixed per-op cost is paid per group), a small one tensor by tensor
+# (a buffer of every line would be a large fraction of it)
 STATS_BUDGET = 0.01
 
 
@@ -296,7 +296,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._side = None
         self._stream_api = None
         self._early = None
-        self._drift_config = "auto"  # the side stream's kernels.Config (bench/fused_optim.py A/Bs it)
+        self._drift_config = "auto"  # the side stream's kernels.Config (bench/fused_optim.py compares choices)
         self._layouts: dict = {}
         self._chunk = K.CHUNK_MAX
         if track is None and laws is None:

@@ -100,7 +100,7 @@ class Layout:
         offs = np.cumsum([c.plan.vec_size] + [c.plan.gram_slots[d] for d in self.gram_ds]).tolist()
         self.flat_at = dict(zip(self.gram_ds, offs[:-1]))  # D -> first flat index of its slots
         # the vec entries' instances: as a few stretches (``vec_runs``) when they form at most ``_MAX_RUNS``
-        # (``conserve run``'s model: 688 entries, 11 stretches; no 4 bytes per entry held), else the int32 index
+        # (no 4 bytes per entry held), else the int32 index
         self.vec_runs, self.zero_idx = index_runs(vec_inst.numpy(), dev)
         self.vec_inst_held = None if self.vec_runs is not None else inst_all[: c.plan.vec_size]
         gram_part = inst_all[c.plan.vec_size:].clone()  # one int32 per Gram slot (few)
@@ -118,7 +118,7 @@ class Layout:
         self.fam_count = torch.bincount(inst_fam, minlength=len(fams)).clamp_min(1).to(dev)
         self.group_count = torch.bincount(inst_group, minlength=len(groups)).clamp_min(1).to(dev)
         # the (family, layer) group of each instance, held as runs: the instances of a group lie side by side
-        # in law order (``conserve run``'s model: 634 instances, 15 groups, 21 runs), so the per-step group
+        # in law order (a few runs per group), so the per-step group
         # sums are one segment sum per run (``group_sum``) and no 4 bytes per instance are held
         new_run = torch.ones(len(inst_group), dtype=torch.bool, device="cpu")
         new_run[1:] = inst_group[1:] != inst_group[:-1]
