@@ -153,22 +153,22 @@ MAX_SPILL = 0
 # use (``spill`` / ``smem`` bytes), reason)``.  Each entry needs its reason written here; a violation
 # without one, or past its bound, is a failure.
 EXCEPTIONS: list = [
-    ("_gram_kernel", dict(DRIFT=True), dict(spill=2048),
+    ("gram_kernel", dict(DRIFT=True), dict(spill=2048),
      "DRIFT pass: four 64 x 64 fp32 accumulators (128 registers per thread of 4 warps) and the fp32 operand "
      "tiles exceed 255 registers; triton 3.8 keeps the rest in local memory.  The tile and warp count are "
      "the Gram kernel's (launch.DRIFT_BT, runner.DRIFT_WARPS)"),
-    ("_gram_kernel", dict(DRIFT=False, FP64=False, BT=128), dict(spill=1024),
+    ("gram_kernel", dict(DRIFT=False, FP64=False, BT=128), dict(spill=1024),
      "evaluate / bilinear 128 x 128 output tile of 8 warps (64 accumulator registers per thread, two for a "
      "term that cannot fold its sign, plus the upcast operands of fp64 inputs): triton 3.8 spills "
      "part of the operand tiles.  The tile is the Gram kernel's (Tiles.BT_MAX, Config.gram_bt)"),
-    ("_gram_kernel", dict(DRIFT=False, FP64=False, BT=128, UPCAST=True, BILINEAR=True, FOLD=False), dict(spill=10240),
+    ("gram_kernel", dict(DRIFT=False, FP64=False, BT=128, UPCAST=True, BILINEAR=True, FOLD=False), dict(spill=10240),
      "bilinear form of mixed (x, y) dtypes: four upcast fp32 operand tiles and two 128 x 128 accumulators of a "
      "term that cannot fold its sign do not fit in registers; the accumulator lives in local memory "
      "(slow, correct).  The tile is the Gram kernel's"),
-    ("_rowcol_kernel", dict(FP64=False, BS=32, BF=128, BILINEAR=True), dict(spill=128),
+    ("rowcol_kernel", dict(FP64=False, BS=32, BF=128, BILINEAR=True), dict(spill=128),
      "the default fp32 bilinear norm tiles ([32, 128], 4 warps: x, y and the accumulator, 96 registers of "
      "data per thread) as measured on the GPU: with 2 or 3 stages triton 3.8 spills a few registers"),
-    ("_rowcol_kernel", dict(FP64=False, BS=32, BF=256, BILINEAR=False, STAGES=3), dict(spill=32),
+    ("rowcol_kernel", dict(FP64=False, BS=32, BF=256, BILINEAR=False, STAGES=3), dict(spill=32),
      "the default fp16 norm tiles ([32, 256], 8 warps, 3 stages, as bf16's): triton 3.8 spills a few "
      "registers of the fp16 -> fp32 conversion"),
     ("step_kernel", dict(FP64=True, STATS=True), dict(spill=512),
@@ -529,9 +529,9 @@ def record_gpu_tiles(full: bool = True, verbose: bool = False) -> list:
 
 
 def as_gpu(spec: dict) -> dict:
-    """``spec`` as a GPU launches it: ``_gram_kernel``'s UPCAST without the interpreter's bf16 upcast
+    """``spec`` as a GPU launches it: ``gram_kernel``'s UPCAST without the interpreter's bf16 upcast
     (``runner._upcast(group, interpret=False)``: mixed x/y dtypes or a float64 input only)."""
-    if spec["name"] != "_gram_kernel":
+    if spec["name"] != "gram_kernel":
         return spec
     xb, yb = spec["types"]["xb"], spec["types"]["yb"]
     return dict(spec, constexprs=dict(spec["constexprs"], UPCAST=xb != yb or "*fp64" in (xb, yb)))

@@ -12,7 +12,7 @@ For each plan, dtype and mode (decay computed / compiled out), walks every item 
 the dots of ``gram._drift_dots`` (h_new 1, decay 1 if DECAY, bil 2 -- 1 on a diagonal tile --,
 h_delta 1; each ``2 * BT^2 * BK`` FLOP, masked tails counted at their true length), the bytes of
 the old and new tiles it loads (one row block on a diagonal tile, two otherwise), and the partial
-tiles it writes (3 or 4 planes) that ``_gram_finish`` reads back.  Time floors use the H200's
+tiles it writes (3 or 4 planes) that ``gram_finish`` reads back.  Time floors use the H200's
 ~67 TFLOP/s fp32 FMA peak and 4.27 TB/s: arithmetic, not measurements.
 """
 from __future__ import annotations

@@ -128,7 +128,7 @@ def cases(kernels):
                          "part": "*fp32"}
                 ce = dict(BS=cfg.BS, BF=BF, ALIGN=16, BILINEAR=bil, FP64=False, STAGES=cfg.norm_stages)
                 out.append(("rowcol", f"{dt} [{cfg.BS},{BF}] x{cfg.norm_stages}{' bilinear' if bil else ''}",
-                            norms._rowcol_kernel,
+                            norms.rowcol_kernel,
                             types, ce, warps))
     if "gram" in kernels:
         from conserve.kernels.launch import DRIFT_BK, DRIFT_BT
@@ -142,7 +142,7 @@ def cases(kernels):
                     ce = dict(D=D, BT=BT, BK=BK, ALIGN=16, SINGLE=D == BT, BILINEAR=bil, FP64=False, UPCAST=False,
                               FOLD=True, PREC="ieee", DRIFT=False, DECAY=False)
                     out.append(("gram", f"{dt} D={D} BT={BT} BK={BK}{' bilinear' if bil else ''}",
-                                gram._gram_kernel, dict(gtypes, xb=t[dt], yb=t[dt]), ce, warps))
+                                gram.gram_kernel, dict(gtypes, xb=t[dt], yb=t[dt]), ce, warps))
             # the DRIFT pass with the decay dot, without it (decay=False or every a == 1), and (fp32)
             # with 3xTF32 tensor-core dots (Config(input_precision="tf32x3"))
             variants = [(True, "ieee", "a!=1"), (False, "ieee", "no decay")]
@@ -151,7 +151,7 @@ def cases(kernels):
             for dec, prec, what in variants:
                 ce = dict(D=128, BT=DRIFT_BT, BK=DRIFT_BK, ALIGN=16, SINGLE=False, BILINEAR=True, FP64=False,
                           UPCAST=False, FOLD=True, PREC=prec, DRIFT=True, DECAY=dec)
-                out.append(("gram drift", f"{dt} D=128 BT={DRIFT_BT} BK={DRIFT_BK} {what}", gram._gram_kernel,
+                out.append(("gram drift", f"{dt} D=128 BT={DRIFT_BT} BK={DRIFT_BK} {what}", gram.gram_kernel,
                             dict(gtypes, xb=t[dt], yb=t[dt]), ce, DRIFT_WARPS))
     if "step" in kernels:
         for dt, lowp, es in (("fp32", 0, 4), ("bf16", 1, 2)):

@@ -25,6 +25,7 @@ import atexit
 import copy
 import math
 import numbers
+import os
 import sys
 import weakref
 from typing import Iterable, Mapping, Sequence
@@ -254,6 +255,7 @@ class Tracker:
         self._warned_dropped: set = set()  # id(sink) of the sinks whose drops were told
         self._idle_sinks: list = []  # sinks held but not written (a DistributedTracker's other ranks)
         self._built = False  # __init__ finished (a tracker whose construction raised has nothing to flush)
+        self._pid = os.getpid()  # the process whose sinks these are: a forked copy (a DataLoader worker) never writes
         self._bound = None  # a weak reference to the model whose parameters are tracked (``stale``)
         self._versions: list[int] | None = None  # the tracked tensors' version counters (``check_outside``)
         self._h_own = None  # ``h`` when its buffers are the tracker's own (``_eval_into_h``)
@@ -978,8 +980,9 @@ class Tracker:
                           f"({type(e).__name__}: {e})", RuntimeWarning)
 
     def _close_at_exit(self) -> None:
-        """Flush and close a tracker its user never closed (garbage collection, interpreter exit)."""
-        if self._closed or not self._built:  # closed, or __init__ did not finish
+        """Flush and close a tracker its user never closed (garbage collection, interpreter exit).  Nothing in a
+        forked child process (its copy of the tracker would write the parent's rows into the parent's sinks)."""
+        if self._closed or not self._built or os.getpid() != self._pid:  # (or __init__ did not finish)
             return
         if self.world > 1:  # a collective flush needs every rank: not at exit
             if self._rows or getattr(self, "_pend", None):
@@ -1024,6 +1027,7 @@ class Tracker:
         state = dict(state)
         denom = state.pop("denom", None)  # (pickled before the denominators were formed when read)
         self.__dict__.update(state)
+        self._pid = os.getpid()  # unpickled here: this process owns the copy (it has no sinks until given some)
         if denom is not None and "book" not in state:
             self.denom = denom
         if "params" in state:

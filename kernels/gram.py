@@ -1,6 +1,6 @@
 """Triton kernels for the grouped head-Gram terms (``GramTerm`` of ``plan.py``).
 
-``_gram_kernel``: one program per *item* = (output slot, output tile (ti, tj) with ti <= tj, chunk
+``gram_kernel``: one program per *item* = (output slot, output tile (ti, tj) with ti <= tj, chunk
 [k0, k1) of the contracted dimension).  It loops over every term of its slot (a contiguous range of
 the term table, so QK and VO terms of one kv group, their biases, partial-rotary pass-through blocks
 and every layer/expert share ONE launch) and accumulates, in registers,
@@ -19,7 +19,7 @@ read once and four register tiles are accumulated (``Dl = N - a_t*O`` formed in 
     bil     = sum_t s_t (aO Dl^T + Dl aO^T) / 2             h_delta = sum_t s_t Dl Dl^T
 
 and the item writes them to four planes of the partial buffer (``plane`` elements apart).
-The item writes its BT x BT tile to a partial buffer; ``_gram_finish`` sums, per output tile, the
+The item writes its BT x BT tile to a partial buffer; ``gram_finish`` sums, per output tile, the
 partials of its items in a fixed order and mirrors off-diagonal tiles (no atomics: deterministic).
 
 Term table row (int64, ``tables.GRAM_TERM``): ``x_off, x_rs, x_cs, n, layout, y_off, y_rs, y_cs`` in elements relative to
@@ -331,7 +331,7 @@ def _slot_drift(xb, yb, terms, signs, factors, t0, t1, k0, k1, ri, rj, mi, mj, a
 
 
 @triton.jit
-def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
+def gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
                  D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr,
                  SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
                  UPCAST: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr = "ieee",
@@ -400,7 +400,7 @@ def _gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
 
 
 @triton.jit
-def _gram_finish(part, order, groups, out, pplane, oplane, D: tl.constexpr, BT: tl.constexpr,
+def gram_finish(part, order, groups, out, pplane, oplane, D: tl.constexpr, BT: tl.constexpr,
                  FP64: tl.constexpr, SKIP1: tl.constexpr = False):
     """Per output tile: sum its items' partial tiles in table order; write the tile and its mirror.
     Program axis 1 selects a plane (DRIFT: 4 outputs): ``part``/``out`` advance by ``pplane``/``oplane``.

@@ -32,7 +32,7 @@ from .plan import Plan, View, check_dtype
 from .tables import FACTOR, FINISH_BLOCK, FINISH_ROW, GRAM_GROUP, GRAM_ITEM, GRAM_TERM, NORM_ITEM, REGION
 
 MAX_ALIGN = 16
-FIN_BC = 256  # columns per finishing program (norms._finish_rows)
+FIN_BC = 256  # columns per finishing program (norms.finish_rows)
 SM90_SMEM = 232448  # shared memory a program may use on sm_90 (bytes, the opt-in maximum per block)
 
 
@@ -90,7 +90,7 @@ class Tiles:
             return Tiles.gpu(props.multi_processor_count, config,
                              getattr(props, "shared_memory_per_block_optin", SM90_SMEM))
         # items of at most 16 row tiles, as a GPU item is (item_bytes): each program's fp32 running sum
-        # stays short and the partials are summed in fp64 by _finish_rows
+        # stays short and the partials are summed in fp64 by finish_rows
         return Tiles(BT_MAX=config.gram_bt, BK_SMALL=16 if config.gram_bt < 128 else Tiles.BK_SMALL,
                      slow_rows=16 * Tiles.BS, precision=config.input_precision, overlap=config.overlap,
                      drift_programs=config.drift_programs)
@@ -128,7 +128,7 @@ class Tiles:
         return BF, warps
 
     def norm_smem_bytes(self, group, bilinear: bool, BF: int) -> int:
-        """Upper bound of the shared memory of a ``norms._rowcol_kernel`` program with ``[BS, BF]``
+        """Upper bound of the shared memory of a ``norms.rowcol_kernel`` program with ``[BS, BF]``
         tiles on sm_90 (checked by ``bench.compile_launches``): ``norm_stages - 1`` row tiles of x (and
         y) in flight per streaming loop, each loop with its own buffers; the kernel has three loops (full
         and masked column tile of a contiguous region, strided region), each of which the compiler may
@@ -163,7 +163,7 @@ def _clean(rows, cols, rs, cs):
 
 @dataclass
 class GramLaunch:
-    """One launch of ``_gram_kernel``: bucket ``D``, dtype group ``g``."""
+    """One launch of ``gram_kernel``: bucket ``D``, dtype group ``g``."""
 
     D: int
     group: tuple
@@ -176,7 +176,7 @@ class GramLaunch:
     signs: list
     items: np.ndarray  # (I, 6) int64
     item_base: int  # first item id in the bucket's partial buffer
-    fold: bool = False  # signs folded into the dot operands (gram._gram_kernel FOLD)
+    fold: bool = False  # signs folded into the dot operands (gram.gram_kernel FOLD)
 
 
 @dataclass
@@ -367,7 +367,7 @@ DRIFT_BK = 16  # DRIFT contracted block: 4-8 operand tiles of [64, BK] live besi
 
 
 def build_drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], cfg: Tiles) -> Structure:
-    """Gram tables of ``plan`` for the DRIFT mode of ``gram._gram_kernel`` (x = ``olds``, y = ``news``):
+    """Gram tables of ``plan`` for the DRIFT mode of ``gram.gram_kernel`` (x = ``olds``, y = ``news``):
     ``BT <= DRIFT_BT``, ``BK = DRIFT_BK``, no norm tables (the vector terms go through the standalone
     composition, see ``runner.drift_triton``).  Raises ``ValueError`` for mismatched lists/shapes."""
     if len(olds) != len(news):

@@ -7,7 +7,7 @@ strided axis (gain law: columns of q/k/v/gate/up; unit law: columns of down) nee
 ``sum_s v[s, f]``.  Terms over the same region with the same function share it, so ``W_up`` is read
 ONCE for both the SwiGLU unit law (its rows) and the gain law (its columns).
 
-``_rowcol_kernel``: one program per item = (region, rows [s_start, s_end), ONE column tile
+``rowcol_kernel``: one program per item = (region, rows [s_start, s_end), ONE column tile
 [f0, f0 + BF)).  Items are sized by bytes (``launch.Tiles.item_bytes``, ~256 KiB on a GPU) so that
 every program streams the same amount of memory.  The inner loop over row tiles ``[BS, BF]`` is a
 pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v = (x + shift)^2``
@@ -16,8 +16,8 @@ pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v =
 column (slow) sums are reduced ONCE per item (at most 16 row tiles on both the GPU and the CPU tiles:
 a short fp32 running sum) and written as one partial row; the row (fast) sums of a
 tile are reduced per tile and written as a partial for this column tile (a region with fast sums and
-``F`` columns has ``ceil(F / BF)`` fast partials per row).  ``_finish_rows`` sums partial rows in a
-fixed order into the element buffer ``elem``; ``_gather`` then forms
+``F`` columns has ``ceil(F / BF)`` fast partials per row).  ``finish_rows`` sums partial rows in a
+fixed order into the element buffer ``elem``; ``gather_rows`` then forms
 ``vec[o] = sum_p sign_p * elem[idx_p]`` (CSR, fixed order).  No atomics: bitwise deterministic.
 
 Region table row (int64, ``tables.REGION``): ``x_off, ss, fs, S, F, layout, func, fast_base, -, y_off, yss, yfs``;
@@ -80,7 +80,7 @@ def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift
 
 
 @triton.jit
-def _rowcol_kernel(xb, yb, regions, shifts, items, part,
+def rowcol_kernel(xb, yb, regions, shifts, items, part,
                    BS: tl.constexpr, BF: tl.constexpr, ALIGN: tl.constexpr,
                    BILINEAR: tl.constexpr, FP64: tl.constexpr, STAGES: tl.constexpr = 1):
     pid = tl.program_id(0).to(tl.int64)
@@ -123,7 +123,7 @@ def _rowcol_kernel(xb, yb, regions, shifts, items, part,
 
 
 @triton.jit
-def _finish_rows(part, table, blocks, elem, RB: tl.constexpr, BC: tl.constexpr, FP64: tl.constexpr):
+def finish_rows(part, table, blocks, elem, RB: tl.constexpr, BC: tl.constexpr, FP64: tl.constexpr):
     """Block ``pid`` = (finishing row, first column): ``elem[base + c] = sum_i part[off + i*len + c]``
     for ``BC`` columns, summing ``RB`` partial rows per step into a 2-D accumulator (fixed order)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -148,7 +148,7 @@ def _finish_rows(part, table, blocks, elem, RB: tl.constexpr, BC: tl.constexpr, 
 
 
 @triton.jit
-def _gather(elem, ptr, idx, sgn, vec, n_out, max_count, BO: tl.constexpr, FP64: tl.constexpr):
+def gather_rows(elem, ptr, idx, sgn, vec, n_out, max_count, BO: tl.constexpr, FP64: tl.constexpr):
     """``vec[o] = sum_{p in [ptr[o], ptr[o+1])} sgn[p] * elem[idx[p]]`` for a block of BO outputs."""
     o = tl.program_id(0).to(tl.int64) * BO + tl.arange(0, BO)
     mo = o < n_out

@@ -3,13 +3,13 @@ handful of launches.
 
 Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)`` *group*):
 
-1. ``_gram_kernel``   once per Gram size D   (every head, kv group, layer and expert of that D)
-2. ``_rowcol_kernel`` once                   (every NormTerm / SumTerm region, fused rows+columns)
-3. ``_gram_finish``   once per D, ``_finish_rows`` once, ``_gather`` once (small finishing passes)
+1. ``gram_kernel``   once per Gram size D   (every head, kv group, layer and expert of that D)
+2. ``rowcol_kernel`` once                   (every NormTerm / SumTerm region, fused rows+columns)
+3. ``gram_finish``   once per D, ``finish_rows`` once, ``gather_rows`` once (small finishing passes)
 
 On CUDA the Gram launches (1, 3a) run on a side stream concurrently with the norm launches (2, 3b).
-``drift_triton`` (DRIFT mode): one ``_gram_kernel`` pass over old AND new weights per D for the four
-Gram pieces of the drift identity + one ``_gram_finish`` per D over 4 planes (3 with ``decay=False``:
+``drift_triton`` (DRIFT mode): one ``gram_kernel`` pass over old AND new weights per D for the four
+Gram pieces of the drift identity + one ``gram_finish`` per D over 4 planes (3 with ``decay=False``:
 the decay dots are compiled out; README "DRIFT mode").  ``config.Config`` selects the fp32 dot
 precision (``"ieee"`` / ``"tf32x3"``), the Gram tile cap, the norm pipelining and the stream overlap.
 
@@ -187,7 +187,7 @@ class Prepared:
         return vec, grams
 
     def _run_gram(self, grams, bil):
-        from .gram import _gram_finish, _gram_kernel
+        from .gram import gram_finish, gram_kernel
 
         st, fp64 = self.st, self.fp64
         for b, bs, lb in zip(st.gram, self.gram_static, self.gram_bound):
@@ -196,11 +196,11 @@ class Prepared:
                 if len(l.items) == 0:
                     continue
                 xb, yb = self.bases[l.group]
-                _gram_kernel[(len(l.items),)](
+                gram_kernel[(len(l.items),)](
                     xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], ls["signs"], 0,
                     ALIGN=align, **gram_meta(b, l, bil, fp64, self.cfg.precision))
             if len(b.groups):
-                _gram_finish[(len(b.groups), 1)](part, bs["order"], bs["groups"], grams[b.D], 0, 0,
+                gram_finish[(len(b.groups), 1)](part, bs["order"], bs["groups"], grams[b.D], 0, 0,
                                                  D=b.D, BT=b.BT, FP64=fp64, SKIP1=False, num_warps=4)
 
     # ---- DRIFT mode ----------------------------------------------------------------------------
@@ -225,10 +225,10 @@ class Prepared:
 
     def run_drift(self, olds, news, a, decay: bool = True):
         """DRIFT pass: ``[h_new, decay, bil, h_delta]`` Gram dicts ``{D: (slots, D, D)}`` in fp32 (one
-        ``_gram_kernel`` launch per (D, dtype group) + one ``_gram_finish`` per D).  ``decay=False``:
+        ``gram_kernel`` launch per (D, dtype group) + one ``gram_finish`` per D).  ``decay=False``:
         the decay dots, stores and finishing plane are compiled out / not launched (DECAY constexpr)
         and its entry is None; with ``decay`` and every ``a_t == 1`` of a launch, the same (zeros)."""
-        from .gram import _gram_finish, _gram_kernel
+        from .gram import gram_finish, gram_kernel
 
         st = self.st
         self._bind(olds, news)
@@ -252,12 +252,12 @@ class Prepared:
                 n = len(l.items)
                 cap = self.cfg.drift_programs or n
                 for s0 in range(0, n, cap):
-                    _gram_kernel[(min(cap, n - s0),)](
+                    gram_kernel[(min(cap, n - s0),)](
                         xb, yb, terms, ls["signs"], ls["items"][s0:], part[(l.item_base + s0) * b.BT * b.BT:], f,
                         plane, ALIGN=align, **gram_meta(b, l, True, False, self.cfg.precision, drift=True, decay=dec))
             i += len(b.launches)
             if len(b.groups):  # planes h_new, [decay], bil, h_delta
-                _gram_finish[(len(b.groups), 4 if bucket_decay else 3)](
+                gram_finish[(len(b.groups), 4 if bucket_decay else 3)](
                     part, bs["order"], bs["groups"], out[b.D], plane, out[b.D][0].numel(), D=b.D, BT=b.BT,
                     FP64=False, SKIP1=not bucket_decay, num_warps=4)
         res = [{d: g[p] for d, g in out.items()} for p in range(4)]
@@ -266,7 +266,7 @@ class Prepared:
         return res
 
     def _run_norm(self, bil):
-        from .norms import _finish_rows, _gather, _rowcol_kernel
+        from .norms import finish_rows, gather_rows, rowcol_kernel
 
         st, acc, fp64 = self.st, self.acc, self.fp64
         elem = torch.empty(max(1, st.elem_size), device=self.device, dtype=acc)
@@ -274,17 +274,17 @@ class Prepared:
             if len(l.items) == 0:
                 continue
             xb, yb = self.bases[l.group]
-            _rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], self.normpart,
+            rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], self.normpart,
                                             BS=self.cfg.BS, BF=l.BF, ALIGN=align, BILINEAR=bil,
                                             FP64=fp64, STAGES=self.cfg.norm_stages, num_warps=l.warps)
         if len(st.finish_blocks):
-            _finish_rows[(len(st.finish_blocks),)](self.normpart, self.finish, self.finish_blocks, elem,
+            finish_rows[(len(st.finish_blocks),)](self.normpart, self.finish, self.finish_blocks, elem,
                                                    RB=8, BC=L.FIN_BC, FP64=fp64, num_warps=4)
         vec = torch.empty(st.vec_size, device=self.device, dtype=acc)
         if st.vec_size:
             BO = 128
             ptr, idx, sgn = self.csr
-            _gather[(-(-st.vec_size // BO),)](elem, ptr, idx, sgn, vec, st.vec_size, st.max_count, BO=BO,
+            gather_rows[(-(-st.vec_size // BO),)](elem, ptr, idx, sgn, vec, st.vec_size, st.max_count, BO=BO,
                                               FP64=fp64, num_warps=4)
         return vec
 
@@ -300,7 +300,7 @@ def _upcast(group, interpret: bool | None = None) -> bool:
 
 def gram_meta(b: L.GramBucket, l: L.GramLaunch, bil: bool, fp64: bool, precision: str, drift: bool = False,
               decay: bool = False, interpret: bool | None = None) -> dict:
-    """Constexprs and ``num_warps`` of the ``gram._gram_kernel`` launch of ``l`` (bucket ``b``) except
+    """Constexprs and ``num_warps`` of the ``gram.gram_kernel`` launch of ``l`` (bucket ``b``) except
     ``ALIGN``, which depends on the bound addresses: evaluate/bilinear (``bil``), or the DRIFT pass
     (``drift``; ``decay``: its DECAY).  ``interpret`` as in ``_upcast`` (False: what a GPU compiles;
     tests/test_gram_sm90_pipeline.py compiles these for sm_90)."""
@@ -352,7 +352,7 @@ def drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.
     """Triton twin of ``reference.drift_reference``: ``[h_new, decay, bil, h_delta]``, each
     ``(vec, {D: grams})`` (decay None when ``decay=False``).
 
-    Gram terms: ONE pass of ``gram._gram_kernel`` (DRIFT mode) per (D, dtype group) reads each tile of
+    Gram terms: ONE pass of ``gram.gram_kernel`` (DRIFT mode) per (D, dtype group) reads each tile of
     old and new weights once and accumulates the Grams (64 x 64 output tiles; decay ``s (a^2-1) O O^T``
     only if ``decay``), + one finishing launch per D.  Vector terms (NormTerm/SumTerm: rare in the
     optimizer's rest plan, e.g. Gemma-shifted gains, unmapped views) and ``fp64=True`` use the

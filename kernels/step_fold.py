@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .plan import FIRST_ORDER
 from .step_twin import NQ
 
 __all__ = ["finish_reference", "compact_terms", "finish_compact", "Fold", "fold"]
@@ -120,7 +121,7 @@ def fold(vals: torch.Tensor, lines: torch.Tensor, f: Fold, index: torch.Tensor |
         return
     src = lines if f.line is None else lines.index_select(1, f.line.int() if f.line.dtype == torch.int16 else f.line)
     if src.shape[0] > 1 and f.n_quad:
-        src[1, : f.n_quad].mul_(2)  # the first-order coefficient 2 s of a quadratic pair (exact)
+        src[1, : f.n_quad].mul_(FIRST_ORDER)  # the first-order coefficient 2 s of a quadratic pair (exact)
     for p0, n, s, e in f.segments:
         part = src.narrow(1, p0, n)
         if torch.is_tensor(s) or s not in (1.0, -1.0):

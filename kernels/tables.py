@@ -34,7 +34,7 @@ class _Table:
 
 
 class GRAM_TERM(_Table):
-    """Gram terms (``gram._gram_kernel``), sorted by output slot then layout.  layout 0: x_cs == 1 (row
+    """Gram terms (``gram.gram_kernel``), sorted by output slot then layout.  layout 0: x_cs == 1 (row
     blocks), 1: x_rs == 1 (column blocks), 2: general strides; y_*: the second tensor (bilinear, DRIFT new)."""
     X_OFF, X_RS, X_CS, N, LAYOUT, Y_OFF, Y_RS, Y_CS = range(8)
 
@@ -46,7 +46,7 @@ class GRAM_ITEM(_Table):
 
 
 class GRAM_GROUP(_Table):
-    """Gram finishing groups (``gram._gram_finish``): item ids ``order[i0:i1]`` of output tile (slot, ti, tj)."""
+    """Gram finishing groups (``gram.gram_finish``): item ids ``order[i0:i1]`` of output tile (slot, ti, tj)."""
     I0, I1, SLOT, TI, TJ = range(5)
 
 
@@ -56,7 +56,7 @@ class FACTOR(_Table):
 
 
 class REGION(_Table):
-    """Norm regions (``norms._rowcol_kernel``): an S x F block (F the contiguous axis if layout 0); func 0:
+    """Norm regions (``norms.rowcol_kernel``): an S x F block (F the contiguous axis if layout 0); func 0:
     ``(x + shift)^2``, 1: ``x`` (SumTerm); fast_base: element index of its row sums (-1: none); y_*: bilinear."""
     X_OFF, SS, FS, S, F, LAYOUT, FUNC, FAST_BASE, UNUSED, Y_OFF, YSS, YFS = range(12)
 
@@ -68,7 +68,7 @@ class NORM_ITEM(_Table):
 
 
 class FINISH_ROW(_Table):
-    """Finishing rows (``norms._finish_rows``): ``elem[elem_base + j] = sum_i part[part_off + i*length + j]``."""
+    """Finishing rows (``norms.finish_rows``): ``elem[elem_base + j] = sum_i part[part_off + i*length + j]``."""
     PART_OFF, NROWS, LENGTH, ELEM_BASE = range(4)
 
 

@@ -5,8 +5,8 @@ with the hardware limits asserted: shared memory per program <= 232,448 bytes an
 The suite's other tests run the CPU tiles (``launch.Tiles.for_device`` on a CPU tensor); here every
 prepared plan gets the GPU tiles (``Tiles.gpu(132, config)``, ``bench.compile_launches.gpu_tiles``) and
 the optimizer step its GPU tiles (``step_triton(interpret=False)``).  The cases
-(``gpu_tile_cases(full=False)``: every kernel -- ``_gram_kernel`` evaluate / bilinear / DRIFT,
-``_gram_finish``, ``_rowcol_kernel``, ``_finish_rows``, ``_gather``, the step and its finishing kernel --,
+(``gpu_tile_cases(full=False)``: every kernel -- ``gram_kernel`` evaluate / bilinear / DRIFT,
+``gram_finish``, ``rowcol_kernel``, ``finish_rows``, ``gather_rows``, the step and its finishing kernel --,
 fp32/bf16/fp16/fp64 inputs, fp64 accumulation on and off, head dims 8 and 80, row blocks, column blocks
 and general strides, the default Config, tf32x3 and four norm stages) run under the interpreter with
 their values checked against the float64 torch references; their launches are recorded and one per
@@ -69,7 +69,7 @@ def test_float64_inputs_of_an_fp32_accumulation_compile_for_sm90(tmp_path):
             ref = drift_reference(p, olds, news, [0.99, 0.98], fp64=True)
             for (_, gd), (_, rd) in zip(pieces, ref):
                 assert ((gd[16].double() - rd[16]).abs().max() / rd[16].abs().max()).item() < 1e-5
-    grams = [s for s in specs(seen) if s["name"] == "_gram_kernel"]
+    grams = [s for s in specs(seen) if s["name"] == "gram_kernel"]
     assert {s["types"]["xb"] for s in grams} == {"*fp64"} and {s["constexprs"]["DRIFT"] for s in grams} == {False, True}
     res = _compile(tmp_path, grams)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -111,9 +111,9 @@ def test_gpu_tiles_compile_for_sm90_within_the_limits(tmp_path):
     assert L.Tiles.for_device(torch.device("cpu")).BS == L.Tiles().BS
     chosen = covering(launches)
     names = {s["name"] for s in chosen}
-    assert names == {"_gram_kernel", "_gram_finish", "_rowcol_kernel", "_finish_rows", "_gather", "step_kernel",
+    assert names == {"gram_kernel", "gram_finish", "rowcol_kernel", "finish_rows", "gather_rows", "step_kernel",
                      "finish_kernel"}, names
-    rowcol = [s for s in chosen if s["name"] == "_rowcol_kernel"]
+    rowcol = [s for s in chosen if s["name"] == "rowcol_kernel"]
     for dt in ("*fp32", "*bf16", "*fp16", "*fp64"):
         for bil in (False, True):
             for fp64 in (False, True):
@@ -122,7 +122,7 @@ def test_gpu_tiles_compile_for_sm90_within_the_limits(tmp_path):
     # the tracker's fp64 drift on a GPU: the composition's bilinear form over float64 tensors, four stages
     assert any(s["types"]["xb"] == "*fp64" and s["constexprs"]["BILINEAR"] and s["constexprs"]["FP64"]
                and s["constexprs"]["STAGES"] == 4 for s in rowcol)
-    gram = [s["constexprs"] for s in chosen if s["name"] == "_gram_kernel"]
+    gram = [s["constexprs"] for s in chosen if s["name"] == "gram_kernel"]
     assert {(c["DRIFT"], c["BILINEAR"], c["FP64"]) for c in gram} == {(False, False, False), (False, True, False),
                                                                       (False, False, True), (False, True, True),
                                                                       (True, True, False)}

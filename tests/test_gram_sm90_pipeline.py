@@ -5,7 +5,7 @@
    next k blocks with ``cp.async`` copies into a ring of buffers.  A copy into a buffer that a wgmma
    still in flight reads corrupts that dot (a race: the error changes from run to run).  The
    interpreter runs neither (it upcasts bf16 tiles, ``runner._upcast``, and has no shared memory), so
-   every ``_gram_kernel`` configuration that real plans launch on a GPU (``launch.Tiles.gpu``,
+   every ``gram_kernel`` configuration that real plans launch on a GPU (``launch.Tiles.gpu``,
    ``runner.gram_meta``) is compiled here to sm_90 TTGIR (``triton.compile`` stages up to ``ttgir``,
    no ptxas) and its pipelined loops are checked by ``pipeline_races``.  The pattern this found: a
    diagonal output tile (SINGLE: one loaded tile is both dot operands) whose left operand was a
@@ -116,7 +116,7 @@ _TYPES = {"terms": "*i64", "signs": "*fp32", "items": "*i64", "part": "*fp32", "
 
 
 def _ttgir(spec: dict, arch: int = 90) -> str:
-    """sm_``arch`` TTGIR of ``gram._gram_kernel`` for one spec (``dtype``, ``constexprs``, ``num_warps``),
+    """sm_``arch`` TTGIR of ``gram.gram_kernel`` for one spec (``dtype``, ``constexprs``, ``num_warps``),
     16-byte aligned pointers as the JIT marks torch allocations; the stages after TTGIR are not run."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -125,7 +125,7 @@ def _ttgir(spec: dict, arch: int = 90) -> str:
 
     from conserve.kernels import gram
 
-    fn = gram._gram_kernel
+    fn = gram.gram_kernel
     types = dict(_TYPES, xb="*" + spec["dtype"], yb="*" + spec["dtype"])
     ce = spec["constexprs"]
     sig = {n: ("constexpr" if n in ce else types[n]) for n in fn.arg_names}
@@ -184,7 +184,7 @@ def _plans():
 
 
 def _specs() -> list[dict]:
-    """The GPU launch configurations of ``_gram_kernel`` for the plans of ``_plans``, as
+    """The GPU launch configurations of ``gram_kernel`` for the plans of ``_plans``, as
     ``runner.gram_meta`` sets them on a 132-SM GPU, one per distinct code shape (D only sizes masks):
     bf16 evaluate/bilinear/DRIFT (decay on and off), fp16 evaluate (the same tensor-core path as bf16),
     fp32 with 3xTF32 (tensor cores too) evaluate/bilinear/DRIFT of the D = 128 plan."""

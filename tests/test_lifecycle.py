@@ -460,3 +460,32 @@ def test_loading_a_state_of_other_law_sizes_is_refused_at_load():
         other.tracker.load_state_dict(state)
     assert other.tracker.step_count == 1  # untouched
     tracked([4, 8, 3]).tracker.load_state_dict(state)  # the same sizes load
+
+
+def test_a_forked_child_never_flushes_the_parents_tracker(tmp_path):
+    """A fork (a DataLoader worker, a forked rank) holds a copy of every live tracker: collecting it there
+    must not write the parent's pending rows into the parent's sinks."""
+    import gc
+    import os
+
+    import torch
+
+    import conserve
+
+    path = tmp_path / "m.jsonl"
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=0.1), m, every=100,
+                         sinks=[conserve.JSONLSink(path)])
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy and exits through the interpreter's own exit path
+        del opt
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not path.exists() or path.read_text() == ""
+    opt.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]

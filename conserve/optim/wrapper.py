@@ -23,7 +23,9 @@ import sys
 import torch
 
 from ..errors import warn
+from ..detection import detect
 from ..tracker import Tracker, eager, record_once
+from ..tracking.distributed import DistributedTracker, wants_distributed
 from .fused import FusedOptimizer
 from ..tracking.breakers import unwatch, unwrap_optimizer as _unwrap
 
@@ -395,11 +397,7 @@ def make_tracker(model=None, laws=None, **tracker_kwargs) -> Tracker:
                              "drop laws=")
         if model is None:
             raise ValueError(f"{', '.join(f'{k}=' for k in options)} need the model, to detect its laws")
-        from ..detection import detect
-
         laws = detect(model, **options)
-    from ..tracking.distributed import DistributedTracker, wants_distributed
-
     policy = tracker_kwargs.pop("on_nonfinite", "raise")
     cls = DistributedTracker if wants_distributed(model, tracker_kwargs.get("params")) else Tracker
     tracker = cls(model, laws, **tracker_kwargs)
