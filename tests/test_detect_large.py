@@ -30,7 +30,9 @@ from torch import nn
 
 import conserve
 from conserve.detection import detect
-from conserve.detection.large import check_laws_fast, detect_large, find_blocks, law_gradient
+from conserve.analysis.firstorder import law_gradient
+from conserve.detection.check import check_laws_fast
+from conserve.detection.large import detect_large, find_blocks
 from conserve.laws import QKGram, SwiGLUUnit, cols, rows
 from test_detect_graph import hold, reasons
 from test_detect_torch import randomize

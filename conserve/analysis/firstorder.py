@@ -21,6 +21,7 @@ Model values as the checks read them:
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from ..kernels import evaluate_reference
 from ..laws import Law, compile_laws
 
 __all__ = ["to_float64", "output_tensors", "flat_output", "law_vector", "random_projection", "cross_entropy",
-           "gradients", "norm", "violation"]
+           "gradients", "norm", "violation", "law_gradient", "law_size", "LawTerms"]
 
 
 def to_float64(value: Any) -> Any:
@@ -128,3 +129,132 @@ def violation(h: torch.Tensor, params: Sequence[torch.Tensor], out_grads: Sequen
         dot = sum((x * y).sum() for x, y in zip(a, b))
         worst = max(worst, float(dot.abs() / (an * bn)))
     return worst
+
+
+# --------------------------------------------------------------- the measure from a law's terms, no autograd
+def _terms_grad(law: Law, params: dict, s: torch.Tensor) -> list[tuple[object, torch.Tensor]]:
+    """``grad (s . h)`` of ``law`` as ``[(ref, d h / d view)]``, one per term, each a ``(rows, cols)`` float64
+    tensor aligned with ``ref.view(0).of(params[ref.param])`` (``kernels.plan``: gram ``sign V V^T`` into the
+    law's D x D slot; norm ``sign sum_c (V[r, c] + shift)^2`` into entry ``offset + r * stride``; sum ``sign
+    sum_r V[r, c]`` into entry ``offset + c``)."""
+    out = []
+    for t in law.terms:
+        x = t.ref.view(0).of(params[t.ref.param]).to(torch.float64)
+        if t.kind == "gram":
+            S = s.reshape(law.size, law.size)
+            out.append((t.ref, t.sign * ((S + S.T) @ x)))
+        elif t.kind == "norm":
+            idx = t.offset + t.stride * torch.arange(t.ref.rows)
+            out.append((t.ref, (2.0 * t.sign) * s[idx][:, None] * (x + t.shift)))
+        elif t.kind == "sum":
+            w = s[t.offset: t.offset + t.ref.cols]
+            out.append((t.ref, (t.sign * w)[None, :].expand(t.ref.rows, t.ref.cols)))
+        else:  # pragma: no cover - programming error
+            raise ValueError(t.kind)
+    return out
+
+
+def law_size(law: Law) -> int:
+    return law.size * law.size if law.kind == "gram" else law.size
+
+
+def _disjoint(a, b) -> bool:
+    """True when two refs of one parameter share no element (a structured test; False when unsure)."""
+    if a.row_dim != b.row_dim or a.col_dim != b.col_dim:
+        return False
+    for d, (x, y) in enumerate(zip(a.start, b.start)):
+        if d not in (a.row_dim, a.col_dim) and x != y:
+            return True
+    if a.col_dim is not None and (a.start[a.col_dim] + a.cols <= b.start[b.col_dim]
+                                  or b.start[b.col_dim] + b.cols <= a.start[a.col_dim]):
+        return True
+    ra = set(range(a.start[a.row_dim], a.start[a.row_dim] + a.rows * max(a.row_step, 1), max(a.row_step, 1)))
+    rb = set(range(b.start[b.row_dim], b.start[b.row_dim] + b.rows * max(b.row_step, 1), max(b.row_step, 1)))
+    return a.row_step > 0 and b.row_step > 0 and not (ra & rb)
+
+
+def law_gradient(law: Law, params: dict, s: torch.Tensor) -> dict[str, list]:
+    """``grad (s . h)`` per parameter name: a list of ``(ref, tensor)`` pieces whose views share no element (pieces
+    of one parameter that might overlap are summed into one dense gradient of the parameter, ref None)."""
+    by: dict[str, list] = {}
+    for ref, d in _terms_grad(law, params, s):
+        by.setdefault(ref.param, []).append((ref, d))
+    for k, pieces in by.items():
+        if len(pieces) > 1 and not all(_disjoint(a, b) for i, (a, _) in enumerate(pieces) for b, _ in pieces[i + 1:]):
+            dense = torch.zeros(params[k].shape, dtype=torch.float64)
+            for ref, d in pieces:
+                ref.view(0).of(dense).add_(d)
+            by[k] = [(None, dense)]
+    return by
+
+
+_CHUNK = 1 << 22  # elements of the largest temporary ``_rowdot`` makes
+
+
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``(x * y).sum(1)`` of two ``(rows, cols)`` views of one layout: one batched product when the rows are
+    contiguous (no temporary), else elementwise products over slices of at most ``_CHUNK`` elements (a column
+    view of a 4096 x 14336 weight would otherwise make a temporary of the weight's size)."""
+    if x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] > 1:
+        return (x.unsqueeze(1) @ y.unsqueeze(2)).reshape(-1)
+    rows, cols = x.shape
+    step = max(1, _CHUNK // max(rows, 1))
+    if step >= cols:
+        return (x * y).sum(1)
+    out = torch.zeros(rows, dtype=torch.promote_types(x.dtype, y.dtype))
+    for c in range(0, cols, step):
+        out += (x[:, c: c + step] * y[:, c: c + step]).sum(1)
+    return out
+
+
+class LawTerms:
+    """One law's views on the parameters, with what does not change between trials: whether its pieces on each
+    parameter are disjoint, and each norm term's row sums of squares."""
+
+    def __init__(self, law: Law, params: dict):
+        self.law = law
+        by: dict = {}
+        for t in law.terms:
+            by.setdefault(t.ref.param, []).append(t)
+        self.disjoint = all(len(ts) == 1 or all(_disjoint(a.ref, b.ref) for i, a in enumerate(ts) for b in ts[i + 1:])
+                            for ts in by.values())
+        self.views = [t.ref.view(0).of(params[t.ref.param]) for t in law.terms]
+        self.sq = [None if t.kind != "norm" or not self.disjoint else
+                   (_rowdot(x, x) if not t.shift else ((x + t.shift) ** 2).sum(1))
+                   for t, x in zip(law.terms, self.views)]
+
+    def measure(self, params: dict, grads: dict, norms2: dict, s: torch.Tensor) -> float:
+        """``|<grad (s.h), g>| / (||grad (s.h)|| ||g_law||)`` (-1.0: ``grad h`` vanishes; 0.0: ``g_law`` does)."""
+        law = self.law
+        dot = torch.zeros((), dtype=torch.float64)
+        an2 = torch.zeros((), dtype=torch.float64)
+        if not self.disjoint:  # pieces of one parameter may overlap: dense gradients of the parameters
+            for k, pieces in law_gradient(law, params, s).items():
+                for ref, d in pieces:
+                    gv = grads[k] if ref is None else ref.view(0).of(grads[k])
+                    dot += (d * gv).sum()
+                    an2 += (d * d).sum()
+        else:
+            for t, x, sq in zip(law.terms, self.views, self.sq):
+                gv = t.ref.view(0).of(grads[t.ref.param])
+                if t.kind == "gram":
+                    S = s.reshape(law.size, law.size)
+                    d = (S + S.T) @ x
+                    dot += t.sign * (d * gv).sum()
+                    an2 += (d * d).sum()
+                elif t.kind == "norm":
+                    w = s[t.offset + t.stride * torch.arange(t.ref.rows)]
+                    xs = x + t.shift if t.shift else x
+                    dot += 2.0 * t.sign * (w * _rowdot(xs, gv)).sum()
+                    an2 += 4.0 * (w * w * sq).sum()
+                else:  # sum
+                    w = s[t.offset: t.offset + t.ref.cols]
+                    dot += t.sign * (w * gv.sum(0)).sum()
+                    an2 += t.ref.rows * (w * w).sum()
+        bn = math.sqrt(sum(norms2[k] for k in law.params))
+        an = math.sqrt(max(float(an2), 0.0))
+        if an == 0:
+            return -1.0
+        if bn == 0:
+            return 0.0
+        return float(dot.abs()) / (an * bn)

@@ -40,6 +40,7 @@ from ..laws import Declined, DeepLinearGram, Law, Ref, cols, rows, vector
 from . import builders
 from .check import checked_laws
 from .core import Collector, Detection, register
+from .torchnn import layer_index
 
 PAIRS = (("lora_A", "lora_B"), ("lora_embedding_A", "lora_embedding_B"), ("lora_a", "lora_b"),
          ("lora_down", "lora_up"))
@@ -436,6 +437,4 @@ def detect_lora(model: nn.Module, config, **options) -> Detection | None:
 
 
 def _layer(path: str) -> int | None:
-    from .torchnn import layer_index
-
     return layer_index(path)

@@ -36,7 +36,8 @@ from ..laws import Declined, QKGram, ReLUUnit, ScaleLaw, SwiGLUUnit, Translation
 from . import builders
 from .check import checked_laws
 from .core import user_classes, register
-from .torchnn import NO_LAW_ACT, POST_LN, Collector, gain_law, linear_cols, norm_parts, walk
+from .torchnn import (NO_LAW_ACT, NO_SYMMETRY, POSITIVE_HOMOGENEOUS, POST_LN, Collector, gain_law, linear_cols, norm_parts,
+                      walk)
 
 
 def _is(m, name: str) -> bool:
@@ -226,8 +227,6 @@ def _unit(cls, path: str, up_name: str, up: nn.Linear, start: int, n: int, fc2: 
 
 def _elementwise(act) -> bool:
     """An elementwise activation module (so ``act(g) * u`` is per unit and the gate is not in the law)."""
-    from .torchnn import NO_SYMMETRY, POSITIVE_HOMOGENEOUS
-
     return isinstance(act, NO_SYMMETRY + POSITIVE_HOMOGENEOUS) or any(_is(act, n) for n in ("GELU", "GELUTanh", "QuickGELU"))
 
 

@@ -31,16 +31,14 @@ frozen (``requires_grad=False``) or shared (tied) parameter are moved to ``decli
 """
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
 import torch.nn.functional as F
 from torch import nn
 
-from ..laws import (Declined, DeepLinearGram, GainBalance, Law, QKGram, ReLUUnit, Translation, VOGram, cols, rows,
-                    vector)
+from ..laws import Declined, DeepLinearGram, QKGram, ReLUUnit, Translation, VOGram, cols, rows, vector
 from . import builders
-from .core import Collector, Detection, register
+from .core import Collector, register
 
 __all__ = ["Collector", "gain_law", "linear_cols", "norm_parts", "unit_law", "mha_laws", "walk", "layer_index"]
 
