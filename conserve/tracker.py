@@ -573,13 +573,18 @@ class Tracker:
 
     @eager
     @torch.no_grad()
-    def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer | None = None, gradients: bool = True) -> None:
         """Right before the optimizer step: on a drift step, copy what it reads of ``theta_k`` and take
-        each parameter's decay factor ``a``; on the other steps nothing (nor after ``close()``)."""
+        each parameter's decay factor ``a``; on the other steps nothing (nor after ``close()``).  ``gradients``:
+        the ``.grad`` the step applies are there already (else a closure computes them inside the step:
+        ``checked_closure`` checks them then)."""
         self._snap = None
         self.check_bound()  # (a flush is due in this step: the tracked tensors must still be the model's)
         self.check_outside()
-        self.check_step_gradients()
+        if gradients:
+            self.check_step_gradients()
+        else:
+            self._grad_row = None
         if not self.is_drift_step():
             return
         self._snap = self.sampler.snapshot(self.step_count // self.drift_every, self.tensors)
@@ -626,8 +631,25 @@ class Tracker:
         """Right before the optimizer step applies the gradients: on a checked step (``is_grad_check_step``),
         the first-order product of every checked law with the tracked parameters' ``.grad``, accumulated
         and kept for the step's row (``conserve.tracking.gradients``).  Nothing otherwise."""
-        self._grad_row = self.grad_watch.update(dict(zip(self.compiled.names, self.params))) \
+        self._grad_row = self.grad_watch.update(dict(zip(self.compiled.names, self.params)), self.steps_taken + 1) \
             if self.is_grad_check_step() else None
+
+    def checked_closure(self, closure):
+        """``closure`` (an ``optimizer.step(closure)`` argument that computes the gradients inside the step:
+        LBFGS, SAM, Lightning's automatic optimization) that checks the gradient it produced after its first
+        call (``check_step_gradients``); ``closure`` itself without the gradient check."""
+        if self.grad_watch is None or closure is None:
+            return closure
+        done = []
+
+        def run():
+            loss = closure()
+            if not done:
+                done.append(True)
+                self.check_step_gradients()
+            return loss
+
+        return run
 
     def gradient_check(self):
         """The gradient check over every checked step so far (``conserve.analysis.gradcheck.GradientCheck``:
@@ -1048,6 +1070,7 @@ class Tracker:
                 "sampled_steps": self.sampled_steps.clone(), "balance": self.h0_balance,
                 "pending": torch.stack(self._rows) if self._rows else None,
                 "pending_extras": copy.deepcopy(self._extras),
+                "grad_check": self.grad_watch.state_dict() if self.grad_watch is not None else None,
                 "monitors": [m.state_dict() if hasattr(m, "state_dict") else None for m in self.monitors]}
 
     def check_state(self, state: Mapping) -> None:
@@ -1105,6 +1128,8 @@ class Tracker:
             self.h0_balance = state["balance"].to(dev)
         elif state.get("h0_balance") is not None:  # (states saved before: per instance)
             self.h0_balance = self.layout.fam_mean(state["h0_balance"].to(dev))
+        if self.grad_watch is not None and state.get("grad_check") is not None:  # (checked at the steps since 1)
+            self.grad_watch.load_state_dict(state["grad_check"])
         self._rows = list(state["pending"].to(dev)) if state.get("pending") is not None else []
         self._extras = copy.deepcopy(list(state.get("pending_extras", [])))
         for m, s in zip(self.monitors, state.get("monitors", [])):

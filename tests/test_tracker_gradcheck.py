@@ -186,3 +186,74 @@ def test_a_detection_made_with_the_loss_names_it_and_one_without_assumes_it():
     assert any(l.family == "translation" for l in named.tracker.grad_watch.laws)
     named.close()
     assumed.close()
+
+
+def _closure_steps(opt, m, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, CFG["vocab_size"], (4, 12), generator=g)
+
+        def closure():
+            opt.zero_grad(set_to_none=False)  # the previous step's gradient stays until the closure runs
+            logits = m(x)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+@pytest.mark.parametrize("how", ["track", "attach"])
+def test_a_closure_step_is_checked_on_the_gradient_its_closure_computes(how):
+    """LBFGS / SAM / Lightning's automatic optimization compute the gradient inside ``step(closure)``: the check
+    reads it after the closure, never the previous step's."""
+    m = _model()
+    inner = torch.optim.SGD(m.parameters(), lr=1e-2)
+    if how == "track":
+        opt = conserve.track(inner, m, every=100, check_gradients=True, loss="ce")
+        tr = opt.tracker
+    else:
+        tr = conserve.Tracker(m, every=100, check_gradients=True, loss="ce")
+        handle = conserve.optim.attach(inner, tr)
+        opt = inner
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        _closure_steps(opt, m, 4)
+        rows = tr.flush()
+    res = tr.gradient_check()
+    assert res.ok and res.steps == 4 and all(r["grad_check/vo"] < 1e-5 for r in rows), str(res)
+    if how == "attach":
+        handle.remove()
+    tr.close()
+
+
+def test_the_check_continues_across_a_resume_and_names_training_steps():
+    m = _model()
+    hook = m.layers[1].self_attn.o_proj.weight.register_hook(lambda g: g * 1.01)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True, loss="ce",
+                         drift_every=2)
+    with pytest.warns(GradientCheckWarning):
+        _train(opt, m, 4)  # checked at steps 1 and 3
+        state = opt.tracker.state_dict()
+    worst = max(opt.tracker.gradient_check().flagged, key=lambda c: c.worst)
+    assert worst.worst_step in (1, 3)  # a training step, not the count of checked steps
+    hook.remove()
+    opt.close()
+    again = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True,
+                           loss="ce", drift_every=2)
+    again.tracker.load_state_dict(state)
+    with warnings.catch_warnings():  # the flagged laws were warned before the save: not again
+        warnings.simplefilter("error", GradientCheckWarning)
+        _train(again, m, 2)
+        again.tracker.flush()
+    res = again.tracker.gradient_check()
+    assert res.steps == 3 and not res.ok and {c.name for c in res.flagged} >= {worst.name}
+    again.close()
+
+
+def test_a_grad_check_ignore_entry_that_matches_nothing_is_said():
+    m = _model()
+    with pytest.warns(RuntimeWarning, match=r"grad_check_ignore entries \['vo_typo'\] match no law"):
+        opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, check_gradients=True,
+                             grad_check_ignore=["vo_typo", "vo"])
+    opt.close()

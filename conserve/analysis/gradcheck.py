@@ -127,7 +127,9 @@ def _dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _ignored(law: Law, patterns: Iterable[str]) -> str | None:
+def ignored_by(law: Law, patterns: Iterable[str]) -> str | None:
+    """The first of ``patterns`` that names ``law`` (its name, its family, or an ``fnmatch`` pattern of its name or
+    of a parameter it reads), else None."""
     for pat in patterns:
         if pat in (law.name, law.family) or any(fnmatch.fnmatchcase(p, pat) for p in law.params) \
                 or fnmatch.fnmatchcase(law.name, pat):
@@ -148,7 +150,7 @@ def select(laws, *, loss: str | None = None, ignore: Iterable[str] = ()) -> tupl
         elif law.family in LOSS_ONLY and loss != LOSS_ONLY[law.family]:
             skipped.append((law.name, f"holds for loss={LOSS_ONLY[law.family]!r} only: pass "
                                       f"loss={LOSS_ONLY[law.family]!r} if that is the loss"))
-        elif (pat := _ignored(law, ignore)) is not None:
+        elif (pat := ignored_by(law, ignore)) is not None:
             skipped.append((law.name, f"ignored ({pat!r})"))
         else:
             checked.append(law)
@@ -345,9 +347,11 @@ class GradPlan:
             grads = dict(zip(self.names, grads))
         missing = [n for n in self.names if n not in params or n not in grads or grads[n] is None]
         if missing:
-            who = {n: [law.name for law in self.laws if n in law.params] for n in missing}
-            raise ValueError(f"no tensor or no gradient for {missing} (read by {who}): run a backward pass that "
-                             f"reaches them, or leave their laws out (ignore=[...])")
+            laws = sorted({law.name for law in self.laws for n in missing if n in law.params})
+            more = lambda xs: f" and {len(xs) - 3} more" if len(xs) > 3 else ""  # noqa: E731
+            raise ValueError(f"no tensor or no gradient for {', '.join(missing[:3])}{more(missing)} (read by "
+                             f"{', '.join(laws[:3])}{more(laws)}): check the gradients after backward() has reached "
+                             f"them, or leave those laws out (ignore=[...])")
         xs, gs = [], []
         for n in self.names:
             x, g = params[n].detach(), grads[n].detach()
@@ -612,10 +616,28 @@ class GradCheck:
         self.steps = 0
         self._acc = None
 
-    def update(self, products: Products | Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor] | None = None):
+    def state_dict(self) -> dict:
+        """What ``update`` accumulated (``steps`` and per law the worst ratio, its entry and step, the sums of the
+        aggregate, the non-finite count), copies; ``load_state_dict`` continues from it."""
+        return {"steps": self.steps, "acc": None if self._acc is None else {k: v.clone() for k, v in self._acc.items()}}
+
+    def load_state_dict(self, state: Mapping, device=None) -> None:
+        """Continue from ``state_dict()``'s result (its tensors moved to ``device``, the gradients' device; default
+        where they are).  Raises ``ValueError`` when it holds another number of laws."""
+        acc = state.get("acc")
+        if acc is not None and any(v.shape != (len(self.plan.laws),) for v in acc.values()):
+            raise ValueError(f"gradient check state for another set of laws ({next(iter(acc.values())).shape[0]} laws, "
+                             f"this check has {len(self.plan.laws)})")
+        self.steps = int(state.get("steps", 0))
+        self._acc = None if acc is None else {k: v.to(device if device is not None else v.device).clone()
+                                              for k, v in acc.items()}
+
+    def update(self, products: Products | Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor] | None = None,
+               *, step: int | None = None):
         """Add one checked step: ``update(products)`` (``GradPlan.products``) or ``update(params, grads)``.
         Entries whose product or norms are not finite are left out and counted (``GradientCheck.nonfinite``).
-        Returns the step's ``Products``."""
+        ``step``: the step's number as the caller counts (a tracker: its training step; default the count
+        of updates so far), reported as the worst entry's step.  Returns the step's ``Products``."""
         if grads is not None:
             products = self.plan.products(products, grads, fp64=self.fp64, backend=self.backend)
         elif not isinstance(products, Products):
@@ -639,7 +661,7 @@ class GradCheck:
         better = worst > a["worst"]
         a["worst"] = torch.where(better, worst, a["worst"])
         a["entry"] = torch.where(better, entry, a["entry"])
-        a["step"] = torch.where(better, float(self.steps), a["step"])
+        a["step"] = torch.where(better, float(self.steps if step is None else step), a["step"])
         a["sum_p"] += plan.segments(p, "sum")
         a["sum_n2"] += plan.segments(n * n, "sum")
         a["nonfinite"] += plan.segments((~fin).to(torch.float64), "sum")

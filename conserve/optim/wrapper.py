@@ -230,8 +230,8 @@ class TrackedOptimizer(torch.optim.Optimizer):
         ``before_step`` copies what the next drift step reads (nothing on the other steps) and
         ``after_step`` books the row; both run outside ``torch.compile`` graphs, so compiling a
         training step that calls this compiles the inner step alone (no guard on tracker state)."""
-        self.tracker.before_step(self.optimizer)
-        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.tracker.before_step(self.optimizer, gradients=closure is None)
+        loss = self.optimizer.step(self.tracker.checked_closure(closure)) if closure is not None else self.optimizer.step()
         self.tracker.after_step()
         return loss
 
@@ -365,8 +365,15 @@ def attach(optimizer: torch.optim.Optimizer, tracker: Tracker) -> _Attached:
 
     def pre(opt, args, kwargs):
         skipped[0] = _in_dcp_state_init() or _scaler_skips(opt)
-        if not skipped[0]:
-            tracker.before_step(opt)
+        if skipped[0]:
+            return None
+        # (args: the step's own, the optimizer first)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        tracker.before_step(opt, gradients=closure is None)
+        if closure is None or tracker.grad_watch is None:
+            return None
+        checked = tracker.checked_closure(closure)  # the gradients come from the closure, inside the step
+        return ((args[0], checked, *args[2:]), kwargs) if len(args) > 1 else (args, {**kwargs, "closure": checked})
 
     def post(opt, args, kwargs):
         if not skipped[0]:

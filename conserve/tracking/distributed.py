@@ -484,14 +484,17 @@ class DistributedTracker(Tracker):
 
     @eager
     @torch.no_grad()
-    def before_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer | None = None, gradients: bool = True) -> None:
         """On a drift step, copy this rank's pieces of the views of ``theta_k`` that the step's group
         reads (``sampler``: every local shard with ``snapshot_budget=None``; dropped after the step: no
         copy is held between drift steps) and take each parameter's decay factor ``a``; else nothing."""
         if not self._comm:
-            return super().before_step(optimizer)
+            return super().before_step(optimizer, gradients)
         self._snap, self._old = None, None
-        self.check_step_gradients()
+        if gradients:
+            self.check_step_gradients()
+        else:
+            self._grad_row = None
         if not self.is_drift_step():
             return
         j = (self.step_count + len(self._pend)) // self.drift_every  # drift step j: group j mod len(groups)
@@ -742,7 +745,7 @@ class DistributedTracker(Tracker):
             dist.broadcast_object_list(extras, src=0)
         extras = extras[0]
         meta = {"format": _FORMAT, "step": s.pop("step"), "laws": s.pop("laws"), "pending_count": n,
-                "pending_extras": extras, "monitors": s.pop("monitors")}
+                "pending_extras": extras, "monitors": s.pop("monitors"), "grad_check": s.pop("grad_check")}
         return {**s, "pending": buf, "meta": pickle.dumps(meta)}
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -754,7 +757,8 @@ class DistributedTracker(Tracker):
                 raise UsageError(f"unknown tracker state format {meta.get('format')!r}; save it with this version")
             n = meta["pending_count"]
             state.update(step=meta["step"], laws=meta["laws"], pending_extras=meta["pending_extras"],
-                         monitors=meta["monitors"], pending=state["pending"][:n] if n else None)
+                         monitors=meta["monitors"], pending=state["pending"][:n] if n else None,
+                         grad_check=meta.get("grad_check"))
         self._pend, self._snap, self._old = [], None, None
         super().load_state_dict(state)
         if self._comm:

@@ -16,7 +16,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from ..analysis.gradcheck import BUG, KNOWN_METHODS, LOSS_ONLY, GradCheck, GradientCheck, GradPlan, select
+from ..analysis.gradcheck import (BUG, KNOWN_METHODS, LOSS_ONLY, GradCheck, GradientCheck, GradPlan, ignored_by,
+                                  select)
 from ..errors import warn
 from ..laws import Law
 
@@ -47,6 +48,12 @@ class GradientWatch:
     def __init__(self, laws: Sequence[Law], named: Mapping[str, torch.Tensor], families: Sequence[str],
                  groups: Sequence[tuple], *, ignore: Iterable[str] = (), dtype=None, loss: str | None = None,
                  loss_assumed: bool = False):
+        ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+        unmatched = [pat for pat in ignore if not any(ignored_by(law, [pat]) for law in laws)]
+        if unmatched:
+            warn(f"conserve: grad_check_ignore entries {unmatched} match no law (give law names, families such as "
+                 f"{sorted({l.family for l in laws})[:4]}, or fnmatch patterns of law or parameter names)",
+                 RuntimeWarning)
         translation = LOSS_ONLY.get("translation")
         checked, skipped = select(laws, loss=translation if (loss == translation or loss_assumed) else loss,
                                   ignore=ignore)
@@ -72,11 +79,22 @@ class GradientWatch:
         """The number of ``grad_check`` columns of a row."""
         return len(self.families) + len(self.groups)
 
-    def update(self, named: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def state_dict(self) -> dict:
+        """The accumulated check and the laws warned about, for a resumed run to continue them."""
+        return {"check": self.check.state_dict() if self.check is not None else None, "warned": sorted(self.warned)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue ``state_dict()``'s check (``ValueError`` when it was saved for other laws)."""
+        if self.check is not None and state.get("check") is not None:
+            self.check.load_state_dict(state["check"], self._fam_of.device)
+        self.warned = set(state.get("warned", ()))
+
+    def update(self, named: Mapping[str, torch.Tensor], step: int | None = None) -> torch.Tensor:
         """Check the ``.grad`` of ``named``'s tensors; returns the row columns ``(families + groups,)``, float32
         on the device: the step's worst ratio per family and (family, layer) group, NaN where no law is
-        checked.  Raises ``ValueError`` naming a parameter without a gradient and the laws that read it
-        (``grad_check_ignore`` leaves those laws out)."""
+        checked; ``step``: the training step being checked (the result's worst entries name it).  Raises
+        ``ValueError`` naming a parameter without a gradient and the laws that read it (``grad_check_ignore``
+        leaves those laws out)."""
         dev = self._fam_of.device
         out = torch.full((self.width,), float("nan"), dtype=torch.float64, device=dev)
         if self.check is None:
@@ -84,7 +102,7 @@ class GradientWatch:
         names = self.plan.names
         params = {n: named[n] for n in names}
         grads = {n: named[n].grad for n in names}
-        prods = self.check.update(params, grads)
+        prods = self.check.update(params, grads, step=step)
         per_law = self.plan.segments(prods.ratio().to(torch.float64), "max")
         nf = len(self.families)
         out[:nf].scatter_reduce_(0, self._fam_of, per_law, "amax", include_self=False)
