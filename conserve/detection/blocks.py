@@ -425,6 +425,27 @@ def _children(model: nn.Module, rec: Record, prefix: str) -> list[str]:
     return out
 
 
+def add_block_laws(c: Collector, d: Detection, path: str, outside: set, skip=frozenset()) -> int:
+    """Add the laws ``d`` found on the block at ``path`` alone to ``c``, named under ``path`` (their layer from it);
+    a law reading a parameter the model also reads outside the block's forward (``outside``) is declined, one
+    reading only parameters in ``skip`` left out.  Returns how many were added."""
+    kept = 0
+    for law in d.laws:
+        law = prefixed(law, path + ".")
+        if skip and set(law.params) <= skip:
+            continue
+        law = dataclasses.replace(law, layer=layer_index(path) if law.layer is None else law.layer)
+        bad = [p for p in law.params if p in outside]
+        if bad:
+            c.decline(law.name, f"{law.family} law (block alone)",
+                      f"holds for {path} alone, but the model also reads {bad[:3]} outside {path}'s forward: that use "
+                      "breaks the law's symmetry: not claimed")
+            continue
+        c.add(law)
+        kept += 1
+    return kept
+
+
 def _one_block(model: nn.Module, c: Collector, rec: Record, path: str, context: str, skip: set, max_probe_params,
                options: dict, depth: int, detect, check, declare: str | None = None) -> None:
     """Detect ``path`` alone on the input it got in the concrete forward; merge its laws and declines into ``c``
@@ -448,19 +469,7 @@ def _one_block(model: nn.Module, c: Collector, rec: Record, path: str, context: 
     except Exception as e:  # noqa: BLE001
         c.decline(path, type(block).__name__, f"{context}; analysing it on its own failed ({short_error(e)}): no law")
         return
-    outside = set(rec.outside(path, names))
-    kept = 0
-    for law in d.laws:
-        law = prefixed(law, path + ".")
-        law = dataclasses.replace(law, layer=layer_index(path) if law.layer is None else law.layer)
-        bad = [p for p in law.params if p in outside]
-        if bad:
-            c.decline(law.name, f"{law.family} law (block alone)",
-                      f"holds for {path} alone, but the model also reads {bad[:3]} outside {path}'s forward: that use "
-                      "breaks the law's symmetry: not claimed")
-            continue
-        c.add(law)
-        kept += 1
+    kept = add_block_laws(c, d, path, set(rec.outside(path, names)))
     own = ""
     in_laws = {p for law in d.laws for p in law.params}
     for x in d.declined:

@@ -82,8 +82,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..laws import Declined, Law
-from .blocks import Record, Opaque, positional, Reads, set_module, short_error, tree_to_float64
-from .core import Collector, Detection, detectors, prefixed, register
+from .blocks import Opaque, Reads, Record, add_block_laws, positional, set_module, short_error, tree_to_float64
+from .core import Collector, Detection, detectors, register
 from .check import check_laws_fast
 from .dispatch import nested
 from .fxgraph import Graph
@@ -91,7 +91,6 @@ from .graph import detect_graph
 from .ongraph import detect_on
 from .probe import no_cache, synth_inputs
 from .trace import TraceError, trace
-from .torchnn import layer_index
 
 __all__ = ["applies", "detect_large", "find_blocks"]
 
@@ -699,19 +698,7 @@ def _merge_block(c: Collector, model: nn.Module, path: str, d: Detection, rec: R
                  block: nn.Module, skip: set) -> None:
     """The laws / declines of one group's detection ``d`` under ``path`` (``blocks._one_block``'s rules; a law
     reading only parameters in ``skip`` is left out)."""
-    outside = set(rec.outside(path, names))
-    for law in d.laws:
-        law = prefixed(law, path + ".")
-        if set(law.params) <= skip:
-            continue
-        law = dataclasses.replace(law, layer=layer_index(path) if law.layer is None else law.layer)
-        bad = [p for p in law.params if p in outside]
-        if bad:
-            c.decline(law.name, f"{law.family} law (block alone)",
-                      f"holds for {path} alone, but the model also reads {bad[:3]} outside {path}'s forward: that use "
-                      "breaks the law's symmetry: not claimed")
-            continue
-        c.add(law)
+    add_block_laws(c, d, path, set(rec.outside(path, names)), skip)
     in_laws = {p for law in d.laws for p in law.params}
     for x in d.declined:
         reason, kind = x.reason, x.block
