@@ -279,12 +279,12 @@ class Tracker:
             raise ValueError(f"cumulative={cumulative!r} must be True, False or None (None: kept only with "
                              "drift_every=1 and snapshot_budget=None)")
         self.on_nonfinite = on_nonfinite
-        named = dict(params) if params is not None else dict(_unwrap(model).named_parameters())
+        named = dict(params) if params is not None else dict(unwrap(model).named_parameters())
         self.declined: list[Declined] = []
         detection = None  # the Detection the laws come from, when given one (its loss: named or assumed)
         given_laws = laws is not None
         if laws is None:
-            laws, self.declined = model_laws(_unwrap(model))
+            laws, self.declined = model_laws(unwrap(model))
         elif hasattr(laws, "laws") and hasattr(laws, "declined"):  # a Detection (conserve.detect(model, loss="ce"))
             detection = laws
             laws, self.declined = laws.laws, list(laws.declined)
@@ -310,7 +310,7 @@ class Tracker:
         self.params = [named[n] for n in self.compiled.names]
         # where each tracked parameter lives in the model (checked before a flush: ``stale``); None
         # without a model (``params=``)
-        self._bound = weakref.ref(_unwrap(model)) if params is None and model is not None else None
+        self._bound = weakref.ref(unwrap(model)) if params is None and model is not None else None
         self._bound_shapes = [tuple(p.shape) for p in self.params]
         self.tensors = self._local_tensors(self.params)
         # the bytes of the tracked weights (whole tensors, the same on every rank): what chooses the mode
@@ -1231,7 +1231,6 @@ def _close_live_trackers() -> None:
         t._close_at_exit()
 
 
-_unwrap = unwrap  # the name the tracker's methods use
 
 
 def _submodule(root: nn.Module, path: str) -> nn.Module | None:

@@ -529,7 +529,8 @@ class Book:
         for d, g in h1g.items():
             fill(wg[d], g, hkg[d], (dec.grams[d], fst.grams[d], snd.grams[d]),
                  sampled.grams[d].view(-1, 1, 1) if partial_masks else None)
-        self.add_cumulative([(wv[i], {d: g[i] for d, g in wg.items()}) for i in range(len(CUMULATIVE))], at)
+        if self.keep_cumulative:
+            self.add_cumulative([(wv[i], {d: g[i] for d, g in wg.items()}) for i in range(len(CUMULATIVE))], at)
         last = None
         if keep_last:  # a copy: ``buf`` is squared below (compact: scattered into the full layout)
             if at is None:
