@@ -1004,8 +1004,8 @@ class Tracker:
     def _close_at_exit(self) -> None:
         """Flush and close a tracker its user never closed (garbage collection, interpreter exit).  Nothing in a
         forked child process (its copy of the tracker would write the parent's rows into the parent's sinks)."""
-        if self._closed or not self._built or os.getpid() != self._pid:  # (or __init__ did not finish)
-            return
+        if not self.__dict__.get("_built") or self._closed or os.getpid() != self._pid:
+            return  # (__init__ did not finish, possibly before any state was set: nothing to flush)
         if self.world > 1:  # a collective flush needs every rank: not at exit
             if self._rows or getattr(self, "_pend", None):
                 print(f"conserve: a DistributedTracker was not closed; its pending rows are lost "

@@ -943,6 +943,7 @@ def _world2(rank, world):
     return info
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # (a half-built tracker collected)
 def test_needs_an_initialised_process_group():
     from conserve.errors import UsageError
 
