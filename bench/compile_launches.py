@@ -360,6 +360,29 @@ def _run_forms(D, dtype, fp64, config, ydtype=None, seed=0):
             _close(grams[d], rg[d], sg[d], rtol, f"{what} gram D={d}")
 
 
+def _run_check(D, dtype, fp64, config, seed=0):
+    """``check_sums`` (the gradient check's one CHECK pass) of ``_block`` plus a shifted norm, against the torch
+    twin ``check_reference`` in float64 (Gram planes: the bilinear form and the diagonal row norms)."""
+    import torch
+    from conserve.kernels import NormTerm, View, check_sums
+    from conserve.kernels.checksums import check_reference
+
+    p, ts = _block(D, dtype, seed)
+    u = p.new_vec(D)
+    p.norms.append(NormTerm(View(3, (0,), 0, D, None, 1), 1.0, u, 1, 1.0))  # a Gemma-style (1 + w) gain
+    g = torch.Generator().manual_seed(seed + 3)
+    ys = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(dtype) for t in ts]
+    vec, grams = check_sums(p, ts, ys, fp64=fp64, backend="triton", config=config)
+    d64 = lambda a: [t.double() for t in a]  # noqa: E731
+    rv, rg = check_reference(p, d64(ts), d64(ys), fp64=True)
+    sv, sg = check_reference(_abs(p), [t.abs() for t in d64(ts)], [y.abs() for y in d64(ys)], fp64=True)
+    rtol = _rtol([dtype], fp64)
+    assert vec.dtype == (torch.float64 if fp64 else torch.float32)
+    _close(vec, rv, sv, rtol, "check vec")
+    for d in rg:
+        _close(grams[d], rg[d], sg[d], rtol, f"check gram D={d}")
+
+
 def _run_drift(D, dtype, fp64, config, seed=0, both=True):
     """``drift`` (DRIFT pass, or with ``fp64`` the composition over float64 ``a old`` and ``Delta``) of
     ``_block`` against ``drift_reference`` in float64: a != 1 with the decay, and (``both``) a == 1
@@ -458,6 +481,10 @@ def gpu_tile_cases(full: bool = True) -> list:
         out.append((f"{cname} D={D} {name(dt)}{' x ' + name(ydt) if ydt else ''} fp64={fp64} evaluate+bilinear",
                     functools.partial(_run_forms, D, dt, fp64, Config(**GPU_CONFIGS[cname]), ydt)))
 
+    def check(cname, D, dt, fp64):
+        out.append((f"{cname} D={D} {name(dt)} fp64={fp64} check",
+                    functools.partial(_run_check, D, dt, fp64, Config(**GPU_CONFIGS[cname]))))
+
     def drift(cname, D, dt, fp64):
         out.append((f"{cname} D={D} {name(dt)} fp64={fp64} drift",
                     functools.partial(_run_drift, D, dt, fp64, Config(**GPU_CONFIGS[cname]), both=full)))
@@ -468,6 +495,7 @@ def gpu_tile_cases(full: bool = True) -> list:
             for dt in dts:
                 for fp64 in (False, True):
                     forms("default", D, dt, fp64)
+                    check("default", D, dt, fp64)
                 drift("default", D, dt, False)
         for dt in dts:
             drift("default", 8, dt, True)
@@ -488,6 +516,9 @@ def gpu_tile_cases(full: bool = True) -> list:
         for dt in dts:
             forms("default", 80, dt, False)
             forms("default", 80 if dt == f32 else 8, dt, True)
+            check("default", 80, dt, False)
+            check("default", 80 if dt == f32 else 8, dt, True)
+        check("default", 192, f32, False)  # off-diagonal Gram tiles of the CHECK mode
         for dt in (f32, bf16, f16):
             drift("default", 80, dt, False)
         drift("default", 8, f32, True)  # the tracker's fp64 drift: bilinear of float64 a old, Delta
@@ -538,16 +569,17 @@ def as_gpu(spec: dict) -> dict:
 
 
 def covering(specs: list) -> list:
-    """One spec per (kernel, pointer dtypes, mode): the mode constexprs (BILINEAR, DRIFT, DECAY, FP64,
+    """One spec per (kernel, pointer dtypes, mode): the mode constexprs (BILINEAR, DRIFT, DECAY, CHECK, FP64,
     PREC, STATS, COLS, LIN, LOWP, ALGO); of several, the one with the largest tiles and stages
     (shared memory and registers grow with them), an off-diagonal Gram tile (two row blocks) before a
     diagonal one."""
-    mode = ("BILINEAR", "DRIFT", "DECAY", "FP64", "PREC", "STATS", "COLS", "LIN", "LOWP", "ALGO")
+    mode = ("BILINEAR", "DRIFT", "DECAY", "CHECK", "FP64", "PREC", "STATS", "COLS", "LIN", "LOWP", "ALGO")
     size = ("STAGES", "BT", "BF", "BS", "BK", "CB", "BR", "RB", "BC", "BO", "D")
     best = {}
     for s in specs:
         ce = s["constexprs"]
-        key = (s["name"], tuple(sorted(set(s["types"].values()))), tuple(repr(ce.get(k)) for k in mode))
+        key = (s["name"], tuple(sorted(set(s["types"].values()))), tuple(repr(ce.get(k)) for k in mode),
+               ce.get("SINGLE") if ce.get("CHECK") else None)  # CHECK: the diagonal tiles add the row norms
         rank = (tuple(int(ce.get(k) or 0) for k in size), not ce.get("SINGLE", False), json.dumps(s, sort_keys=True))
         if key not in best or rank > best[key][0]:
             best[key] = (rank, s)

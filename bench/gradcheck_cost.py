@@ -9,8 +9,9 @@ interleaved blocks in one run (``bench.track_overhead.interleaved``): the traini
 ``AdamW.step``), one checked step of the check (``GradCheck.update(params, grads)``: the products pass and
 the norms pass, finished and accumulated), and ONE streaming read of the laws' weights and gradients
 (``torch._foreach_norm`` over each: the cheapest pass that touches every byte).  Printed: the median times,
-the paired ratios check / step and check / read, and the bytes: the laws' weights and gradients (each
-element once) beside the bytes the check's two kernel passes read (each term's view, counted per pass).
+the paired ratios check / step and check / read, and the bytes (``pass_bytes``, counted from the launch
+tables with the GPU tiles): the laws' weights and gradients (each element once) beside what one evaluation of
+the laws loads on each, what the check's one Triton pass loads, and what the CPU twin's two passes read.
 
 Floors (``--floors``): a tiny Llama-like LM (conserve's ``DecoderLM``: GQA, RoPE, SwiGLU, a softmax MoE
 layer with 4 experts, top 2; untied head; batch 8 x 64) trained by SGD for ``steps`` steps per gradient
@@ -39,18 +40,49 @@ LINEAR = ("router_sum", "translation")  # the catalogue's linear laws (their own
 
 
 # -------------------------------------------------------------------------------------------- cost
-def pass_bytes(plan: GradPlan, params) -> tuple[int, int]:
-    """``(laws' weights + gradients, each element once; what the check's two passes read)`` in bytes: the
-    products pass reads every term's view of the weights and the gradients, the norms pass the same views
-    again (the twin reduces a tensor once per direction its terms read it in)."""
-    once = sum(params[n].numel() * params[n].element_size() for n in plan.names) * 2
+def launch_bytes(st) -> int:
+    """Bytes the Triton launches of a canonicalised plan (``conserve.kernels.launch.Structure``) load from the
+    tensors: every norm item its rows x column tile of x (and y), every Gram item its output rows (both row
+    blocks off the diagonal) x contracted chunk of every term of its slot, of x (and y)."""
+    from conserve.kernels.tables import GRAM_ITEM, GRAM_TERM, NORM_ITEM, REGION
+
+    total = 0
+    for l in st.norm:
+        e = sum(torch.empty(0, dtype=d).element_size() for d in (l.group if st.bilinear else l.group[:1]))
+        for it in l.items:
+            F = int(l.regions[it[NORM_ITEM.REGION], REGION.F])
+            total += int(it[NORM_ITEM.S_END] - it[NORM_ITEM.S_START]) * min(l.BF, F - int(it[NORM_ITEM.F0])) * e
+    for b in st.gram:
+        for l in b.launches:
+            e = sum(torch.empty(0, dtype=d).element_size() for d in (l.group if st.bilinear else l.group[:1]))
+            for it in l.items:
+                ti, tj = int(it[GRAM_ITEM.TI]), int(it[GRAM_ITEM.TJ])
+                rows = min(b.BT, b.D - ti * b.BT) + (0 if l.single else min(b.BT, b.D - tj * b.BT))
+                for t in range(int(it[GRAM_ITEM.T0]), int(it[GRAM_ITEM.T1])):
+                    k = max(0, min(int(it[GRAM_ITEM.K1]), int(l.terms[t, GRAM_TERM.N])) - int(it[GRAM_ITEM.K0]))
+                    total += rows * k * e
+    return total
+
+
+def pass_bytes(plan: GradPlan, params) -> dict:
+    """Bytes, with the GPU tiles (``Tiles.gpu``, 132 SMs): ``once`` the laws' weights and gradients, each element
+    once; ``law pass`` what one evaluation of the laws loads on the weights plus one on the gradients; ``check``
+    what the check's one Triton pass loads (``kernels.check_sums``, CHECK mode); ``twin`` what the torch twin's
+    two passes read (each term's view per pass, a tensor once per direction)."""
+    from conserve.kernels import launch as L
+
+    cfg = L.Tiles.gpu(132)
+    xs = [params[n].detach() for n in plan.names]
+    cplan = plan.compiled.plan
+    once = sum(x.numel() * x.element_size() for x in xs) * 2
+    law = 2 * launch_bytes(L.build(cplan, xs, None, False, cfg))
+    check = launch_bytes(L.build(cplan, xs, xs, False, cfg, check=True))
     seen = set()
-    for t in list(plan.bil_plan.grams) + list(plan.bil_plan.norms) + list(plan.bil_plan.sums):
+    for t in list(cplan.grams) + list(cplan.norms) + list(cplan.sums):
         v = t.view
         seen.add((v.tensor, v.start, v.row_dim, v.rows, v.col_dim, v.cols, v.row_step))
-    esize = {i: params[n].element_size() for i, n in enumerate(plan.names)}
-    one_pass = sum(r * c * esize[i] for (i, _, _, r, _, c, _) in seen) * 2  # weights and gradients
-    return once, 2 * one_pass
+    twin = 2 * sum(r * c * xs[i].element_size() for (i, _, _, r, _, c, _) in seen) * 2
+    return {"once": once, "law pass": law, "check": check, "twin": twin}
 
 
 def cost(blocks: int, quick: bool) -> None:
@@ -89,7 +121,7 @@ def cost(blocks: int, quick: bool) -> None:
     times, ratios = interleaved(fns, blocks, 1 if not quick else 2, "step")
     _, per_read = interleaved({"one read": read, "check fp64": lambda: check(True),
                                "check fp32": lambda: check(False)}, blocks, 1, "one read")
-    once, passes = pass_bytes(plan, named)
+    nb = pass_bytes(plan, named)
     nparams = sum(p.numel() for p in model.parameters())
     print(f"gradient check cost, CPU, {torch.get_num_threads()} thread(s): LM of {nparams / 1e6:.1f}M parameters, "
           f"{len(plan.laws)} laws, {plan.entries} entries, batch 16 x 64, AdamW")
@@ -97,8 +129,11 @@ def cost(blocks: int, quick: bool) -> None:
     for k in fns:
         rd = f"{per_read[k]:11.2f}" if k in per_read else f"{'-':>11s}"
         print(f"{k:12s} {times[k]:10.2f} {ratios[k]:8.3f} {rd}")
-    print(f"bytes: laws' weights + gradients {once / 1e6:.1f} MB (each element once); the check's two passes read "
-          f"{passes / 1e6:.1f} MB ({passes / once:.2f} x)")
+    once = nb["once"]
+    print(f"bytes (GPU tiles): laws' weights + gradients {once / 1e6:.1f} MB each element once; one law pass on "
+          f"each {nb['law pass'] / 1e6:.1f} MB ({nb['law pass'] / once:.3f} x); the check's Triton pass "
+          f"{nb['check'] / 1e6:.1f} MB ({nb['check'] / once:.3f} x, {nb['check'] / nb['law pass']:.3f} x the law "
+          f"passes); the CPU twin's two passes {nb['twin'] / 1e6:.1f} MB ({nb['twin'] / once:.2f} x)")
 
 
 # -------------------------------------------------------------------------------------------- floors

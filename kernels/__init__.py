@@ -34,9 +34,9 @@ if __name__ == "kernels":
         raise
 else:
     from .config import Config
-    from .dispatch import bilinear, drift, evaluate, prepare_drift
+    from .dispatch import bilinear, check_sums, drift, evaluate, prepare_drift
     from .plan import GramTerm, NormTerm, Plan, SumTerm, View
     from .reference import bilinear_reference, decay_reference, drift_reference, evaluate_reference
 
-    __all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan", "Config", "evaluate", "bilinear", "drift", "prepare_drift",
+    __all__ = ["View", "GramTerm", "NormTerm", "SumTerm", "Plan", "Config", "evaluate", "bilinear", "check_sums", "drift", "prepare_drift",
                "evaluate_reference", "bilinear_reference", "drift_reference", "decay_reference"]

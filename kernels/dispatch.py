@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from .config import Config
+from .checksums import RowPlan, check_reference
 from .plan import Plan
 from .reference import bilinear_reference, drift_reference, evaluate_reference
 
@@ -80,6 +81,18 @@ def bilinear(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
 
         return bilinear_triton(plan, xs, ys, fp64=fp64, config=config)
     return bilinear_reference(plan, xs, ys, fp64=fp64)
+
+
+def check_sums(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], *, fp64: bool = False,
+               backend: str = "auto", config: Config | None = None, derived: RowPlan | None = None):
+    """The gradient check's sums of weights ``xs`` and gradients ``ys`` (``checksums.py``): ``(vec (3, vec_size),
+    {D: (3, slots, D, D)})``.  Triton: one pass over both (``runner.check_triton``); the torch twin:
+    ``checksums.check_reference`` (``derived``: its ``row_plan``, built once by the caller)."""
+    if choose_backend(backend, xs) == "triton":
+        from .runner import check_triton
+
+        return check_triton(plan, xs, ys, fp64=fp64, config=config)
+    return check_reference(plan, xs, ys, fp64=fp64, derived=derived)
 
 
 def drift(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, *, fp64: bool = False,

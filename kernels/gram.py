@@ -177,6 +177,91 @@ def _fp64_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign,
 
 
 @triton.jit
+def _check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kend, sign, acc, nx, ng,
+                BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr,
+                APPLY_SIGN: tl.constexpr, MASK_K: tl.constexpr, LAY: tl.constexpr, PREC: tl.constexpr):
+    """CHECK twin of ``_term`` (bilinear, x = weights, y = gradients): on a diagonal output tile (SINGLE) it
+    also adds the squared row norms of the loaded tiles, ``nx += sum_k x[ri, k]^2`` and ``ng += sum_k
+    y[ri, k]^2`` (fp32), from the same loads as the dots."""
+    kr = tl.arange(0, BK)
+    for k in range(k0, kend, BK):
+        kk = k + kr
+        mk = kk < kend
+        a = _rows(xb, xo, ri, kk, rs, cs, slow, mi, mk, MASK_K, LAY)
+        c = _rows(yb, yo, ri, kk, yrs, ycs, yslow, mi, mk, MASK_K, LAY)
+        if SINGLE:
+            a32 = a.to(tl.float32)
+            c32 = c.to(tl.float32)
+            nx += tl.sum(a32 * a32, axis=1)
+            ng += tl.sum(c32 * c32, axis=1)
+            acc = _pair_dot(a, c, c, a, acc, sign, True, UPCAST, APPLY_SIGN, PREC)
+        else:
+            b = _rows(xb, xo, rj, kk, rs, cs, slow, mj, mk, MASK_K, LAY)
+            d = _rows(yb, yo, rj, kk, yrs, ycs, yslow, mj, mk, MASK_K, LAY)
+            acc = _pair_dot(a, d, c, b, acc, sign, True, UPCAST, APPLY_SIGN, PREC)
+    return acc, nx, ng
+
+
+@triton.jit
+def _fp64_check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc, nx, ng,
+                     SINGLE: tl.constexpr):
+    """CHECK twin of ``_fp64_term`` (bilinear): rank-1 fp64 updates, and on a diagonal tile the squared row
+    norms ``nx`` (weights) and ``ng`` (gradients) of the rows ``ri`` from the same column loads."""
+    ri64 = ri.to(tl.int64)
+    rj64 = rj.to(tl.int64)
+    for k in range(k0, kend):
+        a = widen(tl.load(xb + xo + ri64 * rs + k * cs, mask=mi, other=0.0), tl.float64)
+        b = widen(tl.load(xb + xo + rj64 * rs + k * cs, mask=mj, other=0.0), tl.float64)
+        c = widen(tl.load(yb + yo + ri64 * yrs + k * ycs, mask=mi, other=0.0), tl.float64)
+        d = widen(tl.load(yb + yo + rj64 * yrs + k * ycs, mask=mj, other=0.0), tl.float64)
+        acc += (a * sign)[:, None] * d[None, :] + (c * sign)[:, None] * b[None, :]
+        if SINGLE:
+            nx += a * a
+            ng += c * c
+    return acc, nx, ng
+
+
+@triton.jit
+def _slot_check(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, nx, ng, BT: tl.constexpr,
+                BK: tl.constexpr, ALIGN: tl.constexpr, SINGLE: tl.constexpr, FP64: tl.constexpr,
+                UPCAST: tl.constexpr, FOLD: tl.constexpr, LAY: tl.constexpr, PREC: tl.constexpr):
+    """CHECK twin of ``_slot_terms``: the bilinear form of terms [t0, t1) into ``acc`` (the sign handled as
+    there) and, on a diagonal tile, ``nx += sign_t^2 ||x_t[r]||^2``, ``ng += ||y_t[r]||^2`` per output row r."""
+    ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
+    for t in range(t0, t1):
+        xo, rs, cs, n, yo, yrs, ycs, slow, yslow = _strides(terms + t * tables.GRAM_TERM.COLS, ALIGN, LAY)
+        sign = tl.load(signs + t)
+        kend = tl.maximum(tl.minimum(k1, n), k0)
+        kfull = k0 + (kend - k0) // BK * BK
+        tnx = tl.zeros([BT], dtype=ACC)
+        tng = tl.zeros([BT], dtype=ACC)
+        if FP64:
+            acc, tnx, tng = _fp64_check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, ri, rj, mi, mj, k0, kend, sign, acc,
+                                             tnx, tng, SINGLE)
+        elif FOLD and (xb.dtype.element_ty == tl.float32):
+            acc, tnx, tng = _check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign,
+                                        acc, tnx, tng, BK, ALIGN, SINGLE, UPCAST, True, False, LAY, PREC)
+            acc, tnx, tng = _check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend,
+                                        sign, acc, tnx, tng, BK, ALIGN, SINGLE, UPCAST, True, True, LAY, PREC)
+        elif FOLD:  # |sign| == 1: on the accumulator around the term (``_slot_terms``)
+            acc, tnx, tng = _check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull, sign,
+                                        acc * sign, tnx, tng, BK, ALIGN, SINGLE, UPCAST, False, False, LAY, PREC)
+            acc, tnx, tng = _check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend,
+                                        sign, acc, tnx, tng, BK, ALIGN, SINGLE, UPCAST, False, True, LAY, PREC)
+            acc = acc * sign
+        else:
+            tacc, tnx, tng = _check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, k0, kfull,
+                                         sign, tl.zeros([BT, BT], dtype=ACC), tnx, tng, BK, ALIGN, SINGLE, UPCAST,
+                                         False, False, LAY, PREC)
+            tacc, tnx, tng = _check_term(xb, yb, xo, rs, cs, yo, yrs, ycs, slow, yslow, ri, rj, mi, mj, kfull, kend,
+                                         sign, tacc, tnx, tng, BK, ALIGN, SINGLE, UPCAST, False, True, LAY, PREC)
+            acc += sign * tacc
+        nx += (sign * sign) * tnx
+        ng += tng
+    return acc, nx, ng
+
+
+@triton.jit
 def _drift_dots(oi, ni, oj, nj, a, sign, sdec, acc_n, acc_d, acc_b, acc_l,
                 SINGLE: tl.constexpr, DECAY: tl.constexpr, FOLD: tl.constexpr, UPCAST: tl.constexpr,
                 PREC: tl.constexpr):
@@ -335,7 +420,7 @@ def gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
                  D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr,
                  SINGLE: tl.constexpr, BILINEAR: tl.constexpr, FP64: tl.constexpr,
                  UPCAST: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr = "ieee",
-                 DRIFT: tl.constexpr = False, DECAY: tl.constexpr = False):
+                 DRIFT: tl.constexpr = False, DECAY: tl.constexpr = False, CHECK: tl.constexpr = False):
     """FOLD (launch.py: every sign is +-1, or fp32 inputs): every term accumulates into ONE register
     tile, the sign applied to the left operands (fp32 inputs) or to the accumulator around the term
     (others: ``_slot_terms``); otherwise each term gets its own tile that is scaled and added (twice
@@ -346,7 +431,12 @@ def gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
     ``plane`` elements apart; DECAY=False (decay not requested, or every a_t == 1) compiles the decay
     dots and the decay store out (the caller zeroes or skips that plane).  PREC: ``tl.dot`` precision
     of fp32 operands (``_dot``).
-    FOLD here only selects the input-dtype fold of h_new (see ``_drift_dots``).  Ignored otherwise."""
+    FOLD here only selects the input-dtype fold of h_new (see ``_drift_dots``).  Ignored otherwise.
+
+    CHECK (the gradient check's one pass, ``xb`` weights, ``yb`` gradients): plane 0 the bilinear form (as
+    BILINEAR), plane 1 ``diag(sum_t sign_t^2 ||X_t[r]||^2)`` and plane 2 ``diag(sum_t ||Y_t[r]||^2)`` of the
+    tile's rows, computed from the tiles the dots load (non-zero on diagonal tiles only: SINGLE launches),
+    ``plane`` elements apart."""
     pid = tl.program_id(0).to(tl.int64)
     it = items + pid * tables.GRAM_ITEM.COLS
     t0 = tl.load(it + tables.GRAM_ITEM.T0)
@@ -382,6 +472,25 @@ def gram_kernel(xb, yb, terms, signs, items, part, factors, plane,
             tl.store(out + pl, acc_d)
         tl.store(out + 2 * pl, acc_b * 0.5)
         tl.store(out + 3 * pl, acc_l)
+    elif CHECK:
+        acc = tl.zeros([BT, BT], dtype=ACC)
+        nx = tl.zeros([BT], dtype=ACC)
+        ng = tl.zeros([BT], dtype=ACC)
+        if FP64:
+            acc, nx, ng = _slot_check(xb, yb, terms, signs, t0, t1, k0, k1, ri, rj, mi, mj, acc, nx, ng, BT, BK, ALIGN,
+                                      SINGLE, FP64, UPCAST, FOLD, 2, PREC)
+        else:
+            acc, nx, ng = _slot_check(xb, yb, terms, signs, t0, ta, k0, k1, ri, rj, mi, mj, acc, nx, ng, BT, BK, ALIGN,
+                                      SINGLE, FP64, UPCAST, FOLD, 0, PREC)
+            acc, nx, ng = _slot_check(xb, yb, terms, signs, ta, tb, k0, k1, ri, rj, mi, mj, acc, nx, ng, BT, BK, ALIGN,
+                                      SINGLE, FP64, UPCAST, FOLD, 1, PREC)
+            acc, nx, ng = _slot_check(xb, yb, terms, signs, tb, t1, k0, k1, ri, rj, mi, mj, acc, nx, ng, BT, BK, ALIGN,
+                                      SINGLE, FP64, UPCAST, FOLD, 2, PREC)
+        pl = plane.to(tl.int64)
+        eye = o[:, None] == o[None, :]
+        tl.store(out, acc * 0.5)
+        tl.store(out + pl, tl.where(eye, nx[:, None], 0.0))
+        tl.store(out + 2 * pl, tl.where(eye, ng[:, None], 0.0))
     else:
         acc = tl.zeros([BT, BT], dtype=ACC)
         if FP64:

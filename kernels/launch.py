@@ -114,15 +114,18 @@ class Tiles:
                      BK_SMALL=16 if bt < 128 else Tiles.BK_SMALL, norm_stages=config.norm_stages, norm_smem=smem,
                      precision=config.input_precision, overlap=config.overlap, drift_programs=config.drift_programs)
 
-    def norm_tile(self, group, bilinear: bool = False, fp64: bool = False) -> tuple[int, int]:
+    def norm_tile(self, group, bilinear: bool = False, fp64: bool = False, check: bool = False) -> tuple[int, int]:
         """(BF, num_warps) of a norm launch for a (x dtype, y dtype) group (``bilinear``: y is read too;
         ``fp64``: fp64 accumulation): 16-byte vectors per thread (``BF * 4 // esize`` columns), halved
         for an fp64 accumulation of 2- or 4-byte inputs (the fp64 ``[BS, BF]`` accumulator then takes
-        the registers of an fp32 one), then halved while ``norm_smem_bytes`` exceeds ``norm_smem``."""
+        the registers of an fp32 one) and for the gradient check's CHECK mode (four accumulators), then
+        halved while ``norm_smem_bytes`` exceeds ``norm_smem``."""
         esize = min(torch.empty(0, dtype=d).element_size() for d in group)
         BF, warps = max(1, self.BF * 4 // esize), self.norm_warps * max(1, 4 // esize)
         if fp64 and esize < 8:
             BF //= 2
+        if check:
+            BF = max(16, BF // 2)
         while BF > 16 and self.norm_smem_bytes(group, bilinear, BF) > self.norm_smem:
             BF //= 2
         return BF, warps
@@ -211,6 +214,7 @@ class Structure:
     cfg: Tiles
     vec_size: int
     gram_slots: dict
+    check: bool = False  # the gradient check's one pass (``build(check=True)``)
     gram: list = field(default_factory=list)  # GramBucket
     norm: list = field(default_factory=list)  # NormLaunch
     elem_size: int = 0
@@ -221,6 +225,8 @@ class Structure:
     csr_idx: np.ndarray = None
     csr_sgn: list = None
     max_count: int = 0
+    part_plane: int = 0  # CHECK: elements between the four planes of the norm partials
+    elem_plane: int = 0  # CHECK: elements between the four planes of the element buffer
 
     def groups(self):
         gs = {l.group for b in self.gram for l in b.launches} | {l.group for l in self.norm}
@@ -251,12 +257,19 @@ def _group(xs, ys, i: int):
 
 
 def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None, fp64: bool,
-          cfg: Tiles) -> Structure:
-    """Canonicalise ``plan`` over tensors of these dtypes/shapes/strides (addresses are bound later)."""
+          cfg: Tiles, check: bool = False) -> Structure:
+    """Canonicalise ``plan`` over tensors of these dtypes/shapes/strides (addresses are bound later).
+    ``check`` (with ``ys``: x = weights, y = gradients): the gradient check's one pass
+    (``runner.Prepared.run_check``): the Gram tables as for the bilinear form, every NormTerm and SumTerm
+    on one region per view (function ignored, shifts kept), four planes of partials and elements, and a
+    CSR from them onto ``3 * vec_size`` outputs (``_build_norm``)."""
     bil = ys is not None
     if bil and len(ys) != len(xs):
         raise ValueError(f"bilinear: got {len(xs)} xs but {len(ys)} ys; pass one y per x")
-    st = Structure(bilinear=bil, fp64=fp64, cfg=cfg, vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots))
+    if check and not bil:
+        raise ValueError("the check pass reads weights and gradients: pass ys")
+    st = Structure(bilinear=bil, fp64=fp64, cfg=cfg, vec_size=plan.vec_size, gram_slots=dict(plan.gram_slots),
+                   check=check)
     _build_gram(st, plan, xs, ys, cfg, bt_max=min(cfg.BT_MAX, cfg.BT_FP64) if fp64 and cfg.BT_FP64 else None)
     _build_norm(st, plan, xs, ys, cfg)
     return st
@@ -393,14 +406,21 @@ def launch_factors(launch: GramLaunch, a: Sequence[float]) -> tuple[np.ndarray, 
 
 
 def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
+    """Regions, items, finishing rows and the CSR of the vector terms into ``st``.  CHECK (``st.check``): one
+    region per view whatever its function (the kernel computes ``(x+c) y``, ``(x+c)^2``, ``y^2``, ``y`` for
+    all), four planes of partials (``st.part_plane`` apart) and elements (``st.elem_plane``), and the CSR
+    onto ``[p | nh2 | ng2]`` (3 x vec_size): a NormTerm ``s sum (x+c)^2`` of entry o gives ``p[o] += 2 s
+    sum (x+c) y``, ``nh2[o] += 4 s^2 sum (x+c)^2``, ``ng2[o] += sum y^2``; a SumTerm ``s sum x`` gives ``p[o]
+    += s sum y``, ``ng2[o] += sum y^2``."""
     bil = ys is not None
-    terms = [("norm", t) for t in plan.norms] + ([] if bil else [("sum", t) for t in plan.sums])
+    check = st.check
+    terms = [("norm", t) for t in plan.norms] + ([] if bil and not check else [("sum", t) for t in plan.sums])
     regions = {}  # key -> dict(fast=, slow=)
     refs = []  # (out start, out step, n, region key, fast?, pos start, pos step, sign)
     for kind, t in terms:
         v = t.view
         if kind == "norm":
-            if bil and t.shift != 0.0:
+            if bil and not check and t.shift != 0.0:
                 raise ValueError("bilinear form of a shifted norm term is not defined; use shift=0")
             if t.index < 0 or (v.rows > 0 and t.index + (v.rows - 1) * t.index_stride >= plan.vec_size) \
                     or (v.rows > 1 and t.index + (v.rows - 1) * t.index_stride < 0):
@@ -422,7 +442,7 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
             trans, S, F, ss, fs, yss, yfs, lay = True, C, R, xcs, xrs, ycs, yrs, 0
         else:
             trans, S, F, ss, fs, yss, yfs = False, R, C, xrs, xcs, yrs, ycs
-        func = 0 if kind == "norm" else 1
+        func = 2 if check else 0 if kind == "norm" else 1
         shift = float(t.shift) if kind == "norm" else 0.0
         key = (_group(xs, ys, v.tensor), v.tensor, xo, S, F, ss, fs, lay, func, shift, yo, yss, yfs)
         reg = regions.setdefault(key, dict(fast=False, slow=False))
@@ -430,9 +450,9 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
         reduce_fast = (kind == "norm") != trans
         reg["fast" if reduce_fast else "slow"] = True
         if kind == "norm":
-            refs.append((t.index, t.index_stride, R, key, reduce_fast, 0, 1, float(t.sign)))
+            refs.append((t.index, t.index_stride, R, key, reduce_fast, 0, 1, float(t.sign), kind))
         else:
-            refs.append((t.index, 1, C, key, reduce_fast, 0, 1, float(t.sign)))
+            refs.append((t.index, 1, C, key, reduce_fast, 0, 1, float(t.sign), kind))
     remap = _merge_row_regions(regions, bil)
     elem = 0
     part = 0
@@ -452,7 +472,7 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
             reg["slow_elem"] = elem
             elem += F
     for g in sorted(per_group, key=str):
-        BF, warps = cfg.norm_tile(g, bil, st.fp64)
+        BF, warps = cfg.norm_tile(g, bil, st.fp64, check)
         esize = min(torch.empty(0, dtype=d).element_size() for d in g)
         if cfg.slow_rows > 0:
             rows_per_item = max(cfg.BS, cfg.slow_rows // cfg.BS * cfg.BS)
@@ -494,24 +514,38 @@ def _build_norm(st: Structure, plan: Plan, xs, ys, cfg: Tiles):
                                   x_tensor=np.asarray(xt, dtype=np.int64), y_tensor=np.asarray(xt, dtype=np.int64),
                                   shifts=shifts, items=items_np, BF=BF, warps=warps))
     st.elem_size, st.part_size = elem, part
+    if check:  # the same finishing rows for each of the four planes
+        st.part_plane, st.elem_plane = -(-max(1, part) // 16) * 16, max(1, elem)
+        finish = [FINISH_ROW.row(part_off=f[0] + k * st.part_plane, nrows=f[1], length=f[2],
+                                 elem_base=f[3] + k * st.elem_plane) for k in range(4) for f in finish]
     st.finish = np.asarray(finish, dtype=np.int64).reshape(-1, FINISH_ROW.COLS)
     st.finish_blocks = np.asarray([FINISH_BLOCK.row(row=i, c0=c0) for i, f in enumerate(finish)
                                    for c0 in range(0, f[FINISH_ROW.LENGTH], FIN_BC)],
                                   dtype=np.int64).reshape(-1, FINISH_BLOCK.COLS)
     # CSR gather: vec[o] = sum sign * elem[idx], entries of one output in plan order
     outs, idxs, sgns = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0)]
-    for (o0, ostep, n, key, fast, p0, pstep, sign) in refs:
+    V, E = plan.vec_size, st.elem_plane
+    for (o0, ostep, n, key, fast, p0, pstep, sign, kind) in refs:
         if key in remap:
             key, a, b = remap[key]
             p0, pstep = a + p0 * b, pstep * b
         reg = regions[key]
         r = np.arange(n, dtype=np.int64)
-        outs.append(o0 + ostep * r)
-        idxs.append((reg["fast_base"] if fast else reg["slow_elem"]) + p0 + pstep * r)
-        sgns.append(np.full(n, sign))
+        out, at = o0 + ostep * r, (reg["fast_base"] if fast else reg["slow_elem"]) + p0 + pstep * r
+        if not check:
+            parts = [(0, 0, sign)]
+        elif kind == "norm":  # (output section, element plane, coefficient)
+            parts = [(0, 0, 2.0 * sign), (1, 1, 4.0 * sign * sign), (2, 2, 1.0)]
+        else:
+            parts = [(0, 3, sign), (2, 2, 1.0)]
+        for sec, pl, coef in parts:
+            outs.append(out + sec * V)
+            idxs.append(at + pl * E)
+            sgns.append(np.full(n, coef))
     o, idx, sgn = np.concatenate(outs), np.concatenate(idxs), np.concatenate(sgns)
     order = np.argsort(o, kind="stable")
-    counts = np.bincount(o, minlength=plan.vec_size) if len(o) else np.zeros(plan.vec_size, np.int64)
+    n_out = 3 * V if check else V
+    counts = np.bincount(o, minlength=n_out) if len(o) else np.zeros(n_out, np.int64)
     st.csr_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     st.csr_idx, st.csr_sgn = idx[order], sgn[order].tolist()
     st.max_count = int(counts.max()) if len(o) else 0

@@ -11,7 +11,8 @@ ONCE for both the SwiGLU unit law (its rows) and the gain law (its columns).
 [f0, f0 + BF)).  Items are sized by bytes (``launch.Tiles.item_bytes``, ~256 KiB on a GPU) so that
 every program streams the same amount of memory.  The inner loop over row tiles ``[BS, BF]`` is a
 pure streaming loop: one (vectorised, 16-byte) load per thread and vector, ``v = (x + shift)^2``
-(func 0), ``x`` (func 1, SumTerm) or ``x*y`` (bilinear), and an elementwise add into a
+(func 0), ``x`` (func 1, SumTerm) or ``x*y`` (bilinear; CHECK: four quantities of x and y, see
+``rowcol_kernel``), and an elementwise add into a
 ``[BS, BF]`` register accumulator -- no reduction and no branch on the layout inside the loop.  The
 column (slow) sums are reduced ONCE per item (at most 16 row tiles on both the GPU and the CPU tiles:
 a short fp32 running sum) and written as one partial row; the row (fast) sums of a
@@ -80,9 +81,66 @@ def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift
 
 
 @triton.jit
-def rowcol_kernel(xb, yb, regions, shifts, items, part,
+def _check_tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, shift, fast_off, part, pplane,
+                ACC: tl.constexpr, MASK_F: tl.constexpr):
+    """CHECK twin of ``_tile`` (x weights, y gradients): the four quantities ``(x + shift) y``, ``(x + shift)^2``,
+    ``y^2`` and ``y`` of the row tile from one load of each (their row sums stored as fast partials in four
+    planes ``pplane`` apart if wanted)."""
+    s = s0 + sr
+    ms = s < s_end
+    if MASK_F:
+        m = ms[:, None] & mf[None, :]
+    else:
+        m = ms[:, None]
+    x = widen(tl.load(xb + xo + s[:, None].to(tl.int64) * ss + fo, mask=m, other=0.0), ACC)
+    y = widen(tl.load(yb + yo + s[:, None].to(tl.int64) * yss + yfo, mask=m, other=0.0), ACC)
+    xs = tl.where(m, x + shift, 0.0)
+    v0 = xs * y
+    v1 = xs * xs
+    v2 = y * y
+    if fast_off >= 0:
+        p = part + fast_off + s
+        tl.store(p, tl.sum(v0, axis=1), mask=ms)
+        tl.store(p + pplane, tl.sum(v1, axis=1), mask=ms)
+        tl.store(p + 2 * pplane, tl.sum(v2, axis=1), mask=ms)
+        tl.store(p + 3 * pplane, tl.sum(y, axis=1), mask=ms)
+    return v0, v1, v2, y
+
+
+@triton.jit
+def _check_sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, shift, fast_off, part, pplane,
+                 BS: tl.constexpr, BF: tl.constexpr, ACC: tl.constexpr, CONTIG: tl.constexpr,
+                 MASK_F: tl.constexpr, STAGES: tl.constexpr):
+    """CHECK twin of ``_sweep``: the ``[BF]`` column sums of the four quantities of ``_check_tile``."""
+    sr = tl.arange(0, BS)
+    if CONTIG:
+        fo = f[None, :]
+        yfo = f[None, :]
+    else:
+        fo = f[None, :].to(tl.int64) * fs
+        yfo = f[None, :].to(tl.int64) * yfs
+    a0 = tl.zeros([BS, BF], dtype=ACC)
+    a1 = tl.zeros([BS, BF], dtype=ACC)
+    a2 = tl.zeros([BS, BF], dtype=ACC)
+    a3 = tl.zeros([BS, BF], dtype=ACC)
+    for s0 in tl.range(s_start, s_end, BS, num_stages=STAGES):
+        v0, v1, v2, v3 = _check_tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, shift, fast_off, part,
+                                     pplane, ACC, MASK_F)
+        a0 += v0
+        a1 += v1
+        a2 += v2
+        a3 += v3
+    return tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0), tl.sum(a3, axis=0)
+
+
+@triton.jit
+def rowcol_kernel(xb, yb, regions, shifts, items, part, pplane,
                    BS: tl.constexpr, BF: tl.constexpr, ALIGN: tl.constexpr,
-                   BILINEAR: tl.constexpr, FP64: tl.constexpr, STAGES: tl.constexpr = 1):
+                   BILINEAR: tl.constexpr, FP64: tl.constexpr, STAGES: tl.constexpr = 1,
+                   CHECK: tl.constexpr = False):
+    """One item (module docstring).  CHECK (the gradient check's one pass; x weights, y gradients, every
+    region's function ignored): the fast and slow sums of ``(x + shift) y``, ``(x + shift)^2``, ``y^2`` and
+    ``y`` from one read of both, written to four planes of ``part`` ``pplane`` elements apart."""
     pid = tl.program_id(0).to(tl.int64)
     it = items + pid * tables.NORM_ITEM.COLS
     r = tl.load(it + tables.NORM_ITEM.REGION)
@@ -106,20 +164,41 @@ def rowcol_kernel(xb, yb, regions, shifts, items, part,
     ACC: tl.constexpr = tl.float64 if FP64 else tl.float32
     f = f0 + tl.arange(0, BF)
     mf = f < F
-    if lay == 0:
-        ssa = tl.multiple_of(ss, ALIGN)
-        yssa = tl.multiple_of(yss, ALIGN)
-        if f0 + BF <= F:
-            acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
-                         BS, BF, ACC, True, False, BILINEAR, STAGES)
+    if CHECK:
+        pp = pplane.to(tl.int64)  # (runner: a multiple of 16, never specialised to a constant)
+        if lay == 0:
+            ssa = tl.multiple_of(ss, ALIGN)
+            yssa = tl.multiple_of(yss, ALIGN)
+            if f0 + BF <= F:
+                c0, c1, c2, c3 = _check_sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, shift, fast_off,
+                                              part, pp, BS, BF, ACC, True, False, STAGES)
+            else:
+                c0, c1, c2, c3 = _check_sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, shift, fast_off,
+                                              part, pp, BS, BF, ACC, True, True, STAGES)
         else:
-            acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
-                         BS, BF, ACC, True, True, BILINEAR, STAGES)
+            c0, c1, c2, c3 = _check_sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, shift, fast_off,
+                                          part, pp, BS, BF, ACC, False, True, STAGES)
+        if slow_off >= 0:
+            q = part + slow_off + f
+            tl.store(q, c0, mask=mf)
+            tl.store(q + pp, c1, mask=mf)
+            tl.store(q + 2 * pp, c2, mask=mf)
+            tl.store(q + 3 * pp, c3, mask=mf)
     else:
-        acc = _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
-                     BS, BF, ACC, False, True, BILINEAR, STAGES)
-    if slow_off >= 0:
-        tl.store(part + slow_off + f, acc, mask=mf)
+        if lay == 0:
+            ssa = tl.multiple_of(ss, ALIGN)
+            yssa = tl.multiple_of(yss, ALIGN)
+            if f0 + BF <= F:
+                acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
+                             BS, BF, ACC, True, False, BILINEAR, STAGES)
+            else:
+                acc = _sweep(xb, yb, xo, yo, ssa, 1, yssa, 1, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
+                             BS, BF, ACC, True, True, BILINEAR, STAGES)
+        else:
+            acc = _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
+                         BS, BF, ACC, False, True, BILINEAR, STAGES)
+        if slow_off >= 0:
+            tl.store(part + slow_off + f, acc, mask=mf)
 
 
 @triton.jit

@@ -10,7 +10,9 @@ Per call, for a plan whose tensors all share one dtype (the ``(x dtype, y dtype)
 On CUDA the Gram launches (1, 3a) run on a side stream concurrently with the norm launches (2, 3b).
 ``drift_triton`` (DRIFT mode): one ``gram_kernel`` pass over old AND new weights per D for the four
 Gram pieces of the drift identity + one ``gram_finish`` per D over 4 planes (3 with ``decay=False``:
-the decay dots are compiled out; README "DRIFT mode").  ``config.Config`` selects the fp32 dot
+the decay dots are compiled out; README "DRIFT mode").  ``check_triton`` (CHECK mode, the gradient
+check): one ``gram_kernel`` and one ``rowcol_kernel`` pass over weights AND gradients (``checksums.py``).
+``config.Config`` selects the fp32 dot
 precision (``"ieee"`` / ``"tf32x3"``), the Gram tile cap, the norm pipelining and the stream overlap.
 
 No host synchronisation, no atomics (bitwise deterministic for fixed tensors).  The work tables are
@@ -32,7 +34,7 @@ from .tables import GRAM_TERM as GT
 from .tables import REGION as RG
 from .reference import check_drift_inputs, drift_compose, drift_factors
 
-__all__ = ["evaluate_triton", "bilinear_triton", "drift_triton", "prepare_drift_triton", "prepare", "Prepared",
+__all__ = ["evaluate_triton", "bilinear_triton", "check_triton", "drift_triton", "prepare_drift_triton", "prepare", "Prepared",
            "clear_cache"]
 
 DRIFT_WARPS = 4  # DRIFT mode (64 x 64 tiles, 4 accumulators): see README "DRIFT mode" for the sm_90 compile
@@ -61,7 +63,7 @@ class Prepared:
     """
 
     def __init__(self, plan: Plan, xs, ys, fp64: bool, cfg: L.Tiles | None = None, drift: bool = False,
-                 config: Config | None = None):
+                 config: Config | None = None, check: bool = False):
         if len(xs) == 0 and (plan.grams or plan.norms or plan.sums):
             raise ValueError("the plan has terms but no tensors were given")
         given = [t for t in xs if t is not None]
@@ -83,7 +85,8 @@ class Prepared:
                              if plan.norms or plan.sums else None)
             self._a_key = None
         else:
-            self.st = L.build(plan, xs, ys, fp64, self.cfg)
+            self.st = L.build(plan, xs, ys, fp64, self.cfg, check=check)
+        self.check = check
         self._ptrs = None
         self._static_tables()
 
@@ -106,8 +109,10 @@ class Prepared:
         self.finish = self._dev(st.finish)
         self.finish_blocks = self._dev(st.finish_blocks)
         self.csr = (self._dev(st.csr_ptr), self._dev(st.csr_idx), self._dev(st.csr_sgn, acc))
-        self.normpart = torch.empty(max(1, st.part_size), device=self.device, dtype=acc)
-        planes = 4 if self.drift else 1  # DRIFT: h_new, decay, bil, h_delta planes
+        self.normpart = torch.empty(4 * st.part_plane if st.check else max(1, st.part_size), device=self.device,
+                                    dtype=acc)
+        # DRIFT: h_new, decay, bil, h_delta planes; CHECK: bilinear form, weight and gradient row norms
+        planes = 4 if self.drift else 3 if st.check else 1
         self.part = {b.D: torch.empty(planes * max(1, b.n_items) * b.BT * b.BT, device=self.device, dtype=acc)
                      for b in st.gram}
         # CUDA: the (compute-bound, fp32) Gram launches run on a side stream, concurrently with the
@@ -170,8 +175,8 @@ class Prepared:
         """Evaluate: returns ``(vec, {D: (slots, D, D)})`` in the accumulation dtype."""
         st, acc = self.st, self.acc
         bil = ys is not None
-        if bil != st.bilinear:
-            raise ValueError("this prepared plan was built for the other mode (evaluate vs bilinear)")
+        if bil != st.bilinear or st.check:
+            raise ValueError("this prepared plan was built for another mode (evaluate, bilinear or check)")
         self._bind(xs, ys)
         grams = {d: torch.zeros(n, d, d, device=self.device, dtype=acc) for d, n in sorted(st.gram_slots.items())}
         if self.side is not None:
@@ -202,6 +207,56 @@ class Prepared:
             if len(b.groups):
                 gram_finish[(len(b.groups), 1)](part, bs["order"], bs["groups"], grams[b.D], 0, 0,
                                                  D=b.D, BT=b.BT, FP64=fp64, SKIP1=False, num_warps=4)
+
+    # ---- CHECK mode ----------------------------------------------------------------------------
+    def run_check(self, xs, ys):
+        """The gradient check's one pass over weights ``xs`` and gradients ``ys``: returns ``(vec, grams)``,
+        ``vec`` ``(3, vec_size)`` = ``[p, nh2, ng2]`` of the vector terms (``launch._build_norm``) and ``grams``
+        ``{D: (3, slots, D, D)}`` = ``[B(x, y), diag(sum_t s_t^2 ||x_t[r]||^2), diag(sum_t ||y_t[r]||^2)]``, in
+        the accumulation dtype.  One ``gram_kernel`` (CHECK) per (D, dtype group) and one ``rowcol_kernel``
+        (CHECK) per dtype group read each term's view of x and y once; then ``gram_finish`` (3 planes),
+        ``finish_rows`` and ``gather_rows``."""
+        from .gram import gram_finish, gram_kernel
+        from .norms import finish_rows, gather_rows, rowcol_kernel
+
+        st, acc, fp64 = self.st, self.acc, self.fp64
+        if not st.check:
+            raise ValueError("this prepared plan was not built for the check pass (prepare(..., check=True))")
+        self._bind(xs, ys)
+        grams = {d: torch.zeros(3, n, d, d, device=self.device, dtype=acc) for d, n in sorted(st.gram_slots.items())}
+        for b, bs, lb in zip(st.gram, self.gram_static, self.gram_bound):
+            part = self.part[b.D]
+            plane = max(1, b.n_items) * b.BT * b.BT
+            for l, ls, (terms, align) in zip(b.launches, bs["launches"], lb):
+                if len(l.items) == 0:
+                    continue
+                xb, yb = self.bases[l.group]
+                gram_kernel[(len(l.items),)](
+                    xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], ls["signs"], plane,
+                    ALIGN=align, CHECK=True, **gram_meta(b, l, True, fp64, self.cfg.precision))
+            if len(b.groups):
+                gram_finish[(len(b.groups), 3)](part, bs["order"], bs["groups"], grams[b.D], plane,
+                                                 grams[b.D][0].numel(), D=b.D, BT=b.BT, FP64=fp64, SKIP1=False,
+                                                 num_warps=4)
+        elem = torch.zeros(4 * st.elem_plane, device=self.device, dtype=acc)
+        for l, ls, (regs, align) in zip(st.norm, self.norm_static, self.norm_bound):
+            if len(l.items) == 0:
+                continue
+            xb, yb = self.bases[l.group]
+            rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], self.normpart, st.part_plane,
+                                            BS=self.cfg.BS, BF=l.BF, ALIGN=align, BILINEAR=True, FP64=fp64,
+                                            STAGES=self.cfg.norm_stages, CHECK=True, num_warps=l.warps)
+        if len(st.finish_blocks):
+            finish_rows[(len(st.finish_blocks),)](self.normpart, self.finish, self.finish_blocks, elem,
+                                                   RB=8, BC=L.FIN_BC, FP64=fp64, num_warps=4)
+        n_out = 3 * st.vec_size
+        vec = torch.zeros(n_out, device=self.device, dtype=acc)
+        if n_out:
+            BO = 128
+            ptr, idx, sgn = self.csr
+            gather_rows[(-(-n_out // BO),)](elem, ptr, idx, sgn, vec, n_out, st.max_count, BO=BO, FP64=fp64,
+                                            num_warps=4)
+        return vec.view(3, st.vec_size), grams
 
     # ---- DRIFT mode ----------------------------------------------------------------------------
     def _factors(self, a):
@@ -274,7 +329,7 @@ class Prepared:
             if len(l.items) == 0:
                 continue
             xb, yb = self.bases[l.group]
-            rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], self.normpart,
+            rowcol_kernel[(len(l.items),)](xb, yb, regs, ls["shifts"], ls["items"], self.normpart, 16,
                                             BS=self.cfg.BS, BF=l.BF, ALIGN=align, BILINEAR=bil,
                                             FP64=fp64, STAGES=self.cfg.norm_stages, num_warps=l.warps)
         if len(st.finish_blocks):
@@ -317,18 +372,20 @@ def clear_cache():
 
 
 def prepare(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | None = None, *,
-            fp64: bool = False, drift: bool = False, config: Config | None = None) -> Prepared:
+            fp64: bool = False, drift: bool = False, config: Config | None = None, check: bool = False) -> Prepared:
     """The cached ``Prepared`` for this plan object, these tensors' dtypes/shapes/strides/device and
     ``config`` (default ``Config()``).
 
     Keyed on the plan's identity (plus a fingerprint of its sizes) -- a Plan must not be edited after
     its first evaluation (``clear_cache()`` if it is).  ``ys``: the second argument of ``bilinear``
-    (``drift``: ``xs`` old and ``ys`` new weights, DRIFT mode).
+    (``drift``: ``xs`` old and ``ys`` new weights, DRIFT mode; ``check``: ``xs`` weights and ``ys`` gradients,
+    the gradient check's one pass).
     """
     config = config or Config()
-    key = (id(plan), _fingerprint(plan), ys is not None, fp64, drift, config, _layout_key(xs),
+    key = (id(plan), _fingerprint(plan), ys is not None, fp64, drift, check, config, _layout_key(xs),
            _layout_key(ys) if ys is not None else None)
-    return _CACHE.cached(key, lambda: Prepared(plan, xs, ys, fp64, drift=drift, config=config), owner=plan)
+    return _CACHE.cached(key, lambda: Prepared(plan, xs, ys, fp64, drift=drift, config=config, check=check),
+                         owner=plan)
 
 
 def evaluate_triton(plan: Plan, tensors: Sequence[torch.Tensor], fp64: bool = False, config: Config | None = None):
@@ -345,6 +402,16 @@ def bilinear_triton(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.T
     ``sign*sum X*Y`` (shift must be 0), Sum terms 0.  ``xs[i]`` and ``ys[i]`` must have equal shapes."""
     xs, ys = list(xs), list(ys)
     return prepare(plan, xs, ys, fp64=fp64, config=config).run(xs, ys)
+
+
+def check_triton(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], fp64: bool = False,
+                 config: Config | None = None):
+    """Triton twin of ``check.check_reference``: the gradient check's sums of weights ``xs`` and gradients
+    ``ys`` in ONE pass over both (``Prepared.run_check``).  Returns ``(vec (3, vec_size), {D: (3, slots, D,
+    D)})`` as ``run_check`` does.  Equal shapes per pair; fp32/bf16/fp16/fp64 tensors, on CUDA (or CPU
+    under the interpreter)."""
+    xs, ys = list(xs), list(ys)
+    return prepare(plan, xs, ys, fp64=fp64, config=config, check=True).run_check(xs, ys)
 
 
 def drift_triton(plan: Plan, olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], a, fp64: bool = False,

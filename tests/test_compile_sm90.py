@@ -99,6 +99,8 @@ def test_norm_tiles_fit_the_shared_memory():
     small = L.Tiles.gpu(132, Config(norm_stages=4), smem=101376)  # sm_89 / sm_120: 99 KiB
     assert small.norm_smem_bytes((f32, f32), True, small.norm_tile((f32, f32), True)[0]) <= 101376
     assert L.Tiles().norm_tile((f32, f32), True) == (128, 4)  # CPU tiles: one stage
+    # the gradient check's CHECK mode (four accumulators): half the columns
+    assert t.norm_tile((f32, f32), True, check=True) == (64, 4) and t.norm_tile((bf16, bf16), True, check=True) == (128, 8)
 
 
 @needs_ptxas
@@ -122,10 +124,16 @@ def test_gpu_tiles_compile_for_sm90_within_the_limits(tmp_path):
     # the tracker's fp64 drift on a GPU: the composition's bilinear form over float64 tensors, four stages
     assert any(s["types"]["xb"] == "*fp64" and s["constexprs"]["BILINEAR"] and s["constexprs"]["FP64"]
                and s["constexprs"]["STAGES"] == 4 for s in rowcol)
+    # the gradient check's one pass (CHECK) for every input dtype, fp64 accumulation on and off
+    for dt in ("*fp32", "*bf16", "*fp16", "*fp64"):
+        for fp64 in (False, True):
+            assert any(s["types"]["xb"] == dt and s["constexprs"].get("CHECK") and s["constexprs"]["FP64"] == fp64
+                       for s in rowcol), (dt, fp64)
     gram = [s["constexprs"] for s in chosen if s["name"] == "gram_kernel"]
-    assert {(c["DRIFT"], c["BILINEAR"], c["FP64"]) for c in gram} == {(False, False, False), (False, True, False),
-                                                                      (False, False, True), (False, True, True),
-                                                                      (True, True, False)}
+    assert {(c["DRIFT"], c["BILINEAR"], c["FP64"], bool(c.get("CHECK"))) for c in gram} == {
+        (False, False, False, False), (False, True, False, False), (False, False, True, False),
+        (False, True, True, False), (True, True, False, False), (False, True, False, True), (False, True, True, True)}
+    assert {c["SINGLE"] for c in gram if c.get("CHECK") and not c["FP64"]} == {True, False}
     assert {c["PREC"] for c in gram} == {"ieee", "tf32x3"} and max(c["BT"] for c in gram) == 128
     res = _compile(tmp_path, chosen)
     assert res.returncode == 0, res.stdout + res.stderr

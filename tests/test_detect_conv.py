@@ -1,4 +1,4 @@
-"""Per-channel laws of convolutional nets (spec ``shared/spec/laws.md``, "Convolutions"): torch.nn detection of
+"""Per-channel laws of convolutional nets (``docs/laws.md``, "Convolutions"): torch.nn detection of
 Conv-ReLU-Conv balances, channel Gram laws, norm gains and the scale laws of a conv before an eps = 0 norm, the
 channel builders (``conserve.detection.builders.ChannelMap``), and the declines (BatchNorm, GELU, the output).
 

@@ -1,4 +1,4 @@
-"""LoRA / PEFT adapters (conserve/detection/lora.py; spec ``shared/spec/laws.md``, "LoRA adapters").
+"""LoRA / PEFT adapters (conserve/detection/lora.py; spec ``shared/spec/laws.md``, catalogue row "LoRA adapter").
 
 ``peft`` is not a dependency: ``PeftLinear`` / ``PeftEmbedding`` / ``PeftConv2d`` below reproduce PEFT's module
 structure and parameter names (``base_layer``; ``lora_A`` / ``lora_B`` ``nn.ModuleDict`` keyed by adapter name;

@@ -27,14 +27,13 @@ one law read disjoint blocks):
   ``s^2 (||x_a||^2 + ||x_b||^2)`` off the diagonal and ``4 s^2 ||x_a||^2`` on it; ``||g_i||^2`` is
   ``||g_a||^2 + ||g_b||^2`` off the diagonal and ``||g_a||^2`` on it.
 
-Evaluation (``GradPlan``): the products of the quadratic terms are ``2 B(theta, g)``, the bilinear form
-of the law plan (``conserve.kernels.bilinear``, the pass the drift terms use), the shift part of a
-Gemma gain and the linear laws' ``c^T g`` come with the norms from ONE ``conserve.kernels.evaluate``
-over a derived plan of row norms (``||x_r||^2``, ``||g_r||^2`` per term row, ``sum g`` per column) on
-the tensor list ``thetas + grads``: two kernel passes for every law instance at once, each reading every
-term's view of the weights and gradients once, so the check reads twice what one evaluation of the laws
-reads on the weights and gradients together (``bench/gradcheck_cost.py`` counts the bytes and times it
-beside a training step).
+Evaluation (``GradPlan``): ``conserve.kernels.check_sums`` of the law plan gives, per law entry, the
+products (``2 B(theta, g)`` for the quadratic terms, the shift part of a Gemma gain, the linear laws'
+``c^T g``) and the row norms of the weights and gradients each entry reads.  On the GPU (Triton) that is
+ONE pass that reads every term's view of the weights and of the gradients once (the CHECK modes of the
+Gram and row/column kernels): one extra read of what the laws read, per checked step.  The CPU twin
+composes the bilinear form and an evaluation of a derived plan of row norms, reading them twice
+(``bench/gradcheck_cost.py`` counts both and times the check beside a training step).
 
 Per law and per family: ``worst`` (the largest ``r_i``) and ``aggregate = |sum p_i| / sqrt(sum n_i^2)``
 over the entries and over every checked step (``GradCheck.update``), ``n_i = ||grad h_i|| ||g_i||``.
@@ -73,7 +72,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..kernels import NormTerm, Plan, SumTerm, View
+from ..kernels.checksums import row_plan
 from ..laws import Law, compile_laws
 from .floor import relative_floor, unit_roundoff
 
@@ -213,20 +212,10 @@ class Products:
         return {law.name: self.law(law.name) for law in self.plan.laws}
 
 
-def _transposed(v: View, tensor: int) -> View:
-    """View ``v`` (rows x cols, column stride 1 in logical index) read the other way round, on ``tensor``:
-    row c of the result is column c of ``v``.  ``ValueError`` for a view whose rows step by more than 1."""
-    if v.row_step != 1 and v.rows > 1:
-        raise ValueError(f"a sum over rows stepping by {v.row_step} is not supported by the gradient check")
-    if v.col_dim is None:  # a vector (one column): its rows become the one row's columns
-        return View(tensor, v.start, v.row_dim, 1, v.row_dim, v.rows)
-    return View(tensor, v.start, v.col_dim, v.cols, v.row_dim, v.rows)
-
-
 class GradPlan:
-    """The laws' gradient check compiled once for a set of laws and parameter shapes: the law plan (its
-    bilinear form gives the products of the quadratic terms) and a derived plan of row norms, evaluated
-    on ``thetas + grads`` in one pass.
+    """The laws' gradient check compiled once for a set of laws and parameter shapes: the law plan, whose
+    ``conserve.kernels.check_sums`` gives every entry's product and norms, and the per-entry bookkeeping
+    (elements read, the linear laws' constant ``||grad h||``).
 
     Args:
         laws: the laws to check, as given (filter them with ``select``): a ``Detection`` or ``Law`` list.
@@ -248,48 +237,24 @@ class GradPlan:
         self.compiled = c = compile_laws(self.laws, shapes)
         self.names: list[str] = c.names
         self.index = {law.name: k for k, law in enumerate(self.laws)}
-        plan, T, V = c.plan, len(c.names), c.plan.vec_size
-        # the law plan without Gemma's shift (the bilinear form of the quadratic part; the shift's linear
-        # part 2 s c sum g comes from the row plan)
-        self.bil_plan = Plan(list(plan.grams), [replace(t, shift=0.0) for t in plan.norms], list(plan.sums), V,
-                             dict(plan.gram_slots))
+        plan, V = c.plan, c.plan.vec_size
+        # the torch twin's derived plans (raises for a layout the check cannot read, on every backend)
+        self.derived = row_plan(plan, len(c.names))
         self.dsizes = sorted(plan.gram_slots)
-        self.grow = {}  # D -> first row-norm entry of its slots' rows
-        R = 0
-        for d in self.dsizes:
-            self.grow[d] = R
-            R += plan.gram_slots[d] * d
-        self.rows = R
-        # row plan over [x_0..x_{T-1}, g_0..g_{T-1}]: sections of its vec
-        #   [0, V) 4 s^2 sum (x+c)^2 per norm row; [V, 2V) sum g^2 per vec entry; [2V, 3V) c^T g and 2 s c sum g;
-        #   [3V, 3V+R) sum_t s^2 ||x_ta||^2 per Gram row; [3V+R, 3V+2R) sum_t ||g_ta||^2 per Gram row
-        X, G, S, XR, GR = 0, V, 2 * V, 3 * V, 3 * V + R
-        norms, sums = [], []
+        self.grow = self.derived.grow  # D -> first row of its slots in the Gram-row layout
+        R = self.rows = self.derived.gram_rows
         m_vec = np.zeros(V)  # elements each vec entry reads
         nh2_sum = np.zeros(V)  # ||grad h||^2 of the linear entries (constants)
         m_row = np.zeros(R)
         for t in plan.norms:
-            i, v = t.view.tensor, t.view
-            norms.append(NormTerm(v, 4.0 * t.sign ** 2, X + t.index, t.index_stride, t.shift))
-            norms.append(NormTerm(replace(v, tensor=T + i), 1.0, G + t.index, t.index_stride))
-            np.add.at(m_vec, t.index + t.index_stride * np.arange(v.rows), v.cols)
-            if t.shift != 0.0:
-                if t.index_stride != 1:
-                    raise ValueError("a shifted norm term with an output stride is not supported by the gradient check")
-                sums.append(SumTerm(_transposed(v, T + i), 2.0 * t.sign * t.shift, S + t.index))
+            np.add.at(m_vec, t.index + t.index_stride * np.arange(t.view.rows), t.view.cols)
         for t in plan.sums:
-            i, v = t.view.tensor, t.view
-            sums.append(SumTerm(replace(v, tensor=T + i), t.sign, S + t.index))
-            norms.append(NormTerm(_transposed(v, T + i), 1.0, G + t.index))
+            v = t.view
             np.add.at(nh2_sum, t.index + np.arange(v.cols), t.sign ** 2 * v.rows)
             np.add.at(m_vec, t.index + np.arange(v.cols), v.rows)
         for t in plan.grams:
-            i, v = t.view.tensor, t.view
-            r0 = self.grow[v.rows] + t.slot * v.rows
-            norms.append(NormTerm(v, t.sign ** 2, XR + r0))
-            norms.append(NormTerm(replace(v, tensor=T + i), 1.0, GR + r0))
-            m_row[r0: r0 + v.rows] += v.cols
-        self.row_plan = Plan([], norms, sums, 3 * V + 2 * R, {})
+            r0 = self.grow[t.view.rows] + t.slot * t.view.rows
+            m_row[r0: r0 + t.view.rows] += t.view.cols
         self.vec_size = V
         # flat entry layout and the laws' ranges in it
         self.gram_entry = {}
@@ -368,8 +333,8 @@ class GradPlan:
     def raw(self, params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
             grads: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], *, fp64: bool = True,
             backend: str = "auto") -> Raw:
-        """The additive per-entry sums (``Raw``) of ``grads`` at ``params``: ONE ``kernels.bilinear`` of the
-        law plan (the products) and ONE ``kernels.evaluate`` of the row-norm plan on ``thetas + grads``.
+        """The additive per-entry sums (``Raw``) of ``grads`` at ``params``: ``kernels.check_sums`` of the law
+        plan (Triton: one pass over the weights and gradients).
 
         Args:
             params, grads: ``{parameter name: tensor}`` for every parameter the laws read (more are
@@ -385,24 +350,22 @@ class GradPlan:
             ValueError: a parameter or gradient missing (naming the laws that read it), or shapes that differ.
         """
         xs, gs = self._tensors(params, grads)
-        V = self.vec_size
-        bv, bg = kernels.bilinear(self.bil_plan, xs, gs, fp64=fp64, backend=backend)
-        rv, _ = kernels.evaluate(self.row_plan, xs + gs, fp64=fp64, backend=backend)
-        acc, dev = rv.dtype, rv.device
+        vec, grams = kernels.check_sums(self.compiled.plan, xs, gs, fp64=fp64, backend=backend,
+                                        derived=self.derived)
+        acc, dev = vec.dtype, vec.device
         on = self._on(dev)
-        R = self.rows
-        nh2_v, ng2_v, s_v = rv[:V], rv[V:2 * V], rv[2 * V:3 * V]
-        xr, gr = rv[3 * V:3 * V + R], rv[3 * V + R:]
-        ps, nhs, ngs = [2 * bv + s_v], [nh2_v], [ng2_v]
+        ng2_v = vec[2]
+        ps, nhs, ngs, grs = [vec[0]], [vec[1]], [ng2_v], []
         for d in self.dsizes:
-            r0, n = self.grow[d], self.compiled.plan.gram_slots[d]
-            xa, ga = xr[r0:r0 + n * d].view(n, d), gr[r0:r0 + n * d].view(n, d)
+            n = self.compiled.plan.gram_slots[d]
+            bil, xa, ga = grams[d][0], grams[d][1].diagonal(dim1=-2, dim2=-1), grams[d][2].diagonal(dim1=-2, dim2=-1)
             eye = torch.eye(d, dtype=torch.bool, device=dev)
-            ps.append((2 * bg[d]).reshape(-1))
+            ps.append((2 * bil).reshape(-1))
             nhs.append(torch.where(eye, 4 * xa[:, :, None], xa[:, :, None] + xa[:, None, :]).reshape(-1))
             ngs.append(torch.where(eye, ga[:, :, None].expand(n, d, d), ga[:, :, None] + ga[:, None, :]).reshape(-1))
+            grs.append(ga.reshape(-1))
         law_g2 = torch.zeros(len(self.laws), dtype=acc, device=dev)
-        law_g2.index_add_(0, on["unit_law"], torch.cat([ng2_v, gr]))
+        law_g2.index_add_(0, on["unit_law"], torch.cat([ng2_v] + grs))
         return Raw(torch.cat(ps), torch.cat(nhs), torch.cat(ngs), law_g2)
 
     def finish(self, raw: Raw) -> Products:

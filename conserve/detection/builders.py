@@ -7,8 +7,8 @@ stored ``(in, out)`` (GPT-2 ``Conv1D``). Index lists may be any order: they are 
 ``Ref`` runs (``runs``), so fused / per-head / interleaved layouts need no special code; ``lead`` indexes leading dims (the
 expert of a fused ``(E, out, in)`` tensor). Convolutions: ``ChannelMap`` (a Linear / ConvNd / ConvTransposeNd read
 per channel, groups included) and the per-channel builders ``channel_unit_law``, ``channel_gram_law``,
-``channel_gain_law``, ``channel_scale_law`` (spec "Convolutions"). Math: ``shared/spec/laws.md`` (rows named per
-builder).
+``channel_gain_law``, ``channel_scale_law`` (``docs/laws.md``, "Convolutions"). Math: ``shared/spec/laws.md`` (rows
+named per builder) and ``docs/laws.md`` (the laws this project derived).
 """
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ class ChannelMap:
     Used by the torch.nn detector (``nn.Sequential`` CNNs), the LoRA detector (conv adapters) and open to the
     structural detector (convs in custom forward code): build one with ``ChannelMap.of(path, module)`` or
     directly from names and shapes, then ``channel_unit_law`` / ``channel_gram_law`` / ``channel_gain_law`` /
-    ``channel_scale_law``. Math: spec "Convolutions"."""
+    ``channel_scale_law``. Math: ``docs/laws.md``, "Convolutions"."""
 
     def __init__(self, weight: str, shape, bias: str | None = None, *, groups: int = 1, transposed: bool = False):
         self.weight, self.shape, self.bias = weight, tuple(shape), bias
@@ -351,7 +351,7 @@ def _channel_terms(pieces: Sequence, sign: float) -> list[Term]:
 
 def channel_unit_law(cls, name: str, layer, up: ChannelMap, down: ChannelMap, *, per: int = 1,
                      note: str = "") -> Law:
-    """Per-channel balance (spec: Convolutions, Conv-ReLU-Conv; ``cls`` = ``ReLUUnit``): channel ``c`` written by
+    """Per-channel balance (docs/laws.md: Conv-ReLU-Conv; ``cls`` = ``ReLUUnit``): channel ``c`` written by
     ``up`` (kernel slice ``W_up[c]`` and bias ``b_up[c]``) and read by ``down`` (``W_down[:, c]``, or its
     group's rows; ``per`` features of a flattened channel for an ``nn.Linear``):
     ``||W_up[c]||^2 + b_up[c]^2 - ||W_down[:, c]||^2``, one entry per channel. Symmetry: channel c scaled by
@@ -366,7 +366,7 @@ def channel_unit_law(cls, name: str, layer, up: ChannelMap, down: ChannelMap, *,
 
 def channel_gram_law(cls, name: str, layer, up: ChannelMap, down: ChannelMap, *, per: int = 1,
                      note: str = "") -> Law | None:
-    """Channel Gram (spec: deep linear row, Convolutions; ``cls`` = ``DeepLinearGram``) of two maps with only
+    """Channel Gram (spec: deep linear row; docs/laws.md: Channel Gram; ``cls`` = ``DeepLinearGram``) of two maps with only
     maps that act the same on every channel between them (identity, average pooling, zero padding,
     upsampling, flatten): ``W_up W_up^T + b b^T - W_down^T W_down`` over channels (kernels flattened per
     channel; C x C). Symmetry: GL(C) mixing the channels. None when a grouped conv splits the channels (only
@@ -380,7 +380,7 @@ def channel_gram_law(cls, name: str, layer, up: ChannelMap, down: ChannelMap, *,
 
 def channel_gain_law(name: str, layer, gain: str, gain_shape, readers: Sequence[tuple], *, bias: str | None = None,
                      shift: float = 0.0, note: str = "") -> GainBalance:
-    """Gain law of a per-channel affine norm (spec: Convolutions, norm gains; BatchNorm / GroupNorm /
+    """Gain law of a per-channel affine norm (docs/laws.md: Norm gains; BatchNorm / GroupNorm /
     InstanceNorm ``(C,)`` gains, a LayerNorm ``(C, *spatial)`` gain summed over its positions):
     ``sum_pos (g[c,pos] + shift)^2 + beta[c,pos]^2 - sum_M ||W_M[:, c]||^2``. ``readers``: one
     ``(ChannelMap, per)`` per map reading the (rescaled) norm output."""
@@ -396,7 +396,7 @@ def channel_gain_law(name: str, layer, gain: str, gain_shape, readers: Sequence[
 
 
 def channel_scale_law(name: str, layer, up: ChannelMap, groups: Sequence[Sequence[int]], *, note: str = ""):
-    """Scale law of a map whose output is normalised group by group (spec: Convolutions, conv before a norm;
+    """Scale law of a map whose output is normalised group by group (docs/laws.md: Conv before a norm;
     ``NormScaleLaw``): entry g is ``sum_{c in groups[g]} ||W_up[c]||^2 + b_up[c]^2`` (GroupNorm: its groups,
     InstanceNorm: one channel each, LayerNorm over ``(C, *spatial)``: all channels). Exact only for a norm
     with eps = 0."""

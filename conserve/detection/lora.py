@@ -1,4 +1,4 @@
-"""LoRA / PEFT adapters (spec ``shared/spec/laws.md``, "LoRA adapters").
+"""LoRA / PEFT adapters (spec ``shared/spec/laws.md``, catalogue row "LoRA adapter").
 
 An adapter adds ``s * B(A(dropout(x)))`` to a base layer's output (``A``: in -> r, ``B``: r -> out; ``s`` =
 alpha / r, or alpha / sqrt(r) for rsLoRA). The output depends on A and B only through the product ``B A``, so

@@ -16,7 +16,7 @@ Recognised anywhere in a model (by module type, never by name):
   ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``, grouped and depthwise included) or an affine norm writes
   channels, the next map reads them (an ``nn.Linear`` after ``nn.Flatten()`` reads each channel as a block of
   features). Between them: ops that pass a positive per-channel rescaling (ReLU, LeakyReLU, PReLU, max pooling,
-  dropout) -> per-channel balance (``relu``; spec: ReLU row, Convolutions); only ops that act the same on
+  dropout) -> per-channel balance (``relu``; spec: ReLU row; docs/laws.md: Conv-ReLU-Conv); only ops that act the same on
   every channel (identity, average pooling, zero / reflect / replicate padding, upsampling, flatten) -> channel
   Gram (``deep_linear``); GELU/SiLU/Tanh... -> declined. An affine norm (BatchNorm in train or eval mode,
   GroupNorm, InstanceNorm, LayerNorm / RMSNorm) read by the next map -> its gain law (``gain``); the map before
@@ -171,8 +171,8 @@ def encoder_layer_laws(c: Collector, path: str, m: nn.TransformerEncoderLayer) -
 
 
 # ----------------------------------------------------------------------------------- Sequential
-# How an op between a map that writes channels and the map that reads them acts on channel c (spec:
-# Convolutions). 'linear': the same linear map on every channel (commutes with any channel mixing G: the
+# How an op between a map that writes channels and the map that reads them acts on channel c (docs/laws.md,
+# "Convolutions"). 'linear': the same linear map on every channel (commutes with any channel mixing G: the
 # deep-linear / channel Gram law); 'positive': commutes with scaling a channel by s > 0 only (the per-channel
 # balance law); 'flatten': nn.Flatten() of (C, *spatial) (a Linear then reads channel c at c*per..(c+1)*per).
 _PAD = nn.modules.padding
@@ -266,7 +266,7 @@ def _between(ops: list) -> str:
 def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, loss: str | None,
                     nested: set | None = None) -> None:
     """Laws of the maps and norms of ``seq`` (nested plain Sequentials expanded) read one after another
-    (spec: ReLU row, deep linear row, pre-norm gain row, Convolutions): a map (``nn.Linear``, ``nn.ConvNd``,
+    (spec: ReLU row, deep linear row, pre-norm gain row; docs/laws.md: Convolutions): a map (``nn.Linear``, ``nn.ConvNd``,
     ``nn.ConvTransposeNd``) or an affine norm writes C channels; the ops after it either pass a channel
     rescaling (``POSITIVE_PER_CHANNEL``: per-channel balance / gain law), also any channel mixing
     (``LINEAR_PER_CHANNEL``, flatten: channel Gram law), or stop it. A norm after a map makes the map's
@@ -359,7 +359,7 @@ def sequential_laws(c: Collector, path: str, seq: nn.Sequential, is_root: bool, 
 
 def _map_before_norm(c: Collector, pa: str, ma: nn.Module, src, pn: str, norm: nn.Module, C: int, space: str,
                      between: list, layer) -> None:
-    """A map whose channels reach a norm through per-channel ops (spec: Convolutions, conv before a norm)."""
+    """A map whose channels reach a norm through per-channel ops (docs/laws.md: Conv before a norm)."""
     what, nw = type(ma).__name__, type(norm).__name__
     if any(_op_kind(m) == "linear" and not isinstance(m, nn.Identity) for m in between) or \
             _norm_channels(norm)[0] != C:
@@ -370,7 +370,7 @@ def _map_before_norm(c: Collector, pa: str, ma: nn.Module, src, pn: str, norm: n
             f"channel c of {pa} is scale invariant only up to eps={norm.eps:g} (||W[c]||^2 drifts by "
             "O(eps / var)) and its bias gets no gradient; in eval mode (running statistics) the law "
             f"||W[c]||^2 + (b[c] - running_mean[c])^2 - gamma[c]^2 reads a buffer that training mode changes: "
-            "not tracked (spec: Convolutions, BatchNorm)"))
+            "not tracked (docs/laws.md: Conv before a norm)"))
         return
     groups = _norm_groups(norm, C, space)
     if groups is None:

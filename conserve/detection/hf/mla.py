@@ -1,5 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3 MLA; spec ``shared/spec/laws.md``, "Multi-head latent
-attention").
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA; ``docs/laws.md``, "Multi-head latent attention"; the spec's
+catalogue lists MLA as open).
 
 Names and math of transformers' ``DeepseekV3Attention`` (and V2's): per head ``i`` (``qd = nope + rope``)
 
@@ -10,11 +10,12 @@ Names and math of transformers' ``DeepseekV3Attention`` (and V2's): per head ``i
 * ``kv_b_proj`` of the normed latent: head i key rows ``[i*(nope+v), i*(nope+v) + nope)``, value rows
   ``[i*(nope+v) + nope, (i+1)*(nope+v))``; ``o_proj`` columns ``[i*v, (i+1)*v)``.
 
-Laws (each derived in the spec and found by ``conserve.discover`` on a tiny block, complete by ``conserve.count``):
-QK Gram per head on the no-RoPE dims (``qk``), VO Gram per head (``vo``), one RoPE-pair law per rotary pair summed
-over ALL heads against the shared rotary key rows (``rope_pair``), the gain laws of ``q_a_layernorm`` (reader
-``q_b_proj``) and ``kv_a_layernorm`` (reader ``kv_b_proj``), and the scale laws of ``q_a_proj`` and of the latent
-rows of ``kv_a_proj_with_mqa`` (``norm_scale``: exact for eps = 0 norms, else declined unless ``approximate``).
+Laws (each derived in ``docs/laws.md`` and found by ``conserve.discover`` on a tiny block, complete by
+``conserve.count``): QK Gram per head on the no-RoPE dims (``qk``), VO Gram per head (``vo``), one RoPE-pair law
+per rotary pair summed over ALL heads against the shared rotary key rows (``rope_pair``), the gain laws of
+``q_a_layernorm`` (reader ``q_b_proj``) and ``kv_a_layernorm`` (reader ``kv_b_proj``), and the scale laws of
+``q_a_proj`` and of the latent rows of ``kv_a_proj_with_mqa`` (``norm_scale``: exact for eps = 0 norms, else
+declined unless ``approximate``).
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def mla_laws(ctx: Ctx, path: str, attn, layer: int, config) -> list | None:
 
 
 def _scale(ctx: Ctx, path: str, layer, blocks: list, norm, norm_name: str, what: str) -> None:
-    """The RMSNorm after ``what`` makes its rows scale invariant (exact for eps = 0; spec: MLA, QK-norm breaker)."""
+    """The RMSNorm after ``what`` makes its rows scale invariant (exact for eps = 0; the mechanism of the spec's
+    QK-norm breaker; ``docs/laws.md``, "MLA latent scale laws")."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if norm_kind(norm) is None or eps is None:
         ctx.decline(f"{path}/norm_scale", "MLA latent scale law", f"{norm_name} is not a recognised RMSNorm: no law")

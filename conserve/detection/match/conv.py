@@ -1,5 +1,5 @@
-"""Convolutions (spec ``shared/spec/laws.md``, "Convolutions"): the per-channel laws of a conv's output channels read
-by the next map, and the gain laws of a per-channel norm read by convolutions, in any forward code.
+"""Convolutions (``docs/laws.md``, "Convolutions"): the per-channel laws of a conv's output channels read by the
+next map, and the gain laws of a per-channel norm read by convolutions, in any forward code.
 
 * channel chains: a map reading (``Conv``, or a plain ``Lin`` after a flatten / pooling) what one convolution wrote,
   through ops that act channel by channel. What those ops allow is measured on the recorded values, not read off
@@ -145,11 +145,11 @@ def channels(f: Found) -> None:
         if how == "linear":
             law = builders.channel_gram_law(DeepLinearGram, f"{up.module}-{reader}/gram", layer, up.cmap, down,
                                             per=per, note="structural: channels read through maps that act the same "
-                                                          "on every channel (spec: Convolutions, deep linear row)")
+                                                          'on every channel (docs/laws.md, "Channel Gram")')
         if law is None:
             law = builders.channel_unit_law(ReLUUnit, f"{up.module}-{reader}/unit", layer, up.cmap, down, per=per,
                                             note="structural: channels read through positively homogeneous "
-                                                 "per-channel ops (spec: Convolutions, Conv-ReLU-Conv)")
+                                                 'per-channel ops (docs/laws.md, "Conv-ReLU-Conv")')
         f.add(law, "channel Gram" if law.family == "deep_linear" else "channel balance")
 
 
@@ -196,17 +196,17 @@ def channel_gains(f: Found) -> None:
                       + (f" and by {others}" if others else "")
                       + (" (not channel by channel, positively homogeneous)" if None in kinds else "")
                       + ": a gain law needs every reader to be a map reading the channels through positively "
-                      "homogeneous per-channel ops: no gain law (spec: Convolutions, norm gains)")
+                      'homogeneous per-channel ops: no gain law (docs/laws.md, "Norm gains")')
             continue
         f.add(builders.channel_gain_law(f"{path}/gain", layer_index(path), w, (ch,),
                                         [(cm, k[1]) for (_, cm), k in zip(readers, kinds)], bias=b,
                                         note=f"structural: {what} read by "
                                              + ", ".join(dict.fromkeys(cm.weight for _, cm in readers))
-                                             + " (spec: Convolutions, norm gains)"), "channel gain")
+                                             + ' (docs/laws.md, "Norm gains")'), "channel gain")
 
 
 def _before_norm(f: Found, n: fx.Node, path: str, what: str) -> None:
-    """Decline the convolution whose channels only the norm ``n`` reads (spec: Convolutions, conv before a norm)."""
+    """Decline the convolution whose channels only the norm ``n`` reads (``docs/laws.md``, "Conv before a norm")."""
     g = f.g
     w = _writer(g, n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
     if w is None or w not in g.convs or w in f.used or _other_reader(g, w, n) is not None:
@@ -215,4 +215,4 @@ def _before_norm(f: Found, n: fx.Node, path: str, what: str) -> None:
     f.c.decline(g.convs[w].module, f"{_kind(g, w)} before {what}",
                 f"its output channels are normalised by {path!r}: the scale of each channel (group) is invariant only "
                 "up to the norm's eps, with batch statistics in training mode and running statistics in eval mode "
-                "for BatchNorm: no law claimed (spec: Convolutions, conv before a norm)")
+                'for BatchNorm: no law claimed (docs/laws.md, "Conv before a norm")')
