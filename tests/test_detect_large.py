@@ -190,6 +190,8 @@ def test_meta_model_gets_the_laws_of_the_materialised_one(tied):
     assert found.families() == fam, found.families()
     assert found.undetected == [] and reasons(found)["embed"].startswith("input embedding")
     hold(m, found, ids())  # every law holds on the materialised model (spec check 1, float64)
+    forced = detect(meta(tied=tied), loss="ce", structural=True)  # structural only: the same block-by-block path
+    assert forced.detector == "graph:blocks" and {key(x) for x in forced.laws} == {key(x) for x in found.laws}
 
 
 def test_meta_model_above_the_old_probe_limit():

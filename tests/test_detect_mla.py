@@ -1,11 +1,15 @@
-"""Multi-head latent attention (DeepSeek-V2/V3 MLA; spec ``shared/spec/laws.md``, "Multi-head latent attention").
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA; ``docs/laws.md``, "Multi-head latent attention").
 
 * ``conserve.discover`` on a tiny plain-torch MLA block (HF ``DeepseekV3Attention``'s names and math, eps = 0
   norms) finds exactly the laws the detector builds (``conserve.detection.hf.mla.mla_laws``): the same span, all
   of the block's laws by ``conserve.count``;
 * HF DeepSeek-V3 (and V2) detection: every law passes the float64 first-order check on the model's own code,
   planted wrong readings (the other RoPE pairing, a QK Gram over the rotary dims, a per-head RoPE law, a kv gain
-  law without the value rows) fail it, the latent scale laws follow the norms' eps.
+  law without the value rows) fail it, the latent scale laws follow the norms' eps;
+* structural detection (``conserve.detect`` on plain-torch blocks, no HF config; ``conserve.detection.match.mla``):
+  the same laws as ``mla_laws`` on the plain block (softmax or SDPA, both RoPE layouts), the laws of a block with
+  other names and code style read from its rows, each claimed law passing the float64 first-order check alone,
+  wrong readings failing it, and a block whose q and shared key pair different dims declined by itself.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import conserve
@@ -254,3 +259,261 @@ def test_hf_variants_and_meta_device():
     assert d.detector == "hf" and d.undetected == []
     assert {"qk", "vo", "rope_pair", "gain", "swiglu", "router_sum"} <= set(d.families())
     assert max(check(m, x) for x in d.laws) <= 1e-10
+
+
+# --------------------------------------------------------------- structural detection of a plain-torch MLA
+# ``conserve.detect`` on a model with no HF config: the graph detector's MLA finder (``match.mla``) reads the block
+# by its algebra. Two blocks: ``Holder`` (HF's names and math) and ``LatentAttention`` (other names and code style).
+class LatentAttention(nn.Module):
+    """MLA written another way: q without low rank (``to_q``, with bias; per head [rotary | no-RoPE] dims), the
+    latent projection ``down`` with the rotary key rows FIRST then ``latent`` rows (``torch.tensor_split``), the
+    latent normalised by ``F.normalize`` times a gain, ``up`` giving per head [v | k_nope] (``torch.chunk``), RoPE
+    on the rotary part (half-split ``{p, p+R/2}`` by default; ``k_order`` reorders the rotated key's dims, so that
+    q and k pair different dims), the shared rotary key broadcast to every head (``broadcast_to``), einsum scores
+    and output. ``latent_norm``: 'normalize' (``F.normalize`` times ``latent_gain``), 'layernorm' (an
+    ``nn.LayerNorm``, a leaf of the trace), 'centered' (a LayerNorm written out, gain and bias parameters)."""
+
+    def __init__(self, width=6, n_heads=3, latent=5, d_nope=3, d_rot=4, d_v=3, interleaved=False,
+                 k_order=None, latent_norm="normalize"):
+        super().__init__()
+        self.n_heads, self.d_nope, self.d_rot = n_heads, d_nope, d_rot
+        self.interleaved = interleaved
+        self.k_order = list(range(d_rot)) if k_order is None else list(k_order)
+        self.to_q = nn.Linear(width, n_heads * (d_rot + d_nope))
+        self.down = nn.Linear(width, d_rot + latent, bias=False)
+        self.latent_norm = latent_norm
+        self.latent_gain = nn.Parameter(torch.ones(latent))
+        if latent_norm == "layernorm":
+            self.ln = nn.LayerNorm(latent, eps=0.0)
+        elif latent_norm == "centered":
+            self.latent_bias = nn.Parameter(torch.zeros(latent))
+        self.up = nn.Linear(latent, n_heads * (d_v + d_nope), bias=False)
+        self.out = nn.Linear(n_heads * d_v, width)
+        assert d_v == d_nope, "torch.chunk splits [v | k_nope] in two equal halves"
+
+    def forward(self, h):
+        bsz, t, _ = h.shape
+        nh, r = self.n_heads, self.d_rot
+        q = self.to_q(h).reshape(bsz, t, nh, -1).permute(0, 2, 1, 3)  # (B, H, T, R + nope)
+        q = torch.cat([rotate(q[..., :r], self.interleaved), q[..., r:]], dim=-1)
+        k_rot, c = torch.tensor_split(self.down(h), [r], dim=-1)
+        if self.latent_norm == "layernorm":
+            c = self.ln(c)
+        elif self.latent_norm == "centered":
+            c = c - c.mean(-1, keepdim=True)
+            c = c / c.pow(2).mean(-1, keepdim=True).sqrt() * self.latent_gain + self.latent_bias
+        else:
+            c = F.normalize(c, dim=-1) * self.latent_gain * c.shape[-1] ** 0.5
+        v, k_nope = self.up(c).unflatten(-1, (nh, -1)).transpose(1, 2).chunk(2, dim=-1)
+        k_rot = torch.broadcast_to(rotate(k_rot, self.interleaved)[:, None, :, self.k_order], (bsz, nh, t, r))
+        k = torch.cat([k_rot, k_nope], dim=-1)
+        s = torch.einsum("bhtd,bhsd->bhts", q, k) * (q.shape[-1] ** -0.5)
+        s = torch.where(torch.tril(torch.ones(t, t, dtype=torch.bool)), s, torch.finfo(s.dtype).min)
+        o = torch.einsum("bhts,bhsd->bthd", s.softmax(dim=-1), v)
+        return self.out(o.reshape(bsz, t, -1))
+
+
+class Stack(nn.Module):
+    """Two pre-norm residual ``LatentAttention`` layers and a head: the second layer's q reads the residual
+    stream (a projection read elsewhere too, not a low-rank q)."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(6) for _ in range(2))
+        self.layers = nn.ModuleList(LatentAttention(**kw) for _ in range(2))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, h):
+        for norm, layer in zip(self.norms, self.layers):
+            h = h + layer(norm(h))
+        return self.head(h)
+
+
+class SdpaMLA(MLA):
+    """``MLA`` with ``F.scaled_dot_product_attention`` (as HF's default attention) instead of softmax(q k^T) v."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h, dn, dr = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, t, h, -1).transpose(1, 2)
+        q_pass, q_rot = q.split([dn, dr], -1)
+        kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, dr], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv)).view(b, t, h, -1).transpose(1, 2)
+        k_pass, v = kv.split([dn, self.v_head_dim], -1)
+        k = torch.cat([k_pass, rotate(k_rot[:, None], self.interleaved).expand(-1, h, -1, -1)], -1)
+        q = torch.cat([q_pass, rotate(q_rot, self.interleaved)], -1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def structural(block, x):
+    d = detect(block, example_inputs=x)
+    assert d.detector == "graph"
+    return d
+
+
+def each_law_holds(block, d, x):
+    """Every claimed law, one at a time, passes the float64 first-order check on the original block."""
+    for law in d.laws:
+        r = conserve.verify(block, [law], x)[0]
+        assert r.ok and r.first_order <= 1e-10, (law.name, r.first_order)
+
+
+@pytest.mark.parametrize("interleaved,sdpa", [(True, False), (False, False), (True, True)])
+def test_structural_finds_the_detector_laws_on_the_plain_block(interleaved, sdpa):
+    torch.manual_seed(2)
+    block = Holder(nope=2, v=2, interleaved=interleaved).double()
+    if sdpa:
+        block.attn.__class__ = SdpaMLA
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    d = structural(block, x)
+    theirs, declined = detector_laws(block, interleaved)
+    assert declined == [] and len(theirs) == 9
+    mine = {law.name: law for law in d.laws}
+    assert sorted(mine) == sorted(law.name for law in theirs)  # HF's names: attn/qk/head0, attn/rope, ...
+    for law in theirs:  # the same terms (rows, columns, signs, offsets): the same law
+        assert (type(mine[law.name]), mine[law.name].terms, mine[law.name].size) == (type(law), law.terms, law.size)
+    assert {x.module for x in d.declined} == {"attn.o_proj"} and d.undetected == []  # the output layer (no loss='ce')
+    each_law_holds(block, d, x)
+
+
+def test_structural_latent_scale_laws_follow_the_norms_eps():
+    torch.manual_seed(3)
+    block = Holder(eps=1e-6).double()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    d = structural(block, x)
+    assert d.families() == {"qk": 2, "vo": 2, "rope_pair": 1, "gain": 2}
+    why = {x.module: x.reason for x in d.declined}
+    for name in ("attn.q_a_proj/norm_scale", "attn.kv_a_proj_with_mqa/norm_scale"):
+        assert "only approximately" in why[name] and "eps > 0" in why[name], why[name]
+    assert d.undetected == []
+    each_law_holds(block, d, x)
+
+
+def test_structural_other_names_and_style():
+    """No low-rank q, rotary key rows before the latent rows, [v | k_nope] per head, half-split RoPE on dims [0, 4)
+    of each head, F.normalize, broadcast_to, einsum: the laws follow the rows the graph shows."""
+    torch.manual_seed(4)
+    block = LatentAttention().double()
+    x = torch.randn(2, 6, 6, dtype=torch.float64)
+    d = structural(block, x)
+    assert d.families() == {"qk": 3, "vo": 3, "rope_pair": 1, "gain": 1, "norm_scale": 1}, d.families()
+    law = {x.name: x for x in d.laws}
+    qd, kvd = 4 + 3, 3 + 3
+    # head 2: q rows [2*7 + 4, 2*7 + 7) (its no-RoPE dims) vs up's key rows [2*6 + 3, 2*6 + 6), with to_q's bias
+    # (the blocks' modules have no common prefix: the laws are named after the query projection, as attention's)
+    qk = law["to_q/qk/head2"]
+    assert sorted((t.ref.param, t.ref.start, t.ref.rows, t.sign) for t in qk.terms) == sorted([
+        ("to_q.weight", (2 * qd + 4, 0), 3, 1.0), ("to_q.bias", (2 * qd + 4,), 3, 1.0),
+        ("up.weight", (2 * kvd + 3, 0), 3, -1.0)])
+    vo = law["to_q/vo/head1"]
+    assert sorted((t.ref.param, t.ref.start, t.ref.rows) for t in vo.terms) == [("out.weight", (0, 3), 3),
+                                                                                ("up.weight", (kvd, 0), 3)]
+    rope = law["to_q/rope"]
+    assert rope.size == 2  # pairs {0, 2}, {1, 3}: entries 0, 1 read rows 0, 1 (first members) and 2, 3 of down
+    k_rows = sorted((t.ref.start[0], t.ref.rows, t.offset) for t in rope.terms if t.ref.param == "down.weight")
+    assert {t.ref.param for t in rope.terms} == {"to_q.weight", "to_q.bias", "down.weight"}
+    assert k_rows == [(0, 2, 0), (2, 2, 0)]
+    assert law["latent_gain/gain"].params == ("latent_gain", "up.weight")
+    assert law["down/norm_scale"].params == ("down.weight",)
+    assert [t.ref.start[0] for t in law["down/norm_scale"].terms] == [4]  # the latent rows [4, 9), not the key's
+    assert d.undetected == []
+    each_law_holds(block, d, x)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "centered"])
+def test_structural_latent_layer_norms(norm):
+    """A LayerNorm on the latent: kept whole by the trace (its gain law is the gain finder's) or written out (gain
+    and bias read from the graph); both give the gain law with beta and the exact scale law (eps = 0)."""
+    torch.manual_seed(8)
+    block = LatentAttention(latent_norm=norm).double()
+    if norm == "layernorm":
+        del block.latent_gain
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    d = structural(block, x)
+    assert d.families() == {"qk": 3, "vo": 3, "rope_pair": 1, "gain": 1, "norm_scale": 1}, d.families()
+    gain = next(x for x in d.laws if x.family == "gain")
+    assert gain.params == (("ln.weight", "ln.bias") if norm == "layernorm" else ("latent_gain", "latent_bias")) \
+        + ("up.weight",)
+    assert [x.module for x in d.declined] == ["out"] and d.undetected == []
+    each_law_holds(block, d, x)
+
+
+def test_structural_stacked_layers_residual_q():
+    """In a residual stack the q of layer 1 reads the residual stream, which the previous layer's output
+    projection also feeds: that projection is not taken for a low-rank q (no gain / scale law of it)."""
+    torch.manual_seed(5)
+    block = Stack(interleaved=True).double()
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    d = structural(block, x)
+    fam = d.families()
+    assert (fam["qk"], fam["vo"], fam["rope_pair"], fam["norm_scale"]) == (6, 6, 2, 2), fam
+    names = {x.name for x in d.laws}
+    assert {"layers.0/rope", "layers.1/rope", "layers.1/qk/head2", "layers.1.down/norm_scale",
+            "layers.1.latent_gain/gain"} <= names
+    assert not any("layers.0.out" in n for n in names if n.endswith(("norm_scale", "/gain")))
+    assert d.undetected == []
+    each_law_holds(block, d, x)
+
+
+def test_structural_wrong_readings_fail_the_check():
+    """The check each claimed law passed is not trivially passed: the other RoPE pairing, a QK Gram over a head's
+    rotary dims (as without RoPE), one over the whole head, and a per-head RoPE law all fail it."""
+    from conserve.detection import builders
+    from test_detect_graph import fail
+
+    torch.manual_seed(6)
+    block = Holder(nope=2, v=2).double()  # interleaved
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    d = structural(block, x)
+    half = next(x for x in detector_laws(block, interleaved=False)[0] if x.family == "rope_pair")
+    assert half.terms != next(x for x in d.laws if x.family == "rope_pair").terms
+    qd, rq, rkv, h = 2 + 4, 2, 2, 4
+    planted = {
+        "half pairs on an interleaved block": half,
+        "QK Gram of head 0's rotary dims vs the shared key": QKGram.build(
+            "bad", 0, plus=[rows("attn.q_b_proj.weight", (2 * qd, rq), 2, 4)],
+            minus=[rows("attn.kv_a_proj_with_mqa.weight", (rkv + 4, h), rkv, 4)]),
+        "QK Gram of head 1 over its whole head": QKGram.build(
+            "bad", 0, plus=[rows("attn.q_b_proj.weight", (2 * qd, rq), qd, 4)],
+            minus=[rows("attn.kv_b_proj.weight", (2 * 4, rkv), 4, 4)]),
+        "RoPE pairs of head 0 alone": builders.rope_pair_law(
+            "bad", 0, q=[("attn.q_b_proj.weight", (2 * qd, rq), None, [2 + t for t in range(4)], False)],
+            k=[("attn.kv_a_proj_with_mqa.weight", (rkv + 4, h), None, [rkv + t for t in range(4)], False)],
+            pairs=builders.rope_pairs(4, "interleaved")),
+    }
+    fail(block, planted, x)
+    other = LatentAttention(interleaved=False).double()  # half-split: the interleaved pairing must fail
+    xo = torch.randn(2, 6, 6, dtype=torch.float64)
+    got = next(x for x in structural(other, xo).laws if x.family == "rope_pair")
+    swapped = builders.rope_pair_law(
+        "bad", None, q=[("to_q.weight", (21, 6), "to_q.bias", [7 * i + t for t in range(4)], False) for i in range(3)],
+        k=[("down.weight", (9, 6), None, list(range(4)), False)], pairs=builders.rope_pairs(4, "interleaved"))
+    right = builders.rope_pair_law(
+        "good", None, q=[("to_q.weight", (21, 6), "to_q.bias", [7 * i + t for t in range(4)], False) for i in range(3)],
+        k=[("down.weight", (9, 6), None, list(range(4)), False)], pairs=builders.rope_pairs(4, "half"))
+    assert right.terms == got.terms
+    fail(other, {"interleaved pairs on a half-split block": swapped}, xo)
+
+
+def test_structural_declines_what_it_cannot_read_per_block():
+    """q and the shared key paired differently (q: {0, 2}, {1, 3}; the key's rotated dims reordered: {0, 3}, {1, 2}):
+    the block's QK laws are declined with what was seen (its VO and latent laws kept); the rest of the model is
+    still analysed."""
+    torch.manual_seed(7)
+    block = Stack(interleaved=False).double()
+    block.layers[1].k_order = [0, 1, 3, 2]
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    d = structural(block, x)
+    names = {x.name for x in d.laws}
+    assert "layers.0/rope" in names and "layers.0/qk/head0" in names
+    assert not any(n.startswith(("layers.1/qk", "layers.1/rope")) for n in names)
+    assert {"layers.1/vo/head0", "layers.1.latent_gain/gain", "layers.1.down/norm_scale"} <= names
+    why = {x.module: x.reason for x in d.declined}
+    assert "not a RoPE pairing" in why["layers.1/qk"] and "rotary key of layers.1.down" in why["layers.1/qk"], why
+    assert not any(k.startswith("attention at graph node") for k in why)  # not declined again as an attention
+    assert d.undetected == []
+    each_law_holds(block, d, x)

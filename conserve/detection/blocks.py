@@ -26,6 +26,14 @@ float64 kernel such as ``torch._grouped_mm``, routing that decides which Python 
    readers could be missed); the laws found there are checked again on graphs specialised to three other random
    inputs (other routings, other branches) and a law failing any of them is declined. A branch on a value read
    with ``item()`` (``if x.sum() > 0``) cannot be traced even so: its children are analysed one by one.
+5. A block analysed as one graph of its own also says what reads each of its positional inputs
+   (``match.gain.input_readers``: the linear maps reading its features one to one, e.g. a routed MoE's router and
+   every expert's gate and up, or why something else does), into the parent's ``Collector.input_readers`` under
+   the block's path; what reads an input on the other routings of step 4 must be among them. A gain in front of
+   an opaque block that runs its own code takes those maps as readers (``match.gain``); where the example input
+   routes no token to an expert, that expert's columns are unknown and the gain is declined naming it. That law is
+   checked on the parent's graph, whose opaque call runs the block's own forward with the block's parameters
+   (parameters of the graph module's submodule, substituted and differentiated by the check like any other).
 
 Every law claimed passes the first-order check of the graph it was found in (the whole model with stand-ins, or
 the block alone). A law of a block alone holds for the model because the block's function is unchanged by the
@@ -47,6 +55,7 @@ from ..laws.tolerance import TOL
 from .check import check_laws
 from .core import Collector, Detection, prefixed
 from .fxgraph import Graph
+from .match.gain import Unknown, input_readers
 from .ongraph import detect_on, param_modules
 from .probe import make_probe, no_cache, synth_inputs
 from .rewrite import baddbmm_to_matmul, casts_to_float64, einsum_to_matmul
@@ -306,15 +315,32 @@ def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs,
         except Exception as e:  # noqa: BLE001 - the children are analysed one by one below
             whole += f"; specialised to the example input's control flow: {short_error(e)}"
             g = None
+            why = Unknown(f"the probe input reaches no parameter of {e.modules} (no token is routed to them, e.g. an "
+                          "expert), so which columns of this input they read is not known (example_inputs=(...) whose "
+                          "routing reaches every expert would show them)" if isinstance(e, Unreached) else
+                          f"its own graph, which would say what reads this input, could not be traced "
+                          f"({short_error(e)})")
+            for i, a in enumerate(args64):
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    c.input_readers[("", i)] = why
         if g is not None:
+            record_input_readers(g, c)
             d = detect_on(g, c, model, "specialised torch.fx (real tensors)", skip, check)
             return _recheck(d, probe, args64, kw64, loss, check=check)
     if g is not None:  # (no opaque module: the whole model runs on the concrete input where synthesis failed)
         for path, why in opaque.items():
             _one_block(model, c, rec, path, f"{path}: {why}", skip, max_probe_params, sub_opts, depth, detect, check,
                        declare=why)
+        if depth > 0:
+            record_input_readers(g, c)
         inner = {k for p in opaque for k in _under(params, p)}
-        return detect_on(g, c, model, how, skip | inner, check)
+        d = detect_on(g, c, model, how, skip | inner, check)
+        # a gated MLP's gate declined inside an opaque block ("nothing else reads it with a law") that a law of this
+        # graph reads (the gain law whose readers include the block's gates): no decline, as in a traced graph
+        read = {p for law in d.laws for p in law.params}
+        d.declined = [x for x in d.declined if not (x.block == "gated MLP gate" and any(
+            p.startswith(x.module + ".") for p in read))]
+        return d
     # the model's own forward is what fails (or nothing made it traceable): each child on its own
     own = [name for name, _ in model.named_parameters(recurse=False) if name not in skip]
     note = f"{whole}; its submodules holding parameters are analysed one by one"
@@ -329,11 +355,47 @@ def by_blocks(model: nn.Module, c: Collector, err: Exception, *, example_inputs,
     return c.finish("graph")
 
 
+class Unreached(ValueError):
+    """The example input reaches no parameter of ``modules`` (the largest submodules all of whose parameters it
+    leaves unread: an expert no token is routed to); ``params``: those parameters."""
+
+    def __init__(self, params: list, modules: list):
+        super().__init__(f"the example input does not reach {params[:3]} (e.g. an expert no token is routed to): "
+                         "a value's readers would be missed")
+        self.params, self.modules = params, modules
+
+
+def _unreached(names: list, unused: list) -> list:
+    """The largest submodules (else the parameters) all of whose parameters are in ``unused``."""
+    out = []
+    for k in unused:
+        parts, owner = k.split("."), k
+        for j in range(1, len(parts)):
+            p = ".".join(parts[:j])
+            if all(q in unused for q in names if q.startswith(p + ".")):
+                owner = p
+                break
+        if owner not in out:
+            out.append(owner)
+    return out
+
+
+def record_input_readers(g: Graph, c: Collector) -> None:
+    """``c.input_readers`` of the block whose own graph is ``g`` (its positional inputs, under the path "")."""
+    try:
+        c.input_readers.update({("", i): r for i, r in input_readers(g, c).items()})
+    except Exception as e:  # noqa: BLE001 - a gain in front of the block is then declined with the reason
+        for i, a in enumerate(g.inputs):
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                c.input_readers[("", i)] = Unknown(f"what reads this input in its own graph could not be found "
+                                                   f"({short_error(e)})")
+
+
 def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = False):
     """The probe traced with real tensors (``make_fx``, pre-dispatch): Python control flow that depends on values
     (a routed expert loop) runs as it does for ``inputs``, so the graph is the function at and near them (the
     branch taken is locally constant). Parameters become ``get_attr`` nodes under their names. ``every``: raise
-    unless the input reaches every parameter (a law reading a value must see every reader of it)."""
+    ``Unreached`` unless the input reaches every parameter (a law reading a value must see every reader of it)."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.func import functional_call
     from torch import fx
@@ -361,8 +423,7 @@ def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = Fal
             root[k] = named[k]
     unused = [k for k in names if not any(n.op == "get_attr" and n.target == k and n.users for n in graph.nodes)]
     if every and unused:
-        raise ValueError(f"the example input does not reach {unused[:3]} (e.g. an expert no token is routed to): "
-                         "a value's readers would be missed")
+        raise Unreached(unused, _unreached(names, unused))
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs (make_fx's pytree codegen expects (params, *inputs))
     gm = fx.GraphModule(root, graph)
     gm._conserve_opaque = frozenset()
@@ -377,9 +438,12 @@ def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, 
              ) -> Detection:
     """Laws found on a graph specialised to one input's control flow, checked again (spec check 1) on graphs
     specialised to ``n`` other random inputs of the same shapes (other branches: other experts, other tokens);
-    a law failing any of them is declined."""
+    a law failing any of them is declined. The readers of each input (``d.input_readers``) are found again on each
+    of those graphs: where something else reads the input there, or a linear map not seen on the example input's
+    routing, they are replaced by the reason."""
     gen = torch.Generator().manual_seed(11)
     bad: dict = {}
+    known = {k: set(v) for k, v in d.input_readers.items() if k[0] == "" and not isinstance(v, str)}
 
     def other(t):
         if not isinstance(t, torch.Tensor) or t.is_complex():
@@ -399,6 +463,25 @@ def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, 
             viol = check(g, d.laws, {})
         except Exception:  # noqa: BLE001 - this input does not run: it checks nothing
             continue
+        again = None  # input_readers of this graph, found once
+        for (p, i), refs in known.items():
+            if isinstance(d.input_readers[(p, i)], str):
+                continue
+            if again is None:
+                try:
+                    again = input_readers(g, Collector(probe))
+                except Exception as e:  # noqa: BLE001 - what reads the inputs on this routing cannot be told
+                    again = e
+            got = again.get(i) if isinstance(again, dict) else Unknown(
+                f"what reads its input {i} could not be found ({short_error(again)})")
+            if got is None:
+                continue
+            if isinstance(got, str):
+                d.input_readers[(p, i)] = type(got)(f"on another input's routing, {got}")
+            elif not set(got) <= refs:
+                new = sorted({r.param for r in set(got) - refs})
+                d.input_readers[(p, i)] = Unknown(f"on another input's routing, {new} read its input {i}, which the "
+                                                  "example input's routing does not show")
         for law in d.laws:
             v = viol.get(law.name, 0.0)
             if v == v and v > TOL:
@@ -470,6 +553,9 @@ def _one_block(model: nn.Module, c: Collector, rec: Record, path: str, context: 
         c.decline(path, type(block).__name__, f"{context}; analysing it on its own failed ({short_error(e)}): no law")
         return
     kept = add_block_laws(c, d, path, set(rec.outside(path, names)))
+    for (p, i), refs in d.input_readers.items():  # what reads the block's (and its blocks') inputs, named here
+        c.input_readers[(f"{path}.{p}" if p else path, i)] = refs if isinstance(refs, str) else [
+            dataclasses.replace(r, param=f"{path}.{r.param}") for r in refs]
     own = ""
     in_laws = {p for law in d.laws for p in law.params}
     for x in d.declined:
@@ -500,5 +586,6 @@ def _one_block(model: nn.Module, c: Collector, rec: Record, path: str, context: 
     if declare is not None:
         c.declined.append(Declined(path, f"opaque block ({type(block).__name__})",
                                    f"{declare}: an opaque function of its inputs in the model's graph (laws that "
-                                   f"depend on what reads a value it reads are declined there); its own parameters "
-                                   f"analysed on its own: {kept} law(s){own}"))
+                                   f"depend on what reads a value it reads are declined there, but for a gain law "
+                                   f"where its own graph showed only linear maps reading that value); its own "
+                                   f"parameters analysed on its own: {kept} law(s){own}"))

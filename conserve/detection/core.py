@@ -45,6 +45,8 @@ class Detection:
             ``laws`` (HF and timm detection add it) assumes softmax cross-entropy.
         notes: how the detection ran where it took another path than one probe of the whole model (block by
             block on a meta-device or large model, a reduced vocabulary, the time it took).
+        input_readers: ``Collector.input_readers`` of the structural detection that answered (blocks analysed on
+            their own): what reads each positional input of a block, for a gain law of the caller's graph.
     """
 
     laws: list[Law] = field(default_factory=list)
@@ -53,6 +55,7 @@ class Detection:
     detector: str = ""
     loss: str | None = None
     notes: list[str] = field(default_factory=list)
+    input_readers: dict = field(default_factory=dict)
 
     def families(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -130,6 +133,11 @@ class Collector:
     ``seen`` holds module (or parameter) paths accounted for (a law or a decline covers everything under
     them); ``understood`` holds parameter names known to carry no law of their own (e.g. an output bias);
     ``rope_cache`` is scratch space for detectors (RoPE layouts probed per attention class).
+    ``input_readers`` maps ``(block path, position)`` (``""``: the module detected itself, when it was analysed
+    as a block alone) to the input-column refs of the linear maps that read that positional input of the block,
+    each of its features one to one, and nothing else (``match.gain.input_readers``), or to a sentence saying what
+    else reads it or why they are not known (``match.gain.Unknown``): the gain finder takes an opaque block's call
+    as those linear maps.
     """
 
     def __init__(self, model: nn.Module, options: dict | None = None, *, config=None):
@@ -141,6 +149,7 @@ class Collector:
         self.seen: set[str] = set()
         self.understood: set[str] = set()
         self.rope_cache: dict = {}
+        self.input_readers: dict = {}
 
     def covered(self, path: str) -> bool:
         """True when ``path`` (a module or parameter path) is under a path already accounted for."""
@@ -223,7 +232,7 @@ class Collector:
             owner = name.rsplit(".", 1)[0] if "." in name else name
             if owner not in undetected:
                 undetected.append(owner)
-        return Detection(kept, self.declined, undetected, detector)
+        return Detection(kept, self.declined, undetected, detector, input_readers=dict(self.input_readers))
 
 
 def finish(model: nn.Module, laws: list[Law], declined: list[Declined], understood=(), detector: str = "") -> Detection:

@@ -38,7 +38,8 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
             models); wrappers from torch.compile and DDP are removed; meta-device models work for the
             name-based detectors (shapes only).
         config: the model config if it is not ``model.config`` (HF).
-        structural: True skips the name-based detectors and runs structural detection only.
+        structural: True skips the name-based detectors and runs structural detection only (block by block for a
+            model on the meta device or above ``max_probe_params``, as without it).
         **options: detector options, e.g. ``rope_layout='half'|'interleaved'`` where the layout cannot be
             known from the model, ``loss='ce'`` (the translation law needs softmax cross-entropy),
             ``example_inputs=`` (structural detection: what ``forward`` takes, when it cannot be synthesised).
@@ -61,7 +62,10 @@ def _detect(model: nn.Module, config, structural: bool, options: dict) -> Detect
         raise UsageError(f"{lazy[0]} (and {len(lazy) - 1} more) not initialised yet (a lazy module, e.g. nn.LazyLinear):"
                          " run one forward pass before detecting or tracking the model's laws")
 
-    if structural:
+    if structural:  # a model the float64 probe cannot copy (meta device, too large): block by block
+        big = dict(detectors()).get("large")
+        if big is not None and big.applies(model, options.get("max_probe_params", 3e8)) is not None:
+            return big.structural(model, **options)
         return detect_graph(model, **options)
     for name, fn in detectors():
         if name == "torch.nn":  # the model itself is no HF/timm/reference model: is one inside it?

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..analysis.firstorder import to_float64
 from ..laws.tolerance import TOL
-from .blocks import by_blocks
+from .blocks import by_blocks, record_input_readers
 from .check import check_laws, check_on_probe, checked_laws
 from .core import Collector, Detection, register
 from .fxgraph import Graph, Lin
@@ -91,6 +91,8 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
         return by_blocks(model, c, e, example_inputs=example_inputs, forward_kwargs=forward_kwargs, loss=loss,
                          max_probe_params=max_probe_params, skip=skip, options=options, depth=depth,
                          detect=detect_graph, check=check)
+    if depth > 0:  # a block analysed on its own: what reads its inputs (the gain law of a norm in front of it)
+        record_input_readers(g, c)
     return detect_on(g, c, model, how, skip, check)
 
 

@@ -848,3 +848,9 @@ def detect_large_fallback(model: nn.Module, config, **options):
     if not d.laws and all(x.block == "not analysed" for x in d.declined):
         return None
     return d
+
+
+# ``conserve.detect(..., structural=True)`` skips the registry loop: what it runs for a model the whole float64
+# probe cannot copy (``dispatch._detect`` reads these from the registry entry; it cannot import this module)
+detect_large_fallback.applies = applies
+detect_large_fallback.structural = detect_large

@@ -1,6 +1,7 @@
 """The block finders of structural detection, each reading a traced ``Graph`` into candidate laws (``Found``).
 
-``FINDERS`` runs in this order: attention first (its q/k/v/o projections are then used), routers (a linear read
+``FINDERS`` runs in this order: multi-head latent attention (the sites it takes are skipped by the
+next), attention (its q/k/v/o projections are then used), routers (a linear read
 only by softmax), MLPs, convolution channels and the gains of per-channel norms, gains (their readers include every
 linear found so far), output layers.
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 from .attention import attention
 from .conv import channel_gains, channels
 from .gain import gains
+from .mla import mla
 from .mlp import mlps
 from .output import output_layers
 from .router import routers
 
-FINDERS = (attention, routers, mlps, channels, channel_gains, gains, output_layers)
+FINDERS = (mla, attention, routers, mlps, channels, channel_gains, gains, output_layers)
 
-__all__ = ["FINDERS", "attention", "channel_gains", "channels", "gains", "mlps", "output_layers", "routers"]
+__all__ = ["FINDERS", "attention", "channel_gains", "channels", "gains", "mla", "mlps", "output_layers", "routers"]

@@ -104,6 +104,8 @@ def _row_max(g: Graph, m, of) -> bool:
 def attention(f: Found) -> None:
     """The attention finder: ``one_attention`` on every site; an error declines that block only."""
     for site in sites(f.g):
+        if site.node in f.used:  # analysed by an earlier finder (``match.mla``: multi-head latent attention)
+            continue
         try:
             one_attention(f, site)
         except Exception as e:  # noqa: BLE001 - this attention block only
@@ -150,10 +152,10 @@ def projections(f: Found, site: Site) -> tuple[Lin, Lin, Lin, Lin | None] | None
         c.decline(site.where, "attention", "q, k or v is a per-token expert map (mixture of attention experts): not "
                   "analysed")
         return None
-    return lq, lk, lv, _output_projection(g, site.out)
+    return lq, lk, lv, output_projection(g, site.out)
 
 
-def _output_projection(g: Graph, out: fx.Node) -> Lin | None:
+def output_projection(g: Graph, out: fx.Node) -> Lin | None:
     """The one linear reading ``out`` through index ops (12 hops at most), else None."""
     cur = out
     for _ in range(12):

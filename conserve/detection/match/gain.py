@@ -8,18 +8,56 @@
   readers seen.
 * LayerScale: a per-feature scale of a linear's output (``gamma * (W x + b)``) whose result feeds anything (the
   residual): ``gamma_c^2 - ||W[c,:]||^2 - b_c^2`` (family ``layer_scale``).
+* An opaque block (``blocks``: a module torch.fx cannot trace, kept as one call that runs its own code) is one more
+  reader when its own graph, analysed alone, showed that its input is read only by linear maps reading its features
+  one to one (``input_readers``: a routed MoE's router and every expert's gate and up, through reshapes and token
+  indexing ``z[tok]``): the gain law then takes those maps' columns. The law is still claimed only if it passes the
+  first-order check of the graph holding the opaque call, which differentiates through the block's parameters.
 """
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
+
+import torch
 from torch import fx, nn
+from torch.fx.node import map_arg
 
 from .. import builders
-from ..fxgraph import Graph
+from ..fxgraph import Graph, with_strides_of
 from ..ops import PASS, SHAPE_ONLY
 from .conv import channel_norms
 from .found import Found, layer_index
 
-__all__ = ["gains", "scale_points"]
+__all__ = ["BlockReaders", "Unknown", "gains", "input_readers", "scale_points"]
+
+
+class Unknown(str):
+    """Why the readers of a block's input are not known (its own graph could not be made, the example input routes
+    no token to an expert, a parameter-free stand-in): a ``Collector.input_readers`` value, as distinct from a plain
+    reason, which names something other than a linear map reading the input."""
+
+
+@dataclass
+class BlockReaders:
+    """The linear maps inside the opaque block called by ``node`` that read the value ``x`` fed to it, taken as
+    one reader of ``x``: ``refs``, their input-column refs (parameter names of the graph holding the call)."""
+
+    node: fx.Node
+    x: fx.Node
+    module: str
+    refs: list
+
+    @property
+    def w(self) -> str:
+        return self.module
+
+    def readers(self) -> list:
+        return list(self.refs)
+
+    def modules(self) -> list[str]:
+        """The modules owning the readers' weights."""
+        return list(dict.fromkeys(r.param.rsplit(".", 1)[0] if "." in r.param else r.param for r in self.refs))
 
 
 def scale_points(g: Graph):
@@ -75,12 +113,7 @@ def _operands(add_node, _):
 def gains(f: Found) -> None:
     """The gain finder (module docstring)."""
     g, c = f.g, f.c
-    experts_x = {}  # the unsqueeze node through which a per-token expert map reads its input -> that map
-    for lin in g.lins.values():
-        if lin.experts:
-            for u in lin.x.users:
-                if g.op(u) == "unsqueeze" and u in g.ancestors([lin.node]):
-                    experts_x[u] = lin
+    experts_x = _experts_x(g)
     claimed = {p for law, _ in f.cands for p in law.params}
     channel_first = {n for n, *_ in channel_norms(g)}  # (``match.conv``: their gains scale dim 1)
     for n, w, b, shift, what in scale_points(g):
@@ -88,30 +121,18 @@ def gains(f: Found) -> None:
             continue
         h = g.params[w].shape[0]
         path = w.rsplit(".", 1)[0] if "." in w else w
-        readers, bad = [], []
-
-        def visit(m, u, h=h, readers=readers, bad=bad):
-            if u in g.lins and g.lins[u].x is m:
-                readers.append(g.lins[u])
-            elif u in experts_x and experts_x[u].x is m:  # x.unsqueeze(...) of a per-token expert map
-                readers.append(experts_x[u])
-            elif g.op(u) == "to" and u.args and u.args[0] is not m:
-                pass  # type_as(other, m): m's dtype only
-            elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
-                    and g.op(u) not in ("transpose", "permute", "movedim", "t"):
-                return True
-            elif g.op(u) not in SHAPE_ONLY:
-                bad.append(u)
-            return False
-
-        g.walk_users([n], visit)
+        readers, bad, why = _readers(g, c, n, h, experts_x)
         what_ = what if what != "scale" else "per-feature scale"
         if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
             continue
         if bad or not readers:
-            uses = list(dict.fromkeys(_use(g, u, n) for u in bad)) or ["nothing"]
+            uses = list(dict.fromkeys(_use(g, u, n) + (f" ({why[u]})" if u in why else "") for u in bad)) or ["nothing"]
             by = ", ".join(dict.fromkeys(r.module or r.w for r in readers))
             seen_ = "; ".join(uses) + (f" (besides the linear map(s) {by})" if readers else "")
+            if bad and all(isinstance(why.get(u), Unknown) for u in bad):
+                c.decline(path, what_, f"the scaled output is read by {seen_}: which linear maps read it there is not "
+                          "known, and a gain law needs every reader: no gain law (spec: pre-norm gain row)")
+                continue
             c.decline(path, what_, f"the scaled output is read by {seen_}: not only by linear maps with stored weights, "
                       "as a gain law needs (the residual stream in a post-LN block, attention scores after a QK-norm, "
                       "a weight computed from parameters, or an unrecognised module): no gain law (spec: pre-norm gain "
@@ -127,11 +148,151 @@ def gains(f: Found) -> None:
             c.decline(path, what_, f"read by {split}, heads stored as [heads, ...] parameters that each read a part of "
                       "the features: no gain law built")
             continue
+        inside = [r.module for r in readers if isinstance(r, BlockReaders)]
+        names = [m for r in readers for m in (r.modules() if isinstance(r, BlockReaders) else [r.module])]
         f.add(builders.gain_law(f"{path}/gain", layer_index(path), w, h, readers=[x for rs in refs for x in rs],
                                 bias=b, shift=shift,
-                                note="structural: readers " + ", ".join(dict.fromkeys(r.module for r in readers))
+                                note="structural: readers " + ", ".join(dict.fromkeys(names))
+                                + (f" (inside the opaque block(s) {inside}: found on the block's own graph)" if inside
+                                   else "")
                                 + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
               "gain")
+
+
+def _experts_x(g: Graph) -> dict:
+    """The unsqueeze node through which a per-token expert map reads its input -> that map."""
+    out = {}
+    for lin in g.lins.values():
+        if lin.experts:
+            for u in lin.x.users:
+                if g.op(u) == "unsqueeze" and u in g.ancestors([lin.node]):
+                    out[u] = lin
+    return out
+
+
+def _readers(g: Graph, c, src: fx.Node, h: int, experts_x: dict) -> tuple[list, list, dict]:
+    """What reads ``src`` (``h`` features on the last dim), walking through dropout, casts, reshapes, token indexing
+    and pooling: ``(readers, other users, {opaque call: why its readers are unknown})``; a reader is a ``Lin`` or the
+    ``BlockReaders`` of an opaque block whose readers of that input ``c.input_readers`` holds (else the opaque call
+    is another user, with the reason)."""
+    readers, bad, why = [], [], {}
+
+    def visit(m, u):
+        if u in g.lins and g.lins[u].x is m:
+            readers.append(g.lins[u])
+        elif u in experts_x and experts_x[u].x is m:  # x.unsqueeze(...) of a per-token expert map
+            readers.append(experts_x[u])
+        elif g.op(u) == "opaque":
+            got = _block_readers(g, c, m, u)
+            if isinstance(got, str):
+                bad.append(u)
+                why[u] = got
+            else:
+                readers.append(got)
+        elif g.op(u) == "to" and u.args and u.args[0] is not m:
+            pass  # type_as(other, m): m's dtype only
+        elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
+                and g.op(u) not in ("transpose", "permute", "movedim", "t"):
+            return True
+        elif g.op(u) not in SHAPE_ONLY:
+            bad.append(u)
+        return False
+
+    g.walk_users([src], visit)
+    return readers, bad, why
+
+
+def _block_readers(g: Graph, c, m: fx.Node, u: fx.Node) -> "BlockReaders | str":
+    """The linear maps inside the opaque block called by ``u`` that read ``m`` (``c.input_readers`` of the block's
+    positional inputs ``m`` is passed as), or the reason they are not taken (``Unknown`` where they are not known)."""
+    mod = g.gm.get_submodule(u.target)
+    if getattr(mod, "_conserve_opaque", False):
+        return Unknown("a parameter-free stand-in for a module that cannot run in float64: what reads the value inside "
+                       "the module is not in the graph")
+    try:
+        bound = inspect.signature(mod.forward).bind(*u.args, **u.kwargs)
+        args, kwargs = tuple(bound.args), dict(bound.kwargs)
+    except (TypeError, ValueError):
+        args, kwargs = tuple(u.args), dict(u.kwargs)
+    pos = [i for i, a in enumerate(args) if a is m]
+    uses = []
+    map_arg((args, kwargs), lambda a: uses.append(a) if a is m else None)
+    if not pos or len(uses) != len(pos):
+        return Unknown("it takes the value inside a container or as a keyword argument: what reads it inside is "
+                       "not known")
+    refs = []
+    for i in pos:
+        got = c.input_readers.get((u.target, i))
+        if got is None:
+            return Unknown("its own graph, which would say what reads its input, was not analysed")
+        if isinstance(got, str):
+            return got
+        refs += got
+    return BlockReaders(u, m, u.target, refs)
+
+
+def input_readers(g: Graph, c) -> dict:
+    """For a block's own graph ``g`` (a block analysed alone: ``blocks``), ``{position: refs}`` of each positional
+    floating input read only by linear maps (``_readers``' walk, opaque blocks inside it included) that read its
+    features one to one, ``refs`` their input-column refs; ``{position: reason}`` when something else reads it
+    (``Unknown`` when what reads it is not known).
+    The feature maps hold the routing (every integer value computed from the input: top-k ids, token indices) at
+    its recorded value, as a graph specialised to one routing computes it."""
+    out: dict = {}
+    experts_x = _experts_x(g)
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    for i, (ph, v) in enumerate(zip(phs, g.inputs)):
+        if g.env.get(ph) is not v:  # (placeholders of keyword arguments: not positional inputs)
+            break
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1):
+            continue
+        h = v.shape[-1]
+        readers, bad, why = _readers(g, c, ph, h, experts_x)
+        if bad or not readers:
+            uses = list(dict.fromkeys(_use(g, u, ph) + (f" ({why[u]})" if u in why else "") for u in bad))
+            by = ", ".join(dict.fromkeys(r.module or r.w for r in readers))
+            text = f"inside it, its input {i} is read by {'; '.join(uses) or 'nothing'}" + (
+                f" besides the linear map(s) {by}" if readers else "")
+            known = not bad or not all(isinstance(why.get(u), Unknown) for u in bad)
+            out[i] = text + ", not only by linear maps" if known else Unknown(text)
+            continue
+        off = [r.module or r.w for r in readers if _held_feature_map(g, ph, r.x) != list(range(h))]
+        if off:
+            out[i] = f"inside it, {off} do not read the features of its input {i} one to one"
+            continue
+        refs = [r.readers() for r in readers]
+        if any(x is None for x in refs):
+            out[i] = (f"inside it, {[r.w for r, x in zip(readers, refs) if x is None]} read its input {i} as heads "
+                      "stored as [heads, ...] parameters that each read a part of the features")
+            continue
+        out[i] = [x for rs in refs for x in rs]
+    return out
+
+
+def _held_feature_map(g: Graph, src: fx.Node, dst: fx.Node) -> list | None:
+    """``Graph.feature_map`` with every integer or boolean value computed from ``src`` (routing: top-k ids, the
+    token indices of each expert) held at its recorded value: the features of ``src`` that ``dst`` reads, for the
+    tokens the recorded routing sends there (all tokens given the same codes would all take one route)."""
+    def integral(v):
+        if isinstance(v, (tuple, list)):
+            return bool(v) and all(integral(t) for t in v)
+        return isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex()
+
+    held = {n: g.env[n] for n in g.descendants([src]) if n is not src and n.op != "output" and integral(g.env.get(n))}
+    sv = g.env[src]
+    n = sv.shape[-1]
+    idx = torch.arange(1, n + 1, dtype=torch.float64).expand(sv.shape).clone()
+    try:
+        out = g.run({src: with_strides_of(sv, idx.to(sv.dtype)), **held}, [dst])[0]
+    except Exception:  # noqa: BLE001 - not a map of src alone
+        return None
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
+        return None
+    flat = out.reshape(-1, out.shape[-1]).to(torch.float64)
+    if not torch.equal(flat, flat[:1].expand_as(flat)) or not torch.equal(flat[0], flat[0].round()):
+        return None
+    f = flat[0].long() - 1
+    return None if (f < -1).any() or (f >= n).any() else f.tolist()
 
 
 def _use(g: Graph, u: fx.Node, src: fx.Node) -> str:

@@ -52,7 +52,8 @@ def partners(g: Graph, src, dst, shape, contract_last, rows_by_head: dict, leads
     by_dim: dict = {}
     for rows_ in rows_by_head.values():
         for dim, r in enumerate(rows_):
-            by_dim.setdefault(dim, set()).add(r)
+            if r is not None:  # a dim not from ``src`` (an MLA key's no-RoPE dims, from another projection)
+                by_dim.setdefault(dim, set()).add(r)
     partner: dict = {}
     seen_leads = 0
     for k in leads:
