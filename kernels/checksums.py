@@ -38,6 +38,8 @@ def transposed(v: View, tensor: int) -> View:
     if v.row_step != 1 and v.rows > 1:
         raise ValueError(f"a sum over rows stepping by {v.row_step} is not supported by the gradient check")
     if v.col_dim is None:  # a vector (one column): its rows become the one row's columns
+        if v.rows <= 1:  # one element: the same view
+            return replace(v, tensor=tensor)
         return View(tensor, v.start, v.row_dim, 1, v.row_dim, v.rows)
     return View(tensor, v.start, v.col_dim, v.cols, v.row_dim, v.rows)
 

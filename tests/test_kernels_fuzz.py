@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conserve.kernels import GramTerm, NormTerm, Plan, SumTerm, View, bilinear, drift, evaluate
+from conserve.kernels import GramTerm, NormTerm, Plan, SumTerm, View, bilinear, check_sums, drift, evaluate
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1"
 BACKENDS = ("triton", "torch")
@@ -155,6 +155,58 @@ def test_fuzz_evaluate_bilinear_drift_vs_float64(D, H, dtype, kind, fp64, a, see
             close(got[k], want[k], scale[k], rtol if k != 1 else max(rtol, 1e-6), f"{be} drift {name}")
         if a == 1.0:
             assert (got[1][0] == 0).all() and all((x == 0).all() for x in got[1][1].values()), be
+
+
+def check_ref(plan: Plan, xs, ys):
+    """float64 sums of the gradient check (``kernels.checksums``) read element by element: per vec entry
+    ``[p, nh2, ng2]`` (NormTerm: ``2 s sum (x+c) y``, ``4 s^2 sum (x+c)^2``, ``sum y^2``; SumTerm: ``s sum y``,
+    ``sum y^2``) and per Gram slot ``[sum_t s (X Y^T + Y X^T) / 2, diag(sum_t s^2 ||X[a]||^2), diag(sum_t ||Y[a]||^2)]``."""
+    vec = torch.zeros(3, plan.vec_size, dtype=torch.float64)
+    grams = {d: torch.zeros(3, n, d, d, dtype=torch.float64) for d, n in plan.gram_slots.items()}
+    for g in plan.grams:
+        X, Y = _view64(g.view, xs[g.view.tensor]), _view64(g.view, ys[g.view.tensor])
+        out = grams[g.view.rows][:, g.slot]
+        out[0] += g.sign * (X @ Y.T + Y @ X.T) / 2
+        out[1] += torch.diag(g.sign ** 2 * (X * X).sum(1))
+        out[2] += torch.diag((Y * Y).sum(1))
+    for n in plan.norms:
+        X, Y = _view64(n.view, xs[n.view.tensor]) + n.shift, _view64(n.view, ys[n.view.tensor])
+        for r in range(n.view.rows):
+            o = n.index + r * n.index_stride
+            vec[:, o] += torch.stack([2 * n.sign * (X[r] * Y[r]).sum(), 4 * n.sign ** 2 * (X[r] * X[r]).sum(),
+                                      (Y[r] * Y[r]).sum()])
+    for t in plan.sums:
+        Y = _view64(t.view, ys[t.view.tensor])
+        for c in range(t.view.cols):
+            vec[0, t.index + c] += t.sign * Y[:, c].sum()
+            vec[2, t.index + c] += (Y[:, c] * Y[:, c]).sum()
+    return vec, grams
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(D=st.sampled_from([1, 3, 5, 7, 12, 24]), H=st.sampled_from([1, 2, 5, 33]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       kind=st.sampled_from(["contig", "transposed", "strided", "offset"]), fp64=st.booleans(),
+       shift=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**16))
+def test_fuzz_check_sums_vs_float64(D, H, dtype, kind, fp64, shift, seed):
+    """The gradient check's one pass (Triton) and its twin against the element-by-element float64 sums, on the
+    fused [Q|K|V] plan with a Gemma-style shifted gain: a tensor read by rows, columns and Gram slots at once."""
+    g = torch.Generator().manual_seed(seed)
+    p = _plan(D, H)
+    gain = p.new_vec(H)
+    p.norms.append(NormTerm(View(2, (0,), 0, H, None, 1), 1.0, gain, 1, shift))
+    xs = [torch.randn(3 * D, H, generator=g).to(dtype), torch.randn(H, D, generator=g).to(dtype),
+          torch.randn(H, generator=g).to(dtype)]
+    ys = [_layout(torch.randn(x.shape, generator=g).to(dtype), kind) if x.dim() == 2 else
+          torch.randn(x.shape, generator=g).to(dtype) for x in xs]
+    xs = [_layout(x, kind) if i == 0 else x for i, x in enumerate(xs)]
+    x64, y64 = [t.double() for t in xs], [t.double() for t in ys]
+    want = check_ref(p, x64, y64)
+    scale = check_ref(_abs(p), [t.abs() for t in x64], [t.abs() for t in y64])
+    rtol = 1e-12 if fp64 else (1e-5 if dtype in (torch.float32, torch.float64) else 1e-4)
+    for be in BACKENDS:
+        vec, grams = check_sums(p, xs, ys, fp64=fp64, backend=be)
+        close((vec, grams), want, scale, rtol, f"{be} check_sums")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
