@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m bench.gradcheck_cost              # cost on CPU (a minute on 2 cores)
     OMP_NUM_THREADS=1 python -m bench.gradcheck_cost --floors     # floors and smallest detected faults
+    python -m bench.gradcheck_cost --loads                        # also the bytes the Triton pass loads (interpreter)
     python -m bench.gradcheck_cost --quick [--floors]             # a smoke run (tests/test_gradcheck_api.py)
 
 Cost (default): on a ~14M-parameter LM (``bench.track_overhead.lm14m``, batch 16 x 64, AdamW), timed in
@@ -25,7 +26,9 @@ The transformers Llama (``LlamaForCausalLM``, 2 layers) is measured too when tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import time
 
 import torch
@@ -64,6 +67,46 @@ def launch_bytes(st) -> int:
     return total
 
 
+@contextlib.contextmanager
+def interpreted_loads(tensors):
+    """Count, under ``TRITON_INTERPRET=1``, the bytes every Triton load inside the block reads from the storage of
+    ``tensors`` (the masked-in elements whose address falls in one of them: work tables and outputs are not
+    counted).  Yields a dict whose ``"bytes"`` grows as the kernels run."""
+    import numpy as np
+    from triton.runtime import interpreter as I
+
+    spans = sorted({(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+                    for t in tensors})
+    lo, hi = np.array([a for a, _ in spans], dtype=np.uint64), np.array([b for _, b in spans], dtype=np.uint64)
+    out = {"bytes": 0}
+    orig = I.InterpreterBuilder.create_masked_load
+
+    def counted(self, ptrs, mask, other, *args, **kwargs):
+        addr = np.asarray(ptrs.data).astype(np.uint64).reshape(-1)
+        m = np.broadcast_to(np.asarray(mask.data, dtype=bool), np.shape(ptrs.data)).reshape(-1)
+        k = np.searchsorted(lo, addr, side="right") - 1
+        inside = (k >= 0) & (addr < hi[np.clip(k, 0, None)]) & m
+        out["bytes"] += int(inside.sum()) * np.dtype(I._get_np_dtype(ptrs.get_element_ty())).itemsize
+        return orig(self, ptrs, mask, other, *args, **kwargs)
+
+    I.InterpreterBuilder.create_masked_load = counted
+    try:
+        yield out
+    finally:
+        I.InterpreterBuilder.create_masked_load = orig
+
+
+def measured_loads(plan: GradPlan, params, grads) -> int:
+    """Bytes the check's one Triton pass reads from the weights and gradients as the kernels run (the interpreter,
+    GPU tiles: ``interpreted_loads`` around ``GradPlan.raw(..., backend="triton")``); needs ``TRITON_INTERPRET=1``."""
+    from bench.compile_launches import gpu_tiles
+
+    xs, gs = [params[n].detach() for n in plan.names], [grads[n] for n in plan.names]
+    with gpu_tiles(), interpreted_loads(xs + gs) as n:
+        plan.raw(params, grads, fp64=False, backend="triton")
+    return n["bytes"]
+
+
 def pass_bytes(plan: GradPlan, params) -> dict:
     """Bytes, with the GPU tiles (``Tiles.gpu``, 132 SMs): ``once`` the laws' weights and gradients, each element
     once; ``law pass`` what one evaluation of the laws loads on the weights plus one on the gradients; ``check``
@@ -85,7 +128,7 @@ def pass_bytes(plan: GradPlan, params) -> dict:
     return {"once": once, "law pass": law, "check": check, "twin": twin}
 
 
-def cost(blocks: int, quick: bool) -> None:
+def cost(blocks: int, quick: bool, loads: bool = False) -> None:
     from bench.track_overhead import interleaved, lm14m
 
     torch.manual_seed(0)
@@ -134,6 +177,10 @@ def cost(blocks: int, quick: bool) -> None:
           f"each {nb['law pass'] / 1e6:.1f} MB ({nb['law pass'] / once:.3f} x); the check's Triton pass "
           f"{nb['check'] / 1e6:.1f} MB ({nb['check'] / once:.3f} x, {nb['check'] / nb['law pass']:.3f} x the law "
           f"passes); the CPU twin's two passes {nb['twin'] / 1e6:.1f} MB ({nb['twin'] / once:.2f} x)")
+    if loads:  # the same pass run by the interpreter, its loads counted as they happen
+        got = measured_loads(plan, named, {n: p.grad for n, p in named.items()})
+        print(f"loads measured (Triton interpreter, GPU tiles, one checked step): {got / 1e6:.1f} MB "
+              f"({got / once:.3f} x the laws' weights + gradients; the tables' count {nb['check'] / 1e6:.1f} MB)")
 
 
 # -------------------------------------------------------------------------------------------- floors
@@ -284,12 +331,16 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny model, few repetitions")
     ap.add_argument("--blocks", type=int, default=None, help="interleaved timing blocks (cost)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per dtype (floors)")
+    ap.add_argument("--loads", action="store_true", help="also run the check's Triton pass under the interpreter "
+                    "with the GPU tiles and count the bytes its loads read (cost; sets TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
+    if args.loads:  # read when the kernels are first imported (lazily, by the first Triton call)
+        os.environ["TRITON_INTERPRET"] = "1"
     t = time.perf_counter()
     if args.floors:
         floors(args.steps or (2 if args.quick else 16), args.quick)
     else:
-        cost(args.blocks or (2 if args.quick else 7), args.quick)
+        cost(args.blocks or (2 if args.quick else 7), args.quick, args.loads)
     print(f"({time.perf_counter() - t:.0f} s)")
 
 

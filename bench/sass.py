@@ -122,26 +122,31 @@ def cases(kernels):
     out = []
     if "norm" in kernels:
         for dt, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            for bil in (False, True):
-                BF, warps = cfg.norm_tile((tdt, tdt), bil)
+            for bil, check in ((False, False), (True, False), (True, True)):
+                BF, warps = cfg.norm_tile((tdt, tdt), bil, check=check)
                 types = {"xb": t[dt], "yb": t[dt], "regions": "*i64", "shifts": "*fp32", "items": "*i64",
-                         "part": "*fp32"}
-                ce = dict(BS=cfg.BS, BF=BF, ALIGN=16, BILINEAR=bil, FP64=False, STAGES=cfg.norm_stages)
-                out.append(("rowcol", f"{dt} [{cfg.BS},{BF}] x{cfg.norm_stages}{' bilinear' if bil else ''}",
-                            norms.rowcol_kernel,
+                         "part": "*fp32", "pplane": "i64"}
+                ce = dict(BS=cfg.BS, BF=BF, ALIGN=16, BILINEAR=bil, FP64=False, STAGES=cfg.norm_stages, CHECK=check)
+                what = " check" if check else " bilinear" if bil else ""
+                out.append(("rowcol", f"{dt} [{cfg.BS},{BF}] x{cfg.norm_stages}{what}", norms.rowcol_kernel,
                             types, ce, warps))
     if "gram" in kernels:
-        from conserve.kernels.launch import DRIFT_BK, DRIFT_BT
+        from conserve.kernels.launch import DRIFT_BK, DRIFT_BT, gram_bk
         from conserve.kernels.runner import DRIFT_WARPS
 
         gtypes = {"terms": "*i64", "signs": "*fp32", "items": "*i64", "part": "*fp32", "factors": "*fp32",
                   "plane": "i64"}
         for dt in ("fp32", "bf16"):
-            for D, BT, BK, warps in ((128, 128, cfg.BK_BIG, 8), (64, 64, cfg.BK_SMALL, 4)):
-                for bil in (False, True):
+            tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
+            for D, BT, warps in ((128, 128, 8), (64, 64, 4)):
+                for bil, check in ((False, False), (True, False), (True, True)):
+                    BK = gram_bk(cfg, BT, (tdt, tdt), 3 if check else 2 if bil else 1)
                     ce = dict(D=D, BT=BT, BK=BK, ALIGN=16, SINGLE=D == BT, BILINEAR=bil, FP64=False, UPCAST=False,
-                              FOLD=True, PREC="ieee", DRIFT=False, DECAY=False)
-                    out.append(("gram", f"{dt} D={D} BT={BT} BK={BK}{' bilinear' if bil else ''}",
+                              FOLD=True, PREC="ieee", DRIFT=False, DECAY=False, CHECK=check)
+                    what = " check" if check else " bilinear" if bil else ""
+                    if check and dt == "bf16":  # runner.gram_meta: the half-precision check pass is not pipelined
+                        ce["num_stages"], what = 1, what + " stages 1"
+                    out.append(("gram", f"{dt} D={D} BT={BT} BK={BK}{what}",
                                 gram.gram_kernel, dict(gtypes, xb=t[dt], yb=t[dt]), ce, warps))
             # the DRIFT pass with the decay dot, without it (decay=False or every a == 1), and (fp32)
             # with 3xTF32 tensor-core dots (Config(input_precision="tf32x3"))
@@ -150,7 +155,7 @@ def cases(kernels):
                 variants.append((False, "tf32x3", "no decay tf32x3"))
             for dec, prec, what in variants:
                 ce = dict(D=128, BT=DRIFT_BT, BK=DRIFT_BK, ALIGN=16, SINGLE=False, BILINEAR=True, FP64=False,
-                          UPCAST=False, FOLD=True, PREC=prec, DRIFT=True, DECAY=dec)
+                          UPCAST=False, FOLD=True, PREC=prec, DRIFT=True, DECAY=dec, CHECK=False)
                 out.append(("gram drift", f"{dt} D=128 BT={DRIFT_BT} BK={DRIFT_BK} {what}", gram.gram_kernel,
                             dict(gtypes, xb=t[dt], yb=t[dt]), ce, DRIFT_WARPS))
     if "step" in kernels:
@@ -185,7 +190,8 @@ def main(argv=None) -> list[Report]:
     print(f"{'kernel':<11} {'config':<34} {'warps':>5} {'regs':>4} {'spill':>5} {'smem KiB':>8} "
           f"{'prog/SM':>7} {'loads':>22} {'bar':>4} {'shfl':>4}")
     for name, config, fn, types, ce, warps in cases(wanted):
-        regs, spill, shared, ops, _ = compile_kernel(fn, _sig(fn, types, ce), ce, warps, args.arch)
+        stages = ce.pop("num_stages", 3)
+        regs, spill, shared, ops, _ = compile_kernel(fn, _sig(fn, types, ce), ce, warps, args.arch, stages)
         r = Report(name, config, warps, regs, spill, shared, ops)
         reports.append(r)
         print(f"{name:<11} {config:<34} {warps:>5} {regs:>4} {spill:>5} {shared / 1024:>8.1f} "

@@ -275,6 +275,18 @@ def build(plan: Plan, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor] | N
     return st
 
 
+def gram_bk(cfg: Tiles, BT: int, group, operands: int = 1) -> int:
+    """The contracted block of a ``gram_kernel`` launch with ``BT x BT`` output tiles for a (x dtype, y dtype)
+    group: ``BK_BIG`` for tiles above 64, else ``BK_SMALL``, narrower where the operand tiles held beside the
+    accumulator would spill on sm_90 (``python -m bench.sass --kernels gram``): with 4- or 8-byte inputs, the
+    bilinear form (``operands`` 2: four operand tiles) takes at most 32 for tiles of 64 and below, and the
+    gradient check's CHECK mode (3: the row norms too) at most 32 there and 16 above."""
+    bk = cfg.BK_BIG if BT > 64 else cfg.BK_SMALL
+    if operands > 1 and max(torch.empty(0, dtype=d).element_size() for d in group) >= 4:
+        bk = min(bk, 32 if BT <= 64 else 16 if operands == 3 else bk)
+    return bk
+
+
 def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | None = None, bk: int | None = None):
     """Gram launches of ``plan`` into ``st.gram``; ``bt_max``/``bk`` override the output tile cap and the
     contracted block (the DRIFT mode's four accumulators need ``BT <= 64``, see ``build_drift``)."""
@@ -289,10 +301,10 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | Non
         xrs, xcs = _clean(D, t.view.cols, xrs, xcs)
         yrs, ycs = _clean(D, t.view.cols, yrs, ycs)
         by_d[D].append((t, xo, xrs, xcs, yo, yrs, ycs))
+    operands = 1 if ys is None else 3 if st.check else 2
     for D in sorted(by_d):
         BT = min(max(16, next_pow2(D)), bt_max or cfg.BT_MAX)
         NT = -(-D // BT)
-        BK = bk or (cfg.BK_BIG if BT > 64 else cfg.BK_SMALL)
         tiles = [(i, j) for i in range(NT) for j in range(i, NT)]
         per_group = defaultdict(list)
         for e in by_d[D]:
@@ -307,6 +319,7 @@ def _build_gram(st: Structure, plan: Plan, xs, ys, cfg: Tiles, bt_max: int | Non
         launches, item_base = [], 0
         tile_items = defaultdict(list)  # (slot, ti, tj) -> item ids
         for g in sorted(per_group, key=str):
+            BK = bk or gram_bk(cfg, BT, g, operands)
             ents = sorted(per_group[g], key=lambda e: e[0].slot)  # stable: plan order inside a slot
             rows, xt, signs = [], [], []
             items = {True: [], False: []}  # diagonal output tiles (ti == tj) / the others

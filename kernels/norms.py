@@ -59,6 +59,15 @@ def _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fas
 
 
 @triton.jit
+def _col_offsets(f, fs, yfs, CONTIG: tl.constexpr):
+    """``[1, BF]`` element offsets of the columns ``f`` in x and y (CONTIG: the column stride is the literal 1)."""
+    if CONTIG:
+        return f[None, :], f[None, :]
+    else:
+        return f[None, :].to(tl.int64) * fs, f[None, :].to(tl.int64) * yfs
+
+
+@triton.jit
 def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift, fast_off, part,
            BS: tl.constexpr, BF: tl.constexpr, ACC: tl.constexpr, CONTIG: tl.constexpr,
            MASK_F: tl.constexpr, BILINEAR: tl.constexpr, STAGES: tl.constexpr):
@@ -67,12 +76,7 @@ def _sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, is_sq, shift
     compiler then vectorises along it); MASK_F: the tile crosses the region's last column (otherwise
     only the row mask, constant along the contiguous axis, is applied, so loads stay vectorised)."""
     sr = tl.arange(0, BS)
-    if CONTIG:
-        fo = f[None, :]
-        yfo = f[None, :]
-    else:
-        fo = f[None, :].to(tl.int64) * fs
-        yfo = f[None, :].to(tl.int64) * yfs
+    fo, yfo = _col_offsets(f, fs, yfs, CONTIG)
     acc = tl.zeros([BS, BF], dtype=ACC)
     for s0 in tl.range(s_start, s_end, BS, num_stages=STAGES):
         acc += _tile(xb, yb, xo, yo, ss, yss, fo, yfo, s0, sr, s_end, mf, is_sq, shift, fast_off, part,
@@ -113,12 +117,7 @@ def _check_sweep(xb, yb, xo, yo, ss, fs, yss, yfs, s_start, s_end, f, mf, shift,
                  MASK_F: tl.constexpr, STAGES: tl.constexpr):
     """CHECK twin of ``_sweep``: the ``[BF]`` column sums of the four quantities of ``_check_tile``."""
     sr = tl.arange(0, BS)
-    if CONTIG:
-        fo = f[None, :]
-        yfo = f[None, :]
-    else:
-        fo = f[None, :].to(tl.int64) * fs
-        yfo = f[None, :].to(tl.int64) * yfs
+    fo, yfo = _col_offsets(f, fs, yfs, CONTIG)
     a0 = tl.zeros([BS, BF], dtype=ACC)
     a1 = tl.zeros([BS, BF], dtype=ACC)
     a2 = tl.zeros([BS, BF], dtype=ACC)

@@ -233,7 +233,7 @@ class Prepared:
                 xb, yb = self.bases[l.group]
                 gram_kernel[(len(l.items),)](
                     xb, yb, terms, ls["signs"], ls["items"], part[l.item_base * b.BT * b.BT:], ls["signs"], plane,
-                    ALIGN=align, CHECK=True, **gram_meta(b, l, True, fp64, self.cfg.precision))
+                    ALIGN=align, **gram_meta(b, l, True, fp64, self.cfg.precision, check=True))
             if len(b.groups):
                 gram_finish[(len(b.groups), 3)](part, bs["order"], bs["groups"], grams[b.D], plane,
                                                  grams[b.D][0].numel(), D=b.D, BT=b.BT, FP64=fp64, SKIP1=False,
@@ -354,16 +354,27 @@ def _upcast(group, interpret: bool | None = None) -> bool:
 
 
 def gram_meta(b: L.GramBucket, l: L.GramLaunch, bil: bool, fp64: bool, precision: str, drift: bool = False,
-              decay: bool = False, interpret: bool | None = None) -> dict:
-    """Constexprs and ``num_warps`` of the ``gram.gram_kernel`` launch of ``l`` (bucket ``b``) except
-    ``ALIGN``, which depends on the bound addresses: evaluate/bilinear (``bil``), or the DRIFT pass
-    (``drift``; ``decay``: its DECAY).  ``interpret`` as in ``_upcast`` (False: what a GPU compiles;
-    tests/test_gram_sm90_pipeline.py compiles these for sm_90)."""
+              decay: bool = False, interpret: bool | None = None, check: bool = False) -> dict:
+    """Constexprs, ``num_warps`` (and ``num_stages`` where it is not the default) of the ``gram.gram_kernel``
+    launch of ``l`` (bucket ``b``) except ``ALIGN``, which depends on the bound addresses: evaluate/bilinear
+    (``bil``), the gradient check's pass (``check``) or the DRIFT pass (``drift``; ``decay``: its DECAY).
+    ``interpret`` as in ``_upcast`` (False: what a GPU compiles; tests/test_gram_sm90_pipeline.py compiles
+    these for sm_90).
+
+    The CHECK pass with half-precision tiles is not software-pipelined (``num_stages=1``): its diagonal tiles
+    feed both the tensor-core dots and the row norms in registers, and with that second use the sm_90
+    pipeliner (triton 3.6, 3.8) gives the cp.async ring 2 buffers for 2 prefetched blocks while a wgmma still
+    reads one (tests/test_gram_sm90_pipeline.py)."""
     meta = dict(D=b.D, BT=b.BT, BK=l.BK, SINGLE=l.single, FOLD=l.fold, UPCAST=_upcast(l.group, interpret),
                 PREC=precision)
     if drift:
         return dict(meta, BILINEAR=True, FP64=False, DRIFT=True, DECAY=decay, num_warps=DRIFT_WARPS)
-    return dict(meta, BILINEAR=bil, FP64=fp64, num_warps=8 if b.BT >= 128 else 4)
+    meta = dict(meta, BILINEAR=bil or check, FP64=fp64, num_warps=8 if b.BT >= 128 else 4)
+    if check:
+        meta["CHECK"] = True
+        if not fp64 and {torch.bfloat16, torch.float16} & set(l.group):
+            meta["num_stages"] = 1
+    return meta
 
 
 def clear_cache():

@@ -127,13 +127,14 @@ def _ttgir(spec: dict, arch: int = 90) -> str:
 
     fn = gram.gram_kernel
     types = dict(_TYPES, xb="*" + spec["dtype"], yb="*" + spec["dtype"])
-    ce = spec["constexprs"]
+    # constexprs with a default that the launch did not pass (e.g. CHECK) take their default
+    ce = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **spec["constexprs"]}
     sig = {n: ("constexpr" if n in ce else types[n]) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     src = ASTSource(fn, sig, ce, attrs)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
-    options = backend.parse_options({"num_warps": spec["num_warps"], "num_stages": 3})
+    options = backend.parse_options({"num_warps": spec["num_warps"], "num_stages": spec.get("num_stages", 3)})
     stages = {}
     backend.add_stages(stages, options, src.language)
     ctx = ir.context()
@@ -186,8 +187,9 @@ def _plans():
 def _specs() -> list[dict]:
     """The GPU launch configurations of ``gram_kernel`` for the plans of ``_plans``, as
     ``runner.gram_meta`` sets them on a 132-SM GPU, one per distinct code shape (D only sizes masks):
-    bf16 evaluate/bilinear/DRIFT (decay on and off), fp16 evaluate (the same tensor-core path as bf16),
-    fp32 with 3xTF32 (tensor cores too) evaluate/bilinear/DRIFT of the D = 128 plan."""
+    bf16 evaluate/bilinear/CHECK/DRIFT (decay on and off), fp16 evaluate (the same tensor-core path as bf16),
+    fp32 with 3xTF32 (tensor cores too) evaluate/bilinear/CHECK/DRIFT of the D = 128 plan (CHECK: the gradient
+    check's pass, whose diagonal tiles also feed the row norms)."""
     from conserve.kernels import Config
     from conserve.kernels import launch as L
     from conserve.kernels.runner import gram_meta
@@ -203,6 +205,7 @@ def _specs() -> list[dict]:
             modes = [("evaluate", L.build(plan, xs, None, False, cfg), dict(bil=False))]
             if dtype != torch.float16:
                 modes.append(("bilinear", L.build(plan, xs, xs, False, cfg), dict(bil=True)))
+                modes.append(("check", L.build(plan, xs, xs, False, cfg, check=True), dict(bil=True, check=True)))
                 if name == "llama D=128":
                     st = L.build_drift(plan, xs, xs, cfg)
                     modes += [(f"drift decay={dec}", st, dict(bil=True, drift=True, decay=dec))
@@ -212,13 +215,16 @@ def _specs() -> list[dict]:
                     for l in b.launches:
                         meta = gram_meta(b, l, fp64=False, precision=cfg.precision, interpret=False, **kw)
                         warps = meta.pop("num_warps")
-                        ce = dict(meta, ALIGN=16, DRIFT=meta.get("DRIFT", False), DECAY=meta.get("DECAY", False))
+                        stages = meta.pop("num_stages", 3)
+                        ce = dict(meta, ALIGN=16, DRIFT=meta.get("DRIFT", False), DECAY=meta.get("DECAY", False),
+                                  CHECK=meta.get("CHECK", False))
                         if dtype == torch.float32 and not l.single:
                             continue
-                        key = json.dumps([names[dtype], dict(ce, D=None), warps], sort_keys=True)
+                        key = json.dumps([names[dtype], dict(ce, D=None), warps, stages], sort_keys=True)
                         label = (f"{names[dtype]} {name} {mode} D={b.D} BT={b.BT} BK={l.BK} single={l.single} "
                                  f"fold={l.fold}")
-                        specs.setdefault(key, dict(label=label, dtype=names[dtype], constexprs=ce, num_warps=warps))
+                        specs.setdefault(key, dict(label=label, dtype=names[dtype], constexprs=ce, num_warps=warps,
+                                                   num_stages=stages))
     return list(specs.values())
 
 
@@ -277,7 +283,8 @@ def test_gram_launches_of_real_plans_have_no_wgmma_race_sm90(tmp_path):
                  "bf16 llama D=256 evaluate D=256 BT=128 BK=32 single=False fold=True",
                  "fp16 llama D=128 evaluate D=128 BT=128 BK=32 single=True fold=True",
                  "bf16 sign -0.5 evaluate D=128 BT=128 BK=32 single=True fold=False",
-                 "bf16 llama D=128 drift decay=True D=128 BT=64 BK=16 single=True fold=True"):
+                 "bf16 llama D=128 drift decay=True D=128 BT=64 BK=16 single=True fold=True",
+                 "bf16 llama D=128 check D=128 BT=128 BK=32 single=True fold=True"):
         assert want in labels, (want, labels)
     path = tmp_path / "specs.json"
     path.write_text(json.dumps(specs))
@@ -292,8 +299,13 @@ def test_gram_launches_of_real_plans_have_no_wgmma_race_sm90(tmp_path):
     # not vacuous: the half-precision diagonal tiles are pipelined through cp.async into async wgmmas
     for r in rows:
         lab = r["label"]
-        if lab.startswith(("bf16", "fp16")) and "single=True fold=True" in lab and "drift" not in lab:
+        if lab.startswith(("bf16", "fp16")) and "single=True fold=True" in lab and "drift" not in lab \
+                and " check " not in lab:
             assert r["copies"] > 0 and r["async_dots"] > 0, r
+    # the check pass of half tiles is not pipelined (runner.gram_meta): no cp.async ring to race on
+    for spec, r in zip(specs, rows):
+        if " check " in r["label"] and r["label"].startswith(("bf16", "fp16")):
+            assert spec["num_stages"] == 1 and r["copies"] == 0, r
 
 
 def test_gram_hints_hold_for_gpu_tiles():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.compile_launches import _abs, _block, _close, _rtol
-from bench.gradcheck_cost import launch_bytes, pass_bytes
+from bench.gradcheck_cost import launch_bytes, measured_loads, pass_bytes
 from conserve.kernels import GramTerm, NormTerm, Plan, SumTerm, View, check_sums, evaluate_reference
 from conserve.kernels import launch as L
 from conserve.kernels.checksums import check_reference
@@ -153,6 +153,10 @@ def test_a_language_model_check_loads_no_more_than_a_law_pass_on_each():
     named = dict(m.named_parameters())
     nb = pass_bytes(GradPlan(laws, named), named)
     assert nb["check"] <= nb["law pass"] and nb["check"] < 1.2 * nb["once"] and nb["twin"] > 2 * nb["once"], nb
+    # the loads as the kernels run them (interpreter, GPU tiles, a real gradient): exactly the tables' count
+    x = torch.randint(0, 96, (2, 16))
+    torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+    assert measured_loads(GradPlan(laws, named), named, {n: p.grad for n, p in named.items()}) == nb["check"]
 
 
 def test_gradplan_on_triton_and_torch_agree():
