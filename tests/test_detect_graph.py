@@ -437,10 +437,9 @@ UNTRACEABLE: tuple = ()
 # Families the name-based handlers build and structural detection does not: the ||Q||^2 QK-norm scale laws
 # (eps = 0 only) and the post-norm scale laws (norm_scale).
 NOT_STRUCTURAL = {"qk_scale", "norm_scale"}
-# Laws the name-based handlers find that structural detection does not read yet: DeepSeek-V3's MLA no-RoPE QK Gram
-# per head and its RoPE pairs summed over all heads against the one shared rotary key (conserve/detection/hf/mla.py;
-# spec "Multi-head latent attention"). Its VO Grams and latent-norm gain laws are found by both.
-NOT_STRUCTURAL_BY_NAME: dict = {"deepseek_v3": {"qk", "rope_pair"}}
+# Families, per model, the name-based handlers find and structural detection does not (none at present: DeepSeek-V3's
+# MLA QK Grams, RoPE pairs, VO Grams and latent-norm gains are found by both, conserve/detection/match/mla.py).
+NOT_STRUCTURAL_BY_NAME: dict = {}
 # Laws structural detection finds that the name-based handlers do not (none at present: BERT's last-layer output
 # LayerNorm, Arcee's post-attention norm and DeepSeek's MLA used to be found here only).
 EXTRA: dict = {}

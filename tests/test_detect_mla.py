@@ -517,3 +517,133 @@ def test_structural_declines_what_it_cannot_read_per_block():
     assert not any(k.startswith("attention at graph node") for k in why)  # not declined again as an attention
     assert d.undetected == []
     each_law_holds(block, d, x)
+
+
+# ------------------------------------------------- keys written in place (HF DeepseekV3Attention.expand_kv)
+class InPlaceKeysMLA(MLA):
+    """``MLA`` with its keys written in place: ``write='copy_'``: HF's ``expand_kv`` (``new_empty``, then ``copy_``
+    of the no-RoPE keys and the broadcast rotary key into its slices); ``'setitem'``: the same with
+    ``k[..., :d] = ...``; ``'cat'``: the no-RoPE keys concatenated with a placeholder (their first dims), the
+    rotary key copied over the placeholder (a write into the output of ``cat``, which
+    ``rewrite.slice_writes_to_functional`` does not take for a fresh tensor: the graph's edges show the keys made
+    of the no-RoPE keys only)."""
+
+    write = "copy_"
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h, dn, dr = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, t, h, -1).transpose(1, 2)
+        q_pass, q_rot = q.split([dn, dr], -1)
+        kv, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, dr], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv)).view(b, t, h, -1).transpose(1, 2)
+        k_pass, v = kv.split([dn, self.v_head_dim], -1)
+        k_rot = rotate(k_rot[:, None], self.interleaved).expand(-1, h, -1, -1)
+        q = torch.cat([q_pass, rotate(q_rot, self.interleaved)], -1)
+        if self.write == "cat":
+            k = torch.cat([k_pass, k_pass[..., :1].expand(-1, -1, -1, dr)], -1)
+        else:
+            k = kv.new_empty(*kv.shape[:-1], dn + dr)
+        if self.write == "setitem":
+            k[..., :dn] = k_pass
+            k[..., dn:] = k_rot
+        elif self.write == "cat":
+            k[..., dn:].copy_(k_rot)
+        else:
+            k[..., :dn].copy_(k_pass)
+            k[..., dn:].copy_(k_rot)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(dn + dr)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        return self.o_proj((att @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+def in_place_block(write: str, interleaved=True) -> Holder:
+    block = Holder(nope=2, v=2, interleaved=interleaved).double()
+    block.attn.__class__ = InPlaceKeysMLA
+    block.attn.write = write
+    return block
+
+
+@pytest.mark.parametrize("write,interleaved", [("copy_", True), ("copy_", False), ("setitem", True)])
+def test_structural_reads_keys_written_into_a_fresh_tensor(write, interleaved):
+    """Keys assembled in a fresh tensor by in-place writes (HF's ``expand_kv``) are read as the values written
+    (``rewrite.slice_writes_to_functional``): the same laws, term for term, as the detector builds."""
+    torch.manual_seed(2)
+    block = in_place_block(write, interleaved)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    d = structural(block, x)
+    theirs, _ = detector_laws(block, interleaved)
+    mine = {law.name: law for law in d.laws}
+    assert sorted(mine) == sorted(law.name for law in theirs)
+    for law in theirs:
+        assert (type(mine[law.name]), mine[law.name].terms) == (type(law), law.terms), law.name
+    assert {x.module for x in d.declined} == {"attn.o_proj"} and d.undetected == []
+    each_law_holds(block, d, x)
+
+
+def test_structural_declines_keys_it_cannot_see_written():
+    """The rotary key copied into the output of a ``cat``: the graph shows no path from kv_a_proj_with_mqa to the
+    keys. The block is still recognised as an MLA by its values, its QK laws declined saying what the graph shows
+    (the in-place write, not a QK-norm), its VO and latent laws read (the latent: the rows kv_b_proj reads); the
+    attention finder does not decline it again."""
+    torch.manual_seed(2)
+    block = in_place_block("cat")
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    d = structural(block, x)
+    assert {x.name for x in d.laws} == {"attn/vo/head0", "attn/vo/head1", "attn.kv_a_layernorm/gain",
+                                        "attn.kv_a_proj_with_mqa/norm_scale", "attn.q_a_layernorm/gain",
+                                        "attn.q_a_proj/norm_scale"}
+    scale = next(x for x in d.laws if x.name == "attn.kv_a_proj_with_mqa/norm_scale")
+    assert [(t.ref.start[0], t.ref.rows) for t in scale.terms] == [(0, 2)]  # the latent rows kv_b_proj reads
+    why = {x.module: x.reason for x in d.declined}
+    qk = why["attn/qk"]
+    assert "QK-norm" not in qk and "an MLA" in qk and "attn.kv_a_proj_with_mqa" in qk and "in-place write" in qk, qk
+    assert "keys computed from attn.kv_b_proj" in qk and "copy_" in qk, qk
+    assert not any(k.startswith("attention at graph node") for k in why), why
+    assert set(why) == {"attn/qk", "attn.o_proj"} and d.undetected == []
+    each_law_holds(block, d, x)
+
+
+HF_MLA = {
+    "v3 interleaved": dict(rope_interleave=True),
+    "v3 half-split": dict(rope_interleave=False),
+    "v3 q_proj, half-split": dict(rope_interleave=False, q_lora_rank=None),
+    "v2": dict(v2=True),
+}
+
+
+@needs_hf
+@pytest.mark.parametrize("case", list(HF_MLA))
+def test_structural_reads_hf_deepseek_attention(case):
+    """transformers' DeepSeek-V3 (both ``rope_interleave`` settings, low-rank q or q_proj) and V2 attention read
+    by structural detection: the same QK Gram, RoPE-pair, VO and gain laws (by value at random parameters) as the
+    name-based detector, each passing the float64 first-order check (in detection)."""
+    from test_detect_graph import fingerprint
+
+    from conserve.detection.graph import detect_graph
+
+    over = dict(HF_MLA[case])
+    if over.pop("v2", False):
+        if not hasattr(T, "DeepseekV2Config"):
+            pytest.skip("no DeepSeek-V2 in this transformers")
+        cfg = T.DeepseekV2Config(**TINY, num_key_value_heads=4, moe_intermediate_size=6, n_routed_experts=4,
+                                 num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+                                 q_lora_rank=8, kv_lora_rank=6, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                                 n_shared_experts=1)
+    else:
+        cfg = T.DeepseekV3Config(**{"q_lora_rank": 8, **over}, **TINY, num_key_value_heads=4,
+                                 moe_intermediate_size=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                 topk_group=1, first_k_dense_replace=0, kv_lora_rank=6, qk_rope_head_dim=4,
+                                 qk_nope_head_dim=4, v_head_dim=4)
+    torch.manual_seed(0)
+    m = randomize(T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                     experts_implementation="eager").eval())
+    named, found = detect(m), detect_graph(m, loss="ce")
+    fam = {"qk", "rope_pair", "vo", "gain"}
+    assert {k: v for k, v in found.families().items() if k in fam} == \
+        {k: v for k, v in named.families().items() if k in fam}
+    assert found.families()["qk"] == 4 and found.families()["rope_pair"] == 1
+    params = {k: v.detach().double() for k, v in m.named_parameters(remove_duplicate=False)}
+    assert fingerprint([x for x in found.laws if x.family in fam], params) == \
+        fingerprint([x for x in named.laws if x.family in fam], params)
+    assert not any("/qk" in x.module for x in found.declined), [(x.module, x.reason) for x in found.declined]

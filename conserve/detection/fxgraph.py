@@ -482,14 +482,17 @@ class Graph:
                     stack.append(a)
         return out
 
-    def feature_map(self, src: fx.Node, dst: fx.Node) -> list | None:
+    def feature_map(self, src: fx.Node, dst: fx.Node, held: dict | None = None) -> list | None:
         """For each last-dim feature of ``dst``, the last-dim feature of ``src`` it is (index ops only; -1:
-        not from ``src``), the same at every position; None when the path mixes or rescales features."""
+        not from ``src``), the same at every position; None when the path mixes or rescales features.
+        ``held``: ``{node: value}`` kept at these values while ``src`` carries the feature codes (e.g. routing
+        indices computed from ``src``)."""
         sv = self.env[src]
         n = sv.shape[-1]
         idx = torch.arange(1, n + 1, dtype=torch.float64).expand(sv.shape).clone()
         try:
-            out = self.run({src: with_strides_of(sv, idx.to(sv.dtype) if sv.is_floating_point() else idx)}, [dst])[0]
+            out = self.run({src: with_strides_of(sv, idx.to(sv.dtype) if sv.is_floating_point() else idx),
+                            **(held or {})}, [dst])[0]
         except Exception:
             return None
         if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:

@@ -8,7 +8,10 @@ Each rewrite computes the same function (the trace is re-checked against the mod
   ``'bpd,hde->bphe'`` with ``W_Q`` stored ``[heads, d_model, d_head]``, ``'bqhe,hed->bqd'`` with ``W_O``) as
   ``F.linear`` of the activation with the parameter rearranged to ``(out, in)`` (``+ b`` folded in as its bias);
 * ``einsum_to_matmul``: attention's two-operand einsums as permute -> matmul -> permute;
-* ``baddbmm_to_matmul``: ``baddbmm`` (BLOOM's ALiBi scores) as ``beta * input + alpha * b1 @ b2``.
+* ``baddbmm_to_matmul``: ``baddbmm`` (BLOOM's ALiBi scores) as ``beta * input + alpha * b1 @ b2``;
+* ``slice_writes_to_functional``: ``copy_`` (or fx's ``setitem``) into slices of a freshly allocated tensor (DeepSeek's
+  ``key_states = new_empty(...); key_states[..., :d].copy_(k_nope)``) as a value computed from its sources
+  (``write_into``), so the graph's edges show what the tensor is made of.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch import fx
 from .ops import FLOATS
 
 __all__ = ["casts_to_float64", "inline_regions", "parameter_einsum_to_linear", "einsum_to_matmul",
-           "baddbmm_to_matmul", "float64_dtypes", "ASSERTS"]
+           "baddbmm_to_matmul", "slice_writes_to_functional", "write_into", "float64_dtypes", "ASSERTS"]
 
 ASSERTS = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range")
 
@@ -171,6 +174,114 @@ def baddbmm_to_matmul(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(n)
     gm.graph.lint()
     gm.recompile()
+
+
+# ops allocating a new tensor (nothing else aliases it); ``new_empty`` / ``empty_like`` are written as their zeroed
+# twins (an entry never written is then 0, not whatever the memory held)
+FRESH = {"new_empty": "new_zeros", "empty_like": "zeros_like", "new_zeros": None, "zeros_like": None, "zeros": None,
+         "empty": None, "new_ones": None, "ones_like": None, "ones": None, "new_full": None, "full": None,
+         "full_like": None, "clone": None, "write_into": None}
+VIEWS = ("slice", "select", "narrow", "getitem")
+
+
+def write_into(base: torch.Tensor, src: torch.Tensor, views: tuple) -> torch.Tensor:
+    """A copy of ``base`` with ``src`` copied into its view ``views`` (``(op, *args)`` applied in order: ``('slice',
+    dim, start, end, step)``, ``('select', dim, index)``, ``('narrow', dim, start, length)``, ``('getitem', idx)``):
+    what ``base`` holds after ``view.copy_(src)``, as a new value."""
+    out = base.clone()
+    v = out
+    for op, *args in views:
+        if op == "getitem":
+            v = v[args[0]]
+        elif op == "slice":
+            v = torch.ops.aten.slice.Tensor(v, *args)
+        else:
+            v = getattr(torch.ops.aten, op).int(v, *args) if op == "select" else torch.ops.aten.narrow.default(v, *args)
+    v.copy_(src)
+    return out
+
+
+def _name(n: fx.Node) -> str:
+    """The op of a call node: a method's name, an ATen overload's packet name, a function's name."""
+    if n.op == "call_method":
+        return n.target
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    return "getitem" if t is operator.getitem else getattr(t, "__name__", "")
+
+
+def _view_chain(dst) -> tuple[fx.Node, list[fx.Node], list] | None:
+    """``(base, view nodes from base to dst, views for write_into)`` when ``dst`` is a fresh tensor ``base``
+    (``FRESH``) or slices / selects of one with constant arguments; else None."""
+    chain, views = [], []
+    n = dst
+    while isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and _name(n) in VIEWS:
+        op, rest = _name(n), list(n.args[1:])
+        if n.kwargs or not rest or _has_node(rest):
+            return None
+        if op == "slice":
+            rest = (rest + [0, None, None, 1][len(rest):])[:4]
+        views.append((op, *rest) if op != "getitem" else ("getitem", rest[0]))
+        chain.append(n)
+        n = n.args[0]
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or _name(n) not in FRESH:
+        return None
+    return n, chain[::-1], views[::-1]
+
+
+def _has_node(a) -> bool:
+    """``a`` (an argument, nested) holds a graph node."""
+    found = []
+    fx.node.map_arg(a, found.append)
+    return bool(found)
+
+
+def slice_writes_to_functional(gm: fx.GraphModule) -> None:
+    """``view.copy_(src)`` (or ``view[idx] = src``, fx's ``setitem``) where ``view`` is a fresh tensor ``base`` or
+    slices of one (``_view_chain``), the write's result and the views unused elsewhere, and every other reader of
+    ``base`` after the write: those readers read ``write_into(base, src, views)`` instead (a value whose inputs are
+    ``base`` and ``src``), the write and its views are dropped. Writes are taken in graph order, so successive
+    writes chain. ``new_empty`` / ``empty_like`` bases become ``new_zeros`` / ``zeros_like``. The trace is then
+    re-checked against the model."""
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op not in ("call_function", "call_method") or n.kwargs or n.users:
+            continue
+        if _name(n) == "copy_" and len(n.args) == 2:
+            dst, src, last = n.args[0], n.args[1], []
+        elif n.op == "call_function" and n.target is operator.setitem and len(n.args) == 3 \
+                and not _has_node(n.args[1]):
+            dst, src, last = n.args[0], n.args[2], [("getitem", n.args[1])]
+        else:
+            continue
+        got = _view_chain(dst) if isinstance(src, fx.Node) else None
+        if got is None:
+            continue
+        base, chain, views = got
+        views = views + last
+        inner = set(chain) | {n}
+        order = {m: i for i, m in enumerate(gm.graph.nodes)}
+        if any(set(m.users) - inner for m in chain) or \
+                any(u not in inner and order[u] < order[n] for u in base.users):
+            continue  # another reader of a view, or of base before the write: not a fresh value written once
+        with gm.graph.inserting_after(n):
+            w = gm.graph.call_function(write_into, (base, n.args[1], tuple(views)))
+        for u in [u for u in base.users if u not in inner and u is not w]:
+            u.replace_input_with(base, w)
+        gm.graph.erase_node(n)
+        for m in chain[::-1]:
+            gm.graph.erase_node(m)
+        zeroed = FRESH[_name(base)]
+        if zeroed is not None:
+            if base.op == "call_method":
+                base.target = zeroed
+            else:
+                base.target = getattr(torch.ops.aten, zeroed).default
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def float64_dtypes(a):

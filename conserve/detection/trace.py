@@ -13,7 +13,8 @@ from torch import fx, nn
 
 from ..analysis.firstorder import output_tensors
 from ..laws.tolerance import TRACE_ATOL, TRACE_ATOL_SCALE, TRACE_RTOL
-from .rewrite import baddbmm_to_matmul, casts_to_float64, einsum_to_matmul, parameter_einsum_to_linear
+from .rewrite import (baddbmm_to_matmul, casts_to_float64, einsum_to_matmul, parameter_einsum_to_linear,
+                      slice_writes_to_functional)
 
 __all__ = ["LeafTracer", "TORCH_CONTAINERS", "TraceError", "reproduces", "to_graph_form", "trace"]
 
@@ -110,8 +111,9 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()
 
 
 def to_graph_form(gm: fx.GraphModule) -> None:
-    """Every rewrite of ``rewrite``, in order: parameter einsums as linear maps, attention einsums and ``baddbmm``
-    as matmuls, then the casts made float64."""
+    """Every rewrite of ``rewrite``, in order: copies into slices of a fresh tensor as values, parameter einsums as
+    linear maps, attention einsums and ``baddbmm`` as matmuls, then the casts made float64."""
+    slice_writes_to_functional(gm)
     parameter_einsum_to_linear(gm)
     einsum_to_matmul(gm)
     baddbmm_to_matmul(gm)

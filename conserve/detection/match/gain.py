@@ -24,7 +24,7 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 
 from .. import builders
-from ..fxgraph import Graph, with_strides_of
+from ..fxgraph import Graph
 from ..ops import PASS, SHAPE_ONLY
 from .conv import channel_norms
 from .found import Found, layer_index
@@ -279,20 +279,7 @@ def _held_feature_map(g: Graph, src: fx.Node, dst: fx.Node) -> list | None:
         return isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex()
 
     held = {n: g.env[n] for n in g.descendants([src]) if n is not src and n.op != "output" and integral(g.env.get(n))}
-    sv = g.env[src]
-    n = sv.shape[-1]
-    idx = torch.arange(1, n + 1, dtype=torch.float64).expand(sv.shape).clone()
-    try:
-        out = g.run({src: with_strides_of(sv, idx.to(sv.dtype)), **held}, [dst])[0]
-    except Exception:  # noqa: BLE001 - not a map of src alone
-        return None
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
-        return None
-    flat = out.reshape(-1, out.shape[-1]).to(torch.float64)
-    if not torch.equal(flat, flat[:1].expand_as(flat)) or not torch.equal(flat[0], flat[0].round()):
-        return None
-    f = flat[0].long() - 1
-    return None if (f < -1).any() or (f >= n).any() else f.tolist()
+    return g.feature_map(src, dst, held)
 
 
 def _use(g: Graph, u: fx.Node, src: fx.Node) -> str:

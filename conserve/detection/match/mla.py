@@ -22,6 +22,13 @@ normalised latent), ``Wkv_a`` computed before ``Wkv_b``, and its values from ``W
    the normalisation's scale invariance the ``norm_scale`` law of the rows before it (exact only for eps = 0:
    declined when the invariance is measured to be approximate).
 
+A site whose queries come from one linear and whose values come from a ``Wkv_b`` reading part of the outputs of
+another linear ``Wkv_a`` (the latent), while the keys show no path from ``Wkv_a`` (``unread_keys``: e.g. the keys
+assembled by an in-place write the graph's edges do not show), is an MLA whose keys cannot be read: its QK laws are
+declined with what was seen, its VO laws still read. ``rewrite.slice_writes_to_functional`` turns HF's
+``key_states = new_empty(...); key_states[..., :d].copy_(k_nope)`` into values first, so HF's DeepSeek-V2/V3
+attention is read like any other MLA.
+
 What cannot be read is declined for this block with what was seen; ``detect_on``'s float64 first-order check
 then keeps only the laws that hold. Sites this finder takes are skipped by the attention finder.
 """
@@ -61,12 +68,15 @@ class _Cut:
 
 
 def mla(f: Found) -> None:
-    """The MLA finder: ``one_mla`` on every attention site whose ``projections`` read like MLA; such a site is
-    marked in ``f.used`` (the attention finder skips it); an error declines that block only (and drops what it had
-    found)."""
+    """The MLA finder: ``one_mla`` on every attention site whose ``projections`` read like MLA, or whose keys
+    ``unread_keys`` says cannot be read; such a site is marked in ``f.used`` (the attention finder skips it); an
+    error declines that block only (and drops what it had found)."""
     for site in sites(f.g):
+        unread = None
         try:
             proj = projections(f.g, site)
+            if proj is None:
+                proj, unread = unread_keys(f.g, site) or (None, None)
         except Exception:  # noqa: BLE001 - not read as MLA: left to the attention finder
             proj = None
         if proj is None:
@@ -74,7 +84,7 @@ def mla(f: Found) -> None:
         f.used.add(site.node)
         n_cands, n_declined = len(f.cands), len(f.c.declined)
         try:
-            one_mla(f, site, proj)
+            one_mla(f, site, proj, unread)
         except Exception as e:  # noqa: BLE001 - this attention block only
             del f.cands[n_cands:], f.c.declined[n_declined:]
             f.c.decline(site.where, "structural analysis error",
@@ -94,8 +104,62 @@ def projections(g: Graph, site: Site) -> tuple[Lin, Lin, Lin] | None:
     return g.lins[next(iter(nq))], g.lins[ka], g.lins[kb]
 
 
-def one_mla(f: Found, site: Site, proj: tuple[Lin, Lin, Lin]) -> None:
-    """Steps 1-5 of the module docstring for one site whose ``projections`` are ``proj``."""
+def unread_keys(g: Graph, site: Site) -> tuple[tuple[Lin, Lin, Lin], str] | None:
+    """``((Wq, Wkv_a, Wkv_b), reason)`` for an MLA whose keys the graph does not show: one linear ``Wq`` behind the
+    queries, one ``Wkv_b`` behind the values, its input computed from one other linear ``Wkv_a`` of which it reads
+    fewer features than ``Wkv_a`` has outputs (a latent, the rest being the rotary key), the keys showing no path
+    from ``Wkv_a`` (at most ``Wkv_b`` behind them), and values computed from ``Wkv_a`` written in place into a tensor
+    the graph's edges do not show being read (``_lost_writes``); ``reason`` says so. None when the site is not that
+    (a fused-kv attention, for the attention finder)."""
+    nq, nk, nv = (g.nearest_lins(t) for t in (site.x, site.y, site.v))
+    if len(nq) != 1 or len(nv) != 1 or not nk <= nv:
+        return None
+    lkb = g.lins[next(iter(nv))]
+    na = g.nearest_lins(lkb.x)
+    if len(na) != 1 or na & nq or lkb.node in na:
+        return None
+    lka = g.lins[next(iter(na))]
+    lost = _lost_writes(g, lka, site) if lka.n_out > lkb.n_in else None
+    if lost is None:
+        return None
+    lq = g.lins[next(iter(nq))]
+    keys = g.lins[next(iter(nk))].module if nk else "no projection"
+    reason = (f"an MLA (queries from {lq.module}, values from {lkb.module} reading {lkb.n_in} of the {lka.n_out} "
+              f"outputs of {lka.module}), but the graph shows the keys computed from {keys}, not from {lka.module}: "
+              f"{lost}, so the shared rotary key cannot be read: no QK Gram / RoPE law")
+    return (lq, lka, lkb), reason
+
+
+def _lost_writes(g: Graph, lka: Lin, site: Site) -> str | None:
+    """The in-place writes (``copy_``, ``setitem``, ``index_put_``, ...) of values computed from ``lka`` whose results
+    no node reads and that do not reach ``site`` (the written tensor is read through an edge the graph does not
+    have), said in words; None when there are none."""
+    reach, down = g.ancestors([site.node]), g.descendants([lka.node])
+    writes = [(m, _in_place(m)) for m in g.nodes if m in down and m not in reach and not m.users and _in_place(m)]
+    if not writes:
+        return None
+    w, op = writes[0]
+    into = w.args[0].name if w.args and isinstance(w.args[0], fx.Node) else "a constant"
+    return (f"its values reach {len(writes)} in-place write(s) ({op} at graph node {w.name}, into graph node {into}) "
+            "whose written tensor the graph's edges do not show being read")
+
+
+def _in_place(n: fx.Node) -> str | None:
+    """The name of ``n``'s op when it writes into its first argument (``copy_``, ``index_put_``, ``setitem``), else
+    None."""
+    if n.op == "call_method":
+        name = n.target
+    elif n.op == "call_function":
+        t = n.target
+        name = t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", "")
+    else:
+        return None
+    return name if name == "setitem" or (name.endswith("_") and not name.startswith("_")) else None
+
+
+def one_mla(f: Found, site: Site, proj: tuple[Lin, Lin, Lin], unread: str | None = None) -> None:
+    """Steps 1-5 of the module docstring for one site whose ``projections`` are ``proj``; ``unread``: the reason
+    the keys cannot be read (``unread_keys``): the QK laws are declined with it, the VO laws read."""
     g, c = f.g, f.c
     lq, lka, lkb = proj
     lo = output_projection(g, site.out)
@@ -112,10 +176,12 @@ def one_mla(f: Found, site: Site, proj: tuple[Lin, Lin, Lin]) -> None:
         return
     rows_ = head_rows(g, site, lq, lkb, lkb)  # the q and v rows (the keys come from two maps: ``key_rows``)
     qk_reason = None
-    if rows_.q is None:
+    keys = None
+    if unread is not None:
+        qk_reason = unread
+    elif rows_.q is None:
         qk_reason = (f"the queries are not a linear index map of {lq.module} at the first positions (a normalised "
                      "or mixed q): no QK Gram / RoPE law")
-        keys = None
     else:
         keys, qk_reason = key_rows(g, site, lka, lkb, rows_)
     if qk_reason is None:
@@ -124,9 +190,24 @@ def one_mla(f: Found, site: Site, proj: tuple[Lin, Lin, Lin]) -> None:
         c.decline(f"{lab}/qk", f"{BLOCK} QK laws", qk_reason)
         c.know(lq.w, lq.b, lka.w, lka.b)
     _vo_laws(f, site, lab, layer, lkb, lo, rows_.v, keys)
-    _latent(f, lkb, lka, rope=sorted(set(keys[1].values())) if keys else None)
+    rope = sorted(set(keys[1].values())) if keys else _unread_rows(g, lka, lkb) if unread is not None else None
+    _latent(f, lkb, lka, rope=rope)
     if lqa is not None:
         _latent(f, lq, lqa, rope=[])
+
+
+def _unread_rows(g: Graph, lka: Lin, lkb: Lin) -> list | None:
+    """The outputs of ``lka`` that ``lkb``'s input does not read (the rotary key of an MLA whose keys cannot be
+    read), found by changing each alone; None when ``lkb`` reads them all."""
+    sv = g.env[lka.node]
+    xv = g.env[lkb.x]
+    out = []
+    for r in range(lka.n_out):
+        v = sv.clone()
+        v[..., r] += 1.0
+        if torch.equal(g.run({lka.node: with_strides_of(sv, v)}, [lkb.x])[0], xv):
+            out.append(r)
+    return out or None
 
 
 def _low_rank_source(g: Graph, lq: Lin) -> Lin | None:
@@ -255,8 +336,9 @@ def _latent(f: Found, reader: Lin, src: Lin, rope: list | None) -> None:
     """The norm between ``src``'s latent rows (every row not in ``rope``) and ``reader`` (``kv_a_layernorm`` between
     ``Wkv_a`` and ``Wkv_b``, ``q_a_layernorm`` between ``q_a_proj`` and ``q_b_proj``): the gain law of its per-feature
     gain ``g`` (``reader``'s input is ``g * n(z)`` (+ beta), read by ``reader`` alone) and the ``norm_scale`` law of
-    the latent rows (``reader``'s input is unchanged when they are rescaled). ``rope`` None: the rotary rows are
-    unknown (the keys were not read): nothing built."""
+    the latent rows (``reader``'s input is unchanged when they are rescaled). ``rope``: the rotary key rows (read
+    from the keys, or, when the keys cannot be read, the rows ``reader`` does not read: ``_unread_rows``); None:
+    unknown (the queries or keys were not read): nothing built."""
     g, c = f.g, f.c
     if rope is None:
         c.decline(f"{src.module}/latent", f"{BLOCK} latent norm", "the rotary key rows were not read (see the QK "
