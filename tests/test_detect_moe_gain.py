@@ -58,6 +58,67 @@ class RoutedMoE(nn.Module):
         return out.reshape(b, t, h)
 
 
+class NoGradTopK(RoutedMoE):
+    """``RoutedMoE`` whose expert choice is made in a ``@torch.no_grad()`` method (HF DeepSeek-V3's
+    ``get_topk_indices``): the weights keep their gradient, the indices never had one."""
+
+    @torch.no_grad()
+    def choose(self, probs):
+        return torch.topk(probs, self.top_k, dim=-1)[1]
+
+    def forward(self, x):
+        b, t, h = x.shape
+        z = x.reshape(-1, h)
+        probs = F.softmax(self.router(z), dim=-1)
+        idx = self.choose(probs)
+        w = probs.gather(-1, idx)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(z)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            if tok.numel():
+                out = out.index_add(0, tok, expert(z[tok]) * w[tok, slot, None])
+        return out.reshape(b, t, h)
+
+
+class SplitTokens(nn.Module):
+    """The tokens split in two groups (``split`` along the token dim: a tuple of tensors on the way from the norm to
+    the two maps reading it), each group through its own SwiGLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.rest = SwiGLU(H, I), SwiGLU(H, I)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        z = x.reshape(-1, h)
+        head, tail = z.split([1, z.shape[0] - 1])
+        return torch.cat([self.first(head), self.rest(tail)]).reshape(b, t, h)
+
+
+class CapacityMoE(RoutedMoE):
+    """Switch-style top-1 routing with an expert capacity of 70% of the tokens: a token over it skips the experts
+    and keeps its (normed) input, which then reaches the output not through a stored weight. Random routings over
+    4 experts stay under it; a run of one repeated token does not."""
+
+    def forward(self, x):
+        b, t, h = x.shape
+        z = x.reshape(-1, h)
+        probs = F.softmax(self.router(z), dim=-1)
+        p, e = probs.max(-1)
+        onehot = F.one_hot(e, len(self.experts))
+        keep = (torch.cumsum(onehot, 0) * onehot).sum(-1) <= int(0.7 * z.shape[0]) + 1
+        out = torch.zeros_like(z)
+        for i, expert in enumerate(self.experts):
+            tok = torch.where((e == i) & keep)[0]
+            if tok.numel():
+                out = out.index_add(0, tok, expert(z[tok]))
+        tok = torch.where(~keep)[0]
+        if tok.numel():
+            out = out.index_add(0, tok, z[tok])
+        return (p[:, None] * out).reshape(b, t, h)
+
+
 class DenseMoE(nn.Module):
     """Every expert on every token, weighted by the softmax top-k mask (zero for the experts not chosen): traceable."""
 
@@ -88,7 +149,7 @@ class ShapeCheckedMoE(DenseMoE):
 
 
 FFNS = {"swiglu": lambda: SwiGLU(H, 18), "checked": lambda: ShapeCheckedMoE(), "loop": lambda: RoutedMoE(), "loop_shared": lambda: RoutedMoE(shared=True),
-        "loop_extra": lambda: RoutedMoE(extra=True), "dense": lambda: DenseMoE(), "grouped": lambda: GroupedMoE(H)}
+        "loop_extra": lambda: RoutedMoE(extra=True), "nograd": lambda: NoGradTopK(), "split": lambda: SplitTokens(), "capacity": lambda: CapacityMoE(), "dense": lambda: DenseMoE(), "grouped": lambda: GroupedMoE(H)}
 
 
 class Layer(nn.Module):
@@ -233,6 +294,46 @@ def test_block_torch_export_traces_alone_gives_its_readers():
     assert readers_of(gain) == {p: H for p in moe_readers("layers.0.ffn", 3)}, readers_of(gain)
     assert readers_of(law(found, "layers.1.ffn_norm/gain")) == {p: H for p in moe_readers("layers.1.ffn", 4)}
     hold(m, found, ids(vocab=VOCAB))
+
+
+def test_no_grad_region_in_the_block_leaves_grad_mode_and_the_laws_alone():
+    """A ``torch.no_grad()`` method inside the routed block: detection gives the same laws as without it and
+    leaves grad mode as it found it (a partial run of a graph that switches it off never leaks)."""
+    assert torch.is_grad_enabled()
+    m, found = found_laws(("swiglu", "nograd", "swiglu"))
+    assert torch.is_grad_enabled()
+    _, plain = found_laws(("swiglu", "loop", "swiglu"))
+    assert found.families() == plain.families() and found.families()["swiglu"] == 6, found.families()
+    gain = law(found, "layers.1.ffn_norm/gain")
+    assert readers_of(gain) == {p: H for p in moe_readers("layers.1.ffn", 4)}
+    hold(m, found, ids(vocab=VOCAB))
+    with torch.no_grad():  # detection under a caller's no_grad: the same laws, and the caller's mode kept
+        _, again = found_laws(("swiglu", "nograd", "swiglu"))
+        assert not torch.is_grad_enabled()
+    assert sorted(x.name for x in again.laws) == sorted(x.name for x in found.laws)
+
+
+def test_a_tuple_on_the_way_to_the_readers_is_no_error():
+    """A ``split`` into a tuple of tensors between the norm and the maps reading it: the gain law with both maps'
+    gate and up as readers, no structural analysis error, every claimed law holding."""
+    m, found = found_laws(("swiglu", "split"))
+    assert not [x for x in found.declined if "error" in x.reason], reasons(found)
+    gain = law(found, "layers.1.ffn_norm/gain")
+    assert set(readers_of(gain)) == {f"layers.1.ffn.{s}.{p}.weight" for s in ("first", "rest") for p in ("gate", "up")}
+    hold(m, found, ids(vocab=VOCAB))
+
+
+def test_a_read_only_a_repeated_token_routing_shows_declines_the_gain():
+    """Tokens over an expert's capacity pass through: a non-linear read that no random routing shows. The
+    recheck on inputs whose tokens are all one token finds it: the gain is declined saying so, the experts'
+    unit laws still hold on the original model."""
+    x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))  # top-1: reach every expert
+    m, found = found_laws(("swiglu", "capacity"), x=x)
+    assert "layers.1.ffn_norm/gain" not in {x.name for x in found.laws}
+    assert "another input's routing" in reasons(found)["layers.1.ffn_norm"], reasons(found)["layers.1.ffn_norm"]
+    assert found.families()["swiglu"] == 1 + 4
+    hold(m, found, ids(vocab=VOCAB))
+    hold(m, found, torch.full((2, 9), 3))  # every token alike: drops
 
 
 # ------------------------------------------------------------------------- the readers on other routings

@@ -407,7 +407,9 @@ def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = Fal
     def run(ps, *args):
         return functional_call(probe, dict(zip(names, ps)), args, kwargs)
 
-    with torch.no_grad():
+    # traced with grad enabled, as training runs it: a ``torch.no_grad()`` region of the model's code (a router's
+    # top-k) is recorded as switching grad off and back ON (traced under no_grad, its exit would restore "off")
+    with torch.enable_grad():
         gm0 = make_fx(run, tracing_mode="real", pre_dispatch=True)([named[k] for k in names], *inputs)
     graph = gm0.graph
     phs = [n for n in graph.nodes if n.op == "placeholder"]
@@ -437,8 +439,9 @@ def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = Fal
 def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, n: int = 3, check=check_laws
              ) -> Detection:
     """Laws found on a graph specialised to one input's control flow, checked again (spec check 1) on graphs
-    specialised to ``n`` other random inputs of the same shapes (other branches: other experts, other tokens);
-    a law failing any of them is declined. The readers of each input (``d.input_readers``) are found again on each
+    specialised to ``n`` other random inputs of the same shapes (other branches: other experts, other tokens)
+    and to two inputs whose tokens are all one token (every token routed alike: experts over their capacity drop
+    tokens, branches no random input takes); a law failing any of them is declined. The readers of each input (``d.input_readers``) are found again on each
     of those graphs: where something else reads the input there, or a linear map not seen on the example input's
     routing, they are replaced by the reason."""
     gen = torch.Generator().manual_seed(11)
@@ -455,8 +458,19 @@ def _recheck(d: Detection, probe: nn.Module, inputs: tuple, kwargs: dict, loss, 
         hi = int(t.max()) + 1 if t.numel() else 1
         return torch.randint(0, max(hi, 1), t.shape, generator=gen, dtype=t.dtype)
 
-    for _ in range(n):
-        xs = tree_map(other, inputs)
+    def alike(t, k):
+        """Every token (every row of the last dim; every id) equal to token ``k`` of ``t``."""
+        if not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool or t.numel() == 0:
+            return t
+        if t.is_floating_point():
+            rows = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+            return rows[k % rows.shape[0]].expand(rows.shape).reshape(t.shape).clone()
+        return torch.full_like(t, int(t.reshape(-1)[k % t.numel()]))
+
+    variants = [lambda: tree_map(other, inputs) for _ in range(n)]
+    variants += [lambda k=k: tree_map(lambda t: alike(t, k), inputs) for k in (0, 1)]
+    for make in variants:
+        xs = make()
         try:
             gm = specialised(probe, xs, kwargs)
             g = Graph(gm, xs, dict(probe.named_parameters(remove_duplicate=False)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
@@ -48,7 +49,10 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
         conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
         conserve.errors.UsageError: the model still has uninitialised lazy parameters (run a forward first).
     """
-    found = _detect(model, config, structural, options)
+    # the checks differentiate the model: grad on inside (a caller's no_grad / inference_mode is restored on exit,
+    # and so is any switch the model's own code leaves behind)
+    with torch.inference_mode(False), torch.enable_grad():
+        found = _detect(model, config, structural, options)
     found.loss = options.get("loss")
     return found
 

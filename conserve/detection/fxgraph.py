@@ -235,9 +235,11 @@ class Graph:
             order = [n for n in self.nodes if n in need and n not in subs and n.op != "output"]
             self._paths[key] = order
         vals = dict(subs)
-        for n in order:
-            args, kwargs = map_arg((n.args, n.kwargs), lambda a: vals[a] if a in vals else self.env[a])
-            vals[n] = self._exec(n, args, kwargs)
+        # a partial run may stop between the graph's own ``_set_grad_enabled(False)`` and the node turning it back on
+        with torch.set_grad_enabled(torch.is_grad_enabled()):
+            for n in order:
+                args, kwargs = map_arg((n.args, n.kwargs), lambda a: vals[a] if a in vals else self.env[a])
+                vals[n] = self._exec(n, args, kwargs)
         return [vals.get(t, self.env[t]) for t in targets]
 
     # ------------------------------------------------------------------ queries

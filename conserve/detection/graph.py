@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from ..analysis.firstorder import to_float64
@@ -70,6 +71,16 @@ def detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict 
     Returns:
         ``Detection`` with ``detector='graph'``.
     """
+    # the check differentiates the model: grad on inside; a model's code may switch it off (``@torch.no_grad()`` on
+    # a router method) in a graph that a partial run leaves midway: the caller gets its own mode back
+    with torch.inference_mode(False), torch.enable_grad():
+        return _detect_graph(model, example_inputs, forward_kwargs=forward_kwargs, loss=loss,
+                             max_probe_params=max_probe_params, skip_params=skip_params, check=check, **options)
+
+
+def _detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict | None = None,
+                  loss: str | None = None, max_probe_params: float = 3e8, skip_params: Iterable[str] = (),
+                  check=check_laws, **options) -> Detection:
     depth = options.pop("_depth", 0)
     c = Collector(model, {**options, "loss": loss})
     skip = set(skip_params)

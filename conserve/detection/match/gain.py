@@ -111,7 +111,7 @@ def _operands(add_node, _):
 
 
 def gains(f: Found) -> None:
-    """The gain finder (module docstring)."""
+    """The gain finder (module docstring); an error on one scale declines that scale only."""
     g, c = f.g, f.c
     experts_x = _experts_x(g)
     claimed = {p for law, _ in f.cands for p in law.params}
@@ -119,44 +119,56 @@ def gains(f: Found) -> None:
     for n, w, b, shift, what in scale_points(g):
         if w in claimed or n in channel_first:  # e.g. a QK-norm gain, already in a law
             continue
-        h = g.params[w].shape[0]
-        path = w.rsplit(".", 1)[0] if "." in w else w
-        readers, bad, why = _readers(g, c, n, h, experts_x)
-        what_ = what if what != "scale" else "per-feature scale"
-        if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
-            continue
-        if bad or not readers:
-            uses = list(dict.fromkeys(_use(g, u, n) + (f" ({why[u]})" if u in why else "") for u in bad)) or ["nothing"]
-            by = ", ".join(dict.fromkeys(r.module or r.w for r in readers))
-            seen_ = "; ".join(uses) + (f" (besides the linear map(s) {by})" if readers else "")
-            if bad and all(isinstance(why.get(u), Unknown) for u in bad):
-                c.decline(path, what_, f"the scaled output is read by {seen_}: which linear maps read it there is not "
-                          "known, and a gain law needs every reader: no gain law (spec: pre-norm gain row)")
-                continue
-            c.decline(path, what_, f"the scaled output is read by {seen_}: not only by linear maps with stored weights, "
-                      "as a gain law needs (the residual stream in a post-LN block, attention scores after a QK-norm, "
-                      "a weight computed from parameters, or an unrecognised module): no gain law (spec: pre-norm gain "
-                      "row; breakers: post-LN)")
-            continue
-        maps = [g.feature_map(n, r.x) for r in readers]
-        if any(m != list(range(h)) for m in maps):
-            c.decline(path, what_, "its readers do not read the features one to one: no gain law")
-            continue
-        refs = [r.readers() for r in readers]
-        if any(x is None for x in refs):
-            split = [r.w for r, x in zip(readers, refs) if x is None]
-            c.decline(path, what_, f"read by {split}, heads stored as [heads, ...] parameters that each read a part of "
-                      "the features: no gain law built")
-            continue
-        inside = [r.module for r in readers if isinstance(r, BlockReaders)]
-        names = [m for r in readers for m in (r.modules() if isinstance(r, BlockReaders) else [r.module])]
-        f.add(builders.gain_law(f"{path}/gain", layer_index(path), w, h, readers=[x for rs in refs for x in rs],
-                                bias=b, shift=shift,
-                                note="structural: readers " + ", ".join(dict.fromkeys(names))
-                                + (f" (inside the opaque block(s) {inside}: found on the block's own graph)" if inside
-                                   else "")
-                                + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
-              "gain")
+        try:
+            _one_gain(f, n, w, b, shift, what, experts_x)
+        except Exception as e:  # noqa: BLE001 - this scale only
+            path = w.rsplit(".", 1)[0] if "." in w else w
+            c.decline(path, what if what != "scale" else "per-feature scale",
+                      f"structural analysis error: {type(e).__name__}: {e}; its gain law is not claimed (report this "
+                      "model)")
+
+
+def _one_gain(f: Found, n: fx.Node, w: str, b, shift: float, what: str, experts_x: dict) -> None:
+    """The gain law (or LayerScale law, or the decline) of the scale ``w`` applied at ``n``."""
+    g, c = f.g, f.c
+    h = g.params[w].shape[0]
+    path = w.rsplit(".", 1)[0] if "." in w else w
+    readers, bad, why = _readers(g, c, n, h, experts_x)
+    what_ = what if what != "scale" else "per-feature scale"
+    if (bad or not readers) and what == "scale" and b is None and shift == 0.0 and _layer_scale(f, n, w, h):
+        return
+    if bad or not readers:
+        uses = list(dict.fromkeys(_use(g, u, n) + (f" ({why[u]})" if u in why else "") for u in bad)) or ["nothing"]
+        by = ", ".join(dict.fromkeys(r.module or r.w for r in readers))
+        seen_ = "; ".join(uses) + (f" (besides the linear map(s) {by})" if readers else "")
+        if bad and all(isinstance(why.get(u), Unknown) for u in bad):
+            c.decline(path, what_, f"the scaled output is read by {seen_}: which linear maps read it there is not "
+                      "known, and a gain law needs every reader: no gain law (spec: pre-norm gain row)")
+            return
+        c.decline(path, what_, f"the scaled output is read by {seen_}: not only by linear maps with stored weights, "
+                  "as a gain law needs (the residual stream in a post-LN block, attention scores after a QK-norm, "
+                  "a weight computed from parameters, or an unrecognised module): no gain law (spec: pre-norm gain "
+                  "row; breakers: post-LN)")
+        return
+    maps = [g.feature_map(n, r.x) for r in readers]
+    if any(m != list(range(h)) for m in maps):
+        c.decline(path, what_, "its readers do not read the features one to one: no gain law")
+        return
+    refs = [r.readers() for r in readers]
+    if any(x is None for x in refs):
+        split = [r.w for r, x in zip(readers, refs) if x is None]
+        c.decline(path, what_, f"read by {split}, heads stored as [heads, ...] parameters that each read a part of "
+                  "the features: no gain law built")
+        return
+    inside = [r.module for r in readers if isinstance(r, BlockReaders)]
+    names = [m for r in readers for m in (r.modules() if isinstance(r, BlockReaders) else [r.module])]
+    f.add(builders.gain_law(f"{path}/gain", layer_index(path), w, h, readers=[x for rs in refs for x in rs],
+                            bias=b, shift=shift,
+                            note="structural: readers " + ", ".join(dict.fromkeys(names))
+                            + (f" (inside the opaque block(s) {inside}: found on the block's own graph)" if inside
+                               else "")
+                            + (f"; gain applied as ({shift:g} + w)" if shift else "") + " (spec: pre-norm gain row)"),
+          "gain")
 
 
 def _experts_x(g: Graph) -> dict:
@@ -191,7 +203,7 @@ def _readers(g: Graph, c, src: fx.Node, h: int, experts_x: dict) -> tuple[list, 
                 readers.append(got)
         elif g.op(u) == "to" and u.args and u.args[0] is not m:
             pass  # type_as(other, m): m's dtype only
-        elif g.op(u) in PASS and g.is_tensor(u) and g.env[u].dim() > 0 and g.env[u].shape[-1] == h \
+        elif g.op(u) in PASS and g.is_tensor(u) and _last_dim(g.env[u]) == h \
                 and g.op(u) not in ("transpose", "permute", "movedim", "t"):
             return True
         elif g.op(u) not in SHAPE_ONLY:
@@ -200,6 +212,14 @@ def _readers(g: Graph, c, src: fx.Node, h: int, experts_x: dict) -> tuple[list, 
 
     g.walk_users([src], visit)
     return readers, bad, why
+
+
+def _last_dim(v) -> int | None:
+    """The size of the last dim of a tensor, or of every part of a tuple of tensors (``split`` / ``chunk`` along
+    another dim); None for a scalar or parts that differ."""
+    parts = v if isinstance(v, (tuple, list)) else [v]
+    dims = {t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in parts}
+    return dims.pop() if len(dims) == 1 else None
 
 
 def _block_readers(g: Graph, c, m: fx.Node, u: fx.Node) -> "BlockReaders | str":

@@ -44,6 +44,9 @@ def routers(f: Found) -> None:
                                        bias=r.b, transposed=r.t,
                                        note="structural: softmax gating (top-k, renormalised or not) (spec: MoE router "
                                             "row)"), "router")
+        elif "sigmoid" in kinds and e_n == 1:
+            c.decline(r.module, "sigmoid gate", "one output through a sigmoid, scaling what it gates (e.g. a shared "
+                      "expert's gate): no symmetry of its row alone, no law")
         elif "sigmoid" in kinds:
             c.decline(r.module, "sigmoid router", "sum_e W_router[e,:] is NOT conserved for normalised sigmoid gating "
                       "with top-k >= 2 (spec: MoE router, normalised sigmoid: open row)")
