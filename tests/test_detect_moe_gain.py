@@ -119,6 +119,23 @@ class CapacityMoE(RoutedMoE):
         return (p[:, None] * out).reshape(b, t, h)
 
 
+class ExpertHitMoE(RoutedMoE):
+    """transformers' Mixtral loop: the experts hit found with ``nonzero()`` and each taken by indexing the
+    ``ModuleList`` with a tensor (``self.experts[expert_idx]``)."""
+
+    def forward(self, x):
+        b, t, h = x.shape
+        z = x.reshape(-1, h)
+        w, idx = torch.topk(F.softmax(self.router(z), dim=-1), self.top_k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        mask = F.one_hot(idx, len(self.experts)).permute(2, 1, 0)
+        out = torch.zeros_like(z)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, tok = torch.where(mask[e].squeeze(0))
+            out = out.index_add(0, tok, self.experts[e](z[tok]) * w[tok, slot, None])
+        return out.reshape(b, t, h)
+
+
 class DenseMoE(nn.Module):
     """Every expert on every token, weighted by the softmax top-k mask (zero for the experts not chosen): traceable."""
 
@@ -149,7 +166,7 @@ class ShapeCheckedMoE(DenseMoE):
 
 
 FFNS = {"swiglu": lambda: SwiGLU(H, 18), "checked": lambda: ShapeCheckedMoE(), "loop": lambda: RoutedMoE(), "loop_shared": lambda: RoutedMoE(shared=True),
-        "loop_extra": lambda: RoutedMoE(extra=True), "nograd": lambda: NoGradTopK(), "split": lambda: SplitTokens(), "capacity": lambda: CapacityMoE(), "dense": lambda: DenseMoE(), "grouped": lambda: GroupedMoE(H)}
+        "loop_extra": lambda: RoutedMoE(extra=True), "nograd": lambda: NoGradTopK(), "split": lambda: SplitTokens(), "capacity": lambda: CapacityMoE(), "hit": lambda: ExpertHitMoE(), "dense": lambda: DenseMoE(), "grouped": lambda: GroupedMoE(H)}
 
 
 class Layer(nn.Module):
@@ -334,6 +351,17 @@ def test_a_read_only_a_repeated_token_routing_shows_declines_the_gain():
     assert found.families()["swiglu"] == 1 + 4
     hold(m, found, ids(vocab=VOCAB))
     hold(m, found, torch.full((2, 9), 3))  # every token alike: drops
+
+
+def test_experts_taken_by_a_tensor_index():
+    """``self.experts[expert_idx]`` with a tensor index (transformers' Mixtral): specialised all the same, the gain
+    reads the router and every expert."""
+    x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    m, found = found_laws(("swiglu", "hit"), x=x)
+    gain = law(found, "layers.1.ffn_norm/gain")
+    assert readers_of(gain) == {p: H for p in moe_readers("layers.1.ffn", 4)}, readers_of(gain)
+    assert found.families()["swiglu"] == 1 + 4
+    hold(m, found, ids(vocab=VOCAB))
 
 
 # ------------------------------------------------------------------------- the readers on other routings

@@ -41,6 +41,7 @@ law's symmetry for every input and the model reads the block's parameters only t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import warnings
@@ -391,6 +392,28 @@ def record_input_readers(g: Graph, c: Collector) -> None:
                                                    f"({short_error(e)})")
 
 
+@contextlib.contextmanager
+def _modules_indexed_by_tensors():
+    """Within the block, ``ModuleList[t]`` for an integer tensor ``t`` of one element (HF Mixtral's loop over the
+    experts hit, ``self.experts[expert_idx]``) takes ``t``'s value as it is on the traced input (a specialised
+    trace fixes the control flow anyway) instead of failing on ``item()`` inside ``make_fx``."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    orig = nn.ModuleList.__getitem__
+
+    def getitem(self, idx):
+        if isinstance(idx, torch.Tensor) and idx.numel() == 1 and not idx.is_floating_point():
+            with disable_proxy_modes_tracing():
+                idx = int(idx.reshape(()))
+        return orig(self, idx)
+
+    nn.ModuleList.__getitem__ = getitem
+    try:
+        yield
+    finally:
+        nn.ModuleList.__getitem__ = orig
+
+
 def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = False):
     """The probe traced with real tensors (``make_fx``, pre-dispatch): Python control flow that depends on values
     (a routed expert loop) runs as it does for ``inputs``, so the graph is the function at and near them (the
@@ -409,7 +432,7 @@ def specialised(probe: nn.Module, inputs: tuple, kwargs: dict, every: bool = Fal
 
     # traced with grad enabled, as training runs it: a ``torch.no_grad()`` region of the model's code (a router's
     # top-k) is recorded as switching grad off and back ON (traced under no_grad, its exit would restore "off")
-    with torch.enable_grad():
+    with torch.enable_grad(), _modules_indexed_by_tensors():
         gm0 = make_fx(run, tracing_mode="real", pre_dispatch=True)([named[k] for k in names], *inputs)
     graph = gm0.graph
     phs = [n for n in graph.nodes if n.op == "placeholder"]
