@@ -49,7 +49,7 @@ def violations(model, laws, x, *, trials: int = 2, seed: int = 0) -> dict[str, f
 
     raw, ce = [], []
     for _ in range(trials):
-        out = functional_call(model, {**params, **buffers}, (x,))
+        out = functional_call(model, {**params, **{k: b.detach().clone() for k, b in buffers.items()}}, (x,))
         if isinstance(out, (tuple, list)):  # (logits, loss) models: the first output
             out = out[0]
         r = torch.randn(out.shape, generator=g, dtype=torch.float64)

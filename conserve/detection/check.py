@@ -26,6 +26,11 @@ from .trace import trace
 __all__ = ["check_laws", "check_on_probe", "checked_laws"]
 
 
+def _fresh(buffers: dict) -> dict:
+    """Detached copies of ``buffers`` for one forward."""
+    return {k: b.detach().clone() if isinstance(b, torch.Tensor) else b for k, b in buffers.items()}
+
+
 def check_laws(g, laws: list, heads: dict, *, trials: int = 2, seed: int = 0) -> dict[str, float]:
     """Spec check 1 for every law on the traced probe (``conserve.analysis.verify.first_order``'s measure, the
     model gradients shared by all laws): worst ``|<grad (s.h), grad (r.f)>| / (||.|| ||.||)`` (float64) per law
@@ -34,11 +39,12 @@ def check_laws(g, laws: list, heads: dict, *, trials: int = 2, seed: int = 0) ->
     gen = torch.Generator().manual_seed(seed)
     names = [k for k, _ in g.gm.named_parameters()]
     params = {k: g.params[k].detach().clone().requires_grad_(True) for k in names}
-    buffers = dict(g.gm.named_buffers())
+    buffers = dict(g.gm.named_buffers())  # copied per forward (``_fresh``): a forward writing them (a KV cache)
+    # must not carry autograd history or values into the next
     plist = list(params.values())
     raw, ce = [], []
     for _ in range(trials):
-        outs = [t for t in output_tensors(functional_call(g.gm, {**params, **buffers}, g.inputs, g.kwargs))
+        outs = [t for t in output_tensors(functional_call(g.gm, {**params, **_fresh(buffers)}, g.inputs, g.kwargs))
                 if t.requires_grad]
         if not outs:
             raise ValueError("no floating output of the forward depends on the model's parameters (e.g. a forward "
@@ -149,7 +155,8 @@ def check_laws_fast(g, laws: list, heads: dict, *, trials: int = 2, seed: int = 
     read = {p for law in todo for p in law.params}
     names = [k for k in every if k in read]  # the gradients of the laws' parameters only (the measure's g_law)
     params = {k: g.params[k].detach().requires_grad_(k in read) for k in every}
-    buffers = dict(g.gm.named_buffers())
+    buffers = dict(g.gm.named_buffers())  # copied per forward (``_fresh``): a forward writing them (a KV cache)
+    # must not carry autograd history or values into the next
     plist = [params[k] for k in names]
     kinds = [("raw", [law for law in todo if not isinstance(law, Translation)]),
              ("ce", [law for law in todo if isinstance(law, Translation)])]
@@ -159,7 +166,7 @@ def check_laws_fast(g, laws: list, heads: dict, *, trials: int = 2, seed: int = 
         for kind, mine in kinds:
             if not mine:
                 continue
-            outs = [t for t in output_tensors(functional_call(g.gm, {**params, **buffers}, g.inputs, g.kwargs))
+            outs = [t for t in output_tensors(functional_call(g.gm, {**params, **_fresh(buffers)}, g.inputs, g.kwargs))
                     if t.requires_grad]
             if not outs:
                 raise ValueError("no floating output of the forward depends on the model's parameters (e.g. a forward "
