@@ -37,6 +37,7 @@ Iteration stops when the rank has not grown at one depth >= 2 (``patience``), wh
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -149,8 +150,10 @@ def lie_bracket(
         ``U = grad phi`` the Jacobian products are Hessian-vector products. Two forward-mode ``jvp``.
     """
     uu = u(theta)
-    ww, jw_u = jvp(w, (theta,), (uu,))
-    _, ju_w = jvp(u, (theta,), (ww,))
+    with warnings.catch_warnings():  # torch's forward-mode decompositions are built with torch.jit.script
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+        ww, jw_u = jvp(w, (theta,), (uu,))
+        _, ju_w = jvp(u, (theta,), (ww,))
     return jw_u - ju_w, jw_u.norm() + ju_w.norm()
 
 

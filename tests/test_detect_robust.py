@@ -463,9 +463,10 @@ class TLAttention(nn.Module):
     rearranged weight (``mode='linear'``), by einsum (``'einsum'``), or by ``F.linear`` of a weight normalised on
     the fly (``'normed'``: computed from the parameter, not a rearrangement of it)."""
 
-    def __init__(self, d=16, nh=4, mode="linear", n_kv=None, rope=False):
+    def __init__(self, d=16, nh=4, mode="linear", n_kv=None, rope=False, rotary_dim=None):
         super().__init__()
         self.mode, self.nh, self.rope, dh = mode, nh, rope, d // nh
+        self.rotary_dim = rotary_dim or dh
         n_kv = n_kv or nh
         self.W_Q = nn.Parameter(torch.randn(nh, d, dh))
         self.W_K, self.W_V = (nn.Parameter(torch.randn(n_kv, d, dh)) for _ in range(2))
@@ -484,11 +485,12 @@ class TLAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = self.lin(x, self.W_Q, self.b_Q), self.lin(x, self.W_K, self.b_K), self.lin(x, self.W_V, self.b_V)
-        if self.rope:  # rotate_half on every dim of each head, as TransformerLens' rotary
-            t, dh = x.shape[1], q.shape[-1]
-            inv = 1.0 / (10000 ** (torch.arange(0, dh, 2, dtype=x.dtype) / dh))
+        if self.rope:  # rotate_half on the first rotary_dim dims of each head, as TransformerLens' rotary
+            t, rd = x.shape[1], self.rotary_dim
+            inv = 1.0 / (10000 ** (torch.arange(0, rd, 2, dtype=x.dtype) / rd))
             ang = torch.cat([torch.arange(t, dtype=x.dtype)[:, None] * inv[None]] * 2, -1)[:, None, :]
-            q, k = (z * ang.cos() + rotate_half(z) * ang.sin() for z in (q, k))
+            q, k = (torch.cat([z[..., :rd] * ang.cos() + rotate_half(z[..., :rd]) * ang.sin(), z[..., rd:]], -1)
+                    for z in (q, k))
         r = self.nh // k.shape[-2]
         k, v = k.repeat_interleave(r, dim=-2), v.repeat_interleave(r, dim=-2)
         z = torch.einsum("bhqk,bkhe->bqhe", (torch.einsum("bqhe,bkhe->bhqk", q, k) / 2).softmax(-1), v)
@@ -544,15 +546,35 @@ def test_parameter_shaped_heads_get_their_qk_vo_and_gain_laws(mode, n_kv):
     fail(m, wrong, x)
 
 
-def test_parameter_shaped_heads_with_rope_claim_no_qk_law():
-    """RoPE on ``[heads, d_model, d_head]`` heads: the rotation pairs are read, but no RoPE-pair law is built for
-    such heads: declined with the reason; VO and gains are kept."""
-    m = randomize(TLBlock("einsum", rope=True))
+@pytest.mark.parametrize("mode", ["linear", "einsum"])
+@pytest.mark.parametrize("n_kv,rotary_dim", [(4, None), (2, None), (2, 2)])
+def test_parameter_shaped_heads_with_rope_get_their_rope_pair_laws(mode, n_kv, rotary_dim):
+    """RoPE on ``[heads, d_model, d_head]`` heads (TransformerLens' rotary; partial with ``rotary_dim``): one
+    RoPE-pair law per kv group, reading each head's slice of ``W_Q`` / ``W_K`` (its bias ``b_Q[h]``), plus the
+    pass-through Gram of partial rotary; each law passes the first-order check on the model itself, and a wrong
+    pairing fails it."""
+    from conserve.analysis.verify import TOL, first_order
+    from conserve.laws import RopePairs
+    from conserve.laws.base import Ref, Term
+
+    m = randomize(TLBlock(mode, rope=True, n_kv=n_kv, rotary_dim=rotary_dim))
     x = tl_input()
     found = detect(m, example_inputs=x)
-    assert found.families() == {"vo": 4, "gain": 2} and found.undetected == [], found.families()
-    assert "not built" in reasons(found)["attn/qk"]
+    fam = {"rope_pair": n_kv, "vo": n_kv, "gain": 2} | ({"rope_pass": n_kv} if rotary_dim else {})
+    assert found.families() == fam and found.undetected == [], found.families()
+    rope = law(found, "attn/rope/group1")
+    rep = 4 // n_kv
+    assert {(t.ref.param, t.ref.start[0]) for t in rope.terms} \
+        == {(p, h) for p in ("attn.W_Q", "attn.b_Q") for h in range(rep, 2 * rep)} \
+        | {("attn.W_K", 1), ("attn.b_K", 1)}
+    for l in found.laws:
+        assert first_order(m, l, x, trials=2) <= TOL, l.name
     hold(m, found, x)
+    # dims 0 and 1 are not rotated together (rotate_half pairs d with d + rotary_dim / 2)
+    wrong = RopePairs("wrong", None, [Term("norm", Ref(p, (0, 0, t), 2, 1, 1, 16), sign)
+                                      for p, sign in (("attn.W_Q", 1.0), ("attn.W_K", -1.0)) for t in (0, 1)], 1, "")
+    if (rotary_dim or 4) > 2:
+        fail(m, {"pairing dims 0 and 1": wrong}, x)
 
 
 def test_decline_reasons_say_what_reads_the_norm():

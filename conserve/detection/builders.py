@@ -103,9 +103,16 @@ def layer_scale_law(name: str, layer, gamma: str, size: int, outputs: Sequence[t
 
 
 def _entry_terms(weight: str, shape, idx: Sequence[int], sign: float, *, bias: str | None, transposed: bool,
-                 kind: str = "rows", lead: tuple = ()) -> list[Term]:
-    """Norm terms reading, for entry e, row ``idx[e]`` (kind 'rows': output unit; 'cols': input feature)."""
+                 kind: str = "rows", lead: tuple = (), bias_at: tuple | None = None) -> list[Term]:
+    """Norm terms reading, for entry e, row ``idx[e]`` (kind 'rows': output unit; 'cols': input feature).
+    ``bias_at = (bias indices, bias lead)`` where the bias is not indexed like the weight's rows (heads stored
+    ``[H, ...]`` with one bias vector of all heads' units)."""
     terms = []
+    if bias is not None and bias_at is not None:
+        bidx, blead = bias_at
+        terms += [Term("norm", vector(bias, start, n, step=step, lead=blead), sign, offset=e0)
+                  for e0, start, n, step in runs(bidx)]
+        bias = None
     for e0, start, n, step in runs(idx):
         if kind == "rows":
             if transposed and step != 1:
@@ -187,12 +194,17 @@ def rope_pair_law(name: str, layer, *, q: Sequence[tuple], k: Sequence[tuple], p
     ``pairs[p]`` ``sum_{i in group} ||W_q[row_i(t),:]||^2 (+b^2) - ||W_k[row_j(t),:]||^2 (-b^2)``.
 
     ``q``/``k``: one ``(weight, shape, bias-or-None, rows_by_dim, transposed)`` per query head of the group /
-    for the kv head, ``rows_by_dim[t]`` = the weight row giving head dim t."""
+    for the kv head, ``rows_by_dim[t]`` = the weight row giving head dim t; for heads stored as a ``[H, ...]``
+    parameter, three more items: the head's lead ``(h,)``, the bias entries by dim and the bias lead."""
     terms: list[Term] = []
     for heads, sign in ((q, +1.0), (k, -1.0)):
-        for weight, shape, bias, by_dim, t in heads:
+        for weight, shape, bias, by_dim, t, *head in heads:
+            lead, bias_by_dim, bias_lead = head or ((), None, ())
             for member in (0, 1):
-                terms += _entry_terms(weight, shape, [by_dim[p[member]] for p in pairs], sign, bias=bias, transposed=t)
+                at = [p[member] for p in pairs]
+                terms += _entry_terms(weight, shape, [by_dim[a] for a in at], sign, bias=bias, transposed=t,
+                                      lead=lead, bias_at=None if bias_by_dim is None
+                                      else ([bias_by_dim[a] for a in at], bias_lead))
     return RopePairs(name, layer, terms, len(pairs), note)
 
 

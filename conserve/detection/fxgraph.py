@@ -103,6 +103,21 @@ class Lin:
             lead = ()
         return [ref, vector(self.b, start, n, step=step, lead=lead)]
 
+    def head_rows(self, idx) -> tuple | None:
+        """Output units ``idx`` (one head's dims, in order) as ``builders.rope_pair_law``'s per-head items:
+        ``(weight, shape, bias, rows, transposed)``, plus ``(lead, bias entries, bias lead)`` for heads stored as a
+        ``[H, ...]`` parameter; None when the units span heads or come from per-token experts."""
+        got = self._head(idx, "out")
+        if got is None or self.experts:
+            return None
+        lead, local = got
+        base = (self.w, self.shape, self.b, local, self.t)
+        if not self.heads:
+            return base
+        if self.bias_heads:
+            return base + (lead, local, lead)
+        return base + (lead, list(idx), ())
+
     def col_block(self, idx) -> list[Ref | None] | None:
         """Input features ``idx`` (in that order) as the D-row block of a head-Gram law (``builders.block(kind=
         'cols')``); None when they are not one contiguous run of one head."""

@@ -206,9 +206,6 @@ def rope_pairs(g: Graph, site: Site, lq: Lin, lk: Lin, rows_: HeadRows):
         return None, None, "q and k are mixed across dims in a way that is not a RoPE pairing: no QK law"
     if not pq:
         return None, None, None
-    if not (lq.plain and lk.plain):
-        return None, None, ("RoPE on heads stored as [heads, ...] parameters: the RoPE-pair law of such heads is not "
-                            "built: no QK law")
     pairs = sorted({tuple(sorted(p)) for p in pq.items()})
     return pairs, [t for t in range(d) if t not in pq], None
 
@@ -242,10 +239,12 @@ def qk_laws(f: Found, lab: str, layer, lq: Lin, lk: Lin, rows_: HeadRows, pairs,
             f.add(law, "QK Gram")
             continue
         d = len(qmap[heads[0]])
-        law = builders.rope_pair_law(
-            f"{lab}/rope/group{j}", layer,
-            q=[(lq.w, lq.shape, lq.b, qmap[l], lq.t) for l in heads], k=[(lk.w, lk.shape, lk.b, list(krows), lk.t)],
-            pairs=pairs, note=note + f"; RoPE pairs {pairs[:3]}... of head_dim {d} (spec: RoPE rows)")
+        q_heads, k_head = [lq.head_rows(qmap[l]) for l in heads], lk.head_rows(list(krows))
+        if None in q_heads or k_head is None:
+            c.decline(f"{lab}/rope/group{j}", "RoPE pairs", "a head's dims span two heads of the stored parameter")
+            continue
+        law = builders.rope_pair_law(f"{lab}/rope/group{j}", layer, q=q_heads, k=[k_head], pairs=pairs,
+                                     note=note + f"; RoPE pairs {pairs[:3]}... of head_dim {d} (spec: RoPE rows)")
         f.add(law, "RoPE pairs")
         if passd:
             law = builders.head_gram(RopePassGram, f"{lab}/rope_pass/group{j}", layer,
