@@ -41,7 +41,7 @@ from .errors import NonFiniteError, StaleParameterError, warn
 from .laws import Compiled, Declined, Law, compile_laws
 from .tracking.breakers import (BreakerState, check_frozen, check_optimizer, decay_factor,  # noqa: F401  (decay_factor: re-exported)
                                  per_param_decay)
-from .tracking.gradients import GradientWatch
+from .tracking.gradients import GradientCheckWarning, GradientWatch
 from .tracking.book import GUARD, Book, Layout  # noqa: F401  (GUARD: re-exported)
 from .tracking.drift import Assembly, Mask, Sampler, StepStats, drift_pieces
 from .tracking.values import (CUMULATIVE, TERMS, CumulativeNotKept, Deferred, DriftTerms, NotKept,  # noqa: F401
@@ -170,9 +170,11 @@ class Tracker:
             every exact law's first-order product with it must be at the rounding floor of its dtype
             (spec "Gradient integrity", ``conserve.analysis.gradcheck``).  The rows get
             ``grad_check/<family>`` and ``grad_check/<family>/layer<i>`` (the step's worst ratio; NaN on
-            steps not checked); a flush warns once per newly flagged law (``GradientCheckWarning``);
-            ``gradient_check()`` gives the whole result.  Cost per checked step: two passes over the
-            checked laws' weights and gradients.
+            steps not checked); a flush warns once per newly flagged law or family aggregate
+            (``GradientCheckWarning``); ``gradient_check()`` gives the whole result.  A parameter whose
+            ``.grad`` is None on a step is checked as a zero gradient.  Cost per checked step: one pass over
+            the checked laws' weights and gradients on a GPU (``conserve.kernels.check_sums``), two with the
+            CPU's torch twin.
         grad_check_ignore: law names, families or ``fnmatch`` patterns of law or parameter names the check
             leaves out (e.g. ``["translation"]`` for a loss other than softmax cross-entropy).
         loss: the training loss, for the check's loss-dependent laws: ``"ce"`` (softmax cross-entropy of the
@@ -637,16 +639,31 @@ class Tracker:
     def checked_closure(self, closure):
         """``closure`` (an ``optimizer.step(closure)`` argument that computes the gradients inside the step:
         LBFGS, SAM, Lightning's automatic optimization) that checks the gradient it produced after its first
-        call (``check_step_gradients``); ``closure`` itself without the gradient check."""
+        call (``check_step_gradients``); ``closure`` itself without the gradient check.
+
+        A step that changes the tracked parameters before its closure runs (SAM's ascent to a perturbed point)
+        has its gradient checked where the closure computed it, where it is a gradient; the step applies it
+        at the parameters it started from. A ``GradientCheckWarning`` says so once: attaching the tracker to
+        the inner optimizer (SAM's ``base_optimizer``) checks the gradient where it is applied."""
         if self.grad_watch is None or closure is None:
             return closure
         done = []
+        entry = [p._version for p in self.params]
 
         def run():
+            moved = not done and [p._version for p in self.params] != entry
             loss = closure()
             if not done:
                 done.append(True)
                 self.check_step_gradients()
+                if moved and not self.grad_watch.warned_perturbed:
+                    self.grad_watch.warned_perturbed = True
+                    warn("conserve: this optimizer step changed the parameters before its closure computed the "
+                         "gradient (a perturbed point, as SAM's first step makes): the gradient check reads that "
+                         "gradient where it was computed, but the step applies it at the parameters it started "
+                         "from. To check the gradient where it is applied, attach the tracker to the inner "
+                         "optimizer (conserve.optim.attach(sam.base_optimizer, tracker); SAM's ascent and return "
+                         "then show as weights changed outside the tracked step)", GradientCheckWarning)
             return loss
 
         return run

@@ -614,3 +614,18 @@ def test_hf_new_trainer_after_one_that_raised_keeps_one_clean_series(tmp_path):
         gc.collect()
     assert [r["step"] for r in _rows(jsonl)] == list(range(1, 11))
     assert any("still open in another JSONLSink" in str(x.message) for x in w)
+
+
+def test_lightning_without_a_logger_writes_no_conserve_folder_into_the_root(tmp_path):
+    """``logger=False``: the log dir is ``default_root_dir`` (often the working directory, where a folder named
+    ``conserve`` would shadow an editable install of the package): the rows go to ``conserve_logs/``."""
+    L = _lightning()
+    from conserve.integrations.lightning import ConserveCallback
+
+    cb = ConserveCallback()
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=2, log_every_n_steps=1, accelerator="cpu",
+                        devices=1, logger=False, callbacks=[cb], enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_lit_module(L))
+    assert not (tmp_path / "conserve").exists()
+    assert len(_rows(tmp_path / "conserve_logs" / "metrics.jsonl")) == 2

@@ -257,3 +257,176 @@ def test_a_grad_check_ignore_entry_that_matches_nothing_is_said():
         opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, check_gradients=True,
                              grad_check_ignore=["vo_typo", "vo"])
     opt.close()
+
+
+def _sparse_moe_forward(self, x):
+    """``MoE.forward`` as research MoE code writes it: an expert no token is routed to is skipped, so its
+    parameters get no ``.grad`` on that step."""
+    g = self.gates(x)
+    y = torch.zeros_like(x)
+    for e, expert in enumerate(self.experts):
+        idx = (g[..., e] > 0).nonzero(as_tuple=True)
+        if idx[0].numel():
+            y = y.index_put(idx, y[idx] + g[..., e][idx][:, None] * expert(x[idx]))
+    return y
+
+
+def test_an_expert_backward_did_not_reach_is_checked_as_a_zero_gradient(monkeypatch):
+    from conserve.models import blocks
+
+    monkeypatch.setattr(blocks.MoE, "forward", _sparse_moe_forward)
+    torch.manual_seed(0)
+    m = DecoderLM(LMConfig(**CFG | dict(num_experts=8, top_k=1, moe_layers=(1,))))
+    experts = m.layers[1].mlp.experts
+    opt = conserve.track(torch.optim.AdamW(m.parameters(), lr=1e-3), m, every=100, check_gradients=True, loss="ce")
+    unreached = []
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        for _ in range(3):
+            x = torch.randint(0, CFG["vocab_size"], (1, 3), generator=g)
+            opt.zero_grad()
+            logits = m(x)
+            F.cross_entropy(logits[0, :-1], x[0, 1:]).backward()
+            unreached.append(sum(e.up_proj.weight.grad is None for e in experts))
+            opt.step()
+        opt.tracker.flush()
+    res = opt.tracker.gradient_check()
+    assert min(unreached) > 0 and res.ok and res.steps == 3, (unreached, str(res))
+    assert {c.name for c in res.laws} >= {f"layers.1.mlp.experts.{e}/unit" for e in range(8)}
+    opt.close()
+    one = conserve.check_gradients(m, lambda mm, b: F.cross_entropy(mm(b)[0, :-1], b[0, 1:]), x, loss="ce")
+    assert one.ok and any(e.up_proj.weight.grad is None for e in experts), str(one)  # the .grad restored
+
+
+def test_a_fault_the_family_aggregate_alone_shows_is_warned_at_flush():
+    """A fault spread thinly over a family's layers: no law above its floors, the family's aggregate above it."""
+    m = _model()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True, loss="ce")
+    _train(opt, m, 1)
+    watch = opt.tracker.grad_watch
+    res = watch.check.result()
+    sp, sn2 = res.family_sums["vo"]
+    res.family_sums["vo"] = (3 * res.aggregate_floor * math.sqrt(sn2), sn2)  # what a spread fault leaves
+    assert not res.flagged and res.families()["vo"]["flagged_aggregate"] and not res.ok
+    watch.check.result = lambda: res
+    with pytest.warns(GradientCheckWarning, match=r"the vo family as a whole .*family vo: no law above its floor "
+                                                  r"alone, but the aggregate over its 4 laws is 1\.4[0-9]e-06"):
+        opt.tracker.flush()
+    with warnings.catch_warnings():  # once
+        warnings.simplefilter("error", GradientCheckWarning)
+        opt.tracker.flush()
+    opt.close()
+
+
+class _SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its common implementation writes it: ``step(closure)`` moves the weights to
+    ``θ + ρ g/‖g‖``, the closure computes the gradient there, the base optimizer applies it at ``θ``."""
+
+    def __init__(self, params, rho=0.05, lr=1e-2):
+        super().__init__(params, dict(rho=rho, lr=lr))
+        self.base_optimizer = torch.optim.SGD(self.param_groups, lr=lr)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        gn = torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"] if p.grad is not None]).norm()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    self.state[p]["e"] = e = p.grad * g["rho"] / (gn + 1e-12)
+                    p.add_(e)
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if "e" in self.state[p]:
+                    p.sub_(self.state[p]["e"])
+        self.base_optimizer.step()
+        self.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.first_step()
+        torch.enable_grad()(closure)()
+        self.second_step()
+
+
+def test_sam_through_its_closure_is_said_and_attached_to_its_base_optimizer_is_flagged():
+    def loss(m, x):
+        logits = m(x)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+    x = torch.randint(0, CFG["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(1))
+    m = _model()
+    opt = conserve.track(_SAM(m.parameters()), m, every=100, check_gradients=True, loss="ce")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            loss(m, x).backward()
+            opt.step(lambda: loss(m, x).backward())
+        opt.tracker.flush()
+    said = [str(c.message) for c in w if issubclass(c.category, GradientCheckWarning)]
+    assert len(said) == 1 and "perturbed point" in said[0] and "base_optimizer" in said[0], said
+    opt.close()
+    m = _model()
+    sam = _SAM(m.parameters())
+    tr = conserve.Tracker(m, every=100, check_gradients=True, loss="ce")
+    handle = conserve.optim.attach(sam.base_optimizer, tr)
+    warnings.filterwarnings("ignore", "conserve: .* changed in place since the tracker was built")  # the ascent
+    for _ in range(2):
+        sam.zero_grad()
+        loss(m, x).backward()
+        sam.first_step()
+        loss(m, x).backward()
+        sam.second_step()
+    with pytest.warns(GradientCheckWarning, match="not a gradient"):
+        tr.flush()
+    assert {c.family for c in tr.gradient_check().flagged} >= {"vo", "swiglu"}
+    handle.remove()
+    tr.close()
+
+
+def test_a_bf16_model_with_a_float32_embedding_is_checked_at_bf16_floors():
+    m = _model().to(torch.bfloat16)
+    m.embed_tokens.float().register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
+    x = torch.randint(0, CFG["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(1))
+
+    def loss(mm, b):
+        logits = mm(b).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+
+    res = conserve.check_gradients(m, loss, x, loss="ce")
+    assert res.dtype == "bfloat16" and res.ok, str(res)
+
+
+def test_half_precision_rounding_judged_at_float32_floors_is_named_in_the_warning():
+    m = _model()
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True, loss="ce")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _train(opt, m, 1)
+    with pytest.warns(GradientCheckWarning, match=r"within bfloat16's rounding floor.*grad_dtype='bfloat16'"):
+        opt.tracker.flush()
+    assert "grad_dtype='bfloat16'" in str(opt.tracker.gradient_check())
+    opt.close()
+    m = _model()
+    m.layers[0].self_attn.o_proj.weight.register_hook(lambda g: g * 1.5)
+    opt = conserve.track(torch.optim.SGD(m.parameters(), lr=1e-2), m, every=100, check_gradients=True, loss="ce")
+    _train(opt, m, 1)
+    with pytest.warns(GradientCheckWarning) as rec:  # a fault above bf16's floors: no such hint
+        opt.tracker.flush()
+    assert "bfloat16's rounding floor" not in str(rec[0].message)
+    opt.close()
+
+
+def test_the_one_shot_check_skips_a_law_reading_a_frozen_parameter():
+    m = _model()
+    m.layers[1].mlp.down_proj.weight.requires_grad_(False)
+    x = torch.randint(0, CFG["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(1))
+    res = conserve.check_gradients(m, lambda mm, b: F.cross_entropy(mm(b)[:, :-1].reshape(-1, CFG["vocab_size"]),
+                                                                    b[:, 1:].reshape(-1)), x, loss="ce")
+    why = dict(res.skipped)
+    assert res.ok and "frozen" in why["layers.1.mlp/unit"] and "layers.0.mlp/unit" in {c.name for c in res.laws}

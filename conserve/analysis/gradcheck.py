@@ -95,7 +95,8 @@ LOSS_ONLY = {"translation": "ce"}
 KNOWN_METHODS = ("SAM (gradient at a perturbed point)", "DP-SGD (noise, per-sample clipping)",
                  "per-layer or per-value clipping (clip_grad_value_)", "gradient compression",
                  "straight-through estimators", "stale or asynchronous gradients",
-                 "a loss on hidden activations or router logits (router z-loss)",
+                 "a loss on hidden activations a law's symmetry changes (a norm's output, an MLP's inner units) "
+                 "or on router logits (router z-loss)",
                  "a logit soft-cap or z-loss (translation law)")
 BUG = "a bug in the gradient (a custom backward or fused kernel, an all-reduce, a hook, decay folded into p.grad)"
 
@@ -118,6 +119,20 @@ def aggregate_floor(dtype, linear: bool = False) -> float:
     2.0e-3, 1.6e-2.  Rounding of random sign keeps the aggregate near the per-entry rounding level (not its
     maximum over the entries), so its floor is lower than ``floor``."""
     return _floor(dtype, "aggregate", linear)
+
+
+def half_precision_hint(res: "GradientCheck", flagged: Sequence["LawCheck"]) -> str:
+    """A sentence for a check judged at float32 / float64 floors whose flagged laws all sit within bfloat16's
+    floors (the rounding of a gradient computed under half-precision autocast, whose ``.grad`` are float32),
+    else ""."""
+    if not flagged or res.dtype not in ("float32", "float64"):
+        return ""
+    widen = floor(torch.bfloat16) / floor(torch.float32)
+    if any(c.worst > c.floor * widen for c in flagged):
+        return ""
+    return (" Every flagged law is within bfloat16's rounding floor: if the gradient is computed under bf16 / fp16 "
+            "autocast, pass grad_dtype='bfloat16' / 'float16' (check_gradients: dtype=) so the floors follow the "
+            "precision it was computed in.")
 
 
 def _dtype_name(dtype) -> str:
@@ -154,6 +169,13 @@ def select(laws, *, loss: str | None = None, ignore: Iterable[str] = ()) -> tupl
         else:
             checked.append(law)
     return checked, skipped
+
+
+def zero_if_none(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad``, or zeros like ``param`` when it is None and ``param`` requires grad: a trainable parameter
+    backward did not reach (an expert no token was routed to) has a zero gradient, and the optimizer leaves it
+    unchanged.  A frozen parameter's None stays None (its gradient is unknown, not zero)."""
+    return torch.zeros_like(param) if param.grad is None and param.requires_grad else param.grad
 
 
 # ------------------------------------------------------------------------------------------ products
@@ -483,7 +505,7 @@ class GradientCheck:
     def families(self) -> dict[str, dict]:
         """Per family: ``worst`` (and ``worst_law``), ``aggregate`` (the signed sum over every law, entry and
         step of the family: a fault spread thinly over its layers), ``laws`` checked, ``flagged`` laws,
-        ``flagged_aggregate`` (the family aggregate above its laws' aggregate floor) and ``layers`` (the
+        ``flagged_aggregate`` (the family aggregate above its laws' ``aggregate_floor``) and ``layers`` (the
         layers of its flagged laws)."""
         out: dict[str, dict] = {}
         for c in self.laws:
@@ -498,7 +520,7 @@ class GradientCheck:
         for fam, f in out.items():
             sp, sn2 = self.family_sums.get(fam, (0.0, 0.0))
             f["aggregate"] = abs(sp) / math.sqrt(sn2) if sn2 > 0 else 0.0
-            f["flagged_aggregate"] = f["aggregate"] > f.pop("aggregate_floor")
+            f["flagged_aggregate"] = f["aggregate"] > f["aggregate_floor"]
         return out
 
     def layers(self) -> dict:
@@ -527,6 +549,8 @@ class GradientCheck:
         if not self.ok:
             lines.append(f"  either {BUG}, or a method that changes the gradient on purpose: "
                          f"{'; '.join(KNOWN_METHODS)}")
+            if hint := half_precision_hint(self, self.flagged):
+                lines.append(" " + hint)
         if self.nonfinite:
             lines.append(f"  {self.nonfinite} entries with a non-finite gradient were left out (a loss scaler skips "
                          "those steps)")
@@ -681,7 +705,9 @@ def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=Non
             checked (the model's own dtype, autocast, custom autograd functions and hooks included).  The
             parameters' ``.grad`` are restored afterwards.  ``None``: check ``grads`` if given, else the
             gradients already in the parameters' ``.grad`` (what your training stack produced: after
-            unscaling, clipping, all-reduce).
+            unscaling, clipping, all-reduce).  A trainable parameter whose ``.grad`` is None (backward did not
+            reach it: an expert no token was routed to) is checked as a zero gradient; a law reading a frozen
+            parameter (``requires_grad=False``) is skipped with the reason.
         batch: passed to ``loss_fn``.
         laws: the laws to check (a ``Detection``, a list of ``Law``); default ``conserve.detect(model,
             loss=loss)``.
@@ -719,21 +745,35 @@ def check_gradients(model: nn.Module, loss_fn: Callable | None = None, batch=Non
                 if not (isinstance(out, torch.Tensor) and out.numel() == 1):
                     raise ValueError("loss_fn(model, batch) must return a scalar loss tensor")
                 out.backward()
-                grads = {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
+                grads = {n: zero_if_none(p).detach().clone() for n, p in named.items() if p.requires_grad}
             finally:
                 for n, p in named.items():
                     p.grad = saved[n]
-        else:
-            grads = {n: p.grad for n, p in named.items() if p.grad is not None}
+        elif any(p.grad is not None for p in named.values()):
+            grads = {n: zero_if_none(p) for n, p in named.items() if p.requires_grad}
     if not grads:
         raise ValueError("no gradient to check: pass loss_fn and batch, grads=, or run a backward pass first")
     checked, skipped = select(laws, loss=loss, ignore=ignore)
+    frozen = {law.name: [n for n in law.params if n in named and not named[n].requires_grad] for law in checked}
+    skipped += [(name, f"reads frozen parameter(s) {ps}: the product needs their gradient") for name, ps in
+                frozen.items() if ps]
+    checked = [law for law in checked if not frozen[law.name]]
     for law in checked:
+        unknown = [n for n in law.params if n not in named]
+        if unknown:
+            raise ValueError(f"law {law.name!r} reads {unknown}, which model.named_parameters() does not list (a "
+                             f"module shared by two names lists its parameters once, under the first): pass "
+                             f"ignore=[{law.name!r}]")
         missing = [n for n in law.params if n not in grads]
         if missing:
             raise ValueError(f"law {law.name!r} reads {missing}, which has no gradient: run a backward pass that "
                              f"reaches it, or pass ignore=[{law.name!r}]")
-    gdtype = dtype if dtype is not None else next(iter(grads.values())).dtype
+    if dtype is not None:
+        gdtype = dtype
+    else:  # the coarsest gradient the checked laws read (a bf16 model with float32 embeddings: bf16)
+        dts = {grads[n].dtype for law in checked for n in law.params if n in grads} or \
+            {next(iter(grads.values())).dtype}
+        gdtype = max(dts, key=lambda d: torch.finfo(d).eps)
     chk = GradCheck(GradPlan(checked, {n: named[n] for law in checked for n in law.params}), dtype=gdtype,
                     floor=floor_value, aggregate_floor=aggregate_floor_value, skipped=skipped)
     if checked:

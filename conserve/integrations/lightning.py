@@ -57,7 +57,8 @@ class ConserveCallback(Callback):
         every: tracker flush period in steps (default ``trainer.log_every_n_steps``; the callback also
             flushes at every logging step).
         sinks: where every row goes (default ``None``: ``<log_dir>/conserve/metrics.jsonl`` on global
-            rank 0; ``[]`` for the loggers only). With several optimizers: a dict ``{optimizer index:
+            rank 0, ``<default_root_dir>/conserve_logs/metrics.jsonl`` with ``logger=False``; ``[]`` for the
+            loggers only). With several optimizers: a dict ``{optimizer index:
             [sinks]}`` (default ``<log_dir>/conserve/opt<i>/metrics.jsonl``; a sink writes one series).
         laws: explicit laws instead of ``model.conservation_laws()`` / ``conserve.detect(model)``.
         layers: also log the per-layer ``eps/<family>/layer<i>`` keys.
@@ -144,7 +145,10 @@ class ConserveCallback(Callback):
             raise UsageError(f"ConserveCallback: this module has {len(opts)} optimizers, each tracked on its own: pass "
                              "sinks={optimizer index: [sinks]} (a sink writes one series)")
         parts = self._split_laws(pl_module, opts) if many else [(0, self.laws)]
-        root = Path(trainer.log_dir or trainer.default_root_dir) / "conserve"
+        # without a logger the log dir is default_root_dir, often the working directory, where a folder named
+        # "conserve" would shadow the package for the next script run there (an editable install)
+        root = Path(trainer.log_dir or trainer.default_root_dir) / "conserve" if trainer.logger is not None \
+            else Path(trainer.default_root_dir) / "conserve_logs"
         every = self.every or max(1, int(trainer.log_every_n_steps or 50))
         self.runs, self._indices, fresh = [], [], []
         for i, laws in parts:

@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from ..analysis.gradcheck import (BUG, KNOWN_METHODS, LOSS_ONLY, GradCheck, GradientCheck, GradPlan, ignored_by,
-                                  select)
+                                  half_precision_hint, select, zero_if_none)
 from ..errors import warn
 from ..laws import Law
 
@@ -72,6 +72,7 @@ class GradientWatch:
         self._fam_of = torch.tensor(fam, dtype=torch.long, device=dev)
         self._grp_of = torch.tensor(grp, dtype=torch.long, device=dev)
         self.warned: set[str] = set()
+        self.warned_perturbed = False  # a closure step seen computing its gradient at moved parameters
         self.skipped = skipped
 
     @property
@@ -92,8 +93,10 @@ class GradientWatch:
     def update(self, named: Mapping[str, torch.Tensor], step: int | None = None) -> torch.Tensor:
         """Check the ``.grad`` of ``named``'s tensors; returns the row columns ``(families + groups,)``, float32
         on the device: the step's worst ratio per family and (family, layer) group, NaN where no law is
-        checked; ``step``: the training step being checked (the result's worst entries name it).  Raises
-        ``ValueError`` naming a parameter without a gradient and the laws that read it (``grad_check_ignore``
+        checked; ``step``: the training step being checked (the result's worst entries name it).  A parameter
+        whose ``.grad`` is None (backward did not reach it this step, e.g. an expert no token was routed to) is
+        checked as a zero gradient: the optimizer leaves it unchanged.  Raises ``ValueError`` naming a
+        parameter frozen since the tracker was built (no gradient) and the laws that read it (``grad_check_ignore``
         leaves those laws out)."""
         dev = self._fam_of.device
         out = torch.full((self.width,), float("nan"), dtype=torch.float64, device=dev)
@@ -101,7 +104,7 @@ class GradientWatch:
             return out.float()
         names = self.plan.names
         params = {n: named[n] for n in names}
-        grads = {n: named[n].grad for n in names}
+        grads = {n: zero_if_none(named[n]) for n in names}
         prods = self.check.update(params, grads, step=step)
         per_law = self.plan.segments(prods.ratio().to(torch.float64), "max")
         nf = len(self.families)
@@ -115,23 +118,35 @@ class GradientWatch:
         return self.check.result() if self.check is not None else None
 
     def report(self) -> None:
-        """Warn once per newly flagged law (one ``GradientCheckWarning`` per call naming up to five of them)."""
+        """Warn once per newly flagged law, and once per family flagged by its aggregate alone (a fault spread
+        thinly over the family's layers): one ``GradientCheckWarning`` per call naming up to five of them."""
         if self.check is None or self.check.steps == 0:
             return
         res = self.check.result()
         new = [c for c in res.flagged if c.name not in self.warned]
-        if not new:
+        fams = res.families()
+        spread = [f for f, v in sorted(fams.items()) if v["flagged_aggregate"] and not v["flagged"]
+                  and f"family:{f}" not in self.warned]
+        if not new and not spread:
             return
         self.warned.update(c.name for c in new)
+        self.warned.update(f"family:{f}" for f in spread)
         worst = sorted(new, key=lambda c: -max(c.worst / c.floor, c.aggregate / c.aggregate_floor))
-        shown = "; ".join(f"{c.name} (layer {c.layer}; {', '.join(c.params)}): worst {c.worst:.2e} "
-                          f"(floor {c.floor:.1e}), aggregate {c.aggregate:.2e} (floor {c.aggregate_floor:.1e})"
-                          for c in worst[:5]) + (f"; ... ({len(new) - 5} more)" if len(new) > 5 else "")
+        shown = [f"{c.name} (layer {c.layer}; {', '.join(c.params)}): worst {c.worst:.2e} (floor {c.floor:.1e}), "
+                 f"aggregate {c.aggregate:.2e} (floor {c.aggregate_floor:.1e})" for c in worst[:5]]
+        if len(new) > 5:
+            shown.append(f"... ({len(new) - 5} more)")
+        shown += [f"family {f}: no law above its floor alone, but the aggregate over its {fams[f]['laws']} laws is "
+                  f"{fams[f]['aggregate']:.2e} (floor {fams[f]['aggregate_floor']:.1e})"
+                  for f in spread]
+        what = f"{len(new)} law(s)" + (f" and {len(spread)} family aggregate(s)" if spread else "") if new \
+            else f"the {', '.join(spread)} famil{'ies' if len(spread) > 1 else 'y'} as a whole"
         note = ""
-        if any(c.family in self.assumed for c in new):
+        if any(c.family in self.assumed for c in new) or any(f in self.assumed for f in spread):
             note = (" (the translation laws hold for softmax cross-entropy only, which detection assumed: if the loss "
                     "is another, pass grad_check_ignore=['translation'])")
-        warn(f"conserve: the gradient is not a gradient of the model's output for {len(new)} law(s) "
-             f"({res.dtype} gradient, {res.steps} checked step(s)): {shown}{note}. Either {BUG}, or a method that "
-             f"changes the gradient on purpose ({'; '.join(KNOWN_METHODS)}); grad_check_ignore=[...] leaves laws out",
+        half = half_precision_hint(res, new)
+        warn(f"conserve: the gradient is not a gradient of the model's output for {what} ({res.dtype} gradient, "
+             f"{res.steps} checked step(s)): {'; '.join(shown)}{note}.{half} Either {BUG}, or a method that changes "
+             f"the gradient on purpose ({'; '.join(KNOWN_METHODS)}); grad_check_ignore=[...] leaves laws out",
              GradientCheckWarning)
