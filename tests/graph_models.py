@@ -253,7 +253,8 @@ class Top2MoE(nn.Module):
 
 
 class Unknown(nn.Module):
-    """An MLP with a catalogue law next to blocks that have none: a conv, a bilinear form, a squared ReLU."""
+    """An MLP with a catalogue law next to a block that has none (a conv whose output a residual reads) and a
+    squared ReLU (homogeneous of degree 2: its own unit law)."""
 
     def __init__(self):
         super().__init__()

@@ -61,7 +61,7 @@ def config(name: str, **over):
         "olmo3": lambda: T.Olmo3Config(**TINY, num_key_value_heads=2, rms_norm_eps=0.0),
         "exaone4": lambda: T.Exaone4Config(**TINY, num_key_value_heads=2, rms_norm_eps=0.0),
         "seed_oss": lambda: T.SeedOssConfig(**TINY, num_key_value_heads=2, head_dim=4),
-        "arcee": lambda: T.ArceeConfig(**TINY, num_key_value_heads=2),  # relu^2 MLP: declined
+        "arcee": lambda: T.ArceeConfig(**TINY, num_key_value_heads=2),  # relu^2 MLP: degree-2 unit law
         "glm": lambda: T.GlmConfig(**TINY, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
         "smollm3": lambda: T.SmolLM3Config(**{**TINY, "num_hidden_layers": 2}, num_key_value_heads=2, pad_token_id=0,
                                            bos_token_id=0, eos_token_id=0, no_rope_layers=[1, 0]),
@@ -256,9 +256,13 @@ CASES = {
                 lambda m, d: [ScaleLaw.build("bad", 0, blocks=[rows(f"{A}.q_proj.weight", (16, 16), 0, 2)]),
                               mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1"))]),
     "seed_oss": (CAUSAL, [EMBED], lambda m, d: [mix(law(d, f"{A}/rope/group0"), law(d, f"{A}/rope/group1"))]),
-    # relu^2 MLP: no unit law in the catalogue, but up_proj reads post_attention_layernorm only linearly: gain law
-    "arcee": ({"rope_pair": 2, "vo": 2, "gain": 3, "translation": 1}, [EMBED, (M, "not in the catalogue")],
+    # relu^2 MLP: homogeneous of degree 2 (the unit law with -2 on down_proj's columns); up_proj reads
+    # post_attention_layernorm only linearly: gain law
+    "arcee": ({"rope_pair": 2, "vo": 2, "gain": 3, "relu_power": 1, "translation": 1}, [EMBED],
               lambda m, d: [mix(law(d, f"{A}/vo/group0"), law(d, f"{A}/vo/group1")),
+                            # the unit law with coefficient 1 (as for ReLU) instead of 2
+                            dataclasses.replace(law(d, f"{M}/unit"), terms=[
+                                dataclasses.replace(t, sign=max(t.sign, -1.0)) for t in law(d, f"{M}/unit").terms]),
                             # the gain law as if down_proj (after the relu^2) also read the norm
                             dataclasses.replace(law(d, "model.layers.0.post_attention_layernorm/gain"), terms=[
                                 *law(d, "model.layers.0.post_attention_layernorm/gain").terms,

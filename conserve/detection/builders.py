@@ -136,16 +136,18 @@ def _entry_terms(weight: str, shape, idx: Sequence[int], sign: float, *, bias: s
 
 def unit_law(cls, name: str, layer, *, up: str, up_shape, units: Sequence[int], down: str, down_shape,
              features: Sequence[int] | None = None, up_bias: str | None = None, up_t: bool = False,
-             down_t: bool = False, lead: tuple = (), note: str = "") -> Law:
-    """Unit balance (spec: ReLU / SwiGLU rows; ``cls`` = ``ReLUUnit`` or ``SwiGLUUnit``): entry e reads output
-    unit ``units[e]`` of ``up`` (row + bias) and input feature ``features[e]`` of ``down`` (column; default
-    ``range(len(units))``): ``||W_up[u,:]||^2 + b_up[u]^2 - ||W_down[:,f]||^2``. ``lead``: the expert index
-    of fused ``(E, out, in)`` up / down tensors (and ``(E, out)`` bias)."""
+             down_t: bool = False, lead: tuple = (), degree: float = 1.0, note: str = "") -> Law:
+    """Unit balance (spec: ReLU / SwiGLU rows; ``cls`` = ``ReLUUnit``, ``SwiGLUUnit`` or ``ReLUPowerUnit``): entry e
+    reads output unit ``units[e]`` of ``up`` (row + bias) and input feature ``features[e]`` of ``down`` (column;
+    default ``range(len(units))``): ``||W_up[u,:]||^2 + b_up[u]^2 - k ||W_down[:,f]||^2`` with ``k = degree``, the
+    activation's degree of homogeneity (1 but for ``ReLUPowerUnit``). ``lead``: the expert index of fused
+    ``(E, out, in)`` up / down tensors (and ``(E, out)`` bias)."""
     features = list(range(len(units))) if features is None else list(features)
     if len(features) != len(units):
         raise ValueError(f"{name}: {len(units)} units but {len(features)} down features")
     terms = (_entry_terms(up, up_shape, units, +1.0, bias=up_bias, transposed=up_t, lead=lead)
-             + _entry_terms(down, down_shape, features, -1.0, bias=None, transposed=down_t, kind="cols", lead=lead))
+             + _entry_terms(down, down_shape, features, -float(degree), bias=None, transposed=down_t, kind="cols",
+                            lead=lead))
     return cls(name, layer, terms, len(units), note)
 
 

@@ -499,22 +499,33 @@ class Graph:
                     stack.append(a)
         return out
 
-    def feature_map(self, src: fx.Node, dst: fx.Node, held: dict | None = None) -> list | None:
+    def feature_map(self, src: fx.Node, dst: fx.Node, held: dict | None = None, positive: bool = False) -> list | None:
         """For each last-dim feature of ``dst``, the last-dim feature of ``src`` it is (index ops only; -1:
         not from ``src``), the same at every position; None when the path mixes or rescales features.
+        ``positive``: positively homogeneous element-wise maps of degree 1 (ReLU) may sit on the path too.
         ``held``: ``{node: value}`` kept at these values while ``src`` carries the feature codes (e.g. routing
-        indices computed from ``src``)."""
+        indices computed from ``src``).
+
+        The codes ``1..n`` run, then the codes times ``s``: ``s = -1`` (index ops are odd) or, with ``positive``,
+        ``s = 1 / (n + 1)``; the two outputs must agree up to ``s``. An activation that is the identity on large
+        positive values (ReLU; SiLU, GELU, softplus in floating point) passes the first run alone."""
         sv = self.env[src]
         n = sv.shape[-1]
         idx = torch.arange(1, n + 1, dtype=torch.float64).expand(sv.shape).clone()
-        try:
-            out = self.run({src: with_strides_of(sv, idx.to(sv.dtype) if sv.is_floating_point() else idx),
-                            **(held or {})}, [dst])[0]
-        except Exception:
+        scales = ((1.0, 1.0 / (n + 1)) if positive else (1.0, -1.0)) if sv.is_floating_point() else (1.0,)
+        flats = []
+        for sc in scales:
+            try:
+                out = self.run({src: with_strides_of(sv, (sc * idx).to(sv.dtype) if sv.is_floating_point() else idx),
+                                **(held or {})}, [dst])[0]
+            except Exception:
+                return None
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
+                return None
+            flats.append(out.reshape(-1, out.shape[-1]).to(torch.float64) / sc)
+        flat = flats[0]
+        if any(x.shape != flat.shape or not torch.allclose(x, flat, rtol=1e-12, atol=1e-9) for x in flats[1:]):
             return None
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
-            return None
-        flat = out.reshape(-1, out.shape[-1]).to(torch.float64)
         if not torch.equal(flat, flat[:1].expand_as(flat)) or not torch.equal(flat[0], flat[0].round()):
             return None
         f = flat[0].long() - 1

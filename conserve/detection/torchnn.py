@@ -31,13 +31,16 @@ frozen (``requires_grad=False``) or shared (tied) parameter are moved to ``decli
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..laws import Declined, DeepLinearGram, QKGram, ReLUUnit, Translation, VOGram, cols, rows, vector
 from . import builders
+from ..laws.tolerance import HOMOGENEOUS
 from .core import Collector, register
 
 __all__ = ["Collector", "gain_law", "linear_cols", "norm_parts", "unit_law", "mha_laws", "walk", "layer_index"]
@@ -137,6 +140,35 @@ def mha_readers(path: str, m: nn.MultiheadAttention) -> list | None:
     if m._qkv_same_embed_dim:
         return [cols(_p(path, "in_proj_weight"), m.in_proj_weight.shape, 0, m.embed_dim)]
     return None
+
+
+# ------------------------------------------------------------------------------- activations
+def degree_from(y: torch.Tensor, y_big: torch.Tensor, y_small: torch.Tensor) -> float:
+    """The degree ``k > 0`` of positive homogeneity of an element-wise ``f`` from ``y = f(z)``, ``y_big = f(2.5 z)``
+    and ``y_small = f(0.3 z)`` (``f(c z) = c^k f(z)``: ReLU, leaky ReLU, abs: 1; squared ReLU: 2), measured at 2.5
+    and confirmed at 0.3, within ``HOMOGENEOUS`` of an integer read as that integer; 0.0 when f is not positively
+    homogeneous (GELU, SiLU, tanh, ...) or is zero on every value."""
+    y, y_big, y_small = (t.detach().to(torch.float64) for t in (y, y_big, y_small))
+    big = y.abs() > y.abs().max() * 1e-3
+    if not big.any():
+        return 0.0
+    k = float(torch.log((y_big[big] / y[big]).abs()).median() / math.log(2.5))
+    if not math.isfinite(k) or k <= 0:
+        return 0.0
+    if abs(k - round(k)) < HOMOGENEOUS:
+        k = float(round(k))
+    ok = all(torch.allclose(yc, c ** k * y, rtol=HOMOGENEOUS, atol=HOMOGENEOUS) for yc, c in ((y_big, 2.5), (y_small, 0.3)))
+    return k if ok else 0.0
+
+
+def homogeneous_degree(act) -> float:
+    """``degree_from`` an activation module or function, run on fixed float64 values; 0.0 when it cannot run."""
+    z = torch.linspace(-3.0, 3.0, 61, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            return degree_from(act(z), act(2.5 * z), act(0.3 * z))
+    except Exception:  # noqa: BLE001 - an activation that takes other inputs: no law read from it
+        return 0.0
 
 
 # ------------------------------------------------------------------------------- encoder layer

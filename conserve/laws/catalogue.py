@@ -54,6 +54,26 @@ class ReLUUnit(UnitBalance):
     source = "Du et al. 2018; Marcotte, Gribonval, Peyre 2023"
 
 
+class ReLUPowerUnit(UnitBalance):
+    """FFN unit ``u`` whose activation is positively homogeneous of degree ``k`` (``f(c z) = c^k f(z)`` for
+    ``c > 0``; squared ReLU ``relu(z)^2``: k = 2, So et al. 2021, used by Nemotron and Persimmon):
+    ``||W_in[u,:]||^2 + b_in[u]^2 - k ||W_out[:,u]||^2`` (vector of I). Symmetry: unit u of ``W_in`` (and
+    ``b_in``) scaled by c, of ``W_out`` by ``c^-k`` (docs/laws.md, "Homogeneous activations of degree k")."""
+
+    family = "relu_power"
+    source = "docs/laws.md (positive rescaling of a degree-k homogeneous activation)"
+
+    @classmethod
+    def build(cls, name: str, layer: int | None, *, up: Ref, down: Ref, up_bias: Ref | None = None, degree: float = 2.0,
+              note: str = ""):
+        if not degree > 0:
+            raise ValueError(f"{name}: the degree of homogeneity must be positive, got {degree}")
+        if up.rows != down.rows or (up_bias is not None and up_bias.rows != up.rows):
+            raise ValueError(f"{name}: up has {up.rows} units but down has {down.rows}")
+        terms = _norms([up, up_bias], +1.0) + _norms([down], -float(degree))
+        return cls(name, layer, terms, up.rows, note)
+
+
 class HeadGram(Law):
     """``sum_a X_a X_a^T - sum_b Y_b Y_b^T`` (D x D symmetric): X, Y are D-row blocks (biases as D x 1)."""
 
@@ -240,6 +260,6 @@ class NormScaleLaw(ScaleLaw):
     source = "derived (spec: QK-norm breaker, applied to a post-norm)"
 
 
-FAMILIES = {c.family: c for c in (SwiGLUUnit, ReLUUnit, QKGram, VOGram, RopePassGram, DeepLinearGram, RopePairs,
-                                  RouterSum, Translation, GainBalance, ScaleLaw, QKNormGain, LayerScaleBalance,
+FAMILIES = {c.family: c for c in (SwiGLUUnit, ReLUUnit, ReLUPowerUnit, QKGram, VOGram, RopePassGram, DeepLinearGram,
+                                  RopePairs, RouterSum, Translation, GainBalance, ScaleLaw, QKNormGain, LayerScaleBalance,
                                   NormScaleLaw)}

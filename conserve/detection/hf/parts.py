@@ -12,9 +12,11 @@ from functools import lru_cache
 from torch import nn
 
 from ...errors import UsageError
-from ...laws import NormScaleLaw, QKGram, ReLUUnit, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit, Translation, VOGram, vector
+from ...laws import (NormScaleLaw, QKGram, ReLUPowerUnit, ReLUUnit, RopePassGram, RouterSum, ScaleLaw, SwiGLUUnit,
+                     Translation, VOGram, vector)
 from .. import builders
 from ..core import Collector
+from ..torchnn import homogeneous_degree
 from .rope import find_rope_layout, find_rotary_dim
 
 NO_EMBED = "input embedding: no law (no parameter on the other side of it)"
@@ -91,14 +93,14 @@ class W:
         return self.name, self.shape, self.bias, [start + t for t in range(n)], self.t
 
 
-def unit_laws(cls, name: str, layer, up: W, start: int, n: int, down: W, note: str):
+def unit_laws(cls, name: str, layer, up: W, start: int, n: int, down: W, note: str, degree: float = 1.0):
     """Unit law (``builders.unit_law``) of output units ``start..start+n`` of ``up`` read by input features
-    ``0..n`` of ``down`` (same expert ``lead``)."""
+    ``0..n`` of ``down`` (same expert ``lead``; ``degree``: the activation's degree of homogeneity)."""
     if down.n_in != n:
         raise UsageError(f"{name}: up has {n} units but down reads {down.n_in}")
     return builders.unit_law(cls, name, layer, up=up.name, up_shape=up.shape, units=range(start, start + n),
                              down=down.name, down_shape=down.shape, up_bias=up.bias, up_t=up.t, down_t=down.t,
-                             lead=up.lead, note=note)
+                             lead=up.lead, degree=degree, note=note)
 
 
 def linear_w(prefix: str, mod: nn.Module) -> W:
@@ -346,12 +348,15 @@ def gated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
 
 
 def plain_mlp(ctx, path, mlp, layer, up_name, down_name, act, reason: str | None = None) -> _Mlp:
-    """``down(act(up x))``: ReLU / leaky-ReLU unit law, none for GELU / SiLU (spec rows; ``reason`` replaces
-    the declined reason for other activations)."""
+    """``down(act(up x))``: the unit law of a positively homogeneous activation (ReLU / leaky ReLU: degree 1;
+    squared ReLU, transformers' ``relu2``: degree 2, ``ReLUPowerUnit``), none for GELU / SiLU (spec rows; ``reason``
+    replaces the declined reason for other activations)."""
     uw, dw = linear_w(f"{path}.{up_name}", getattr(mlp, up_name)), linear_w(f"{path}.{down_name}", getattr(mlp, down_name))
     n = uw.n_out
-    if isinstance(act, (nn.ReLU, nn.LeakyReLU)):
-        law = unit_laws(ReLUUnit, f"{path}/unit", layer, uw, 0, n, dw, f"{type(act).__name__} FFN")
+    k = 1.0 if isinstance(act, (nn.ReLU, nn.LeakyReLU)) else homogeneous_degree(act)
+    if k:
+        law = unit_laws(ReLUUnit if k == 1 else ReLUPowerUnit, f"{path}/unit", layer, uw, 0, n, dw,
+                        f"{type(act).__name__} FFN" + (f", homogeneous of degree {k:g}" if k != 1 else ""), degree=k)
         ctx.know(dw.bias)
         return _Mlp([law], [uw.in_cols()], up_name)
     ctx.decline(path, f"{type(act).__name__} FFN", reason or
@@ -360,15 +365,15 @@ def plain_mlp(ctx, path, mlp, layer, up_name, down_name, act, reason: str | None
 
 
 def ungated_mlp(ctx, path, mlp, layer) -> _Mlp | None:
-    """Plain FFN ``down_proj(act_fn(up_proj(x)))`` in a decoder layer (Arcee: ReLU^2): ReLU / leaky-ReLU unit
-    law, none for other activations (declined); ``up_proj`` is the reader of the norm before it."""
+    """Plain FFN ``down_proj(act_fn(up_proj(x)))`` in a decoder layer (Arcee, Nemotron: ReLU^2): the unit law of a
+    positively homogeneous activation (``plain_mlp``), none for other activations (declined); ``up_proj`` is the
+    reader of the norm before it."""
     if (hasattr(mlp, "gate_proj") or not all(linear_like(getattr(mlp, n, None)) for n in ("up_proj", "down_proj"))
             or "self.down_proj(self.act_fn(self.up_proj(x)))" not in forward_src(mlp)):
         return None
     act = getattr(mlp, "act_fn", None)
-    reason = None if isinstance(act, (nn.ReLU, nn.LeakyReLU)) else (
-        f"the activation {type(act).__name__} is not in the catalogue's unit laws (ReLU / leaky ReLU only): no law; "
-        "up_proj still reads the norm before it only linearly, so that norm's gain law holds")
+    reason = (f"the activation {type(act).__name__} is not positively homogeneous (no unit law); up_proj still reads "
+              "the norm before it only linearly, so that norm's gain law holds")
     return plain_mlp(ctx, path, mlp, layer, "up_proj", "down_proj", act, reason=reason)
 
 

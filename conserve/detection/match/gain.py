@@ -150,7 +150,7 @@ def _one_gain(f: Found, n: fx.Node, w: str, b, shift: float, what: str, experts_
                   "a weight computed from parameters, or an unrecognised module): no gain law (spec: pre-norm gain "
                   "row; breakers: post-LN)")
         return
-    maps = [g.feature_map(n, r.x) for r in readers]
+    maps = [g.feature_map(n, r.x, positive=True) for r in readers]
     if any(m != list(range(h)) for m in maps):
         c.decline(path, what_, "its readers do not read the features one to one: no gain law")
         return
@@ -299,7 +299,7 @@ def _held_feature_map(g: Graph, src: fx.Node, dst: fx.Node) -> list | None:
         return isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex()
 
     held = {n: g.env[n] for n in g.descendants([src]) if n is not src and n.op != "output" and integral(g.env.get(n))}
-    return g.feature_map(src, dst, held)
+    return g.feature_map(src, dst, held, positive=True)
 
 
 def _use(g: Graph, u: fx.Node, src: fx.Node) -> str:
@@ -335,7 +335,7 @@ def _layer_scale(f: Found, n: fx.Node, w: str, h: int) -> bool:
     if src not in g.lins or len(src.users) != 1 or not g.lins[src].plain:
         return False
     lin = g.lins[src]
-    if lin.n_out != h or g.feature_map(src, arg) != list(range(h)):
+    if lin.n_out != h or g.feature_map(src, arg, positive=True) != list(range(h)):
         return False
     path = w.rsplit(".", 1)[0] if "." in w else w
     # a LayerScale module's one parameter (ls1.gamma): the module names the law; a block's own parameters

@@ -15,12 +15,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ...laws import DeepLinearGram, ReLUUnit, SwiGLUUnit
-from ...laws.tolerance import HOMOGENEOUS
+from ...laws import DeepLinearGram, ReLUPowerUnit, ReLUUnit, SwiGLUUnit
 from .. import builders
 from ..fxgraph import Graph, Lin, with_strides_of
 from ..ops import ELEMENTWISE, NO_LAW, POSITIVE, SHAPE_ONLY
-from ..torchnn import NO_LAW_ACT
+from ..torchnn import NO_LAW_ACT, degree_from
 from .found import Found, layer_index
 
 __all__ = ["mlps"]
@@ -55,7 +54,7 @@ def mlps(f: Found) -> None:
             if all(o_ in POSITIVE for o_ in chain):
                 if _declined_branch(f, src, n, f"Linear-{kinds}-Linear"):
                     continue
-                fm = g.feature_map(src, down.x)
+                fm = g.feature_map(src, down.x, positive=True)
                 if not fm or -1 in fm:
                     c.decline(up.module, f"Linear-{kinds}-Linear", "the units between the two maps are not an index map")
                     continue
@@ -66,9 +65,16 @@ def mlps(f: Found) -> None:
                 c.decline(up.module, f"Linear-{kinds.upper()}-Linear", NO_LAW_ACT)
                 c.decline(down.module, f"Linear-{kinds.upper()}-Linear output", "see the MLP's input layer")
             else:
-                c.decline(up.module, f"Linear-{kinds}-Linear", f"the element-wise map {kinds!r} is not in the catalogue "
-                          "(no rescaling symmetry is known for it): no law")
-                c.decline(down.module, f"Linear-{kinds}-Linear output", "see the MLP's input layer")
+                k = _elementwise(g, src, down.x)
+                if k and not _declined_branch(f, src, n, f"Linear-{kinds}-Linear"):
+                    fm = g.feature_map(src, down.x, positive=True) if k == 1 else list(range(up.n_out))
+                    _homogeneous_unit(f, up, down, fm, k, f"Linear-{kinds}-Linear")
+                    c.know(down.b)
+                elif not k:
+                    c.decline(up.module, f"Linear-{kinds}-Linear", f"the element-wise map {kinds!r} is not positively "
+                              "homogeneous (f(c z) = c^k f(z) for c > 0 fails on the probe's values): no rescaling "
+                              "symmetry, no law")
+                    c.decline(down.module, f"Linear-{kinds}-Linear output", "see the MLP's input layer")
         elif o != "mul" and _generic_act(f, n, down):
             continue
         elif o == "mul":
@@ -76,17 +82,20 @@ def mlps(f: Found) -> None:
             ops = [a for a in u.args if isinstance(a, fx.Node)]
             if len(ops) != 2:
                 continue
+            unmapped = []  # operands read from one linear, but not through index ops alone
             for i in (1, 0):
                 cand = ops[i]
                 lins = g.nearest_lins(cand)
                 if len(lins) != 1:
                     continue
                 src = next(iter(lins))
-                if src in f.used:
-                    continue
                 fm = g.feature_map(src, cand)
                 if not fm or -1 in fm:
+                    unmapped.append(src)
                     continue
+                if src in f.used and len(set(fm)) >= g.lins[src].n_out:
+                    continue  # every row of this map is explained already; a map fused with attention's
+                    # projections (PaLM's parallel block: q, k, v and the MLP's up rows in one linear) has rows left
                 other = ops[1 - i]
                 gate = g.op(g.back_pass(other))
                 up = g.lins[src]
@@ -100,6 +109,13 @@ def mlps(f: Found) -> None:
                     if x in g.lins and g.lins[x].module != up.module:
                         f.gates[g.lins[x].module] = up.module
                 break
+            else:
+                if len(unmapped) == 2 and unmapped[0] not in f.used:
+                    f.used.add(unmapped[0])
+                    c.decline(g.lins[unmapped[0]].module, "gated MLP",
+                              "neither operand of the gated product is the linear's units through index ops alone (a "
+                              "shift or clamp on the linear half, as in (up + 1) * glu(gate)): rescaling a unit does "
+                              "not pass through it, so the SwiGLU unit law does not hold: no law")
 
 
 def _peel_scale(g: Graph, u: fx.Node) -> fx.Node:
@@ -112,7 +128,7 @@ def _peel_scale(g: Graph, u: fx.Node) -> fx.Node:
     return u
 
 
-def _unit_laws(f: Found, cls, name: str, up: Lin, down: Lin, units, note: str, what: str) -> bool:
+def _unit_laws(f: Found, cls, name: str, up: Lin, down: Lin, units, note: str, what: str, degree: float = 1.0) -> bool:
     """Unit law(s) of ``up`` rows ``units`` read by ``down`` columns: one law, or one per expert when both are
     fused experts gathered per token (``Lin.experts``: token s uses expert ids[s] in both maps, as the graph's
     index shows; named ``<experts module>.<e>/unit`` as the HF handler does). False (nothing added) when only one
@@ -121,20 +137,23 @@ def _unit_laws(f: Found, cls, name: str, up: Lin, down: Lin, units, note: str, w
         return False
     if not up.experts and not down.experts:
         f.add(builders.unit_law(cls, name, layer_index(up.module), up=up.w, up_shape=up.shape, units=units, down=down.w,
-                                down_shape=down.shape, up_bias=up.b, up_t=up.t, down_t=down.t, note=note), what)
+                                down_shape=down.shape, up_bias=up.b, up_t=up.t, down_t=down.t, degree=degree,
+                                note=note), what)
         return True
     if up.experts != down.experts:
         return False
     for e in range(up.experts):
         f.add(builders.unit_law(cls, f"{up.module}.{e}/unit", layer_index(up.module), up=up.w, up_shape=up.shape,
                                 units=units, down=down.w, down_shape=down.shape, up_bias=up.b, up_t=up.t, down_t=down.t,
-                                lead=(e,), note=f"{note}; expert {e} of fused experts gathered per token"), what)
+                                lead=(e,), degree=degree, note=f"{note}; expert {e} of fused experts gathered per token"),
+              what)
     return True
 
 
-def _elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> str | None:
-    """'positive' when ``dst = f(src)`` element-wise with f(c z) = c f(z) for c > 0 (ReLU-like), 'none' for any
-    other element-wise f, None when the map is not element-wise (checked on the recorded values)."""
+def _elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> float | None:
+    """The degree ``k > 0`` when ``dst = f(src)`` element-wise with ``f(c z) = c^k f(z)`` for ``c > 0`` (ReLU,
+    leaky ReLU, abs: 1; squared ReLU: 2), 0.0 for any other element-wise f, None when the map is not element-wise
+    (checked on the recorded values, ``torchnn.degree_from``)."""
     z, y = g.env[src], g.env[dst]
     if not (isinstance(z, torch.Tensor) and isinstance(y, torch.Tensor)) or z.shape != y.shape or not z.is_floating_point():
         return None
@@ -147,11 +166,22 @@ def _elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> str | None:
             d[0, r] = 0.0
             if d.abs().max() > 0:
                 return None
-        hom = all(torch.allclose(g.run({src: with_strides_of(z, c * z)}, [dst])[0], c * y, rtol=HOMOGENEOUS, atol=HOMOGENEOUS)
-                  for c in (2.5, 0.3))
+        run = lambda c: g.run({src: with_strides_of(z, c * z)}, [dst])[0]  # noqa: E731
+        return degree_from(y, run(2.5), run(0.3))
     except Exception:  # noqa: BLE001
         return None
-    return "positive" if hom else "none"
+
+
+def _homogeneous_unit(f: Found, up: Lin, down: Lin, units, k: float, what: str) -> None:
+    """The unit law of a degree-``k`` positively homogeneous activation between ``up`` and ``down``: ``ReLUUnit``
+    (k = 1, spec: ReLU row), else ``ReLUPowerUnit`` with ``k`` on the down columns."""
+    if k == 1:
+        _unit_laws(f, ReLUUnit, f"{up.module}/unit", up, down, units, f"structural: {what} (spec: ReLU row)",
+                   "ReLU unit")
+    else:
+        _unit_laws(f, ReLUPowerUnit, f"{up.module}/unit", up, down, units,
+                   f"structural: {what}, homogeneous of degree {k:g} (docs/laws.md, \"Homogeneous activations of "
+                   f"degree k\")", f"degree-{k:g} unit", degree=k)
 
 
 def _generic_act(f: Found, n: fx.Node, down: Lin) -> bool:
@@ -164,16 +194,15 @@ def _generic_act(f: Found, n: fx.Node, down: Lin) -> bool:
     src = next(iter(lins))
     if src in f.used or src is n:
         return False
-    kind = _elementwise(g, src, down.x)
-    if kind is None:
+    k = _elementwise(g, src, down.x)
+    if k is None:
         return False
     up = g.lins[src]
     f.used.add(src)
-    if kind == "positive":
+    if k:
         if _declined_branch(f, src, n, "Linear-activation-Linear"):
             return True
-        _unit_laws(f, ReLUUnit, f"{up.module}/unit", up, down, range(up.n_out),
-                   "structural: positively homogeneous element-wise activation (spec: ReLU row)", "ReLU unit")
+        _homogeneous_unit(f, up, down, range(up.n_out), k, "positively homogeneous element-wise activation")
         c.know(down.b)
     else:
         c.decline(up.module, "Linear-activation-Linear", NO_LAW_ACT + " (element-wise, not positively homogeneous)")
