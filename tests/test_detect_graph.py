@@ -479,6 +479,60 @@ def test_structural_agrees_with_name_based_hf(name):
         assert any("QK-norm" in x.reason for x in found.declined)
 
 
+class MatmulLinear(nn.Module):
+    """FalconLinear: ``x @ self.weight.T`` and the bias added after (the traced graph has a matmul and an add)."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(d_out, d_in)), nn.Parameter(torch.randn(d_out))
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class MatmulAttention(nn.Module):
+    def __init__(self, d=12, nh=3):
+        super().__init__()
+        self.nh, self.norm = nh, nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (MatmulLinear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, t, self.nh, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        z = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        return x + self.o(z)
+
+
+def test_a_linear_written_as_matmul_then_bias_add_is_one_linear_map():
+    """``x @ W.T + b`` (FalconLinear, hand-written layers): the add is the map's output and its bias, so the QK and
+    VO Grams (with the biases) and the norm's gain law are found, as for ``nn.Linear``; each holds."""
+    m = randomize(MatmulAttention())
+    x = floats(2, 5, 12)
+    found = detect(m, example_inputs=x)
+    assert found.families() == {"qk": 3, "vo": 3, "gain": 1}, (found.families(), reasons(found))
+    assert {p for l in found.laws if l.family == "qk" for p in l.params} == {"q.weight", "q.bias", "k.weight",
+                                                                              "k.bias"}
+    assert set(law(found, "norm/gain").params) >= {"norm.weight", "norm.bias", "q.weight", "k.weight", "v.weight"}
+    hold(m, found, x)
+
+
+@pytest.mark.skipif(not CASES, reason=HF or "no HF cases")
+def test_falcons_matmul_linears_with_bias_agree_with_the_name_based_detector():
+    import transformers as T
+    from test_detect_hf import randomize as hf_randomize
+
+    torch.manual_seed(0)
+    cfg = T.FalconConfig(vocab_size=17, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, num_kv_heads=2,
+                         new_decoder_architecture=True, bias=True, alibi=False)
+    m = hf_randomize(T.FalconForCausalLM(cfg).eval())
+    named, found = detect(m), detect_graph(m, loss="ce")
+    params = {k: v.detach().double() for k, v in m.named_parameters(remove_duplicate=False)}
+    assert {"rope_pair", "vo", "gain"} <= set(named.families())
+    want = fingerprint([x for x in named.laws if x.family not in NOT_STRUCTURAL], params)
+    assert fingerprint(found.laws, params) == want
+
+
 def _bert_head(cls_name: str, layers: int = 2):
     import transformers as T
     from test_detect_hf import config, randomize

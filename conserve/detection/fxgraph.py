@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -176,10 +177,14 @@ class Graph:
         self._paths: dict = {}  # (sources, targets) -> the nodes between them, in graph order
         self._record()
         self.lins, self.convs = {}, {}
+        self._folded: dict = {}  # the matmul node of a linear whose bias add is its output (``_with_bias``)
         for n in self.nodes:
             lin = self._lin(n)
             if lin is not None:
-                self.lins[n] = lin
+                lin = self._with_bias(lin)
+                self.lins[lin.node] = lin
+                if lin.node is not n:
+                    self._folded[n] = lin
             conv = self._conv(n)
             if conv is not None:
                 self.convs[n] = conv
@@ -297,6 +302,20 @@ class Graph:
         if isinstance(n, fx.Node) and n.op == "get_attr" and n.target in self.params:
             return n.target
         return None
+
+    def _with_bias(self, lin: Lin) -> Lin:
+        """``x @ W.T + b`` written as a matmul and an add (FalconLinear, hand-written layers): the add of a vector
+        parameter of the output's width, the matmul's only reader, is the linear map's output and bias."""
+        if lin.b is not None or not lin.plain or len(lin.node.users) != 1:
+            return lin
+        add = next(iter(lin.node.users))
+        if self.op(add) != "add" or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+            return lin
+        other = add.args[1] if add.args[0] is lin.node else add.args[0]
+        b = self.param_of(other)
+        if b is None or self.params[b].dim() != 1 or self.params[b].shape[0] != lin.n_out:
+            return lin
+        return dataclasses.replace(lin, node=add, b=b)
 
     def _lin(self, n: fx.Node) -> Lin | None:
         if n.op == "call_module":
@@ -472,7 +491,11 @@ class Graph:
 
     def lin_of_x(self, n: fx.Node) -> list:
         """Linear maps reading ``n`` as their input."""
-        return [self.lins[u] for u in n.users if u in self.lins and self.lins[u].x is n]
+        return [lin for u in n.users if (lin := self.lin_at(u)) is not None and lin.x is n]
+
+    def lin_at(self, n: fx.Node) -> Lin | None:
+        """The linear map computed at ``n``: its output node, or the matmul of a map whose bias is added after."""
+        return self.lins.get(n) or self._folded.get(n)
 
     def back_pass(self, n, ops=None):
         """Follow ``n`` back through single-input pass ops (dropout, casts) to the first other node."""

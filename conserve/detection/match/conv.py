@@ -181,7 +181,7 @@ def channel_gains(f: Found) -> None:
             rd = _reader_map(g, u)
             if rd is not None and rd[0] is m:
                 readers.append(rd)
-            elif g.op(u) == "output" or u in g.convs or u in g.lins:
+            elif g.op(u) == "output" or u in g.convs or g.lin_at(u) is not None:
                 bad.append(u)
             elif g.op(u) not in SHAPE_ONLY:
                 return True

@@ -190,8 +190,8 @@ def _readers(g: Graph, c, src: fx.Node, h: int, experts_x: dict) -> tuple[list, 
     readers, bad, why = [], [], {}
 
     def visit(m, u):
-        if u in g.lins and g.lins[u].x is m:
-            readers.append(g.lins[u])
+        if (lin := g.lin_at(u)) is not None and lin.x is m:
+            readers.append(lin)
         elif u in experts_x and experts_x[u].x is m:  # x.unsqueeze(...) of a per-token expert map
             readers.append(experts_x[u])
         elif g.op(u) == "opaque":
