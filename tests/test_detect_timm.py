@@ -166,3 +166,16 @@ def test_user_subclass_of_a_timm_vit_is_checked():
     assert d.detector == "timm" and "translation" not in d.families() and d.families()["qk"] == 2
     assert "is not timm's code" in next(x.reason for x in d.declined if x.module == "head/translation")
     assert max(worst(m, d.laws).values()) <= TOL
+
+
+def test_structural_detection_of_a_plain_vit_agrees_with_the_timm_detector():
+    """timm's LayerNorm calls ``F.layer_norm(x, shape, weight=..., bias=...)``: the bias passed by keyword is part of
+    the gain law (without it the law fails its check and was declined)."""
+    from conserve.detection.graph import detect_graph
+
+    m = vit(depth=2)
+    named, found = detect(m), detect_graph(m, loss="ce")
+    gains = {l.name: set(l.params) for l in found.laws if l.family == "gain"}
+    assert {l.name: set(l.params) for l in named.laws if l.family == "gain"} == gains and len(gains) == 5
+    assert {"blocks.0.norm1.weight", "blocks.0.norm1.bias"} <= gains["blocks.0.norm1/gain"]
+    assert max(worst(m, found.laws).values()) <= TOL

@@ -77,7 +77,9 @@ def scale_points(g: Graph):
         if o in ("layer_norm", "rms_norm") and n.op == "call_function":
             args = list(n.args)
             w = g.param_of(args[2]) if len(args) > 2 else g.param_of(n.kwargs.get("weight"))
-            b = g.param_of(args[3]) if o == "layer_norm" and len(args) > 3 else None
+            b = None
+            if o == "layer_norm":  # F.layer_norm(x, shape, weight=..., bias=...) (timm) or positional
+                b = g.param_of(args[3]) if len(args) > 3 else g.param_of(n.kwargs.get("bias"))
             if w is not None:
                 out.append((n, w, b, 0.0, o))
         elif o == "mul" and n.op == "call_function":
