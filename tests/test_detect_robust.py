@@ -669,3 +669,37 @@ def test_law_of_one_branch_only_is_not_claimed(by_value):
         assert "analysed on its own" in why["blocks.0.up"], why
     else:  # traced with real tensors on the ReLU branch; other inputs take the GELU one: the unit law fails there
         assert "another input" in why["blocks.0.up/unit"], why
+
+
+# ------------------------------------------------------------------------------------------ patch images
+class PatchViT(nn.Module):
+    """vit-pytorch's ViT: the image cut into ``p x p`` patches by a rearrangement (``b c (h p1) (w p2) -> b (h w)
+    (p1 p2 c)``), a LayerNorm and a Linear of ``c p^2`` features first, a class token and ``(1, N + 1, D)``
+    positions sliced to the patches; forward takes an image only."""
+
+    def __init__(self, image=12, p=3, c=3, d=16, heads=2):
+        super().__init__()
+        self.p, self.heads = p, heads
+        n = (image // p) ** 2
+        self.patch_norm, self.patch = nn.LayerNorm(c * p * p), nn.Linear(c * p * p, d)
+        self.cls_token, self.pos_embedding = nn.Parameter(torch.randn(1, 1, d)), nn.Parameter(torch.randn(1, n + 1, d))
+        self.norm, self.qkv, self.out, self.head = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, 5)
+
+    def forward(self, img):
+        b, c, hh, ww = img.shape
+        p = self.p
+        x = img.reshape(b, c, hh // p, p, ww // p, p).permute(0, 2, 4, 3, 5, 1).reshape(b, (hh // p) * (ww // p), -1)
+        x = self.patch(self.patch_norm(x))
+        x = torch.cat([self.cls_token.expand(b, -1, -1), x], 1) + self.pos_embedding[:, :x.shape[1] + 1]
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(self.norm(x)).chunk(3, -1))
+        x = x + self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        return self.head(x[:, 0])
+
+
+def test_a_vit_reading_image_patches_is_probed_with_an_image():
+    """No ``example_inputs``: the first layer's 27 features are 3 x 3 x 3 patches; the image tried is sized to
+    the position parameter's 16 patches (12 x 12), and the attention's laws are found."""
+    m = randomize(PatchViT())
+    found = detect(m, structural=True)
+    assert found.families().get("qk") == 2 and found.families().get("vo") == 2, (found.families(), reasons(found))
+    hold(m, found, torch.randn(2, 3, 12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))

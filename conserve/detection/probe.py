@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import copy
 import inspect
 
@@ -99,6 +101,8 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None, dtype
         if width is not None:
             cands += [(torch.randn(2, 6, width, generator=g, dtype=torch.float64),),
                       (torch.randn(4, width, generator=g, dtype=torch.float64),)]
+            cands += [(torch.randn((2, c) + size, generator=g, dtype=torch.float64),)
+                      for c, size in patch_images(model, width)]
         if len(cands) >= 6:
             break
     cands = [tuple(t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for t in x) for x in cands]
@@ -154,6 +158,28 @@ def no_cache(model: nn.Module, kwargs: dict) -> dict:
     if "use_cache" in params or (var_kw and (hasattr(config, "use_cache") or hasattr(text, "use_cache"))):
         kwargs.setdefault("use_cache", False)
     return kwargs
+
+
+def patch_images(model: nn.Module, width: int) -> list[tuple[int, tuple[int, int]]]:
+    """``(channels, (H, W))`` of images a first layer of ``width`` features could read as flattened ``p x p``
+    patches (``Rearrange('b c (h p1) (w p2) -> b (h w) (p1 p2 c)')``, vit-pytorch): ``width = c p^2`` with 3 or 1
+    channels; sizes declared by the model, a grid matching a ``(1, N [+ 1], D)`` position parameter, 2 x 2 and
+    4 x 4 patches."""
+    out = []
+    for c in (3, 1):
+        p = math.isqrt(width // c) if width % c == 0 else 0
+        if p < 2 or c * p * p != width:
+            continue
+        sizes = [s for s in declared_sizes(model, 2) if s[0] % p == 0 and s[1] % p == 0]
+        for t in model.parameters():
+            if t.dim() == 3 and t.shape[0] == 1:
+                for n in (t.shape[1], t.shape[1] - 1):
+                    r = math.isqrt(max(n, 0))
+                    if r > 0 and r * r == n:
+                        sizes.append((r * p, r * p))
+        sizes += [(2 * p, 2 * p), (4 * p, 4 * p)]
+        out += [(c, s) for s in dict.fromkeys(sizes)][:4]
+    return out
 
 
 def declared_sizes(model: nn.Module, nd: int) -> list[tuple]:
