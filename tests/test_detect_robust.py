@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conserve.detection import detect
-from test_detect_graph import fail, hold, ids, law, reasons
+from test_detect_graph import fail, floats, hold, ids, law, reasons
 from test_detect_torch import randomize
 
 
@@ -703,3 +703,55 @@ def test_a_vit_reading_image_patches_is_probed_with_an_image():
     found = detect(m, structural=True)
     assert found.families().get("qk") == 2 and found.families().get("vo") == 2, (found.families(), reasons(found))
     hold(m, found, torch.randn(2, 3, 12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """Nemotron's LayerNorm1P: the gain stored as ``w`` and applied as ``1 + w``, with a bias."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class OnePlusBlock(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.norm, self.up, self.down = LayerNorm1P(d), nn.Linear(d, 12), nn.Linear(12, d)
+
+    def forward(self, x):
+        return x + self.down(F.relu(self.up(self.norm(x))))
+
+
+def test_a_layer_norm_applying_one_plus_its_weight_gets_the_shifted_gain_law():
+    m = randomize(OnePlusBlock())
+    x = floats(2, 5, 8)
+    found = detect(m, example_inputs=x, structural=True)
+    gain = law(found, "norm/gain")
+    assert {t.shift for t in gain.terms if t.ref.param == "norm.weight"} == {1.0}, gain.terms
+    assert set(gain.params) == {"norm.weight", "norm.bias", "up.weight"}
+    hold(m, found, x)
+
+
+class WholeQKNorm(nn.Module):
+    """OLMo2's QK-norm: one RMSNorm over all heads' queries (and keys) before the head split."""
+
+    def __init__(self, h=16, nh=4):
+        super().__init__()
+        self.nh = nh
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(h, eps=1e-6), nn.RMSNorm(h, eps=1e-6)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k = self.q_norm(self.q(x)), self.k_norm(self.k(x))
+        q, k, v = (z.view(b, t, self.nh, -1).transpose(1, 2) for z in (q, k, self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, h))
+
+
+def test_q_and_k_projections_behind_a_whole_width_qk_norm_are_declined_not_undetected():
+    m = randomize(WholeQKNorm())
+    x = floats(2, 5, 16)
+    found = detect(m, example_inputs=x, structural=True)
+    assert found.undetected == [] and "QK-norm" in reasons(found)["q/qk"], (found.undetected, reasons(found))
+    assert found.families() == {"qk_norm_gain": 4, "vo": 4}
+    hold(m, found, x)

@@ -134,8 +134,7 @@ def one_attention(f: Found, site: Site) -> None:
         qk_laws(f, lab, layer, lq, lk, rows_, pairs, passd)
     else:
         c.decline(f"{lab}/qk", "QK laws", qk_norm(f, lq, lk, site.x, site.y, site.y_last, lab, layer) or qk_reason)
-        if not (lq.plain and lk.plain):  # heads stored in the attention's own parameters: that reason is theirs
-            c.know(lq.w, lq.b, lk.w, lk.b)
+        c.know(lq.w, lq.b, lk.w, lk.b)  # the q/k projections' reason is that decline (not "undetected")
     vo_laws(f, site, lab, layer, lv, lo, rows_.v)
 
 

@@ -76,12 +76,17 @@ def scale_points(g: Graph):
         o = g.op(n)
         if o in ("layer_norm", "rms_norm") and n.op == "call_function":
             args = list(n.args)
-            w = g.param_of(args[2]) if len(args) > 2 else g.param_of(n.kwargs.get("weight"))
+            wn = args[2] if len(args) > 2 else n.kwargs.get("weight")
+            w, shift = g.param_of(wn), 0.0
+            if w is None and isinstance(wn, fx.Node) and g.op(wn) == "add":  # weight + 1 (Nemotron's LayerNorm1P)
+                p_node, const = _operands(wn, None)
+                if isinstance(const, (int, float)) and g.param_of(g.back_pass(p_node)) is not None:
+                    w, shift = g.param_of(g.back_pass(p_node)), float(const)
             b = None
             if o == "layer_norm":  # F.layer_norm(x, shape, weight=..., bias=...) (timm) or positional
                 b = g.param_of(args[3]) if len(args) > 3 else g.param_of(n.kwargs.get("bias"))
             if w is not None:
-                out.append((n, w, b, 0.0, o))
+                out.append((n, w, b, shift, o))
         elif o == "mul" and n.op == "call_function":
             for i, a in enumerate(n.args[:2]):
                 a0 = g.back_pass(a) if isinstance(a, fx.Node) else a
