@@ -79,3 +79,31 @@ def test_channels_read_twice_are_not_claimed():
     assert not any(l.params[0] == "c1.weight" for l in found.laws)
     assert "c1" in reasons(found) and found.undetected == []
     hold(m, found, x)
+
+
+class ChannelsLastNormBlock(nn.Module):
+    """ConvNeXt's block with ``conv_mlp``: a depthwise conv, timm's ``LayerNorm2d`` (``layer_norm`` over the
+    channels of ``x.permute(0, 2, 3, 1)``, permuted back) and 1 x 1 convolutions."""
+
+    def __init__(self, c=6):
+        super().__init__()
+        self.conv_dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
+
+    def forward(self, x):
+        h = self.conv_dw(x)
+        h = F.layer_norm(h.permute(0, 2, 3, 1), (h.shape[1],), self.norm.weight, self.norm.bias).permute(0, 3, 1, 2)
+        return x + self.fc2(F.gelu(self.fc1(h)))
+
+
+def test_a_channels_last_layer_norm_permuted_back_gets_the_channel_gain_law():
+    """The gain scales channel c of the permuted-back output, which only fc1's input channel c reads: the
+    channel gain law (norm weight and bias, fc1's input channels) holds; the depthwise conv before it is declined."""
+    m = randomize(ChannelsLastNormBlock())
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    found = detect(m, example_inputs=x, structural=True)
+    gain = law(found, "norm/gain")
+    assert set(gain.params) == {"norm.weight", "norm.bias", "fc1.weight"}, gain.params
+    assert "channels-last LayerNorm" in reasons(found)["conv_dw"]
+    hold(m, found, x)

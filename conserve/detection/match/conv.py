@@ -75,7 +75,7 @@ def _reader_map(g: Graph, n: fx.Node):
     """``(input node, ChannelMap)`` of a convolution or a plain linear map (``(out, in)`` storage), else None."""
     if n in g.convs:
         return g.convs[n].x, g.convs[n].cmap
-    lin = g.lins.get(n)
+    lin = g.lin_at(n)
     if lin is not None and lin.plain and not lin.t:
         return lin.x, builders.ChannelMap(lin.w, lin.shape, lin.b)
     return None
@@ -159,6 +159,9 @@ def channel_norms(g: Graph) -> list[tuple[fx.Node, str, str | None, int]]:
     out = []
     for n in g.nodes:
         if n.op != "call_module":
+            moved = _channels_last_norm(g, n)
+            if moved is not None:
+                out.append(moved)
             continue
         m = g.gm.get_submodule(n.target)
         v = g.env.get(n)
@@ -169,11 +172,31 @@ def channel_norms(g: Graph) -> list[tuple[fx.Node, str, str | None, int]]:
     return out
 
 
+def _channels_last_norm(g: Graph, n: fx.Node):
+    """``(permute node, gain, bias, channels)`` for a channels-last ``layer_norm`` over the last dim whose only
+    reader permutes that dim back to dim 1 (timm's ``LayerNorm2d``: ``layer_norm(x.permute(0, 2, 3, 1)).permute(0,
+    3, 1, 2)``), else None."""
+    if g.op(n) != "permute" or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    ln = n.args[0]
+    if g.op(ln) != "layer_norm" or len(ln.users) != 1:
+        return None
+    args = list(ln.args)
+    w = g.param_of(args[2]) if len(args) > 2 else g.param_of(ln.kwargs.get("weight"))
+    b = g.param_of(args[3]) if len(args) > 3 else g.param_of(ln.kwargs.get("bias"))
+    dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) else n.args[1:]
+    z, v = g.env.get(ln), g.env.get(n)
+    if w is None or g.params[w].dim() != 1 or not isinstance(z, torch.Tensor) or not isinstance(v, torch.Tensor) \
+            or z.dim() < 3 or len(dims) != z.dim() or dims[1] % z.dim() != z.dim() - 1:
+        return None
+    return n, w, b, g.params[w].shape[0]
+
+
 def channel_gains(f: Found) -> None:
     """The channel-gain finder (module docstring)."""
     g, c = f.g, f.c
     for n, w, b, ch in channel_norms(g):
-        path, what = w.rsplit(".", 1)[0], _kind(g, n)
+        path, what = w.rsplit(".", 1)[0], "channels-last LayerNorm" if g.op(n) == "permute" else _kind(g, n)
         _before_norm(f, n, path, what)
         readers, bad = [], []
 

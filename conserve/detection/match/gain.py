@@ -122,7 +122,8 @@ def gains(f: Found) -> None:
     g, c = f.g, f.c
     experts_x = _experts_x(g)
     claimed = {p for law, _ in f.cands for p in law.params}
-    channel_first = {n for n, *_ in channel_norms(g)}  # (``match.conv``: their gains scale dim 1)
+    channel_first = {m for n, *_ in channel_norms(g) for m in (n, n.args[0] if g.op(n) == "permute" else n)}
+    # (``match.conv``: their gains scale dim 1; a channels-last layer_norm permuted back is one of them)
     for n, w, b, shift, what in scale_points(g):
         if w in claimed or n in channel_first:  # e.g. a QK-norm gain, already in a law
             continue
