@@ -90,20 +90,28 @@ class ChannelsLastNormBlock(nn.Module):
         self.conv_dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
         self.norm = nn.LayerNorm(c)
         self.fc1, self.fc2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
+        self.gamma = nn.Parameter(torch.ones(c))
 
     def forward(self, x):
         h = self.conv_dw(x)
         h = F.layer_norm(h.permute(0, 2, 3, 1), (h.shape[1],), self.norm.weight, self.norm.bias).permute(0, 3, 1, 2)
-        return x + self.fc2(F.gelu(self.fc1(h)))
+        return x + self.fc2(F.gelu(self.fc1(h))).mul(self.gamma.reshape(1, -1, 1, 1))
 
 
 def test_a_channels_last_layer_norm_permuted_back_gets_the_channel_gain_law():
     """The gain scales channel c of the permuted-back output, which only fc1's input channel c reads: the
-    channel gain law (norm weight and bias, fc1's input channels) holds; the depthwise conv before it is declined."""
+    channel gain law (norm weight and bias, fc1's input channels) holds; the depthwise conv before it is declined.
+    ``gamma`` scales fc2's output channels (LayerScale): ``gamma_c^2 - ||W_fc2[c]||^2 - b_fc2[c]^2``; fc1 reaches
+    fc2 through a GELU (declined)."""
     m = randomize(ChannelsLastNormBlock())
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     found = detect(m, example_inputs=x, structural=True)
+    assert found.families() == {"gain": 1, "layer_scale": 1} and found.undetected == [], found.families()
     gain = law(found, "norm/gain")
     assert set(gain.params) == {"norm.weight", "norm.bias", "fc1.weight"}, gain.params
-    assert "channels-last LayerNorm" in reasons(found)["conv_dw"]
+    assert set(law(found, "gamma/layer_scale").params) == {"gamma", "fc2.weight", "fc2.bias"}
+    r = reasons(found)
+    assert "channels-last LayerNorm" in r["conv_dw"] and "not positively homogeneous" in r["fc1"]
     hold(m, found, x)
+    no_bias = builders.channel_layer_scale_law("no bias", 0, "gamma", builders.ChannelMap("fc2.weight", (6, 24, 1, 1)))
+    fail(m, {"without fc2's bias": no_bias}, x)

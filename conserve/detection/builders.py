@@ -409,6 +409,15 @@ def channel_gain_law(name: str, layer, gain: str, gain_shape, readers: Sequence[
     return GainBalance(name, layer, terms, n, note)
 
 
+def channel_layer_scale_law(name: str, layer, gamma: str, writer: ChannelMap, *, note: str = "") -> Law:
+    """LayerScale of a convolution's output channels (catalogue ``LayerScaleBalance``; ConvNeXt's
+    ``gamma.reshape(1, -1, 1, 1) * conv(x)``): ``gamma_c^2 - ||W[c]||^2 - b[c]^2`` per output channel ``c``, the
+    kernel slice ``W[c]`` writing it. Symmetry: ``gamma_c -> s gamma_c``, ``W[c], b[c] -> / s``."""
+    n = writer.out_channels
+    terms = [Term("norm", vector(gamma, 0, n), +1.0)] + _channel_terms(writer.out_pieces(0, n), -1.0)
+    return LayerScaleBalance(name, layer, terms, n, note)
+
+
 def channel_scale_law(name: str, layer, up: ChannelMap, groups: Sequence[Sequence[int]], *, note: str = ""):
     """Scale law of a map whose output is normalised group by group (docs/laws.md: Conv before a norm;
     ``NormScaleLaw``): entry g is ``sum_{c in groups[g]} ||W_up[c]||^2 + b_up[c]^2`` (GroupNorm: its groups,

@@ -8,13 +8,13 @@ linear found so far), output layers.
 from __future__ import annotations
 
 from .attention import attention
-from .conv import channel_gains, channels
+from .conv import channel_gains, channel_layer_scales, channels
 from .gain import gains
 from .mla import mla
 from .mlp import mlps
 from .output import output_layers
 from .router import routers
 
-FINDERS = (mla, attention, routers, mlps, channels, channel_gains, gains, output_layers)
+FINDERS = (mla, attention, routers, mlps, channels, channel_gains, channel_layer_scales, gains, output_layers)
 
-__all__ = ["FINDERS", "attention", "channel_gains", "channels", "gains", "mla", "mlps", "output_layers", "routers"]
+__all__ = ["FINDERS", "attention", "channel_gains", "channel_layer_scales", "channels", "gains", "mla", "mlps", "output_layers", "routers"]

@@ -24,7 +24,7 @@ from ...laws import DeepLinearGram, ReLUUnit
 from ...laws.tolerance import PROBE_CONFIRM_ATOL, PROBE_CONFIRM_RTOL
 from .. import builders
 from ..fxgraph import Graph, with_strides_of
-from ..ops import SHAPE_ONLY
+from ..ops import CASTS, NO_LAW, SHAPE_ONLY
 from .found import Found, layer_index
 
 __all__ = ["channel_gains", "channel_norms", "channels", "per_channel"]
@@ -131,6 +131,13 @@ def channels(f: Found) -> None:
             continue
         up = g.convs[w]
         kind = per_channel(g, w, x, up.cmap.out_channels)
+        if kind is None and _other_reader(g, w, n) is None and _path_is_elementwise(g, w, x):
+            f.used.add(w)
+            reader = down.weight.rsplit(".", 1)[0] if "." in down.weight else down.weight
+            c.decline(up.module, f"{_kind(g, w)} output channels",
+                      f"read by {reader!r} through an element-wise map that is not positively homogeneous (GELU, SiLU, "
+                      "...): no channel rescaling passes it, no law (spec: GELU / SiLU FFN row)")
+            continue
         if kind is None or down.in_channels != up.cmap.out_channels * kind[1]:
             continue
         (how, per), other = kind, _other_reader(g, w, n)
@@ -151,6 +158,25 @@ def channels(f: Found) -> None:
                                             note="structural: channels read through positively homogeneous "
                                                  'per-channel ops (docs/laws.md, "Conv-ReLU-Conv")')
         f.add(law, "channel Gram" if law.family == "deep_linear" else "channel balance")
+
+
+def _path_is_elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> bool:
+    """Whether ``dst`` has ``src``'s shape and each of its entries depends on the same entry of ``src`` only, through
+    activations of the spec's GELU / SiLU row (a norm between: the norm finders' reasons)."""
+    z, y = g.env.get(src), g.env.get(dst)
+    if not (isinstance(z, torch.Tensor) and isinstance(y, torch.Tensor)) or z.shape != y.shape:
+        return False
+    between = (g.ancestors([dst]) & g.descendants([src])) - {src}
+    ops = {g.op(m) for m in between if g.op(m) not in CASTS}
+    if not ops or not ops <= NO_LAW:
+        return False
+    z2 = z.detach().clone().contiguous()
+    z2.view(-1)[0] += 0.37
+    try:
+        d = (g.run({src: with_strides_of(z, z2)}, [dst])[0] - y).reshape(-1)
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(d[0] != 0) and not bool(d[1:].abs().max() > 0)
 
 
 def channel_norms(g: Graph) -> list[tuple[fx.Node, str, str | None, int]]:
@@ -239,3 +265,33 @@ def _before_norm(f: Found, n: fx.Node, path: str, what: str) -> None:
                 f"its output channels are normalised by {path!r}: the scale of each channel (group) is invariant only "
                 "up to the norm's eps, with batch statistics in training mode and running statistics in eval mode "
                 'for BatchNorm: no law claimed (docs/laws.md, "Conv before a norm")')
+
+
+def channel_layer_scales(f: Found) -> None:
+    """LayerScale on convolution channels: ``gamma.reshape(1, C, 1, ...) * conv(x)`` (ConvNeXt), the conv's output
+    read by the product only: the diagonal-rescaling law of each output channel (``builders.channel_layer_scale_law``)."""
+    g = f.g
+    claimed = {p for law, _ in f.cands for p in law.params}
+    for n in g.nodes:
+        if g.op(n) != "mul" or len(n.args) != 2:
+            continue
+        for a, other in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            gamma = g.param_of(g.back_pass(a, CASTS | {"view", "reshape", "unsqueeze"})) if isinstance(a, fx.Node) \
+                else None
+            src = g.back_pass(other) if isinstance(other, fx.Node) else None
+            if gamma is None or gamma in claimed or src not in g.convs or src in f.used or len(src.users) != 1:
+                continue
+            conv, gv, y = g.convs[src], g.params[gamma], g.env.get(src)
+            av = g.env.get(a)
+            if gv.dim() != 1 or not isinstance(y, torch.Tensor) or y.dim() < 3 or conv.cmap.out_channels != gv.shape[0] \
+                    or not isinstance(av, torch.Tensor) or av.dim() != y.dim() or av.shape[1] != gv.shape[0] \
+                    or av.numel() != gv.numel():
+                continue
+            path = gamma.rsplit(".", 1)[0] if "." in gamma else gamma
+            label = path if gamma.rsplit(".", 1)[-1] in ("gamma", "weight", "scale") else gamma
+            f.add(builders.channel_layer_scale_law(f"{label}/layer_scale", layer_index(path), gamma, conv.cmap,
+                                                   note=f"structural: {gamma} scales the output channels of "
+                                                        f"{conv.module} (diagonal rescaling)"), "LayerScale")
+            f.used.add(src)
+            claimed.add(gamma)
+            break
