@@ -121,12 +121,15 @@ def _detached(tree):
 
 
 def tree_to_float64(tree):
-    """Floating tensors float64, complex ones complex128, all on CPU (the probe's inputs)."""
+    """Floating tensors float64, complex ones complex128, all on CPU (the probe's inputs); a tensor recorded under
+    ``torch.inference_mode`` (a forward decorated with it) is copied out of it, so that autograd can save it."""
 
     def cast(t):
         if not isinstance(t, torch.Tensor):
             return t
         t = t.detach().cpu()
+        if t.is_inference():
+            t = t.clone()
         if t.is_floating_point():
             return t.to(torch.float64)
         if t.is_complex():

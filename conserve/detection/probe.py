@@ -54,7 +54,25 @@ def make_probe(model: nn.Module, max_params: float) -> nn.Module:
                     mod._buffers[k] = b.to(torch.complex128)
     randomize(probe)
     _traceable_experts(probe)
+    _grad_mode_forwards(probe)
     return probe.eval()
+
+
+def _grad_mode_forwards(probe: nn.Module) -> None:
+    """A ``forward`` decorated with ``torch.inference_mode()`` / ``torch.no_grad()`` (Meta's reference Llama, inference
+    code) runs undecorated in the probe: the first-order check differentiates it, and inputs captured under
+    inference mode cannot be saved for backward. The user's model keeps its decorator."""
+    import types
+
+    for mod in probe.modules():
+        f = type(mod).forward
+        inner = getattr(f, "__wrapped__", None)
+        if inner is None or getattr(f, "__code__", None) is None or f.__code__.co_name != "decorate_context":
+            continue
+        ctx = [c.cell_contents for c in (f.__closure__ or ()) if callable(getattr(c, "cell_contents", None))]
+        owners = {type(getattr(c, "__self__", None)) for c in ctx}
+        if owners & {torch.inference_mode, torch.no_grad}:
+            mod.forward = types.MethodType(inner, mod)
 
 
 def _traceable_experts(probe: nn.Module) -> None:

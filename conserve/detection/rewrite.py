@@ -211,9 +211,20 @@ def _name(n: fx.Node) -> str:
     return "getitem" if t is operator.getitem else getattr(t, "__name__", "")
 
 
-def _view_chain(dst) -> tuple[fx.Node, list[fx.Node], list] | None:
+def _buffer_base(n: fx.Node, buffers: set) -> bool:
+    """``n`` is a module buffer (``get_attr``), or its ``.to(...)`` / alias read once (a KV cache written in place:
+    ``self.cache_k = self.cache_k.to(x); self.cache_k[:b, s:s + t] = k``, Meta's reference Llama)."""
+    if n.op == "get_attr":
+        return n.target in buffers
+    return n.op in ("call_function", "call_method") and _name(n) in ("to", "_to_copy", "alias", "type_as") \
+        and bool(n.args) and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr" \
+        and n.args[0].target in buffers \
+        and [u for u in n.args[0].users if _name(u) != "_assert_tensor_metadata"] == [n]
+
+
+def _view_chain(dst, buffers: set = frozenset()) -> tuple[fx.Node, list[fx.Node], list] | None:
     """``(base, view nodes from base to dst, views for write_into)`` when ``dst`` is a fresh tensor ``base``
-    (``FRESH``) or slices / selects of one with constant arguments; else None."""
+    (``FRESH``), a buffer (``_buffer_base``), or slices / selects of one with constant arguments; else None."""
     chain, views = [], []
     n = dst
     while isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and _name(n) in VIEWS:
@@ -225,7 +236,8 @@ def _view_chain(dst) -> tuple[fx.Node, list[fx.Node], list] | None:
         views.append((op, *rest) if op != "getitem" else ("getitem", rest[0]))
         chain.append(n)
         n = n.args[0]
-    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method") or _name(n) not in FRESH:
+    if not isinstance(n, fx.Node) or not (_buffer_base(n, buffers) or (
+            n.op in ("call_function", "call_method") and _name(n) in FRESH)):
         return None
     return n, chain[::-1], views[::-1]
 
@@ -238,13 +250,14 @@ def _has_node(a) -> bool:
 
 
 def slice_writes_to_functional(gm: fx.GraphModule) -> None:
-    """``view.copy_(src)`` (or ``view[idx] = src``, fx's ``setitem``) where ``view`` is a fresh tensor ``base`` or
-    slices of one (``_view_chain``), the write's result and the views unused elsewhere, and every other reader of
+    """``view.copy_(src)`` (or ``view[idx] = src``, fx's ``setitem``) where ``view`` is a fresh tensor ``base``, a
+    buffer (a KV cache written in place), or slices of one (``_view_chain``), the write's result and the views unused elsewhere, and every other reader of
     ``base`` after the write: those readers read ``write_into(base, src, views)`` instead (a value whose inputs are
     ``base`` and ``src``), the write and its views are dropped. Writes are taken in graph order, so successive
     writes chain. ``new_empty`` / ``empty_like`` bases become ``new_zeros`` / ``zeros_like``. The trace is then
     re-checked against the model."""
     changed = False
+    buffers = {k for k, _ in gm.named_buffers()}
     for n in list(gm.graph.nodes):
         if n.op not in ("call_function", "call_method") or n.kwargs or n.users:
             continue
@@ -255,7 +268,7 @@ def slice_writes_to_functional(gm: fx.GraphModule) -> None:
             dst, src, last = n.args[0], n.args[2], [("getitem", n.args[1])]
         else:
             continue
-        got = _view_chain(dst) if isinstance(src, fx.Node) else None
+        got = _view_chain(dst, buffers) if isinstance(src, fx.Node) else None
         if got is None:
             continue
         base, chain, views = got
@@ -272,7 +285,7 @@ def slice_writes_to_functional(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(n)
         for m in chain[::-1]:
             gm.graph.erase_node(m)
-        zeroed = FRESH[_name(base)]
+        zeroed = FRESH.get(_name(base)) if base.op != "get_attr" else None
         if zeroed is not None:
             if base.op == "call_method":
                 base.target = zeroed

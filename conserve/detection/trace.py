@@ -77,6 +77,7 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()
     gm = None
     kwargs = dict(kwargs or {})
     tracer = LeafTracer(leaves)
+    state = _module_state(probe)
     try:
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):  # fx bakes kwargs in as constants
             raise ValueError("tensor keyword arguments are inputs, not constants")
@@ -87,6 +88,8 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()
     except Exception as e:  # noqa: BLE001 - any trace failure falls back to export
         errors.append(f"torch.fx: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                       + (f" (in {tracer.failed})" if tracer.failed else ""))
+    finally:
+        _restore(state)  # a forward that assigns attributes (self.cache_k = self.cache_k.to(x)) left proxies there
     if gm is not None:
         try:
             to_graph_form(gm)
@@ -98,7 +101,10 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()
         try:
             if leaves:
                 raise ValueError("not tried with opaque blocks")
-            gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
+            try:
+                gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
+            finally:
+                _restore(state)
             how = "torch.export"
             to_graph_form(gm)
             reproduces(probe, gm, inputs, kwargs, export=True)
@@ -108,6 +114,21 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()
             err.culprit = tracer.failed
             raise err from None
     return gm, how
+
+
+def _module_state(root: nn.Module) -> list:
+    """Each module's attributes, buffers, parameters and children, to put back after a trace."""
+    return [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters), dict(m._modules)) for m in root.modules()]
+
+
+def _restore(state: list) -> None:
+    for m, attrs, buffers, params, mods in state:
+        for k in [k for k in m.__dict__ if k not in attrs]:
+            del m.__dict__[k]
+        m.__dict__.update(attrs)
+        for d, old in ((m._buffers, buffers), (m._parameters, params), (m._modules, mods)):
+            d.clear()
+            d.update(old)
 
 
 def to_graph_form(gm: fx.GraphModule) -> None:

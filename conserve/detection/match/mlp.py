@@ -82,7 +82,8 @@ def mlps(f: Found) -> None:
             ops = [a for a in u.args if isinstance(a, fx.Node)]
             if len(ops) != 2:
                 continue
-            unmapped = []  # operands read from one linear, but not through index ops alone
+            unmapped = []  # operands read from one linear, but not through index ops alone (a fused gate/up whose
+            # halves both reach the product through other ops: declined below)
             for i in (1, 0):
                 cand = ops[i]
                 lins = g.nearest_lins(cand)
@@ -110,7 +111,9 @@ def mlps(f: Found) -> None:
                         f.gates[g.lins[x].module] = up.module
                 break
             else:
-                if len(unmapped) == 2 and unmapped[0] not in f.used:
+                if len(unmapped) == 2 and unmapped[0] is unmapped[1] and unmapped[0] not in f.used \
+                        and g.lins[unmapped[0]].n_out == 2 * down.n_in \
+                        and all(getattr(g.env.get(a), "shape", (0,))[-1] == down.n_in for a in ops):
                     f.used.add(unmapped[0])
                     c.decline(g.lins[unmapped[0]].module, "gated MLP",
                               "neither operand of the gated product is the linear's units through index ops alone (a "
