@@ -755,3 +755,24 @@ def test_q_and_k_projections_behind_a_whole_width_qk_norm_are_declined_not_undet
     assert found.undetected == [] and "QK-norm" in reasons(found)["q/qk"], (found.undetected, reasons(found))
     assert found.families() == {"qk_norm_gain": 4, "vo": 4}
     hold(m, found, x)
+
+
+class SeqFFNBlock(nn.Module):
+    """An ``nn.Sequential`` GELU MLP (the torch.nn detector's) beside attention in custom code (the structural
+    detector's): both see the MLP."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.attn = TLAttention(d, mode="einsum")
+        self.ff = nn.Sequential(nn.Sequential(nn.Linear(d, 32), nn.GELU()), nn.Dropout(0.0), nn.Linear(32, d))
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.ff(x)
+
+
+def test_a_block_two_detectors_decline_is_listed_once():
+    found = detect(randomize(SeqFFNBlock()), example_inputs=tl_input())
+    keys = [(d.module, d.reason) for d in found.declined]
+    assert len(keys) == len(set(keys)), [k for k in keys if keys.count(k) > 1]
+    assert any(d.module.startswith("ff.") for d in found.declined)
