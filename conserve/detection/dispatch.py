@@ -54,9 +54,9 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
     with torch.inference_mode(False), torch.enable_grad():
         found = _detect(model, config, structural, options)
     found.loss = options.get("loss")
-    # a block two detectors declined for the same reason (the torch.nn one and the structural one) is listed once
+    # a block two detectors declined (the torch.nn one and the structural one) is listed once, with the first reason
     seen: set = set()
-    found.declined = [d for d in found.declined if (d.module, d.reason) not in seen and not seen.add((d.module, d.reason))]
+    found.declined = [d for d in found.declined if (d.module, d.block) not in seen and not seen.add((d.module, d.block))]
     return found
 
 
