@@ -115,3 +115,33 @@ def test_a_channels_last_layer_norm_permuted_back_gets_the_channel_gain_law():
     hold(m, found, x)
     no_bias = builders.channel_layer_scale_law("no bias", 0, "gamma", builders.ChannelMap("fc2.weight", (6, 24, 1, 1)))
     fail(m, {"without fc2's bias": no_bias}, x)
+
+
+class LoudSE(nn.Module):
+    """A squeeze-excitation block (``torchvision.ops.SqueezeExcitation``: pool, 1 x 1 conv, activation, 1 x 1 conv,
+    sigmoid gate) whose input is large, as deep in a probed EfficientNet: SiLU is then the identity to rounding on
+    the recorded values, where a channel rescaling passes it."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.fc1, self.fc2, self.act, self.head = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1), act, nn.Linear(8, 3)
+        with torch.no_grad():
+            self.fc1.bias.fill_(0.0)
+
+    def forward(self, x):
+        s = F.adaptive_avg_pool2d(x, 1) * 500.0
+        x = x * torch.sigmoid(self.fc2(self.act(self.fc1(s))))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(inplace=True), nn.GELU(), nn.ReLU()], ids=["silu", "gelu", "relu"])
+def test_a_channel_law_is_not_read_off_activations_saturated_at_the_probe(act):
+    """The positive-rescaling test runs on unit normal values too: SiLU / GELU get no unit law, ReLU keeps it."""
+    m = randomize(LoudSE(act)).eval()
+    with torch.no_grad():
+        m.fc1.weight.abs_()  # the probe's recorded pre-activations all large and positive
+    x = torch.randn(2, 8, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).abs() + 1.0
+    found = detect(m, example_inputs=x, structural=True)
+    units = [l for l in found.laws if l.family == "relu"]
+    assert len(units) == (1 if isinstance(act, nn.ReLU) else 0), (found.families(), reasons(found))
+    hold(m, found, x)

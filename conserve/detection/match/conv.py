@@ -54,15 +54,26 @@ def per_channel(g: Graph, src: fx.Node, dst: fx.Node, channels: int) -> tuple[st
             return torch.einsum("ij,njp->nip", m, t.reshape(t.shape[0], channels, per)).reshape(t.shape)
         return torch.einsum("ij,nj...->ni...", m, t)
 
+    # the recorded values, and unit normal ones: a probe whose activations are large reaches SiLU / GELU where they
+    # are the identity to rounding (an SE block deep in EfficientNet), which a positive rescaling would pass
+    fresh = torch.randn(z.shape, generator=gen, dtype=torch.float64).to(z.dtype)
+    try:
+        points = [(z, y), (fresh, g.run({src: with_strides_of(z, fresh)}, [dst])[0])]
+    except Exception:  # noqa: BLE001 - not a map of src alone
+        return None
+
     def moves_with(m: torch.Tensor) -> bool:
-        try:
-            out = g.run({src: with_strides_of(z, mix(z, m, False).to(z.dtype))}, [dst])[0]
-        except Exception:  # noqa: BLE001 - not a map of src alone
-            return False
-        want = mix(y, m, flat)
-        scale = float(want.abs().max()) if want.numel() else 0.0
-        return isinstance(out, torch.Tensor) and out.shape == y.shape and bool(torch.allclose(
-            out, want, rtol=PROBE_CONFIRM_RTOL, atol=PROBE_CONFIRM_ATOL * max(scale, 1.0)))
+        for z_, y_ in points:
+            try:
+                out = g.run({src: with_strides_of(z, mix(z_, m, False).to(z.dtype))}, [dst])[0]
+            except Exception:  # noqa: BLE001 - not a map of src alone
+                return False
+            want = mix(y_, m, flat)
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            if not (isinstance(out, torch.Tensor) and out.shape == y.shape and bool(torch.allclose(
+                    out, want, rtol=PROBE_CONFIRM_RTOL, atol=PROBE_CONFIRM_ATOL * max(scale, 1.0)))):
+                return False
+        return True
 
     diag = torch.diag(torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5).to(z.dtype)
     if not moves_with(diag):
