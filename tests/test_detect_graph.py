@@ -653,3 +653,24 @@ def test_candidate_declined_by_the_check_is_not_also_undetected():
     found = detect(randomize(_QuickGeluMLP()))
     assert found.laws == [] and found.undetected == []
     assert "fails the first-order check" in reasons(found)["fc1/unit"]
+
+
+def test_the_check_also_runs_on_larger_inputs_so_a_law_valid_only_below_a_clip_fails():
+    """A ReLU unit law through ReLU6 holds while no unit reaches 6; the probe's small inputs never do. The check's
+    second trial runs on the inputs times ``INPUT_SCALE``, where units clip, and the law fails; a true law passes."""
+    from conserve.detection.check import INPUT_SCALE
+
+    m = randomize(nn.Sequential(nn.Linear(8, 12), nn.ReLU6(), nn.Linear(12, 4)))
+    x = floats(16, 8) * 0.05
+    probe = make_probe(m, 1e6)
+    gm, _ = trace(probe, (x,))
+    g = Graph(gm, (x,), dict(probe.named_parameters()))
+    assert float(g.env[next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "0")].abs().max()) < 6
+    law6 = ReLUUnit.build("through relu6", 0, up=rows("0.weight", (12, 8), 0, 12), up_bias=vector("0.bias", 0, 12),
+                          down=cols("2.weight", (4, 12), 0, 12))
+    assert check_laws(g, [law6], {}, trials=1)["through relu6"] <= TOL  # the probe's inputs alone: it passes
+    assert check_laws(g, [law6], {})["through relu6"] > WRONG and INPUT_SCALE > 1
+    m2 = randomize(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 4)))
+    probe2 = make_probe(m2, 1e6)
+    g2 = Graph(trace(probe2, (x,))[0], (x,), dict(probe2.named_parameters()))
+    assert check_laws(g2, [dataclasses.replace(law6, name="relu")], {})["relu"] <= TOL

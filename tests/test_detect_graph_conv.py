@@ -145,3 +145,23 @@ def test_a_channel_law_is_not_read_off_activations_saturated_at_the_probe(act):
     units = [l for l in found.laws if l.family == "relu"]
     assert len(units) == (1 if isinstance(act, nn.ReLU) else 0), (found.families(), reasons(found))
     hold(m, found, x)
+
+
+class ClipBlock(nn.Module):
+    """MobileNet's conv -> BatchNorm -> ReLU6 -> 1 x 1 conv on small inputs: no unit reaches the clip at the probe."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.c1, self.bn, self.act, self.c2 = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), act, nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.c2(self.act(self.bn(self.c1(x))))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU6(inplace=True), nn.Hardtanh(0.0, 6.0), nn.ReLU()], ids=["relu6", "hardtanh", "relu"])
+def test_a_gain_law_is_not_read_through_a_clip_the_probe_never_reaches(act):
+    m = randomize(ClipBlock(act)).eval()
+    x = 0.01 * torch.randn(2, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    found = detect(m, example_inputs=x, structural=True)
+    assert ("bn/gain" in {l.name for l in found.laws}) == isinstance(act, nn.ReLU), (found.families(), reasons(found))
+    hold(m, found, x)

@@ -55,10 +55,10 @@ def per_channel(g: Graph, src: fx.Node, dst: fx.Node, channels: int) -> tuple[st
         return torch.einsum("ij,nj...->ni...", m, t)
 
     # the recorded values, and unit normal ones: a probe whose activations are large reaches SiLU / GELU where they
-    # are the identity to rounding (an SE block deep in EfficientNet), which a positive rescaling would pass
+    # are the identity to rounding (an SE block deep in EfficientNet), and small ones stay below ReLU6's clip
     fresh = torch.randn(z.shape, generator=gen, dtype=torch.float64).to(z.dtype)
-    try:
-        points = [(z, y), (fresh, g.run({src: with_strides_of(z, fresh)}, [dst])[0])]
+    try:  # and 30 times larger: ReLU6 / hardtanh clip there (their rescaling holds only below the clip)
+        points = [(z, y)] + [(v, g.run({src: with_strides_of(z, v)}, [dst])[0]) for v in (fresh, 30.0 * fresh)]
     except Exception:  # noqa: BLE001 - not a map of src alone
         return None
 

@@ -174,8 +174,9 @@ def _elementwise(g: Graph, src: fx.Node, dst: fx.Node) -> float | None:
         if not k:
             return k
         # and on unit normal values: large probe activations reach SiLU / GELU where they are the identity to rounding
+        # and 30 times larger ones, beyond ReLU6 / hardtanh's clip
         fresh = torch.randn(z.shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64).to(z.dtype)
-        return k if degree_from(run(fresh), run(2.5 * fresh), run(0.3 * fresh)) == k else 0.0
+        return k if all(degree_from(run(v), run(2.5 * v), run(0.3 * v)) == k for v in (fresh, 30.0 * fresh)) else 0.0
     except Exception:  # noqa: BLE001
         return None
 
