@@ -777,3 +777,24 @@ def test_a_block_two_detectors_decline_is_listed_once():
     keys = [(d.module, d.block) for d in found.declined]
     assert len(keys) == len(set(keys)), [k for k in keys if keys.count(k) > 1]
     assert any(d.module.startswith("ff.") for d in found.declined)
+
+
+class DataDependentSlice(nn.Module):
+    """A forward that slices by a count read off the input: neither torch.fx nor torch.export can trace it, and a
+    failed torch.export prints the partial graph it reached to stderr."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        n = int((x[:, 0] > 0).sum())
+        h = torch.relu(self.a(x))
+        return self.b(h[:n]) if n else self.b(h)
+
+
+def test_a_failed_export_attempt_prints_nothing(capfd):
+    found = detect(randomize(DataDependentSlice()), example_inputs=floats(4, 8), structural=True)
+    assert "torch.export" in reasons(found)["<forward>"]
+    err = capfd.readouterr().err
+    assert "def forward" not in err, err[:500]

@@ -8,6 +8,10 @@ graph is put in the form the block finders read (``rewrite``) and must reproduce
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+
 import torch
 from torch import fx, nn
 
@@ -102,7 +106,8 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()
             if leaves:
                 raise ValueError("not tried with opaque blocks")
             try:
-                gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
+                with _quiet_export():
+                    gm = torch.export.export(probe, inputs, kwargs=kwargs, strict=False).module()
             finally:
                 _restore(state)
             how = "torch.export"
@@ -114,6 +119,23 @@ def trace(probe: nn.Module, inputs: tuple, kwargs: dict | None = None, leaves=()
             err.culprit = tracer.failed
             raise err from None
     return gm, how
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    """torch.export's warnings and stderr off while it is tried (a failed attempt prints pages of the graph it
+    reached to stderr; the failure itself is reported in the ``TraceError``)."""
+    loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._export",
+                                              "torch._dynamo", "torch._functorch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
 
 
 def _module_state(root: nn.Module) -> list:
