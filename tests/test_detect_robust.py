@@ -798,3 +798,24 @@ def test_a_failed_export_attempt_prints_nothing(capfd):
     assert "torch.export" in reasons(found)["<forward>"]
     err = capfd.readouterr().err
     assert "def forward" not in err, err[:500]
+
+
+class MHABlock(nn.Module):
+    """open_clip / torchvision ViT residual block: ``nn.MultiheadAttention`` called from custom forward code."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(d), nn.MultiheadAttention(d, heads, batch_first=True)
+
+    def forward(self, x):
+        h = self.ln_1(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_multihead_attention_called_from_custom_code_gets_its_head_laws_structurally():
+    m = randomize(MHABlock())
+    x = floats(2, 5, 16)
+    found = detect(m, example_inputs=x, structural=True)
+    assert found.families().get("qk") == 4 and found.families().get("vo") == 4, (found.families(), reasons(found))
+    assert found.families() == detect(m, example_inputs=x).families()
+    hold(m, found, x)

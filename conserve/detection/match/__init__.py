@@ -7,7 +7,7 @@ linear found so far), output layers.
 """
 from __future__ import annotations
 
-from .attention import attention
+from .attention import attention, mha_modules
 from .conv import channel_gains, channel_layer_scales, channels
 from .gain import gains
 from .mla import mla
@@ -15,6 +15,6 @@ from .mlp import mlps
 from .output import output_layers
 from .router import routers
 
-FINDERS = (mla, attention, routers, mlps, channels, channel_gains, channel_layer_scales, gains, output_layers)
+FINDERS = (mla, attention, mha_modules, routers, mlps, channels, channel_gains, channel_layer_scales, gains, output_layers)
 
-__all__ = ["FINDERS", "attention", "channel_gains", "channel_layer_scales", "channels", "gains", "mla", "mlps", "output_layers", "routers"]
+__all__ = ["FINDERS", "attention", "mha_modules", "channel_gains", "channel_layer_scales", "channels", "gains", "mla", "mlps", "output_layers", "routers"]

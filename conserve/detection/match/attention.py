@@ -379,3 +379,35 @@ def qk_norm(f: Found, lq: Lin, lk: Lin, x, y, y_last, lab: str, layer) -> str | 
                                         note=f"structural: QK-norm gains, {'RoPE pairs' if pq else 'per dim'} "
                                              "(spec: QK-norm breaker + RoPE row)"), "QK-norm gain")
     return reason
+
+
+class _Candidates:
+    """What ``torchnn.mha_laws`` writes to (``add``, ``mark``, ``decline``), turned into candidates of ``Found``."""
+
+    def __init__(self, f: Found, what: str):
+        self.f, self.what = f, what
+
+    def add(self, law) -> None:
+        self.f.add(law, self.what)
+
+    def mark(self, *paths) -> None:
+        self.f.c.mark(*paths)
+
+    def decline(self, *args) -> None:
+        self.f.c.decline(*args)
+
+
+def mha_modules(f: Found) -> None:
+    """``nn.MultiheadAttention`` kept whole as one call in the traced graph (torch.fx's leaf): its per-head QK and VO
+    Grams from the module's own layout (``torchnn.mha_laws``), checked as every candidate is."""
+    from torch import nn
+
+    from ..torchnn import mha_laws
+
+    g = f.g
+    for n in g.nodes:
+        if n.op != "call_module":
+            continue
+        m = g.gm.get_submodule(n.target)
+        if isinstance(m, nn.MultiheadAttention):
+            mha_laws(_Candidates(f, "nn.MultiheadAttention heads"), n.target, m, layer_index(n.target))
