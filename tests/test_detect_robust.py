@@ -819,3 +819,10 @@ def test_multihead_attention_called_from_custom_code_gets_its_head_laws_structur
     assert found.families().get("qk") == 4 and found.families().get("vo") == 4, (found.families(), reasons(found))
     assert found.families() == detect(m, example_inputs=x).families()
     hold(m, found, x)
+
+
+def test_keyword_inputs_given_as_example_inputs_name_forward_kwargs():
+    from conserve.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"forward_kwargs=\{\.\.\.\}"):
+        detect(randomize(MHABlock()), example_inputs={"x": floats(2, 5, 16)})

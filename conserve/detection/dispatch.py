@@ -47,8 +47,12 @@ def detect(model: nn.Module, config=None, *, structural: bool = False, **options
 
     Raises:
         conserve.errors.UnsupportedModelError: no detector recognises any block of the model.
-        conserve.errors.UsageError: the model still has uninitialised lazy parameters (run a forward first).
+        conserve.errors.UsageError: the model still has uninitialised lazy parameters (run a forward first), or
+            ``example_inputs`` is a dict (keyword inputs go in ``forward_kwargs``).
     """
+    if isinstance(options.get("example_inputs"), dict):
+        raise UsageError("detect(example_inputs=...) got a dict: pass keyword inputs as forward_kwargs={...}; "
+                         "example_inputs takes what forward takes positionally (a tensor or a tuple)")
     # the checks differentiate the model: grad on inside (a caller's no_grad / inference_mode is restored on exit,
     # and so is any switch the model's own code leaves behind)
     with torch.inference_mode(False), torch.enable_grad():

@@ -97,6 +97,9 @@ def synth_inputs(model: nn.Module, given=None, kwargs: dict | None = None, dtype
     g = torch.Generator().manual_seed(1)
     _decoder_inputs(model, kwargs, g, given)
     if given is not None:
+        if isinstance(given, dict):
+            raise ValueError("example_inputs is a dict: pass keyword inputs as forward_kwargs={...} (example_inputs "
+                             "takes what forward takes positionally, a tensor or a tuple)")
         given = given if isinstance(given, tuple) else (given,)
         return tuple(x.detach().to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                      for x in given)
