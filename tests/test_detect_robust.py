@@ -826,3 +826,17 @@ def test_keyword_inputs_given_as_example_inputs_name_forward_kwargs():
 
     with pytest.raises(UsageError, match=r"forward_kwargs=\{\.\.\.\}"):
         detect(randomize(MHABlock()), example_inputs={"x": floats(2, 5, 16)})
+
+
+def test_use_cache_bound_positionally_by_a_recorded_call_is_not_added_again():
+    """A block's recorded call (Qwen2-VL's inner model: ``use_cache`` passed on by the outer forward) binds
+    ``use_cache`` positionally once replayed: adding it as a keyword gave "multiple values for argument"."""
+    from conserve.detection.probe import no_cache
+
+    class Inner(nn.Module):
+        def forward(self, x, use_cache=None, **kwargs):
+            return x
+
+    assert no_cache(Inner(), {}) == {"use_cache": False}
+    assert no_cache(Inner(), {}, (floats(2, 3), True)) == {}
+    assert no_cache(Inner(), {}, (floats(2, 3),)) == {"use_cache": False}

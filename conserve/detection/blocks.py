@@ -178,7 +178,7 @@ def record(model: nn.Module, example_inputs, forward_kwargs: dict | None, units=
         raise ValueError("the model is on the meta device: no concrete forward can run (build it on CPU)")
     kwargs = {k: (v.detach().to(device=device, dtype=dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
                   else v) for k, v in (forward_kwargs or {}).items()}
-    no_cache(model, kwargs)
+    no_cache(model, kwargs, example_inputs)
     inputs = synth_inputs(model, example_inputs, kwargs, dtype=dtype, device=device)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     rec = Record({}, {}, {})

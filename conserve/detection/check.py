@@ -95,7 +95,7 @@ def check_on_probe(model: nn.Module, laws: list, *, example_inputs=None, forward
     try:
         probe = make_probe(model, max_probe_params)
         kwargs = to_float64(dict(forward_kwargs or {}))
-        no_cache(model, kwargs)
+        no_cache(model, kwargs, example_inputs)
         inputs = synth_inputs(probe, example_inputs, kwargs)
     except Exception as e:  # noqa: BLE001 - the caller keeps the laws and says why they were not checked
         return None, str(e), False

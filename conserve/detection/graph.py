@@ -93,7 +93,7 @@ def _detect_graph(model: nn.Module, example_inputs=None, *, forward_kwargs: dict
         return c.finish("graph")
     try:
         kwargs = to_float64(dict(forward_kwargs or {}))  # tensors: inputs of the float64 probe, as example_inputs
-        no_cache(model, kwargs)
+        no_cache(model, kwargs, example_inputs)
         inputs = synth_inputs(probe, example_inputs, kwargs)
         gm, how = trace(probe, inputs, kwargs)
         g = Graph(gm, inputs, dict(probe.named_parameters(remove_duplicate=False)),

@@ -165,12 +165,17 @@ def _decoder_inputs(model: nn.Module, kwargs: dict | None, g: torch.Generator, g
         kwargs["decoder_input_ids"] = torch.randint(0, vocab, (2, 5), generator=g)
 
 
-def no_cache(model: nn.Module, kwargs: dict) -> dict:
+def no_cache(model: nn.Module, kwargs: dict, args=None) -> dict:
     """``use_cache=False`` in ``kwargs`` when ``model.forward`` takes it, by name or through ``**kwargs`` of an HF
     model (Llava, Gemma3 multimodal: a KV cache in the output stops torch.export); it is inference state, not part
-    of the function. Returns ``kwargs``."""
+    of the function. Not when the positional ``args`` (a block's recorded call) already bind it. Returns
+    ``kwargs``."""
     try:
-        params = inspect.signature(model.forward).parameters
+        sig = inspect.signature(model.forward)
+        params = sig.parameters
+        if args is not None and "use_cache" in sig.bind_partial(*(args if isinstance(args, tuple) else (args,))
+                                                                ).arguments:
+            return kwargs
     except (TypeError, ValueError):
         return kwargs
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
