@@ -645,7 +645,7 @@ class Tracker:
         has its gradient checked where the closure computed it, where it is a gradient; the step applies it
         at the parameters it started from. A ``GradientCheckWarning`` says so once: attaching the tracker to
         the inner optimizer (SAM's ``base_optimizer``) checks the gradient where it is applied."""
-        if self.grad_watch is None or closure is None:
+        if closure is None or not self.is_grad_check_step():  # (the parameters' versions read on checked steps only)
             return closure
         done = []
         entry = [p._version for p in self.params]
